@@ -1,0 +1,232 @@
+"""Configuration dataclasses: the model, the parallel layout, the training run.
+
+Field names follow Megatron-LM's command-line arguments where one exists
+(`--hidden-size` -> `hidden_size`, `--num-query-groups` -> `num_query_groups`, ...),
+so a learner can carry a config between the two.
+
+Every config has a `validate()` that raises `ConfigError` (a `ValueError`) naming the
+field and the numbers, e.g.
+
+    ConfigError: hidden_size=100 is not divisible by num_attention_heads=3
+
+Validation runs before any process is spawned or any tensor allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. The message names the fields and the numbers."""
+
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer: GPT-2 style or LLaMA style.
+
+    GPT-2 style: LayerNorm, GELU MLP, learned absolute positions, biases, tied embeddings.
+    LLaMA style: RMSNorm, SwiGLU MLP, rotary positions (RoPE), no biases, grouped-query
+    attention (num_query_groups < num_attention_heads), untied embeddings.
+    Use `ModelConfig.gpt2(...)` / `ModelConfig.llama(...)` for the presets.
+    """
+
+    vocab_size: int = 257                 # byte tokenizer: 256 bytes + <eod>
+    hidden_size: int = 64                 # h
+    num_layers: int = 2                   # L
+    num_attention_heads: int = 4          # a (query heads)
+    num_query_groups: int | None = None   # g (key/value heads); None = a (multi-head attention)
+    ffn_hidden_size: int | None = None    # f; None = 4h (GELU) or the LLaMA rule (SwiGLU)
+    max_position_embeddings: int = 64     # longest sequence the model accepts
+    normalization: str = "LayerNorm"      # "LayerNorm" | "RMSNorm"
+    activation: str = "gelu"              # "gelu" | "swiglu"
+    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope"
+    rotary_base: float = 10000.0
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0           # dropout on the residual branches
+    attention_dropout: float = 0.0        # dropout on the attention probabilities
+    attention_backend: str = "naive"      # "naive" (explicit softmax, the book's) | "sdpa"
+    seed: int = 1234                      # initial weights depend on (seed, parameter name) only
+    params_dtype: str = "float32"         # "float32" | "float64" | "bfloat16"
+
+    # ---- presets -------------------------------------------------------------------
+    @classmethod
+    def gpt2(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(normalization="LayerNorm", activation="gelu",
+                    position_embedding_type="learned_absolute", add_bias_linear=True,
+                    untie_embeddings_and_output_weights=False)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama(cls, **overrides: Any) -> "ModelConfig":
+        base = dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+                    add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                    num_query_groups=2)
+        return cls(**{**base, **overrides})
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def kv_channels(self) -> int:
+        """d: the size of one attention head (Megatron's --kv-channels)."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """g: number of key/value heads (= a without grouped-query attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """f: the MLP's inner width."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            # LLaMA: 2/3 of 4h keeps the parameter count of a 4h GELU MLP; rounded up to 8.
+            return ((8 * self.hidden_size // 3) + 7) // 8 * 8
+        return 4 * self.hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_from_name(self.params_dtype)
+
+    # ---- validation ----------------------------------------------------------------
+    def validate(self) -> "ModelConfig":
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                     "max_position_embeddings"):
+            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        need(self.hidden_size % self.num_attention_heads == 0,
+             f"hidden_size={self.hidden_size} is not divisible by "
+             f"num_attention_heads={self.num_attention_heads}")
+        need(self.query_groups > 0 and self.num_attention_heads % self.query_groups == 0,
+             f"num_attention_heads={self.num_attention_heads} is not divisible by "
+             f"num_query_groups={self.query_groups}")
+        need(self.normalization in ("LayerNorm", "RMSNorm"),
+             f"normalization={self.normalization!r} is not 'LayerNorm' or 'RMSNorm'")
+        need(self.activation in ("gelu", "swiglu"),
+             f"activation={self.activation!r} is not 'gelu' or 'swiglu'")
+        need(self.position_embedding_type in ("learned_absolute", "rope"),
+             f"position_embedding_type={self.position_embedding_type!r} is not "
+             f"'learned_absolute' or 'rope'")
+        need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
+             f"rope needs an even head size, got kv_channels={self.kv_channels} "
+             f"(hidden_size={self.hidden_size} / num_attention_heads={self.num_attention_heads})")
+        need(self.attention_backend in ("naive", "sdpa"),
+             f"attention_backend={self.attention_backend!r} is not 'naive' or 'sdpa'")
+        for name in ("hidden_dropout", "attention_dropout"):
+            need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
+        need(self.ffn_size > 0, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
+        dtype_from_name(self.params_dtype)
+        return self
+
+
+@dataclass
+class ParallelConfig:
+    """The 5D layout. Sizes multiply to the world size: world = tp * cp * dp * pp.
+
+    order: Megatron's rank order; the leftmost dimension varies fastest.
+    etp: expert tensor parallel size (defaults to tp); experts use a second grid with
+    expert_dp = world / (etp * ep * pp).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    order: str = "tp-cp-ep-dp-pp"
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel:
+            raise ConfigError(f"world_size={world_size} is not divisible by "
+                              f"tp*pp*cp={self.tp}*{self.pp}*{self.cp}={model_parallel}")
+        return world_size // model_parallel
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Batch arithmetic follows Megatron:
+
+    global_batch_size = micro_batch_size * grad_accum_steps * data_parallel_size
+    """
+
+    data_path: str | None = None          # prefix of a .bin/.idx pair; None = embedded corpus
+    tokenizer: str = "byte"               # "byte" | path to a trained BPE tokenizer .json
+    seq_length: int = 64
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    train_iters: int = 200
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_warmup_iters: int = 20
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0                # 0 disables clipping
+    eval_interval: int = 50
+    eval_iters: int = 4
+    save_interval: int = 0                # 0 = save only at the end (when save_dir is set)
+    save_dir: str | None = None
+    load_dir: str | None = None
+    out_dir: str = "runs/latest"          # loss log and plot
+    seed: int = 1234                      # data order
+    progress: bool = True
+
+    def validate(self, model: ModelConfig | None = None) -> "TrainConfig":
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        for name in ("seq_length", "micro_batch_size", "grad_accum_steps", "train_iters"):
+            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        need(self.lr > 0, f"lr={self.lr} must be positive")
+        need(0 <= self.min_lr <= self.lr, f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        need(0 <= self.lr_warmup_iters <= self.train_iters,
+             f"lr_warmup_iters={self.lr_warmup_iters} must be in [0, train_iters={self.train_iters}]")
+        need(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
+        need(self.eval_interval >= 0 and self.eval_iters >= 0,
+             f"eval_interval={self.eval_interval} and eval_iters={self.eval_iters} must be >= 0")
+        if model is not None:
+            need(self.seq_length <= model.max_position_embeddings,
+                 f"seq_length={self.seq_length} is longer than "
+                 f"max_position_embeddings={model.max_position_embeddings}")
+        return self
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain dict of a config dataclass (stored in checkpoints and logs)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, values: dict[str, Any]) -> Any:
+    """Build a config from a dict, rejecting unknown keys by name."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
+    return cls(**values)
+
+
+__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "to_dict",
+           "from_dict", "dtype_from_name", "DTYPES"]

@@ -1,0 +1,99 @@
+"""Causal self-attention with grouped-query attention (GQA), Megatron-LM's layout.
+
+Shape legend: b batch, s sequence, h hidden, a query heads, g key/value heads (query groups),
+d head size (kv_channels), so h = a * d. Each of the g groups has a/g query heads sharing
+one key head and one value head; g = a is ordinary multi-head attention, g = 1 multi-query.
+
+The fused QKV projection's output is laid out group by group, as in Megatron-LM:
+
+    [ group 0: q (a/g heads) | k | v ][ group 1: q | k | v ] ...   each head d wide
+
+so a tensor-parallel split of that projection along its output dimension hands each rank
+whole groups (it only needs g to be divisible by the TP size) and no rank ever needs a key
+or value head that lives on another rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .linear import Linear
+from .rope import apply_rotary_pos_emb
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v, written out.
+
+    query, key, value: [b, n, s, d] (n heads; keys/values already repeated for GQA).
+    Returns [b, n, s, d] in the dtype of `query`.
+    Causal: output position i depends only on key/value positions j <= i.
+    The softmax runs in float32 when the inputs are bfloat16/float16 (as Megatron does with
+    --attention-softmax-in-fp32), otherwise in the input dtype.
+    """
+    # BEGIN EXERCISE 0.1: causal self-attention | hint: scores = q @ k^T / sqrt(d); fill j > i with -inf; softmax over j; @ v
+    s, d = query.shape[-2], query.shape[-1]
+    scores = query @ key.transpose(-2, -1) / math.sqrt(d)                     # [b, n, s, s]
+    future = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)  # [s, s], j > i
+    scores = scores.masked_fill(future, float("-inf"))
+    if scores.dtype in (torch.bfloat16, torch.float16):
+        scores = scores.float()
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)                     # [b, n, s, s]
+    probs = F.dropout(probs, p=dropout_p, training=training)
+    return probs @ value                                                      # [b, n, s, d]
+    # END EXERCISE
+
+
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """The same as `causal_attention`, through PyTorch's fused kernel (flash-style on CPU)."""
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                          dropout_p=dropout_p if training else 0.0)
+
+
+class SelfAttention(nn.Module):
+    """Pre-normalised input [b, s, h] -> attention output [b, s, h] (before the residual add).
+
+    Parameters (Megatron-core names):
+      linear_qkv:  weight [(a + 2g) d, h], grouped layout above; bias if add_bias_linear.
+      linear_proj: weight [h, a d]; bias if add_bias_linear.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        a, g, d, h = config.num_attention_heads, config.query_groups, config.kv_channels, config.hidden_size
+        self.linear_qkv = Linear(h, (a + 2 * g) * d, bias=config.add_bias_linear)
+        self.linear_proj = Linear(a * d, h, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        cfg = self.config
+        b, s, _ = x.shape
+        a, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.kv_channels
+        heads_per_group = a // g
+
+        mixed = self.linear_qkv(x)                                        # [b, s, (a+2g) d]
+        mixed = mixed.view(b, s, g, (heads_per_group + 2) * d)            # [b, s, g, (a/g+2) d]
+        q, k, v = mixed.split([heads_per_group * d, d, d], dim=-1)
+        q = q.reshape(b, s, a, d).transpose(1, 2)                         # [b, a, s, d]
+        k = k.transpose(1, 2)                                             # [b, g, s, d]
+        v = v.transpose(1, 2)                                             # [b, g, s, d]
+
+        if rope is not None:
+            cos, sin = rope
+            q = apply_rotary_pos_emb(q, cos, sin)
+            k = apply_rotary_pos_emb(k, cos, sin)
+
+        if heads_per_group > 1:                                           # GQA: share k, v in a group
+            k = k.repeat_interleave(heads_per_group, dim=1)               # [b, a, s, d]
+            v = v.repeat_interleave(heads_per_group, dim=1)               # [b, a, s, d]
+
+        attend = causal_attention if cfg.attention_backend == "naive" else sdpa_attention
+        out = attend(q, k, v, dropout_p=cfg.attention_dropout, training=self.training)  # [b, a, s, d]
+        out = out.transpose(1, 2).reshape(b, s, a * d)                    # [b, s, a d]
+        return self.linear_proj(out)                                      # [b, s, h]

@@ -1,0 +1,183 @@
+"""The baseline: one decoder-only transformer, GPT-2 style or LLaMA style.
+
+Shape legend (used in every shape comment of the book):
+  b micro-batch size     s sequence length     h hidden size        V vocabulary size
+  a query heads          g key/value heads     d head size (h / a)  f MLP inner size
+  L layers               tp, cp, pp, dp, ep    the parallel sizes (later chapters)
+
+Activations are [b, s, h] here. Megatron-LM keeps them as [s, b, h] so that sequence and
+context parallelism can cut the first dimension; the maths is the same.
+
+Module and parameter names follow Megatron-core's GPTModel, so a state dict reads like one:
+
+  embedding.word_embeddings.weight                 [V, h]
+  embedding.position_embeddings.weight             [P, h]     learned positions only
+  decoder.layers.{i}.input_layernorm.{weight,bias}
+  decoder.layers.{i}.self_attention.linear_qkv     [(a+2g) d, h]
+  decoder.layers.{i}.self_attention.linear_proj    [h, a d]
+  decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
+  decoder.layers.{i}.mlp.linear_fc1                [f, h] (GELU) or [2f, h] (SwiGLU: gate; up)
+  decoder.layers.{i}.mlp.linear_fc2                [h, f]
+  decoder.final_layernorm.{weight,bias}
+  output_layer.weight                              [V, h]     untied, or a pipeline's last stage
+
+For pipeline parallelism a stage builds only part of the model (Megatron's `pre_process` /
+`post_process` flags and a range of global layer numbers); layer i keeps its global name
+`decoder.layers.{i}` on every layout, which is what layout-independent init needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import SelfAttention
+from .init import init_parameters
+from .linear import Linear, _compute_dtype, build_norm
+from .rope import rope_cos_sin
+
+
+class MLP(nn.Module):
+    """[b, s, h] -> [b, s, h]: fc1, activation, fc2.
+
+    GELU:   fc2(gelu(fc1 x))                         fc1: [f, h]
+    SwiGLU: fc2(silu(gate x) * (up x)), with fc1 = [gate; up] stacked: [2f, h]
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        h, f = config.hidden_size, config.ffn_size
+        self.linear_fc1 = Linear(h, 2 * f if self.swiglu else f, bias=config.add_bias_linear)
+        self.linear_fc2 = Linear(f, h, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)                           # [b, s, f] or [b, s, 2f]
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)                # [b, s, f] each
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.linear_fc2(y)                        # [b, s, h]
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). [b, s, h] -> [b, s, h]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dropout = config.hidden_dropout
+        self.input_layernorm = build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
+        self.self_attention = SelfAttention(config)
+        self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(x), rope)          # [b, s, h]
+        x = x + F.dropout(attn, self.dropout, self.training)
+        mlp = self.mlp(self.pre_mlp_layernorm(x))                          # [b, s, h]
+        return x + F.dropout(mlp, self.dropout, self.training)
+
+
+class Embedding(nn.Module):
+    """tokens [b, s] (+ positions) -> hidden states [b, s, h]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dropout = config.hidden_dropout
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens)                                   # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)                 # [b, s, h]
+        return F.dropout(x, self.dropout, self.training)
+
+
+class GPTModel(nn.Module):
+    """The decoder-only language model, or one pipeline stage of it.
+
+    Args:
+      config:        the model (validated here).
+      pre_process:   this stage owns the embedding (input: tokens).
+      post_process:  this stage owns the final norm, output layer and loss.
+      layer_numbers: the global layer indices this stage runs (default: all L layers).
+
+    forward(tokens, position_ids=None, labels=None, hidden_states=None):
+      tokens [b, s] int64 (first stage) or hidden_states [b, s, h] (later stages);
+      position_ids [b, s] or [s], default 0..s-1;
+      returns, on the last stage, per-token losses [b, s] (float32, or float64 for a float64
+      model) when labels [b, s] are given, otherwise logits [b, s, V]; on other stages the
+      hidden states [b, s, h].
+    """
+
+    def __init__(self, config: ModelConfig, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: list[int] | None = None):
+        super().__init__()
+        self.config = config.validate()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
+
+        self.embedding = Embedding(config) if pre_process else None
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict({str(i): TransformerLayer(config) for i in self.layer_numbers})
+        self.decoder.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
+                                        if post_process else None)
+        # The output layer: its own matrix when untied, or when this stage does not hold the
+        # embedding (a pipeline's last stage keeps a copy that is kept in sync).
+        self.output_layer = None
+        if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
+            self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        init_parameters(self, config)
+        self.to(config.dtype)
+
+    def output_weight(self) -> torch.Tensor:
+        """[V, h]: the matrix that turns hidden states into logits."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.config
+        s = (tokens if tokens is not None else hidden_states).shape[1]
+        if s > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {s} > max_position_embeddings={cfg.max_position_embeddings}")
+        if position_ids is None:
+            position_ids = torch.arange(s, device=(tokens if tokens is not None else hidden_states).device)
+
+        if self.pre_process:
+            x = self.embedding(tokens, position_ids)                        # [b, s, h]
+        else:
+            x = hidden_states                                               # [b, s, h] from the previous stage
+
+        rope = None
+        if cfg.position_embedding_type == "rope":
+            rope = rope_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base, dtype=x.dtype)  # [s, d] x2
+
+        for layer in self.decoder.layers.values():
+            x = layer(x, rope)                                              # [b, s, h]
+
+        if not self.post_process:
+            return x
+        x = self.decoder.final_layernorm(x)                                 # [b, s, h]
+        logits = x @ self.output_weight().t()                               # [b, s, V]
+        if labels is None:
+            return logits
+        return language_model_loss(logits, labels)                          # [b, s]
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy: logits [b, s, V], labels [b, s] -> losses [b, s].
+
+    Computed in float32 for 16-bit logits (Megatron does the same), else in the logits' dtype.
+    """
+    b, s, v = logits.shape
+    logits = logits.to(_compute_dtype(logits))
+    return F.cross_entropy(logits.reshape(b * s, v), labels.reshape(b * s), reduction="none").view(b, s)
