@@ -190,7 +190,7 @@ class TrainConfig:
     save_dir: str | None = None
     load_dir: str | None = None
     out_dir: str = "runs/latest"          # loss log and plot
-    seed: int = 1234                      # data order
+    data_seed: int = 1234                 # data order and dropout masks
     progress: bool = True
 
     def validate(self, model: ModelConfig | None = None) -> "TrainConfig":

@@ -1,0 +1,90 @@
+"""Save and resume a training run, exactly.
+
+A checkpoint is one file `iter_{step:07d}.pt` in a directory, plus a text file `latest`
+naming the newest one (Megatron keeps `latest_checkpointed_iteration.txt` for the same job).
+It holds everything that decides the rest of the run:
+
+  model and optimizer state   the numbers being trained
+  step                        which global batch comes next (the data order is a pure
+                              function of the step, see data.gpt_dataset.batch_for_step)
+  RNG state                   dropout masks after resuming equal the uninterrupted run's
+  configs                     a checkpoint from another model is refused, by field
+  history                     the loss curve so far, so the plot continues
+
+Safety rules:
+  - written to a temporary name and renamed: a crash while saving never destroys the
+    previous checkpoint (rename is atomic on POSIX filesystems);
+  - loaded with `torch.load(weights_only=True)`: tensors, numbers, strings and containers
+    only, never code from a pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "minimegatron-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, or from another model."""
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:
+    """Write `state` (plus the step and format tag) as iter_{step}.pt and point `latest` at it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"iter_{step:07d}.pt"
+    payload = {"format": FORMAT, "step": step, **state}
+    _atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    _atomic_write(directory / "latest", lambda tmp: tmp.write_text(path.name + "\n"))
+    return path
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The file `latest` points at, or None when the directory holds no checkpoint."""
+    pointer = Path(directory) / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    if not path.exists():
+        raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, *, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load a checkpoint file (or the latest one in a directory) without running pickled code.
+
+    If `model_config` is given, the checkpoint's stored model config must equal it; otherwise
+    CheckpointError lists the differing fields, e.g. "hidden_size: checkpoint 64, run 128".
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"no checkpoint in {path} (no 'latest' file)")
+        path = found
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: say which, keep the cause
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} file")
+    if model_config is not None:
+        stored = state.get("model_config", {})
+        diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}"
+                 for k, v in model_config.items() if stored.get(k) != v]
+        if diffs:
+            raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
+    return state

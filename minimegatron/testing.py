@@ -1,0 +1,154 @@
+"""How the book proves a parallel run equal to the single-device run.
+
+A run is summarised by a `RunRecord`: the loss of every step, the gradients of the first
+step (full, single-device names and shapes: a parallel run reassembles its shards first) and
+the parameters after the last step. `compare_runs` reports the largest difference of each
+against the tolerance for the dtype, and `assert_equivalent` fails with that report.
+
+The tolerances live in one table, `TOLERANCES`. Why they are not zero: a parallel run adds
+the same numbers in another order (an all-reduce sums shards; a tensor-parallel matmul sums
+partial products), and floating-point addition is not associative. In float64 the rounding
+is ~1e-16 per operation, so differences stay far below the float64 tolerances: those tests
+are "exact" for any practical purpose. float32 rounds at ~1e-7; bfloat16 at ~4e-3.
+Adam divides each update by the root of its second moment, which turns tiny gradient
+differences on near-zero gradients into visible parameter differences; equivalence tests
+of many Adam steps therefore run in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+
+from .config import ModelConfig, TrainConfig
+from .model import GPTModel
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    loss: float       # absolute, on the mean token loss
+    rtol: float       # relative, on gradients and parameters
+    atol: float       # absolute, on gradients and parameters
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(loss=1e-10, rtol=1e-9, atol=1e-11),
+    torch.float32: Tolerance(loss=1e-5, rtol=1e-4, atol=1e-6),
+    torch.bfloat16: Tolerance(loss=2e-2, rtol=5e-2, atol=5e-3),
+}
+
+
+@dataclass
+class RunRecord:
+    """What an equivalence test compares. Tensors use single-device names and full shapes."""
+    losses: list[float]
+    grads: dict[str, torch.Tensor]                 # gradients of the first step
+    params: dict[str, torch.Tensor]                # parameters after the last step
+
+
+@dataclass
+class EquivalenceReport:
+    dtype: torch.dtype
+    tolerance: Tolerance
+    max_loss_diff: float
+    max_grad_diff: float
+    max_param_diff: float
+    worst_grad: str = ""
+    worst_param: str = ""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        verdict = "MATCH" if self.ok else "MISMATCH"
+        t = self.tolerance
+        lines = [f"{verdict} with the single-device run ({str(self.dtype).replace('torch.', '')})",
+                 f"  loss       max |diff| = {self.max_loss_diff:.3e}   (tolerance {t.loss:.0e})",
+                 f"  gradients  max |diff| = {self.max_grad_diff:.3e}   (rtol {t.rtol:.0e}, atol {t.atol:.0e}) {self.worst_grad}",
+                 f"  parameters max |diff| = {self.max_param_diff:.3e}   (rtol {t.rtol:.0e}, atol {t.atol:.0e}) {self.worst_param}"]
+        lines += [f"  problem: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _compare_tensors(kind: str, ref: dict[str, torch.Tensor], other: dict[str, torch.Tensor],
+                     tol: Tolerance, problems: list[str]) -> tuple[float, str]:
+    if set(ref) != set(other):
+        missing, extra = sorted(set(ref) - set(other)), sorted(set(other) - set(ref))
+        problems.append(f"{kind}: names differ (missing {missing[:3]}, unexpected {extra[:3]})")
+    worst, worst_name = 0.0, ""
+    for name in sorted(set(ref) & set(other)):
+        a, b = ref[name].detach().double(), other[name].detach().double()
+        if a.shape != b.shape:
+            problems.append(f"{kind} {name}: shape {tuple(b.shape)} != {tuple(a.shape)}")
+            continue
+        diff = (a - b).abs()
+        if diff.numel() and diff.max().item() > worst:
+            worst, worst_name = diff.max().item(), name
+        if not torch.all(diff <= tol.atol + tol.rtol * a.abs()):
+            problems.append(f"{kind} {name}: max |diff| {diff.max().item():.3e} out of tolerance")
+    return worst, worst_name
+
+
+def compare_runs(reference: RunRecord, candidate: RunRecord, dtype: torch.dtype) -> EquivalenceReport:
+    """Largest loss, gradient and parameter differences of `candidate` against `reference`."""
+    tol = TOLERANCES[dtype]
+    problems: list[str] = []
+    if len(reference.losses) != len(candidate.losses):
+        problems.append(f"{len(candidate.losses)} losses, expected {len(reference.losses)}")
+    loss_diff = max((abs(a - b) for a, b in zip(reference.losses, candidate.losses)), default=0.0)
+    if loss_diff > tol.loss:
+        problems.append(f"loss differs by {loss_diff:.3e} > {tol.loss:.0e}")
+    grad_diff, worst_grad = _compare_tensors("gradient", reference.grads, candidate.grads, tol, problems)
+    param_diff, worst_param = _compare_tensors("parameter", reference.params, candidate.params, tol, problems)
+    return EquivalenceReport(dtype, tol, loss_diff, grad_diff, param_diff, worst_grad, worst_param, problems)
+
+
+def assert_equivalent(reference: RunRecord, candidate: RunRecord, dtype: torch.dtype) -> EquivalenceReport:
+    report = compare_runs(reference, candidate, dtype)
+    assert report.ok, "\n" + str(report)
+    return report
+
+
+def make_batches(model_cfg: ModelConfig, steps: int, batch_size: int, seq_length: int,
+                 seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Random global batches {"tokens", "labels"} [batch_size, seq_length], one per step."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, model_cfg.vocab_size, (batch_size, seq_length + 1), generator=g)
+        out.append({"tokens": x[:, :-1], "labels": x[:, 1:]})
+    return out
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], num: int) -> list[dict[str, torch.Tensor]]:
+    """Cut a global batch [B, s] into `num` micro-batches [B/num, s] along the batch dim."""
+    B = batch["tokens"].shape[0]
+    if B % num:
+        raise ValueError(f"batch size {B} is not divisible by {num} micro-batches")
+    return [{k: v[i * (B // num):(i + 1) * (B // num)] for k, v in batch.items()} for i in range(num)]
+
+
+def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tensor]],
+                      train_cfg: TrainConfig | None = None, grad_accum_steps: int = 1) -> RunRecord:
+    """The reference: train the single-device model one step per global batch.
+
+    Uses the same step as the training loop (train.forward_backward + train.optimizer_step),
+    with AdamW and the learning-rate schedule of `train_cfg` (defaults: TrainConfig() with
+    train_iters = len(batches), no clipping).
+    """
+    from .train import build_optimizer, forward_backward, learning_rate, optimizer_step
+
+    cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
+    model = GPTModel(model_cfg)
+    optimizer = build_optimizer(model, cfg)
+    losses, first_grads = [], {}
+    for step, batch in enumerate(batches):
+        loss = forward_backward(model, split_microbatches(batch, grad_accum_steps))
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer_step(model, optimizer, learning_rate(step, cfg), cfg.clip_grad)
+        losses.append(loss)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return RunRecord(losses, first_grads, params)

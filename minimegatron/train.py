@@ -1,0 +1,275 @@
+"""The training loop: one loop that every chapter's parallelism plugs into.
+
+    python -m minimegatron.train --preset demo                     # the embedded corpus
+    python -m minimegatron.train --preset tiny --train-iters 50 --hidden-size 32
+    python -m minimegatron.train --data-path build/mydata/corpus --tokenizer tok.json ...
+    python -m minimegatron.train --preset tiny --save-dir runs/ckpt --save-interval 10
+    python -m minimegatron.train --preset tiny --load-dir runs/ckpt  # exact resume
+
+One step (Megatron's train_step, without the parallel parts yet):
+
+    for each of the grad_accum_steps micro-batches:       # gradient accumulation
+        loss = mean token loss / grad_accum_steps; loss.backward()
+    clip the global gradient norm to clip_grad
+    set the learning rate for this step (warm-up, then cosine decay); AdamW step
+
+The data order, the learning rate and the dropout RNG are functions of the step number and
+of state saved in the checkpoint, so a run resumed at step k repeats the uninterrupted run's
+losses bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import ConfigError, ModelConfig, TrainConfig, to_dict
+from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
+                   train_valid_split)
+from .model import GPTModel
+
+# ---------------------------------------------------------------------------------------
+# presets: sizes that train in seconds to a minute on a laptop CPU
+# ---------------------------------------------------------------------------------------
+PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # (model overrides, train overrides); the model style is LLaMA unless --style gpt2
+    "tiny": (dict(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=32),
+             dict(seq_length=32, micro_batch_size=4, train_iters=40, eval_interval=20, lr_warmup_iters=4)),
+    "demo": (dict(hidden_size=96, num_layers=3, num_attention_heads=6, num_query_groups=2,
+                  max_position_embeddings=64),
+             dict(seq_length=64, micro_batch_size=8, train_iters=300, eval_interval=50, lr_warmup_iters=30,
+                  out_dir="runs/demo")),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# the pieces of a step
+# ---------------------------------------------------------------------------------------
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up from lr/warmup to lr over lr_warmup_iters steps, then cosine decay to
+    min_lr at train_iters (Megatron's --lr-decay-style cosine). `step` counts from 0."""
+    if step < cfg.lr_warmup_iters:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_iters
+    decay_steps = max(1, cfg.train_iters - cfg.lr_warmup_iters)
+    progress = min(1.0, (step - cfg.lr_warmup_iters) / decay_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only, not on biases and norm weights (as Megatron)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]]) -> float:
+    """Accumulate gradients over micro-batches; returns the mean loss of the global batch.
+
+    Each micro-batch's mean token loss is divided by the number of micro-batches, so the
+    accumulated gradient equals the gradient of the mean loss over the whole batch (all
+    micro-batches have the same number of tokens).
+    """
+    total = 0.0
+    for mb in microbatches:
+        losses = model(mb["tokens"], labels=mb["labels"])              # [b, s]
+        loss = losses.mean() / len(microbatches)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
+                   clip_grad: float) -> float:
+    """Clip the global gradient norm, set the learning rate, step; returns the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, clip_grad) if clip_grad > 0 else \
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: GPTDataset, cfg: TrainConfig) -> float:
+    """Mean loss over the first eval_iters micro-batches of the validation set."""
+    model.eval()
+    losses = []
+    for i in range(cfg.eval_iters):
+        mb = batch_for_step(dataset, i, cfg.micro_batch_size, 0, 1)
+        losses.append(model(mb["tokens"], labels=mb["labels"]).mean().item())
+    model.train()
+    return sum(losses) / max(1, len(losses))
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)               # one per step, from step 0
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    out_dir: str = ""
+    checkpoint: str | None = None
+
+
+def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset, GPTDataset]:
+    """Train and validation datasets; checks the tokenizer fits the model's vocabulary."""
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r} has vocab_size={tokenizer.vocab_size} > "
+                          f"model vocab_size={model_cfg.vocab_size}")
+    prefix = cfg.data_path or build_default_corpus()
+    indexed = IndexedDataset(prefix)
+    train_docs, valid_docs = train_valid_split(indexed, valid_fraction=0.1)
+    train = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=train_docs)
+    valid = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=valid_docs)
+    return train, valid
+
+
+def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
+    """Train from scratch or resume from cfg.load_dir; returns the loss history."""
+    model_cfg.validate()
+    cfg.validate(model_cfg)
+    train_ds, valid_ds = build_datasets(model_cfg, cfg)
+    torch.manual_seed(cfg.data_seed)  # dropout masks
+    model = GPTModel(model_cfg)
+    optimizer = build_optimizer(model, cfg)
+    result = TrainResult(out_dir=cfg.out_dir)
+
+    start = 0
+    if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
+        state = load_checkpoint(cfg.load_dir, model_config=to_dict(model_cfg))
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"]
+        result.losses = list(state["history"]["losses"])
+        result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
+
+    progress = _progress_bar(start, cfg)
+    for step in range(start, cfg.train_iters):
+        microbatches = [batch_for_step(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps)
+                        for m in range(cfg.grad_accum_steps)]
+        loss = forward_backward(model, microbatches)
+        lr = learning_rate(step, cfg)
+        grad_norm = optimizer_step(model, optimizer, lr, cfg.clip_grad)
+        result.losses.append(loss)
+        done = step + 1
+        if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
+            result.eval_losses.append((done, evaluate(model, valid_ds, cfg)))
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}", gnorm=f"{grad_norm:.2f}")
+            progress.update(1)
+        if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
+            result.checkpoint = str(save_checkpoint(cfg.save_dir, done, {
+                "model_config": to_dict(model_cfg), "train_config": to_dict(cfg),
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+                "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}))
+    if progress is not None:
+        progress.close()
+    write_history(result, cfg)
+    return result
+
+
+def _progress_bar(start: int, cfg: TrainConfig):
+    if not cfg.progress:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=cfg.train_iters, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def write_history(result: TrainResult, cfg: TrainConfig) -> None:
+    """losses.json and loss.png in cfg.out_dir."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "losses.json").write_text(json.dumps({"train": result.losses, "eval": result.eval_losses}))
+    plot_losses(result, out / "loss.png")
+
+
+def plot_losses(result: TrainResult, path: str | os.PathLike) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(result.losses) + 1), result.losses, label="train (per step)", lw=1)
+    if result.eval_losses:
+        steps, values = zip(*result.eval_losses)
+        ax.plot(steps, values, "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# command line: every config field is a flag (--hidden-size, --train-iters, ...)
+# ---------------------------------------------------------------------------------------
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float, "str": str, "bool": None}.get(
+            str(f.type).replace(" | None", "").strip("'"), str)
+        if kind is None:
+            parser.add_argument(flag, dest=f.name, type=lambda v: v.lower() in ("1", "true", "yes"), default=None)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=None)
+
+
+def configs_from_args(argv: Iterable[str] | None = None) -> tuple[ModelConfig, TrainConfig]:
+    parser = argparse.ArgumentParser(prog="python -m minimegatron.train", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--style", choices=["llama", "gpt2"], default="llama")
+    _add_dataclass_flags(parser, ModelConfig)
+    _add_dataclass_flags(parser, TrainConfig)
+    args = vars(parser.parse_args(None if argv is None else list(argv)))
+    model_over, train_over = PRESETS[args.pop("preset")]
+    style = args.pop("style")
+    model_names = {f.name for f in dataclasses.fields(ModelConfig)}
+    given = {k: v for k, v in args.items() if v is not None}
+    model_cfg = getattr(ModelConfig, style)(**{**model_over, **{k: v for k, v in given.items() if k in model_names}})
+    train_cfg = TrainConfig(**{**train_over, **{k: v for k, v in given.items() if k not in model_names}})
+    return model_cfg, train_cfg
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        print(f"error: WORLD_SIZE={world_size}, but the baseline trains on one device; "
+              f"the parallel chapters add layouts for more ranks", file=sys.stderr)
+        return 2
+    try:
+        model_cfg, cfg = configs_from_args(argv)
+        model_cfg.validate()
+        cfg.validate(model_cfg)
+        result = train(model_cfg, cfg)
+    except (ConfigError, DataError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
+    print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
+    print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

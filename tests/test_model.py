@@ -1,0 +1,173 @@
+"""The baseline model: shapes, dtypes, causality, GQA, RoPE, init, pipeline stages, errors."""
+
+import math
+
+import pytest
+import torch
+
+from minimegatron.config import ConfigError, ModelConfig
+from minimegatron.model import GPTModel, apply_rotary_pos_emb, causal_attention, initial_value, rope_cos_sin
+
+STYLES = {
+    "gpt2": ModelConfig.gpt2(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=16),
+    "gpt2-untied": ModelConfig.gpt2(hidden_size=32, num_layers=2, num_attention_heads=4,
+                                    max_position_embeddings=16, untie_embeddings_and_output_weights=True),
+    "llama": ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                               max_position_embeddings=16),
+    "llama-tied": ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=1,
+                                    max_position_embeddings=16, untie_embeddings_and_output_weights=False),
+}
+
+
+def _with(cfg: ModelConfig, **kw) -> ModelConfig:
+    return ModelConfig(**{**cfg.__dict__, **kw})
+
+
+def _tokens(b=2, s=16, vocab=257, seed=0):
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_forward_backward_shapes_and_dtypes(style, dtype):
+    cfg = _with(STYLES[style], params_dtype=dtype)
+    model = GPTModel(cfg)
+    tokens = _tokens()
+    logits = model(tokens)
+    assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == cfg.dtype
+    labels = _tokens(seed=1)
+    losses = model(tokens, labels=labels)
+    assert losses.shape == (2, 16)
+    losses.mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    # At initialisation (std 0.02) the logits are near zero: the loss on unrelated labels is
+    # close to ln V (the uniform distribution's cross-entropy).
+    assert abs(losses.mean().item() - math.log(cfg.vocab_size)) < 0.1
+
+
+def test_tied_and_untied_output_layer():
+    tied, untied = GPTModel(STYLES["gpt2"]), GPTModel(STYLES["gpt2-untied"])
+    assert tied.output_weight() is tied.embedding.word_embeddings.weight
+    assert "output_layer.weight" not in dict(tied.named_parameters())
+    assert "output_layer.weight" in dict(untied.named_parameters())
+    n_tied = sum(p.numel() for p in tied.parameters())
+    n_untied = sum(p.numel() for p in untied.parameters())
+    assert n_untied - n_tied == 257 * 32
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+def test_causal_future_tokens_do_not_change_the_past(style, backend):
+    model = GPTModel(_with(STYLES[style], params_dtype="float64", attention_backend=backend))
+    a = _tokens(1, 16, seed=1)
+    b = a.clone()
+    b[:, 10:] = _tokens(1, 6, seed=2)
+    la, lb = model(a), model(b)
+    assert torch.equal(la[:, :10], lb[:, :10])
+    assert not torch.allclose(la[:, 10:], lb[:, 10:])
+
+
+def test_naive_attention_equals_pytorch_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(causal_attention(q, k, v), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():
+    """A GQA model equals an MHA model whose key/value heads are copies of the group's heads."""
+    gqa_cfg = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                                max_position_embeddings=16, params_dtype="float64")
+    mha_cfg = _with(gqa_cfg, num_query_groups=4)
+    gqa, mha = GPTModel(gqa_cfg), GPTModel(mha_cfg)
+    a, g, d, h = 4, 2, 8, 32
+    state = gqa.state_dict()
+    for i in range(gqa_cfg.num_layers):
+        name = f"decoder.layers.{i}.self_attention.linear_qkv.weight"
+        w = state[name].view(g, a // g + 2, d, h)               # per group: q heads, k, v
+        heads = []
+        for head in range(a):
+            group = head // (a // g)
+            heads.append(torch.stack([w[group, head % (a // g)], w[group, -2], w[group, -1]]))
+        state[name] = torch.stack(heads).reshape((a + 2 * a) * d, h)   # MHA layout: [q, k, v] per head
+    mha.load_state_dict(state)
+    tokens = _tokens()
+    torch.testing.assert_close(mha(tokens), gqa(tokens), rtol=1e-12, atol=1e-12)
+
+
+def test_rope_is_a_rotation_with_relative_positions():
+    g = torch.Generator().manual_seed(0)
+    d = 8
+    q = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, 1, d, generator=g, dtype=torch.float64)
+
+    def rotated(x, pos):
+        cos, sin = rope_cos_sin(torch.tensor([pos]), d, dtype=torch.float64)
+        return apply_rotary_pos_emb(x, cos, sin)
+
+    # norm preserved: a rotation
+    assert torch.allclose(rotated(q, 5).norm(), q.norm())
+    # position 0 is the identity
+    assert torch.allclose(rotated(q, 0), q)
+    # the score depends only on the distance m - n
+    s1 = (rotated(q, 7) * rotated(k, 3)).sum()
+    s2 = (rotated(q, 14) * rotated(k, 10)).sum()
+    s3 = (rotated(q, 8) * rotated(k, 3)).sum()
+    assert torch.allclose(s1, s2) and not torch.allclose(s1, s3)
+    # channel j pairs with j + d/2 (rotate half): by hand for pair 0, angle = position * 1
+    x = torch.zeros(1, 1, 1, d, dtype=torch.float64)
+    x[..., 0] = 1.0
+    y = rotated(x, 1)
+    assert torch.allclose(y[..., 0], torch.tensor(math.cos(1.0), dtype=torch.float64))
+    assert torch.allclose(y[..., d // 2], torch.tensor(math.sin(1.0), dtype=torch.float64))
+
+
+def test_init_depends_only_on_seed_and_name():
+    cfg = STYLES["llama"]
+    model = GPTModel(cfg)
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    p = dict(model.named_parameters())[name]
+    assert torch.equal(p, initial_value(name, tuple(p.shape), cfg))
+    # a pipeline stage holding only layer 1 starts from the same values
+    stage = GPTModel(cfg, pre_process=False, layer_numbers=[1])
+    assert torch.equal(dict(stage.named_parameters())[name], p)
+    # another name, another seed: other values
+    other = dict(model.named_parameters())["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert not torch.equal(other, p)
+    assert not torch.equal(GPTModel(_with(cfg, seed=7)).state_dict()[name], p)
+    # the residual projections are scaled by 1/sqrt(2L) (Megatron's scaled init)
+    proj = dict(model.named_parameters())["decoder.layers.0.self_attention.linear_proj.weight"]
+    assert 0.5 < proj.std().item() / (0.02 / math.sqrt(2 * cfg.num_layers)) < 1.5
+    # dtypes start from the same draws
+    p64 = dict(GPTModel(_with(cfg, params_dtype="float64")).named_parameters())[name]
+    assert torch.equal(p64.float(), p)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama", "gpt2-untied"])
+def test_pipeline_stages_chained_equal_the_full_model(style):
+    cfg = _with(STYLES[style], params_dtype="float64", num_layers=3)
+    full = GPTModel(cfg)
+    first = GPTModel(cfg, post_process=False, layer_numbers=[0, 1])
+    last = GPTModel(cfg, pre_process=False, layer_numbers=[2])
+    tokens = _tokens()
+    assert torch.equal(last(hidden_states=first(tokens), labels=tokens), full(tokens, labels=tokens))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(hidden_size=30, num_attention_heads=4), ["hidden_size=30", "num_attention_heads=4"]),
+    (dict(num_attention_heads=4, num_query_groups=3), ["num_attention_heads=4", "num_query_groups=3"]),
+    (dict(normalization="BatchNorm"), ["normalization"]),
+    (dict(hidden_dropout=1.5), ["hidden_dropout=1.5"]),
+    (dict(params_dtype="float16"), ["dtype='float16'"]),
+])
+def test_bad_configs_name_the_field(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        GPTModel(_with(STYLES["llama"], **overrides))
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_sequence_longer_than_positions_is_refused():
+    model = GPTModel(STYLES["gpt2"])
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        model(_tokens(1, 17))

@@ -1,0 +1,144 @@
+"""The training loop: schedule, accumulation, learning, exact resume, checkpoints, errors."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minimegatron.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.testing import compare_runs, assert_equivalent, make_batches, single_device_run
+from minimegatron.train import learning_rate, main, train
+
+TINY = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                         max_position_embeddings=32)
+
+
+def _train_cfg(tmp_path, **kw):
+    base = dict(seq_length=32, micro_batch_size=4, train_iters=8, eval_interval=4, eval_iters=2,
+                lr_warmup_iters=2, out_dir=str(tmp_path / "out"), progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_learning_rate_schedule_by_hand():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10, train_iters=110)
+    assert learning_rate(0, cfg) == pytest.approx(0.1)          # (0 + 1) / 10 of the peak
+    assert learning_rate(9, cfg) == pytest.approx(1.0)          # end of warm-up: the peak
+    assert learning_rate(10, cfg) == pytest.approx(1.0)         # cosine starts at the peak
+    assert learning_rate(60, cfg) == pytest.approx(0.55)        # half way: (max + min) / 2
+    assert learning_rate(110, cfg) == pytest.approx(0.1)        # the end: min_lr
+    decay = [learning_rate(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    """4 micro-batches of 2 sequences == 1 batch of 8, in float64 (the harness's own check)."""
+    cfg = ModelConfig(**{**TINY.__dict__, "params_dtype": "float64"})
+    batches = make_batches(cfg, steps=3, batch_size=8, seq_length=16)
+    one = single_device_run(cfg, batches, grad_accum_steps=1)
+    four = single_device_run(cfg, batches, grad_accum_steps=4)
+    report = assert_equivalent(one, four, torch.float64)
+    assert report.max_loss_diff < 1e-12
+    # The harness can fail: a run on other data is reported as a mismatch, by name.
+    other = single_device_run(cfg, make_batches(cfg, steps=3, batch_size=8, seq_length=16, seed=1))
+    bad = compare_runs(one, other, torch.float64)
+    assert not bad.ok and "MISMATCH" in str(bad)
+    # ...and so is a gradient accumulation that forgets to divide by the number of micro-batches.
+    wrong = single_device_run(cfg, batches[:1], grad_accum_steps=4)
+    wrong.grads = {k: v * 4 for k, v in wrong.grads.items()}
+    assert not compare_runs(single_device_run(cfg, batches[:1]), wrong, torch.float64).ok
+
+
+def test_loss_goes_down_on_the_embedded_corpus(tmp_path):
+    result = train(TINY, _train_cfg(tmp_path, train_iters=40, lr=3e-3, eval_interval=20))
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert result.losses[0] == pytest.approx(math.log(TINY.vocab_size), abs=0.1)  # uniform at init
+    assert last < first - 1.0, (first, last)
+    assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
+    logged = json.loads((tmp_path / "out" / "losses.json").read_text())
+    assert logged["train"] == result.losses and len(logged["eval"]) == 2
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_exact_resume_is_bit_identical(tmp_path, grad_accum):
+    """Stop at step 4, resume to 8: the same losses, bit for bit (dropout on: RNG is restored)."""
+    model_cfg = ModelConfig(**{**TINY.__dict__, "hidden_dropout": 0.1, "attention_dropout": 0.1})
+    full = train(model_cfg, _train_cfg(tmp_path / "a", grad_accum_steps=grad_accum))
+    ckpt = tmp_path / "ckpt"
+    train(model_cfg, _train_cfg(tmp_path / "b", grad_accum_steps=grad_accum, train_iters=8,
+                                save_dir=str(ckpt), save_interval=4))
+    # Throw away the final checkpoint: resume from step 4 only.
+    (ckpt / "iter_0000008.pt").unlink()
+    (ckpt / "latest").write_text("iter_0000004.pt\n")
+    resumed = train(model_cfg, _train_cfg(tmp_path / "c", grad_accum_steps=grad_accum, load_dir=str(ckpt)))
+    assert resumed.losses == full.losses
+    assert resumed.eval_losses == full.eval_losses
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    train(TINY, _train_cfg(tmp_path, train_iters=2, save_dir=str(tmp_path / "ckpt")))
+    bigger = ModelConfig(**{**TINY.__dict__, "hidden_size": 64})
+    with pytest.raises(CheckpointError, match="hidden_size: checkpoint 32, run 64"):
+        train(bigger, _train_cfg(tmp_path, train_iters=4, load_dir=str(tmp_path / "ckpt")))
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+
+    def crash(obj, f, *a, **k):
+        Path(f).write_bytes(b"half a file")
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, {"model": {"w": torch.zeros(3)}})
+    monkeypatch.undo()
+    state = load_checkpoint(tmp_path)
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(3))
+
+
+def test_checkpoints_load_without_pickled_code(tmp_path):
+    """A file that would run code when unpickled is refused, not executed."""
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    path = tmp_path / "iter_0000001.pt"
+    torch.save({"format": "minimegatron-checkpoint-v1", "payload": Evil()}, path)
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hidden-size", "30", "--num-attention-heads", "4"], ["hidden_size=30", "num_attention_heads=4"]),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], ["seq_length=64", "max_position_embeddings=32"]),
+    (["--data-path", "/nonexistent/corpus"], ["/nonexistent/corpus"]),
+    (["--lr-warmup-iters", "100", "--train-iters", "10"], ["lr_warmup_iters=100", "train_iters=10"]),
+])
+def test_bad_command_lines_stop_before_training_and_name_the_field(argv, words, capsys, tmp_path):
+    assert main(argv + ["--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_command_line_run_writes_the_plot(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "minimegatron.train", "--preset", "tiny", "--train-iters", "3",
+                           "--eval-interval", "3", "--lr-warmup-iters", "1", "--out-dir", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "final train loss" in proc.stdout
+    assert (out / "loss.png").exists()
