@@ -1,0 +1,140 @@
+"""Turn a JSONL corpus into an indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``).
+
+Input: one JSON object per line with a string field "text" (other fields are ignored; blank
+lines are skipped). Each line becomes one document; with ``--append-eod`` (the usual choice for
+GPT training) the ``<eod>`` id is appended to every document so the model sees where one text
+ends and the next begins. Output: the pair described in ``indexed_dataset.py``, with uint16
+tokens when the vocabulary is smaller than 65500, else int32.
+
+Command line (the same shape as Megatron-LM's ``tools/preprocess_data.py``)::
+
+    # byte tokenizer: nothing to train
+    python -m minimegatron.data.preprocess --input corpus.jsonl \\
+        --output-prefix out/corpus --tokenizer byte --append-eod
+
+    # byte-level BPE: --train-bpe VOCAB first trains a tokenizer with VOCAB ids on the same
+    # JSONL and saves it at the --tokenizer path, then tokenizes with it
+    python -m minimegatron.data.preprocess --input corpus.jsonl \\
+        --output-prefix out/corpus --tokenizer out/bpe.json --train-bpe 1024 --append-eod
+
+    # later runs reuse the saved tokenizer: --tokenizer out/bpe.json without --train-bpe
+
+From Python: ``preprocess_jsonl(input, output_prefix, tokenizer, append_eod=True)``.
+
+Errors: a line that is not valid JSON, not an object, or lacks a string "text" raises
+``DataError`` naming the file and the 1-based line number; nothing is written in that case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+from .errors import DataError
+from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
+from .tokenizer import BPETokenizer, build_tokenizer
+
+
+def iter_jsonl_texts(path: str | os.PathLike, progress: bool = False) -> Iterator[str]:
+    """Yield the "text" of every non-blank line of a JSONL file, validating as it goes.
+
+    progress: show a tqdm bar measured in bytes of the input file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: input file not found")
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
+                                     desc=f"tokenizing {path.name}",
+                                     disable=not progress) as bar:
+        for lineno, raw in enumerate(f, start=1):
+            bar.update(len(raw))
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte "
+                                f"{e.start})") from e
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column "
+                                f"{e.colno})") from e
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object with a \"text\" "
+                                f"field, got {type(record).__name__}")
+            if "text" not in record:
+                raise DataError(f"{path}:{lineno}: missing \"text\" key "
+                                f"(keys: {', '.join(sorted(record)) or 'none'})")
+            if not isinstance(record["text"], str):
+                raise DataError(f"{path}:{lineno}: \"text\" must be a string, got "
+                                f"{type(record['text']).__name__}")
+            yield record["text"]
+
+
+def preprocess_jsonl(input: str | os.PathLike, output_prefix: str | os.PathLike,
+                     tokenizer, append_eod: bool = True, progress: bool = False) -> str:
+    """Tokenize every document of ``input`` into ``output_prefix``.{bin,idx}; return the prefix.
+
+    tokenizer: a tokenizer object (``encode``, ``eod``, ``vocab_size``) or a spec for
+    ``build_tokenizer`` ("byte" or a BPE JSON path).
+    Document i of the result is the i-th non-blank line, followed by ``<eod>`` if append_eod.
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = build_tokenizer(tokenizer)
+    # The builder finalizes only if the whole file was read: a bad line aborts it, so no
+    # half-made dataset is left under the output name.
+    with IndexedDatasetBuilder(output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
+        for text in iter_jsonl_texts(input, progress=progress):
+            ids = tokenizer.encode(text)
+            if append_eod:
+                ids.append(tokenizer.eod)
+            builder.add_document(ids)
+    return os.fspath(output_prefix)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minimegatron.data.preprocess",
+        description="Tokenize a JSONL corpus ({\"text\": ...} per line) into PREFIX.bin/.idx.")
+    parser.add_argument("--input", required=True, help="JSONL file, one {\"text\": ...} per line")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer", default="byte",
+                        help="'byte' (default) or the path of a BPE tokenizer JSON")
+    parser.add_argument("--train-bpe", type=int, metavar="VOCAB", default=None,
+                        help="first train a byte-level BPE with VOCAB ids on --input and save "
+                             "it at the --tokenizer path")
+    parser.add_argument("--append-eod", action="store_true",
+                        help="append the <eod> id after every document")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.train_bpe is not None:
+            if args.tokenizer == "byte":
+                parser.error("--train-bpe needs --tokenizer PATH.json (where to save it)")
+            tok = BPETokenizer.train(iter_jsonl_texts(args.input), args.train_bpe,
+                                     args.tokenizer)
+            print(f"trained {tok!r}")
+        else:
+            tok = build_tokenizer(args.tokenizer)
+        prefix = preprocess_jsonl(args.input, args.output_prefix, tok,
+                                  append_eod=args.append_eod, progress=not args.no_progress)
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    ds = IndexedDataset(prefix)
+    print(f"wrote {prefix}.bin and {prefix}.idx: {len(ds)} documents, {ds.num_tokens} tokens "
+          f"({ds.dtype}, vocab_size {tok.vocab_size})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

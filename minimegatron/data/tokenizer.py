@@ -1,0 +1,174 @@
+"""Tokenizers: text <-> token ids.
+
+Two tokenizers share one small interface, the part of Megatron-LM's ``MegatronTokenizer`` that
+training needs:
+
+    encode(text: str) -> list[int]     ids in [0, vocab_size)
+    decode(ids: list[int]) -> str      invalid UTF-8 becomes U+FFFD (errors="replace")
+    eod -> int                         the end-of-document id appended after each document
+    vocab_size -> int                  number of ids; the model's embedding table has this many rows
+
+``ByteTokenizer`` needs no training and no file: ids 0..255 are the UTF-8 bytes of the text and
+id 256 is ``<eod>`` (vocab_size 257). Every string round-trips exactly. It is the default: it
+makes sequences long (one token per byte) but keeps the book free of any downloaded vocabulary.
+
+``BPETokenizer`` is a byte-level BPE (the GPT-2 scheme) trained locally with the HuggingFace
+``tokenizers`` library and saved as one JSON file. Byte-level means the base alphabet is the 256
+bytes, so it too round-trips every string; merges only make sequences shorter.
+
+``<eod>`` is special in both: it is produced only by appending ``tokenizer.eod``, never by
+encoding the five characters "<eod>" that happen to appear in a text (this very docstring is
+part of the default corpus). Decoding renders the id as the text "<eod>" so that document
+boundaries stay visible in generated samples.
+
+``build_tokenizer("byte")`` returns a ByteTokenizer; any other spec is a path to a BPE JSON.
+
+Where this lives in Megatron-LM: ``megatron/core/tokenizers/`` (``MegatronTokenizer``) and
+``megatron/training/tokenizer/tokenizer.py`` (``build_tokenizer``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from .errors import DataError
+
+EOD_TEXT = "<eod>"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: id b (0..255) is the byte b, id 256 is ``<eod>``."""
+
+    vocab_size = 257
+
+    @property
+    def eod(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``: len(result) == len(text.encode("utf-8"))."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Bytes back to text; ``<eod>`` becomes the text "<eod>"; bad UTF-8 becomes U+FFFD."""
+        pieces: list[str] = []
+        run = bytearray()          # consecutive byte ids, decoded together (multi-byte chars)
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                run.append(i)
+            elif i == self.eod:
+                pieces.append(run.decode("utf-8", errors="replace") + EOD_TEXT)
+                run.clear()
+            else:
+                raise ValueError(f"token id {i} is outside the byte vocabulary [0, 257)")
+        pieces.append(run.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=257)"
+
+
+class BPETokenizer:
+    """A byte-level BPE tokenizer stored as a HuggingFace ``tokenizers`` JSON file.
+
+    Build one with ``BPETokenizer.train(texts, vocab_size, path)`` or open a saved one with
+    ``BPETokenizer.load(path)``. ``<eod>`` is a special token (id 0 after training).
+    """
+
+    def __init__(self, hf_tokenizer, path: str | os.PathLike | None = None):
+        self._tok = hf_tokenizer
+        self.path = None if path is None else str(path)
+        eod = hf_tokenizer.token_to_id(EOD_TEXT)
+        if eod is None:
+            raise DataError(f"{self.path or 'tokenizer'}: has no {EOD_TEXT} special token; "
+                            "train it with BPETokenizer.train")
+        self._eod = int(eod)
+        # Treat "<eod>" written inside a text as ordinary characters (see module docstring).
+        # The setting is not stored in the JSON file, so it is applied on every load.
+        self._tok.encode_special_tokens = True
+
+    # -- building -----------------------------------------------------------------------------
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int,
+              path: str | os.PathLike) -> "BPETokenizer":
+        """Train a byte-level BPE on ``texts`` and save it as JSON at ``path``.
+
+        vocab_size: the target size including the 256 byte symbols and ``<eod>`` (so >= 257).
+        A small corpus may stop early with fewer merges: read ``.vocab_size`` afterwards.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs "
+                             "256 byte symbols + <eod> = 257 ids at least")
+        tok = Tokenizer(models.BPE())
+        # add_prefix_space=False: no space is invented before the text, so decode(encode(s)) == s.
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOD_TEXT],
+            # every byte is in the vocabulary even if the training text never uses it
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(path))
+        return cls(tok, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "BPETokenizer":
+        """Open a tokenizer saved by ``train``; DataError if missing or not a tokenizer file."""
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"{path}: tokenizer file not found")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for bad JSON
+            raise DataError(f"{path}: not a valid tokenizers JSON file ({e})") from e
+        return cls(tok, path)
+
+    # -- the shared interface -----------------------------------------------------------------
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        # skip_special_tokens=False: show "<eod>" instead of silently dropping it
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def build_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | BPETokenizer:
+    """``"byte"`` -> ByteTokenizer(); anything else is the path of a BPE tokenizer JSON."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    if not Path(spec).is_file():
+        raise DataError(f"{spec}: tokenizer file not found (the tokenizer spec is either "
+                        "'byte' or the path of a BPE JSON made by BPETokenizer.train)")
+    return BPETokenizer.load(spec)
+
+
+__all__ = ["ByteTokenizer", "BPETokenizer", "build_tokenizer", "EOD_TEXT"]
