@@ -1,0 +1,420 @@
+"""Who talks to whom: the 5D rank layout, and the process groups built from it.
+
+A job with `world_size` ranks is cut along five dimensions at once:
+
+    tp  tensor parallel     ranks that each hold a slice of every weight matrix
+    cp  context parallel    ranks that each hold a slice of the sequence
+    ep  expert parallel     ranks that each hold some of the MoE experts
+    dp  data parallel       ranks that hold the same weights and see different batches
+    pp  pipeline parallel   ranks that each hold some of the layers (a "stage")
+
+Megatron-LM writes the layout as an order string, default "tp-cp-ep-dp-pp". Read it like
+the digits of a number written backwards: the leftmost dimension varies fastest. With 16
+ranks, tp=2, pp=4 (so dp=2) and the default order, a rank is
+
+    rank = tp_rank + 2 * dp_rank + 4 * pp_rank
+
+so tp groups are neighbours [0,1] [2,3] ..., data-parallel partners are two apart [0,2]
+[1,3] ..., and a pipeline walks in steps of four [0,4,8,12] .... Tensor parallelism talks
+the most, so it gets the closest ranks (the same machine); pipeline parallelism talks the
+least, so it may cross machines.
+
+A "group" is the set of ranks that differ only in the named dimensions: the tp group of
+rank 5 is every rank with rank 5's cp, dp and pp coordinates. A name like "tp-pp" means
+ranks may differ in tp and in pp (the model-parallel group: together they hold one full
+copy of the model).
+
+Experts get a second grid over the same ranks, built with the same order string: cp is
+folded away, the tensor slot holds etp (expert tensor parallel, = tp by default) and
+expert_dp = world / (etp * ep * pp). The same rank can be tp_rank 1 for attention and
+etp_rank 0 for experts; only the pipeline stage must agree, because one rank runs the
+dense and the MoE layers of the same stage.
+
+This file has three parts:
+  1. `rank_groups` / `rank_coordinates`: pure functions, no processes, the whole layout.
+  2. `initialize_model_parallel` and Megatron-named getters: real torch process groups.
+  3. `draw_rank_grid`: a picture of the layout for the book.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+DIMS = ("tp", "cp", "ep", "dp", "pp")
+
+# key -> the dimensions a group may differ in, on the dense grid (ep = 1) ...
+DENSE_KEYS = {
+    "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
+    "dp-cp": ("dp", "cp"),             # dense gradients are averaged here
+    "tp-cp": ("tp", "cp"),
+    "tp-pp": ("tp", "pp"),             # the model-parallel group: one full model copy
+    "tp-dp-cp": ("tp", "dp", "cp"),
+}
+# ... and on the expert grid, where the "tp" slot holds etp and the "dp" slot expert_dp.
+EXPERT_KEYS = {"ep": ("ep",), "etp": ("tp",), "expert-dp": ("dp",), "etp-ep": ("tp", "ep")}
+KEYS = (*DENSE_KEYS, "embedding", *EXPERT_KEYS)
+
+
+# ------------------------------------------------------------------- 1. the layout
+
+def _parse_order(order: str) -> list[str]:
+    if not isinstance(order, str):
+        raise ValueError(f"order={order!r} must be a string like 'tp-cp-ep-dp-pp'")
+    dims = order.split("-")
+    if sorted(dims) != sorted(DIMS):
+        missing = [d for d in DIMS if d not in dims]
+        extra = [d for d in dims if d not in DIMS or dims.count(d) > 1]
+        raise ValueError(f"order={order!r} must name each of {'-'.join(DIMS)} exactly once"
+                         f" (missing: {missing}, unknown or repeated: {sorted(set(extra))})")
+    return dims
+
+
+def _grids(world_size, tp, pp, cp, ep, etp, order):
+    """Validate a layout; return (order as a list, dense sizes, expert sizes)."""
+    etp = tp if etp is None else etp
+    for name, value in dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep,
+                            etp=etp).items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    dims = _parse_order(order)
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"world_size={world_size} is not divisible by "
+                         f"tp*pp*cp={tp}*{pp}*{cp}={tp * pp * cp}")
+    if world_size % (etp * ep * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by "
+                         f"etp*ep*pp={etp}*{ep}*{pp}={etp * ep * pp}")
+    dense = dict(tp=tp, cp=cp, ep=1, dp=world_size // (tp * pp * cp), pp=pp)
+    expert = dict(tp=etp, cp=1, ep=ep, dp=world_size // (etp * ep * pp), pp=pp)
+    # A rank runs the dense and the expert layers of one pipeline stage, so both grids
+    # must agree on pp. pp groups are fixed by pp's stride (the product of the sizes to
+    # its left); with pp last that is world/pp in both grids, otherwise it may differ.
+    strides = [math.prod(g[d] for d in dims[:dims.index("pp")]) for g in (dense, expert)]
+    if pp > 1 and strides[0] != strides[1]:
+        raise ValueError(
+            f"order={order!r}: the pipeline groups of the dense grid (tp={tp}, cp={cp}, "
+            f"dp={dense['dp']}) and of the expert grid (etp={etp}, ep={ep}, "
+            f"expert_dp={expert['dp']}) differ: pp steps by {strides[0]} vs {strides[1]} "
+            f"ranks. Put pp last in the order, or make dp == expert_dp.")
+    return dims, dense, expert
+
+
+def _coordinates(rank: int, sizes: dict[str, int], dims: list[str]) -> dict[str, int]:
+    """Mixed-radix digits of `rank`, least significant (fastest) dimension first."""
+    coords = {}
+    for d in dims:
+        rank, coords[d] = divmod(rank, sizes[d])
+    return coords
+
+
+def _groups(world_size, sizes, dims, members) -> list[list[int]]:
+    """Partition the ranks: two ranks share a group iff they agree outside `members`.
+
+    Walking ranks upwards puts each group's ranks in ascending order, so a rank's index
+    in its group is its rank inside that group (torch.distributed numbers group members
+    the same way). Groups are listed by their other coordinates, slowest dimension
+    first, which is Megatron's order (it also sorts the groups by their first rank).
+    """
+    by_rest: dict[tuple, list[int]] = {}
+    for rank in range(world_size):
+        c = _coordinates(rank, sizes, dims)
+        rest = tuple(c[d] for d in reversed(dims) if d not in members)
+        by_rest.setdefault(rest, []).append(rank)
+    return [by_rest[k] for k in sorted(by_rest)]
+
+
+def rank_groups(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
+                ) -> dict[str, list[list[int]]]:
+    """Every group of every kind, as lists of global ranks (Megatron-LM semantics).
+
+    Keys: "tp", "cp", "dp" (data parallel without cp), "dp-cp" (where dense gradients
+    are averaged), "pp" (index in a group = pipeline stage), "tp-cp", "tp-pp" (model
+    parallel), "tp-dp-cp", "embedding" ([first, last] stage of each pipeline group, one
+    rank when pp == 1), and from the expert grid "ep", "etp", "expert-dp", "etp-ep".
+    Ranks ascend inside a group; groups come in Megatron's creation order.
+    Raises ValueError, naming the numbers, for a layout that cannot exist.
+
+    >>> rank_groups(8, tp=2, pp=2)["pp"]
+    [[0, 4], [1, 5], [2, 6], [3, 7]]
+    """
+    dims, dense, expert = _grids(world_size, tp, pp, cp, ep, etp, order)
+    out = {key: _groups(world_size, dense, dims, m) for key, m in DENSE_KEYS.items()}
+    # Tied input/output embeddings live on the first and the last stage; their
+    # gradients are summed over this group (a single rank when there is one stage).
+    out["embedding"] = [sorted({g[0], g[-1]}) for g in out["pp"]]
+    out.update({key: _groups(world_size, expert, dims, m) for key, m in EXPERT_KEYS.items()})
+    return out
+
+
+def rank_coordinates(rank: int, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
+                     ep: int = 1, etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
+                     ) -> dict[str, int]:
+    """Where `rank` sits: its rank inside each of its groups.
+
+    Returns tp_rank, cp_rank, dp_rank, dp_cp_rank (rank in the "dp-cp" group), pp_rank,
+    and on the expert grid etp_rank, ep_rank, expert_dp_rank.
+    """
+    dims, dense, expert = _grids(world_size, tp, pp, cp, ep, etp, order)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside 0..{world_size - 1}")
+    d, e = _coordinates(rank, dense, dims), _coordinates(rank, expert, dims)
+    # Inside the dp-cp group the faster of the two dimensions counts first.
+    fast, slow = sorted(("cp", "dp"), key=dims.index)
+    return dict(tp_rank=d["tp"], cp_rank=d["cp"], dp_rank=d["dp"],
+                dp_cp_rank=d[fast] + dense[fast] * d[slow], pp_rank=d["pp"],
+                etp_rank=e["tp"], ep_rank=e["ep"], expert_dp_rank=e["dp"])
+
+
+# ------------------------------------------------------------------- 2. the runtime
+
+@dataclass
+class _ParallelState:
+    rank: int                                     # this process's global rank
+    ranks: dict = field(default_factory=dict)     # key -> this rank's group (global ranks)
+    groups: dict = field(default_factory=dict)    # key -> torch ProcessGroup (or None)
+
+
+_STATE: _ParallelState | None = None
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: int | None = None,
+                              order: str = "tp-cp-ep-dp-pp",
+                              timeout: float | timedelta | None = None) -> None:
+    """Create the process group of every key of `rank_groups` (Megatron's name).
+
+    Call on every rank, after torch.distributed.init_process_group. Each rank keeps
+    the groups that contain it; the getters below return them. `timeout` is in
+    seconds (or a timedelta) and applies to collectives on the new groups.
+    """
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_model_parallel needs torch.distributed."
+                           "init_process_group to have been called first")
+    if _STATE is not None:
+        raise RuntimeError("model parallel groups are already initialized; "
+                           "call destroy_model_parallel() first")
+    rank = dist.get_rank()
+    layout = rank_groups(dist.get_world_size(), tp=tensor_model_parallel_size,
+                         pp=pipeline_model_parallel_size, cp=context_parallel_size,
+                         ep=expert_model_parallel_size, etp=expert_tensor_parallel_size,
+                         order=order)
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+
+    state = _ParallelState(rank)
+    # new_group is a collective over the whole world, even for ranks outside the new
+    # group: torch names each group by a per-process counter and the members meet in
+    # the shared store under that name. So every rank walks the same list in the same
+    # order; if one rank skipped a group, its counter would drift and later groups
+    # would pair up the wrong ranks or hang.
+    # Keys with identical groups (dp and dp-cp when cp == 1, tp and etp when etp == tp)
+    # share one ProcessGroup: the same members, so one communicator is enough.
+    made: dict[tuple, object] = {}
+    for key in KEYS:
+        for ranks in layout[key]:
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                state.ranks[key], state.groups[key] = ranks, made[tuple(ranks)]
+    _STATE = state
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups (Megatron's name). Safe to call when nothing is initialized.
+
+    The ProcessGroups themselves go away with torch.distributed.destroy_process_group.
+    """
+    global _STATE
+    _STATE = None
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def _state() -> _ParallelState:
+    if _STATE is None:
+        raise RuntimeError("model parallel groups are not initialized: call "
+                           "minimegatron.parallel_state.initialize_model_parallel(...) on "
+                           "every rank first")
+    return _STATE
+
+
+def get_group_ranks(name: str) -> list[int]:
+    """This rank's group for a key of `rank_groups`, as global ranks.
+
+    For "embedding", a rank on a middle pipeline stage belongs to no group: [].
+    """
+    if name not in KEYS:
+        raise KeyError(f"unknown group {name!r}; known: {', '.join(KEYS)}")
+    return list(_state().ranks.get(name, []))
+
+
+def get_group(name: str):
+    """This rank's torch ProcessGroup for a key of `rank_groups` (None for "embedding"
+    on a middle stage). The book's layers take their groups from here, explicitly."""
+    get_group_ranks(name)  # checks the name and the initialization
+    return _state().groups.get(name)
+
+
+def _rank_in(key) -> int:
+    state = _state()
+    return state.ranks[key].index(state.rank)
+
+
+def _size_of(key) -> int:
+    return len(_state().ranks[key])
+
+
+# Megatron's getters, one line each: which key of rank_groups they read.
+def get_tensor_model_parallel_group(): return get_group("tp")
+def get_tensor_model_parallel_rank() -> int: return _rank_in("tp")
+def get_tensor_model_parallel_world_size() -> int: return _size_of("tp")
+def get_pipeline_model_parallel_group(): return get_group("pp")
+def get_pipeline_model_parallel_rank() -> int: return _rank_in("pp")
+def get_pipeline_model_parallel_world_size() -> int: return _size_of("pp")
+def get_context_parallel_group(): return get_group("cp")
+def get_context_parallel_rank() -> int: return _rank_in("cp")
+def get_context_parallel_world_size() -> int: return _size_of("cp")
+def get_model_parallel_group(): return get_group("tp-pp")
+def get_tensor_and_context_parallel_group(): return get_group("tp-cp")
+def get_expert_tensor_and_model_parallel_group(): return get_group("etp-ep")
+def get_expert_model_parallel_group(): return get_group("ep")
+def get_expert_model_parallel_rank() -> int: return _rank_in("ep")
+def get_expert_model_parallel_world_size() -> int: return _size_of("ep")
+def get_expert_tensor_parallel_group(): return get_group("etp")
+def get_expert_tensor_parallel_rank() -> int: return _rank_in("etp")
+def get_expert_tensor_parallel_world_size() -> int: return _size_of("etp")
+def get_expert_data_parallel_group(): return get_group("expert-dp")
+def get_expert_data_parallel_rank() -> int: return _rank_in("expert-dp")
+def get_expert_data_parallel_world_size() -> int: return _size_of("expert-dp")
+
+
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """The data-parallel group; with_context_parallel=True gives "dp-cp", the group
+    over which dense gradients are averaged (cp ranks hold the same weights too)."""
+    return get_group("dp-cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _rank_in("dp-cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _size_of("dp-cp" if with_context_parallel else "dp")
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage (wrapping around, as in Megatron)."""
+    ranks = _state().ranks["pp"]
+    return ranks[(_rank_in("pp") + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage (wrapping around, as in Megatron)."""
+    ranks = _state().ranks["pp"]
+    return ranks[(_rank_in("pp") - 1) % len(ranks)]
+
+
+def is_rank_in_embedding_group() -> bool:
+    return "embedding" in _state().ranks
+
+
+def get_embedding_group():
+    """The first+last stage group that sums tied-embedding gradients; None on a
+    middle stage (such a rank holds no embedding)."""
+    return get_group("embedding")
+
+
+# ------------------------------------------------------------------- 3. the picture
+
+def _colour(i: int, n: int):
+    import matplotlib
+
+    if n <= 10:
+        return matplotlib.colormaps["tab10"](i)
+    if n <= 20:  # dark shades first, so neighbouring groups do not look alike
+        return matplotlib.colormaps["tab20"]((2 * i) % 20 + (2 * i) // 20)
+    return matplotlib.colormaps["hsv"](i / n)
+
+
+def draw_rank_grid(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                   etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
+                   keys=("tp", "dp", "pp"), path=None):
+    """One panel per key: every rank is a box, coloured by its group of that key.
+
+    Rows are pipeline stages; inside a row the ranks of that stage in ascending order.
+    A box shows the rank (large) and the index of its group (small, "g3"). Each box is
+    a Rectangle with gid "<key>:<rank>", so tests can find it. Saves to `path` if given.
+    Returns a matplotlib Figure drawn with the Agg backend (no screen needed).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    layout = rank_groups(world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
+    for key in keys:
+        if key not in layout:
+            raise KeyError(f"unknown group {key!r}; known: {', '.join(KEYS)}")
+    stage_of = {r: s for g in layout["pp"] for s, r in enumerate(g)}
+    rows = [[r for r in range(world_size) if stage_of[r] == s] for s in range(pp)]
+    ncols = len(rows[0])
+
+    per_row = 1 if ncols > 8 else min(len(keys), 3)  # wide panels go one per row
+    shape = (math.ceil(len(keys) / per_row), per_row)
+    panel_w, panel_h = 0.62 * ncols + 1.0, 0.62 * pp + 0.6
+    fig = Figure(figsize=(panel_w * shape[1], panel_h * shape[0] + 0.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(*shape, squeeze=False).ravel()
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes, keys):
+        groups = layout[key]
+        group_of = {r: i for i, g in enumerate(groups) for r in g}
+        for row, stage in enumerate(rows):
+            for col, r in enumerate(stage):
+                # a rank outside every group of this key (a middle stage for
+                # "embedding") stays grey
+                colour = (_colour(group_of[r], len(groups)) if r in group_of
+                          else (0.9, 0.9, 0.9, 1.0))
+                ax.add_patch(Rectangle((col + 0.05, -row - 0.95), 0.9, 0.9, facecolor=colour,
+                                       edgecolor="black", linewidth=0.8, gid=f"{key}:{r}"))
+                red, green, blue = colour[:3]
+                ink = "black" if 0.3 * red + 0.6 * green + 0.1 * blue > 0.5 else "white"
+                ax.text(col + 0.5, -row - 0.45, str(r), ha="center", va="center",
+                        fontsize=11, fontweight="bold", color=ink)
+                if r in group_of:
+                    ax.text(col + 0.5, -row - 0.82, f"g{group_of[r]}", ha="center",
+                            va="center", fontsize=6.5, color=ink)
+        ax.set_xlim(0, ncols)
+        ax.set_ylim(-pp, 0)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([-s - 0.5 for s in range(pp)], [f"stage {s}" for s in range(pp)],
+                      fontsize=8)
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        ax.set_title(f'"{key}": {len(groups)} groups of {len(groups[0])}', fontsize=10)
+    etp_text = "" if etp is None else f" etp={etp}"
+    fig.suptitle(f"world={world_size}  tp={tp} cp={cp} pp={pp} ep={ep}{etp_text}  "
+                 f"order={order}", fontsize=10)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
