@@ -1,0 +1,348 @@
+"""Start N gloo ranks on this machine, from a test, a notebook or a ``torchrun`` script.
+
+Megatron-LM is always started by a launcher (``torchrun``, SLURM) that creates one process
+per GPU and tells each one who it is through environment variables. This book needs the same
+thing on a laptop, from inside Python, many times per test run. Two entry points:
+
+``spawn(fn, world_size, *args, **kwargs)``
+    starts ``world_size`` fresh Python processes, makes them a gloo process group, runs
+    ``fn(*args, **kwargs)`` on every rank and returns the per-rank results in rank order.
+    If a rank fails, every other rank is stopped at once (they may be stuck in a collective
+    that will never complete) and the failure is raised in the caller, with the rank's own
+    traceback in the message.
+
+``init_from_torchrun()``
+    the first line of a ``torchrun`` demo: reads the rank from the environment and joins the
+    gloo process group. Without ``torchrun`` it makes a one-process world.
+
+How the ranks find each other (rendezvous). The parent hosts a ``torch.distributed.TCPStore``
+on port 0, so the operating system picks a free port while the socket is already bound: there
+is no window in which another program could take the port (the race of "find a free port,
+close it, then ask the ranks to bind it"). Each rank connects to that store as a client and
+passes it to ``init_process_group``. Gloo then opens its own rank-to-rank connections on
+ports the operating system chooses, on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "spawn", "init_from_torchrun", "free_port"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class RankError(RuntimeError):
+    """A rank failed with an exception that cannot be rebuilt in the parent as its own class."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    Another program may take it before you bind it; ``spawn`` does not use this (its store
+    binds port 0 directly). It is here for scripts that must write MASTER_PORT themselves.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Inside a rank
+# --------------------------------------------------------------------------------------
+
+class _DetachingPickler(pickle.Pickler):
+    """A pickler that sends every tensor as a plain, detached CPU tensor.
+
+    A result may hold tensors that require grad, live on a GPU, or are Parameters; the parent
+    only wants their values.
+    """
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and (
+            obj.requires_grad or obj.device.type != "cpu" or type(obj) is not torch.Tensor
+        ):
+            plain = obj.detach().cpu()
+            if type(plain) is not torch.Tensor:  # e.g. a Parameter: keep only the values
+                plain = plain.as_subclass(torch.Tensor)
+            return plain.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _DetachingPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
+               conn, collective_timeout: float) -> None:
+    """What every spawned process runs. Reports exactly one message on ``conn``:
+
+    ``("ok", time, pickled_result)`` or ``("error", time, type_name, module, message, tb)``.
+    The time (wall clock, shared by all processes) lets the parent tell the first failure
+    from the failures it caused in other ranks.
+    """
+    torch.set_num_threads(1)  # first thing: 2 cores are shared by all ranks
+    try:
+        fn, args, kwargs = pickle.loads(payload)  # imports fn's module: may fail, reported
+        timeout = timedelta(seconds=collective_timeout)
+        store = dist.TCPStore(LOOPBACK, store_port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        result = fn(*args, **kwargs)
+        conn.send(("ok", time.time(), _dumps(result)))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        message = ("error", time.time(), type(exc).__name__, type(exc).__module__, str(exc),
+                   traceback.format_exc())
+        try:
+            conn.send(message)
+        finally:
+            # The world is broken (a peer may wait forever for us): do not run the clean-up
+            # below, which talks to the peers. Flush what the user printed, then leave.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+    # Success. Wait for the others before closing our sockets, so that no peer is still
+    # reading from us when we go; then tear the process group down.
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------------------
+# In the parent
+# --------------------------------------------------------------------------------------
+
+def _check_importable(fn: Callable) -> None:
+    """Raise TypeError before any process starts if a spawned rank could not find ``fn``.
+
+    ``spawn`` pickles ``fn`` by reference (module + name) and each new process imports it.
+    """
+    qualname = getattr(fn, "__qualname__", repr(fn))
+    module = getattr(fn, "__module__", None)
+    hint = ("spawn() starts fresh Python processes that import the function by name: define "
+            "it at the top level of an importable module (e.g. in the minimegatron package "
+            "or a .py file next to your notebook), not as a lambda or a nested function.")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise TypeError(f"cannot spawn {qualname!r} from module {module!r}: {hint}")
+    main = sys.modules.get("__main__")
+    if module == "__main__" and not getattr(main, "__file__", None):
+        raise TypeError(f"cannot spawn {qualname!r}: it is defined in an interactive session "
+                        f"(notebook or REPL), which the new processes cannot import. {hint}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(f"cannot spawn {qualname!r}: it cannot be pickled ({exc}). {hint}") \
+            from None
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    """Set environment variables for the processes started inside the block.
+
+    A spawned process inherits ``os.environ`` when it starts. It must see OMP_NUM_THREADS
+    before it imports torch, which happens before any code of ours runs in it.
+    """
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rebuild_exception(rank: int, world_size: int, type_name: str, module: str,
+                       message: str, tb: str) -> BaseException:
+    """The exception the parent raises for a failed rank: its own class when possible."""
+    text = f"rank {rank} of {world_size} failed: {type_name}: {message}\n\n" \
+           f"--- traceback of rank {rank} ---\n{tb}"
+    cls = getattr(builtins, type_name, None) if module == "builtins" else None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(text)
+        except Exception:  # a builtin that needs more than a message (UnicodeDecodeError)
+            pass
+    return RankError(text)
+
+
+def _stop(processes) -> None:
+    """Stop every process that is still running and reap it (no zombies)."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()  # SIGTERM ends a rank even inside a gloo collective
+    deadline = time.monotonic() + 3.0
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0,
+          collective_timeout: float = 60.0, env: dict[str, str] | None = None,
+          **kwargs) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results in rank order.
+
+    Each rank is a new process (multiprocessing "spawn") with OMP_NUM_THREADS=1, RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT (the store's port) and
+    ``env`` in its environment; it calls ``torch.set_num_threads(1)``, joins the default
+    process group (gloo, ``timeout=collective_timeout`` seconds per collective), runs ``fn``,
+    sends the result back (pickled; tensors arrive detached, on the CPU), waits at a barrier
+    for the other ranks and destroys the process group.
+
+    ``fn`` must be importable by name: a top-level function of a module (not a lambda, not a
+    nested function, not a function typed into a notebook); otherwise TypeError is raised
+    before any process starts.
+
+    ``timeout`` bounds the whole run, start-up included (importing torch takes seconds).
+
+    Failures (the first one wins; all other ranks are stopped at once):
+      * a rank raises: the same builtin exception class (ValueError, AssertionError, ...) or
+        RankError, with "rank R of W failed: Type: message" and the rank's traceback;
+      * a rank dies without a Python exception (killed, segfault, os._exit): RankError
+        with its exit code;
+      * ``timeout`` seconds pass: TimeoutError naming the ranks that had not finished.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    _check_importable(fn)
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"spawn: the arguments for {fn.__qualname__} cannot be pickled: "
+                        f"{exc}") from None
+
+    # The rendezvous store, already bound to a free port (see the module docstring).
+    store = dist.TCPStore(LOOPBACK, 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=collective_timeout))
+    base_env = {"OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(store.port)}
+    lo = _loopback_interface()
+    if lo is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        base_env["GLOO_SOCKET_IFNAME"] = lo  # gloo binds its connections to 127.0.0.1
+    base_env.update(env or {})
+
+    ctx = multiprocessing.get_context("spawn")
+    processes, readers = [], []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, name=f"minimegatron-rank{rank}",
+                            args=(rank, world_size, store.port, payload, writer,
+                                  collective_timeout))
+            with _environment({**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+                p.start()
+            writer.close()  # only the child writes; closed here so that we see EOF if it dies
+            processes.append(p)
+            readers.append(reader)
+        results = _collect(processes, readers, world_size, timeout)
+        for p in processes:  # every rank reported: let them pass the final barrier and exit
+            p.join(10.0)
+        return results
+    finally:
+        _stop(processes)
+        for r in readers:
+            r.close()
+        del store
+
+
+def _collect(processes, readers, world_size: int, timeout: float) -> list[Any]:
+    """Wait for one message per rank; raise the first failure; return results in rank order."""
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    pending = {readers[r]: r for r in range(world_size)}
+    while pending:
+        remaining = deadline - time.monotonic()
+        ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, remaining))
+        if not ready:
+            missing = sorted(pending.values())
+            raise TimeoutError(f"spawn: after {timeout:g} s, rank(s) {missing} of "
+                               f"{world_size} had not finished; all ranks were stopped")
+        errors, deaths = [], []
+        for reader in ready:
+            rank = pending.pop(reader)
+            try:
+                message = reader.recv()
+            except EOFError:  # the process ended without reporting
+                processes[rank].join(1.0)
+                deaths.append(rank)
+                continue
+            if message[0] == "ok":
+                results[rank] = pickle.loads(message[2])
+            else:
+                errors.append((message[1], rank, message))
+        # A rank that died without a word comes first: the errors the others report in the
+        # same instant are what its death caused (their collectives lost a peer).
+        if deaths:
+            rank = deaths[0]
+            code = processes[rank].exitcode
+            raise RankError(f"rank {rank} of {world_size} died without a Python exception "
+                            f"(exit code {code}"
+                            + (f", signal {-code}" if code is not None and code < 0 else "")
+                            + "); see its output above")
+        if errors:
+            _, rank, (_, _, type_name, module, msg, tb) = min(errors)
+            raise _rebuild_exception(rank, world_size, type_name, module, msg, tb)
+    return [results[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------------------
+# torchrun
+# --------------------------------------------------------------------------------------
+
+def init_from_torchrun(timeout: float = 60.0) -> tuple[int, int]:
+    """Join the gloo process group of a ``torchrun`` job; return ``(rank, world_size)``.
+
+    Reads RANK and WORLD_SIZE (set by torchrun) and uses the env:// rendezvous at
+    MASTER_ADDR:MASTER_PORT, with ``timeout`` seconds per collective instead of the default
+    30 minutes. Run as a plain ``python script.py`` (no RANK in the environment) it makes a
+    one-process world in memory, so every demo also runs without torchrun. Calling it again
+    once the group exists just returns the rank and world size.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    td = timedelta(seconds=timeout)
+    if "RANK" in os.environ:
+        lo = _loopback_interface()
+        if os.environ.get("MASTER_ADDR") in (LOOPBACK, "localhost") and lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)  # one machine: stay on loopback
+        dist.init_process_group("gloo", init_method="env://", timeout=td)
+    else:
+        # No launcher: a world of one, rendezvous in this process's memory (no port needed).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=td)
+    return dist.get_rank(), dist.get_world_size()
