@@ -22,7 +22,50 @@ demo: $(STAMP)
 	$(PY) -m minimegatron.train --preset demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/graders
+	$(PY) -m minimegatron.exercises check
+	$(GRADE) --impl=reference --check-coverage
+	$(GRADE) --impl=stub --check-coverage
 
 clean:
 	rm -rf $(VENV) build runs
+
+# Offline reveal.js decks, one per notebooks/*.ipynb, into build/slides/ (see slides/build.py).
+SLIDES_NPM := slides/node_modules/.installed
+
+.PHONY: slides
+slides: $(STAMP) $(SLIDES_NPM)
+	$(PY) slides/build.py
+
+$(SLIDES_NPM): slides/package.json slides/package-lock.json
+	@command -v npm >/dev/null || { echo "make slides: npm not found: install Node.js 18+ (it brings npm)" >&2; exit 1; }
+	cd slides && npm ci --no-audit --no-fund
+	touch $@
+
+# Exercises: stubs generated from marked regions of the reference code into
+# chapters/NN_*/exercises/, graded by tests/graders/ (see minimegatron/exercises/).
+#   make grade CH=00      grade your chapter-00 exercises   (make grade EX=0.1: one exercise)
+#   make exercises        write missing/outdated stubs; never overwrites your work
+#   make exercises-reset CH=00   back to the unfilled stubs (discards your work)
+# CI: exercises-check (committed stubs = generated), grade-reference (every grader passes on
+# the book's code), grade-stubs (every grader fails on the unfilled stub, because of it).
+GRADE := $(PY) -m pytest -q tests/graders
+
+.PHONY: exercises exercises-check exercises-reset grade grade-reference grade-stubs
+exercises: $(STAMP)
+	$(PY) -m minimegatron.exercises generate
+
+exercises-check: $(STAMP)
+	$(PY) -m minimegatron.exercises check
+
+exercises-reset: $(STAMP)
+	$(PY) -m minimegatron.exercises generate --force $(if $(CH),--chapter $(CH))
+
+grade: $(STAMP)
+	$(GRADE) --impl=learner $(if $(CH),--chapter $(CH)) $(foreach e,$(EX),--exercise $(e))
+
+grade-reference: $(STAMP)
+	$(GRADE) --impl=reference --check-coverage
+
+grade-stubs: $(STAMP)
+	$(GRADE) --impl=stub --check-coverage
