@@ -26,6 +26,7 @@ test: $(STAMP)
 	$(PY) -m minimegatron.exercises check
 	$(GRADE) --impl=reference --check-coverage
 	$(GRADE) --impl=stub --check-coverage
+	$(PY) -m pytest -q --nbval-lax notebooks
 
 clean:
 	rm -rf $(VENV) build runs
