@@ -1,0 +1,36 @@
+"""Counting before running: parameters, FLOPs and memory of a model, from its config alone.
+
+One concept per file:
+
+  params.py        count_parameters                    how many weights, component by component
+  flops.py         flops_per_token_6n, training_flops  the 6N rule (Kaplan) and our exact matmul
+                   megatron_flops_per_iteration        count; Narayanan et al.'s formula
+  memory.py        adam_bytes_per_parameter,           parameters, gradients and Adam's state
+                   training_memory                     (ZeRO's 2 + 2 + 12 bytes; ZeRO stages)
+  activations.py   activation_memory,                  what autograd saves for backward, op by
+                   measure_saved_activation_bytes,     op, and its measurement; Korthikanti et
+                   korthikanti_activation_memory       al.'s 16-bit formula
+  report.py        memory_report, does_it_fit,         the table, the figure, and why one device
+                   plot_memory_breakdown               stops being enough
+
+Every formula here is tested against a measurement of the real model (numel of parameters,
+FlopCounterMode, torch.optim.AdamW's state, saved_tensors_hooks), never against itself.
+"""
+
+from .activations import (INDEX_BYTES, activation_memory, attention_operands_share_qkv_output,
+                          korthikanti_activation_memory, measure_saved_activation_bytes)
+from .flops import flops_per_token_6n, megatron_flops_per_iteration, training_flops
+from .memory import adam_bytes_per_parameter, as_dtype, bytes_per_element, training_memory
+from .params import count_parameters
+from .report import (GiB, REAL_MODELS, does_it_fit, format_bytes, format_memory_report,
+                     memory_report, plot_memory_breakdown, real_model_config)
+
+__all__ = [
+    "count_parameters",
+    "flops_per_token_6n", "training_flops", "megatron_flops_per_iteration",
+    "adam_bytes_per_parameter", "training_memory", "bytes_per_element", "as_dtype",
+    "activation_memory", "korthikanti_activation_memory", "measure_saved_activation_bytes",
+    "attention_operands_share_qkv_output", "INDEX_BYTES",
+    "memory_report", "format_memory_report", "format_bytes", "does_it_fit",
+    "plot_memory_breakdown", "real_model_config", "REAL_MODELS", "GiB",
+]

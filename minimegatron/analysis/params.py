@@ -1,0 +1,96 @@
+"""How many parameters a model has, component by component.
+
+Shape legend (the one of model/gpt.py):
+  b micro-batch size     s sequence length     h hidden size        V vocabulary size
+  a query heads          g key/value heads     d head size (h / a)  f MLP inner size
+  L layers               P max_position_embeddings
+
+The count is read off the parameter shapes listed in gpt.py's docstring, one line per
+tensor:
+
+  word embedding        V h
+  position embedding    P h                          learned_absolute only (RoPE has none)
+  per layer:
+    linear_qkv          (a + 2g) d h  + (a + 2g) d   weight + bias (bias if add_bias_linear)
+    linear_proj         h a d         + h
+    linear_fc1          f h  + f                     GELU
+                        2f h + 2f                    SwiGLU (gate and up stacked)
+    linear_fc2          h f  + h
+    2 norms             2 * 2h                       LayerNorm (weight and bias)
+                        2 * h                        RMSNorm (weight only)
+  final norm            2h or h
+  output layer          V h                          only when the embeddings are untied
+
+For GPT-2 style layers (g = a, f = 4h, biases, LayerNorm) a layer has 12h^2 + 13h
+parameters, the count every paper quotes: 4h^2 + 4h for attention, 8h^2 + 5h for the MLP,
+4h for the two LayerNorms.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+
+def count_parameters(config: ModelConfig) -> dict:
+    """The parameter count of the single-device `GPTModel(config)`, by component.
+
+    Returns a dict (all values are numbers of elements, not bytes):
+
+      "embedding"            V h
+      "position_embedding"   P h (0 with RoPE)
+      "per_layer"            a dict for ONE transformer layer:
+                               "qkv_weight" (a+2g) d h, "qkv_bias" (a+2g) d,
+                               "proj_weight" h a d,     "proj_bias" h,
+                               "fc1_weight" f h or 2f h, "fc1_bias" f or 2f,
+                               "fc2_weight" h f,        "fc2_bias" h,
+                               "norms" 4h (LayerNorm) or 2h (RMSNorm), "total"
+                             (biases are 0 without add_bias_linear)
+      "layers"               L * per_layer["total"]
+      "final_norm"           2h or h
+      "output_layer"         V h when untied, else 0 (the embedding matrix is reused)
+      "total"                the sum: what `sum(p.numel() for p in model.parameters())` gives
+      "non_embedding"        total - embedding - position_embedding - output_layer
+
+    "non_embedding" is Kaplan et al. 2020's N ("Scaling Laws for Neural Language Models",
+    Section 2.1): "the number of model parameters, excluding all vocabulary and positional
+    embeddings". We also leave out an untied output layer, the "de-embedding" that Kaplan
+    lists next to the embedding, so N is the same tied or untied.
+    """
+    config.validate()
+    h, a, g, d, f = (config.hidden_size, config.num_attention_heads, config.query_groups,
+                     config.kv_channels, config.ffn_size)
+    V, L = config.vocab_size, config.num_layers
+    bias = config.add_bias_linear
+    fc1_out = 2 * f if config.activation == "swiglu" else f
+    norm = 2 * h if config.normalization == "LayerNorm" else h
+
+    per_layer = {
+        "qkv_weight": (a + 2 * g) * d * h,
+        "qkv_bias": (a + 2 * g) * d if bias else 0,
+        "proj_weight": h * a * d,
+        "proj_bias": h if bias else 0,
+        "fc1_weight": fc1_out * h,
+        "fc1_bias": fc1_out if bias else 0,
+        "fc2_weight": h * f,
+        "fc2_bias": h if bias else 0,
+        "norms": 2 * norm,                       # input_layernorm + pre_mlp_layernorm
+    }
+    per_layer["total"] = sum(per_layer.values())
+
+    counts = {
+        "embedding": V * h,
+        "position_embedding": (config.max_position_embeddings * h
+                               if config.position_embedding_type == "learned_absolute" else 0),
+        "per_layer": per_layer,
+        "layers": L * per_layer["total"],
+        "final_norm": norm,
+        "output_layer": V * h if config.untie_embeddings_and_output_weights else 0,
+    }
+    counts["total"] = (counts["embedding"] + counts["position_embedding"] + counts["layers"]
+                       + counts["final_norm"] + counts["output_layer"])
+    counts["non_embedding"] = (counts["total"] - counts["embedding"]
+                               - counts["position_embedding"] - counts["output_layer"])
+    return counts
+
+
+__all__ = ["count_parameters"]
