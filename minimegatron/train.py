@@ -202,11 +202,13 @@ def write_history(result: TrainResult, cfg: TrainConfig) -> None:
 
 
 def plot_losses(result: TrainResult, path: str | os.PathLike) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure with its own Agg canvas: no pyplot, so a notebook's backend is left alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     ax.plot(range(1, len(result.losses) + 1), result.losses, label="train (per step)", lw=1)
     if result.eval_losses:
         steps, values = zip(*result.eval_losses)
@@ -217,7 +219,6 @@ def plot_losses(result: TrainResult, path: str | os.PathLike) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------

@@ -253,7 +253,9 @@ def measure_saved_activation_bytes(model: nn.Module, tokens: torch.Tensor, label
 
     Every tensor an op saves passes through the `pack` hook of
     `torch.autograd.graph.saved_tensors_hooks`. We count storages, not tensors:
-      - a saved view keeps its whole storage alive, so the storage's bytes are what it costs;
+      - a saved view keeps its whole storage alive, so the storage's bytes are what it costs
+        (tokens and labels sliced from one [b, s+1] tensor therefore count as that tensor:
+        8 b bytes fewer than two separate [b, s] tensors; the formula assumes separate ones);
       - the same storage saved twice (by two ops, or as two views) is counted once;
       - storages of the model's parameters are skipped: weights are not activations, and
         they are in memory anyway (a parameter cast to another dtype is a new storage and

@@ -116,8 +116,10 @@ def megatron_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *,
 
         F = 72 B s L h^2 (1 + s / (6h) + V / (12 L h))
 
-    which is what Megatron-LM's training log reports as throughput, and what
-    `training_flops(...)["total"]` gives for g = a, f = 4h. The formula ignores GQA and
+    the form of Narayanan et al. 2021 without recomputation, and what
+    `training_flops(...)["total"]` gives for g = a, f = 4h. (Megatron-LM's current
+    `num_floating_point_operations` in megatron/training/training.py refines it for GQA,
+    SwiGLU and the causal half of the attention scores, so its logged figure differs.) The formula ignores GQA and
     SwiGLU (it assumes 3h for q, k, v and 4h for the MLP), whatever `config` says.
     """
     B, s, L, h, V = batch, seq, config.num_layers, config.hidden_size, config.vocab_size

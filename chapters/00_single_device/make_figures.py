@@ -1,0 +1,141 @@
+"""The figures of chapter 00, computed and measured with minimegatron.analysis.
+
+    python chapters/00_single_device/make_figures.py        # writes figures/*.png
+
+  memory_breakdown.png   where training memory goes: the chapter's demo model (parameters,
+                         gradients and Adam states from the formula, activations MEASURED
+                         with saved-tensor hooks next to the formula) and a LLaMA-2-7B-shaped
+                         model in bf16 with fp32 master weights (formula), against one 80 GB GPU
+  flops_breakdown.png    where the FLOPs of a training step go, by matmul, as the sequence
+                         grows (7B shapes): the s^2 attention terms overtake the MLP only
+                         at long context
+
+Runs in a few seconds on a CPU; the only model it builds is the demo-sized one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from minimegatron.analysis import (GiB, activation_memory, count_parameters,  # noqa: E402
+                                   measure_saved_activation_bytes, real_model_config, training_flops,
+                                   training_memory)
+from minimegatron.config import ModelConfig  # noqa: E402
+from minimegatron.model import GPTModel  # noqa: E402
+from minimegatron.train import PRESETS  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "figures"
+
+# The demo preset (python -m minimegatron.train --preset demo): LLaMA style, float32.
+DEMO_MODEL, DEMO_TRAIN = PRESETS["demo"]
+DEMO = ModelConfig.llama(**DEMO_MODEL)
+DEMO_B, DEMO_S = DEMO_TRAIN["micro_batch_size"], DEMO_TRAIN["seq_length"]
+
+# LLaMA-2 7B's shapes (minimegatron.analysis.REAL_MODELS: h 4096, L 32, a 32, f 11008,
+# V 32000, context 4096), bfloat16. Only described, never allocated.
+SEVEN_B, SEVEN_B_S = real_model_config("llama2-7b")
+SEVEN_B_B = 1
+GPU_BYTES = 80 * GiB     # one "80 GB" A100 or H100 (the package counts GPU memory in GiB)
+
+COLORS = {"parameters": "#4C72B0", "gradients": "#55A868", "fp32 master weights": "#8172B2",
+          "Adam exp_avg (m)": "#C44E52", "Adam exp_avg_sq (v)": "#DD8452", "activations": "#937860"}
+
+
+def demo_memory() -> tuple[dict[str, float], int, int]:
+    """Bytes of the demo model's training state; activations measured and from the formula."""
+    mem = training_memory(DEMO)                                   # float32 AdamW, 16 B / param
+    model = GPTModel(DEMO)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, DEMO.vocab_size, (DEMO_B, DEMO_S), generator=g)
+    labels = torch.randint(0, DEMO.vocab_size, (DEMO_B, DEMO_S), generator=g)
+    measured = measure_saved_activation_bytes(model, tokens, labels)
+    formula = activation_memory(DEMO, DEMO_B, DEMO_S)["total"]
+    parts = {"parameters": mem["params"], "gradients": mem["grads"], "Adam exp_avg (m)": mem["exp_avg"],
+             "Adam exp_avg_sq (v)": mem["exp_avg_sq"], "activations": measured}
+    return parts, measured, formula
+
+
+def seven_b_memory() -> dict[str, float]:
+    """Bytes of a 7B model in bf16 with fp32 master weights (ZeRO's 16 B / param) + activations."""
+    mem = training_memory(SEVEN_B, master_weights=True)
+    act = activation_memory(SEVEN_B, SEVEN_B_B, SEVEN_B_S)["total"]
+    return {"parameters": mem["params"], "gradients": mem["grads"], "fp32 master weights": mem["master_weights"],
+            "Adam exp_avg (m)": mem["exp_avg"], "Adam exp_avg_sq (v)": mem["exp_avg_sq"], "activations": act}
+
+
+def stacked_bar(ax, parts: dict[str, float], scale: float, unit: str) -> None:
+    bottom = 0.0
+    for name, value in parts.items():
+        v = value / scale
+        ax.bar([0], [v], bottom=bottom, color=COLORS[name], width=0.55, label=name)
+        ax.text(0.33, bottom + v / 2, f"{name}: {v:,.1f} {unit}", va="center", fontsize=8)
+        bottom += v
+    ax.set_xlim(-0.4, 2.5)
+    ax.set_xticks([])
+    ax.set_ylabel(unit)
+    ax.spines[["top", "right"]].set_visible(False)
+
+
+def plot_memory() -> None:
+    demo_parts, measured, formula = demo_memory()
+    big = seven_b_memory()
+    n_demo = count_parameters(DEMO)["total"]
+    n_big = count_parameters(SEVEN_B)["total"]
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.5, 4.2))
+    stacked_bar(left, demo_parts, 2**20, "MiB")
+    left.set_title(f"demo model, {n_demo:,} params, fp32 AdamW\n"
+                   f"b={DEMO_B}, s={DEMO_S}: activations measured {measured:,} B "
+                   f"(formula {formula:,})", fontsize=9)
+    stacked_bar(right, big, GiB, "GiB")
+    right.axhline(GPU_BYTES / GiB, color="black", ls="--", lw=1)
+    right.text(2.45, GPU_BYTES / GiB + 3, "one 80 GiB GPU", ha="right", fontsize=8)
+    right.set_title(f"LLaMA-2-7B shapes, {n_big / 1e9:.2f}B params, bf16 + fp32 master\n"
+                    f"b={SEVEN_B_B}, s={SEVEN_B_S}: activations from the formula", fontsize=9)
+    fig.suptitle("Where training memory goes (minimegatron.analysis)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "memory_breakdown.png", dpi=100)
+    plt.close(fig)
+
+
+def plot_flops() -> None:
+    seqs = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    groups = {"q/k/v + output projections": ("qkv", "proj"), "MLP (SwiGLU)": ("fc1", "fc2"),
+              "attention: q k^T and probs v": ("attention_scores", "attention_over_values"), "logits": ("logits",)}
+    colors = ["#4C72B0", "#55A868", "#C44E52", "#8172B2"]
+    shares = {name: [] for name in groups}
+    for s in seqs:
+        fwd = training_flops(SEVEN_B, 1, s)["forward"]
+        for name, keys in groups.items():
+            shares[name].append(100 * sum(fwd[k] for k in keys) / fwd["total"])
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.stackplot(range(len(seqs)), *shares.values(), labels=list(groups), colors=colors, alpha=0.85)
+    ax.set_xticks(range(len(seqs)), [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqs])
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("% of the step's matmul FLOPs")
+    ax.set_ylim(0, 100)
+    ax.set_xlim(0, len(seqs) - 1)
+    ax.set_title("7B shapes: the s^2 attention terms grow with context (training_flops)", fontsize=9)
+    ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
+    fig.tight_layout()
+    fig.savefig(OUT / "flops_breakdown.png", dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    plot_memory()
+    plot_flops()
+    for path in sorted(OUT.glob("*.png")):
+        print(f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}: "
+              f"{path.stat().st_size / 1024:.0f} KB")
+
+
+if __name__ == "__main__":
+    main()
