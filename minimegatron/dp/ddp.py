@@ -1,0 +1,307 @@
+"""Bucketed data parallelism with communication overlapped with backward (Megatron's DDP).
+
+Naive DP (naive.py) waits for the whole backward, then sends P small all-reduces one after
+the other. Two things are wasted: the network idles during backward, and each small message
+pays the collective's fixed latency. Megatron-LM and PyTorch DDP fix both the same way:
+
+1. **Buckets.** The gradients live in one flat, contiguous buffer (`grad_buffer`), cut into
+   buckets of about `bucket_size` elements. A bucket is one all-reduce: few, large messages.
+   Parameters are laid out in the reverse of model.parameters() order, the order in which
+   backward produces their gradients (the output layer's first, the embedding's last), so
+   that a bucket fills up in one stretch of backward. `assign_buckets` is the rule.
+2. **Overlap.** Each parameter has a post-accumulate-grad hook. When autograd has finished a
+   gradient, the hook adds it into the parameter's slice of the buffer (`main_grad[p]`, a
+   view) and frees p.grad. When the last gradient of a bucket has arrived, the hook launches
+   that bucket's all-reduce asynchronously (gloo runs it in its own thread) and backward goes
+   on computing the gradients of earlier layers while the bucket travels.
+3. **Sync.** `finish_grad_sync()` waits for every bucket and points each p.grad at its slice
+   of the buffer, now holding the DP-averaged gradient (a view: no copy).
+
+Why copy into the buffer from a hook instead of making p.grad a view of the buffer from the
+start? Autograd decides what p.grad is: when p.grad is None it *installs* a fresh tensor, and
+`optimizer.zero_grad(set_to_none=True)` drops whatever was there, so a view would silently
+stop being one. Megatron makes the same choice (param.main_grad is the buffer view; a hook
+adds param.grad into it). The price is one add per gradient; the gain is that accumulation
+across micro-batches happens in the buffer, under our control.
+
+Averaging: before a bucket is all-reduced (a sum), it is scaled by 1/dp (Megatron's
+gradient_scaling_factor), so the sum is the mean.
+
+Gradient accumulation: inside `no_sync()` the hooks still add every gradient into the
+buffer, but launch nothing; the last micro-batch's backward (outside no_sync) accumulates its
+gradients and launches each bucket as it completes. The buffer therefore holds the sum over
+all M micro-batches when it is reduced.
+
+A new step: the first forward (with grad enabled) after `finish_grad_sync()` zeroes the
+buffer and sets every p.grad to None (`zero_grad_buffer()`, Megatron's name, which the
+training loop may also call itself).
+
+Communication per optimizer step (ledger, tag "grads"): one all-reduce per bucket, issued
+in the order the buckets complete; together sum_p numel(p) * element_size bytes, the same
+bytes as naive DP in fewer calls. None inside no_sync(). With overlap=False the same
+all-reduces are issued, in bucket order, inside finish_grad_sync().
+
+Timeline: each step's launches and completions are recorded in `self.timeline`
+(timeline.BucketTimeline); timeline.plot_bucket_timeline draws it.
+
+Requirements (as in Megatron): all parameters have one dtype, and every parameter that
+requires grad receives a gradient in the last micro-batch's backward (a bucket that never
+completes is launched by finish_grad_sync, which is correct only if every rank agrees).
+
+Where this lives in Megatron-LM: megatron/core/distributed/distributed_data_parallel.py
+(the wrapper, the hooks, no_sync, finish_grad_sync) and
+megatron/core/distributed/param_and_grad_buffer.py (the buffer, the bucket rule, the
+scaled all-reduce of a bucket, start_grad_sync / finish_grad_sync).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .. import comm
+from .naive import broadcast_parameters
+from .timeline import BucketEvent, BucketTimeline
+
+
+def assign_buckets(numels: Sequence[int], bucket_size: int | None) -> list[list[int]]:
+    """Cut a sequence of gradients into buckets: Megatron's rule.
+
+    numels: the element counts of the parameters, in the order backward produces their
+      gradients (the reverse of model.parameters()).
+    bucket_size: the bucket size in elements, or None for a single bucket holding everything.
+    Returns the buckets as lists of indices into `numels`: consecutive, in order, every index
+      exactly once, no empty bucket. [] when numels is empty.
+
+    The rule (megatron/core/distributed/param_and_grad_buffer.py): walk the parameters in
+    order, adding each one to the current bucket; as soon as the current bucket holds
+    >= bucket_size elements, close it, and start the next parameter in a new bucket. The
+    parameters left at the end form the last bucket, however small. So a parameter is never
+    split, every bucket but the last holds >= bucket_size elements, and it holds fewer than
+    bucket_size without its last parameter.
+
+        assign_buckets([4, 4, 4], 6)    == [[0, 1], [2]]
+        assign_buckets([4, 4, 4], 4)    == [[0], [1], [2]]
+        assign_buckets([1, 100, 2], 10) == [[0, 1], [2]]
+        assign_buckets([4, 4, 4], None) == [[0, 1, 2]]
+
+    bucket_size <= 0 raises ValueError.
+    """
+    if bucket_size is not None and bucket_size <= 0:
+        raise ValueError(f"bucket_size={bucket_size} must be a positive number of elements (or None)")
+    # BEGIN EXERCISE 1.2: bucket assignment | hint: keep a current bucket and its element count; after appending index i, close the bucket once count >= bucket_size
+    buckets, current, filled = [], [], 0
+    for i, n in enumerate(numels):
+        current.append(i)
+        filled += n
+        if bucket_size is not None and filled >= bucket_size:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:                   # the remainder, however small, is the last bucket
+        buckets.append(current)
+    return buckets
+    # END EXERCISE
+
+
+def megatron_default_bucket_size(dp_size: int) -> int:
+    """Megatron's default bucket size in elements: max(40M, 1M * dp) (tiny models: one bucket)."""
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+@dataclass
+class Bucket:
+    """One all-reduce worth of gradients: a contiguous slice of the flat gradient buffer."""
+    index: int
+    params: list[nn.Parameter]          # in buffer order (backward order)
+    grad_data: torch.Tensor             # [numel], a view of DistributedDataParallel.grad_buffer
+    ready: set[int] = field(default_factory=set)   # ids of params whose gradient has arrived
+    work: object | None = None          # the async all-reduce in flight, if any
+    stamped: object | None = None       # its future's completion callback (timeline)
+    event: BucketEvent | None = None    # its timeline entry
+
+
+class DistributedDataParallel(nn.Module):
+    """Bucketed, overlapped data parallelism (see the module docstring).
+
+    DistributedDataParallel(module, group, bucket_size_bytes=None, overlap=True)
+      module:            this rank's full model (wrapper.module); its parameters keep their
+                         storage, only their gradients move into the buffer.
+      group:             the data-parallel process group.
+      bucket_size_bytes: a bucket closes once it holds >= this many bytes of gradients
+                         (ceil(bytes / element_size) elements, `assign_buckets`); None =
+                         Megatron's default (megatron_default_bucket_size); 1 = one bucket
+                         per parameter.
+      overlap:           launch each bucket from backward as soon as it is complete (True),
+                         or all of them in finish_grad_sync (False).
+
+    Attributes: buckets (list[Bucket], in buffer order), grad_buffer ([N] all gradients),
+    main_grad (dict param -> its [shape] view of the buffer), timeline (BucketTimeline of
+    the last finish_grad_sync, or None).
+
+    Interface (shared by every DP wrapper): forward = module's forward; no_sync();
+    finish_grad_sync() (afterwards p.grad is the DP average, a view of the buffer);
+    zero_grad_buffer(); broadcast_params().
+    """
+
+    def __init__(self, module: nn.Module, group, bucket_size_bytes: int | None = None,
+                 overlap: bool = True):
+        super().__init__()
+        self.module, self.group, self.overlap = module, group, overlap
+        self.dp_size = comm.group_size(group)
+        params = [p for p in module.parameters() if p.requires_grad]
+        dtypes = sorted({str(p.dtype) for p in params})
+        if len(dtypes) != 1:
+            raise ValueError(f"DistributedDataParallel needs one parameter dtype, found {dtypes} "
+                             "(Megatron keeps one buffer per dtype; this book uses one)")
+        dtype = params[0].dtype
+        element_size = torch.empty((), dtype=dtype).element_size()
+        if bucket_size_bytes is None:
+            bucket_numel = megatron_default_bucket_size(self.dp_size)
+        elif bucket_size_bytes <= 0:
+            raise ValueError(f"bucket_size_bytes={bucket_size_bytes} must be positive (or None)")
+        else:   # ">= bucket_size_bytes bytes" is ">= ceil(bytes / element_size) elements"
+            bucket_numel = math.ceil(bucket_size_bytes / element_size)
+
+        order = params[::-1]                                # backward produces these first
+        groups = assign_buckets([p.numel() for p in order], bucket_numel)
+        if [i for g in groups for i in g] != list(range(len(order))) or not all(groups):
+            raise ValueError(f"assign_buckets returned {groups}: expected non-empty lists of "
+                             f"consecutive indices covering 0..{len(order) - 1} in order")
+
+        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        self.main_grad: dict[nn.Parameter, torch.Tensor] = {}
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self.buckets: list[Bucket] = []
+        offset = 0
+        for index, group_indices in enumerate(groups):
+            members = [order[i] for i in group_indices]
+            numel = sum(p.numel() for p in members)
+            bucket = Bucket(index, members, self.grad_buffer[offset:offset + numel])
+            for p in members:
+                self.main_grad[p] = self.grad_buffer[offset:offset + p.numel()].view_as(p)
+                self._bucket_of[p] = bucket
+                offset += p.numel()
+            self.buckets.append(bucket)
+
+        self._sync = True                   # False inside no_sync()
+        self._synced = False                # finish_grad_sync done: the next forward starts a step
+        self._backward_start: float | None = None
+        self._last_grad_time = 0.0
+        self.timeline: BucketTimeline | None = None
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # ------------------------------------------------------------------ forward / backward
+    def forward(self, *args, **kwargs):
+        if self._synced and torch.is_grad_enabled():
+            self.zero_grad_buffer()         # the first forward of a new step
+        out = self.module(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._backward_started)
+        return out
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        # The output's gradient is the first thing backward computes: time 0 of the timeline.
+        self._backward_start = time.perf_counter()
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: move param.grad into the buffer; launch a full bucket."""
+        bucket, view = self._bucket_of[param], self.main_grad[param]
+        if bucket.work is not None:
+            raise RuntimeError(f"a gradient arrived for bucket {bucket.index} while its all-reduce "
+                               "is in flight: run the earlier micro-batches inside no_sync() and "
+                               "call finish_grad_sync() after the last one")
+        if param.grad.data_ptr() == view.data_ptr():
+            raise RuntimeError("param.grad is still the synced buffer view of the last step: "
+                               "start a step with a forward through the wrapper, or call "
+                               "zero_grad_buffer()")
+        view.add_(param.grad)               # accumulate over micro-batches, in the buffer
+        param.grad = None                   # the buffer holds it now; free autograd's copy
+        self._last_grad_time = time.perf_counter()
+        if not self._sync:
+            return                          # no_sync: accumulate, never launch
+        bucket.ready.add(id(param))
+        if self.overlap and len(bucket.ready) == len(bucket.params):
+            self._start_grad_sync(bucket)
+
+    def _start_grad_sync(self, bucket: Bucket) -> None:
+        """Scale the bucket by 1/dp and launch its asynchronous all-reduce (sum)."""
+        bucket.grad_data.mul_(1.0 / self.dp_size)
+        launched = time.perf_counter()
+        bucket.work = comm.all_reduce(bucket.grad_data, self.group, op="sum", tag="grads", async_op=True)
+        nbytes = bucket.grad_data.numel() * bucket.grad_data.element_size()
+        event = BucketEvent(bucket.index, bucket.grad_data.numel(), nbytes, launched)
+        bucket.event = event
+        if hasattr(bucket.work, "get_future"):
+            def completed(future, event=event):   # runs in gloo's thread when the all-reduce is done
+                event.completed = time.perf_counter()
+                return future.value()
+            bucket.stamped = bucket.work.get_future().then(completed)
+        else:                                      # a one-rank group: nothing was sent
+            event.completed = launched
+
+    # ------------------------------------------------------------------ the interface
+    @contextmanager
+    def no_sync(self):
+        """Backward inside accumulates gradients into the buffer without communicating."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self) -> None:
+        """Launch any bucket not launched yet (in bucket order), wait for all of them, and
+        point every p.grad at its buffer view, which now holds the DP-averaged gradient."""
+        if not self._sync:
+            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
+                               "micro-batch's backward outside it, then sync")
+        sync_start = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket.work is None:         # overlap=False, or a bucket that never completed
+                self._start_grad_sync(bucket)
+        for bucket in self.buckets:
+            bucket.event.wait_start = time.perf_counter()
+            bucket.work.wait()
+            bucket.event.waited = time.perf_counter() - bucket.event.wait_start
+            if bucket.stamped is not None:
+                bucket.stamped.wait()       # the completion time has been written
+            bucket.work = bucket.stamped = None
+            bucket.ready.clear()
+        for p, view in self.main_grad.items():
+            p.grad = view
+        self._synced = True
+        self.timeline = self._make_timeline(sync_start, time.perf_counter())
+
+    def zero_grad_buffer(self) -> None:
+        """Start a new step: zero the buffer, drop every p.grad (Megatron's zero_grad_buffer)."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                raise RuntimeError(f"zero_grad_buffer() while bucket {bucket.index}'s all-reduce "
+                                   "is in flight: call finish_grad_sync() first")
+            bucket.ready.clear()
+        self.grad_buffer.zero_()
+        for p in self.main_grad:
+            p.grad = None
+        self._synced = False
+
+    def broadcast_params(self) -> None:
+        """Copy the group's first rank's parameters to every rank (naive.broadcast_parameters)."""
+        broadcast_parameters(self.module, self.group)
+
+    # ------------------------------------------------------------------ the timeline
+    def _make_timeline(self, sync_start: float, sync_end: float) -> BucketTimeline:
+        """This step's events, in seconds after the syncing backward started."""
+        events = sorted((b.event for b in self.buckets), key=lambda e: e.launched)
+        t0 = self._backward_start if self._backward_start is not None else events[0].launched
+        shifted = [BucketEvent(e.bucket, e.numel, e.nbytes, e.launched - t0,
+                               None if e.completed is None else e.completed - t0,
+                               e.wait_start - t0, e.waited) for e in events]
+        return BucketTimeline(self.overlap, self._last_grad_time - t0, sync_start - t0,
+                              sync_end - t0, shifted)

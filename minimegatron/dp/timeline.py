@@ -1,0 +1,120 @@
+"""When did each bucket's all-reduce run, relative to backward? The record and its picture.
+
+`DistributedDataParallel` (ddp.py) fills one `BucketTimeline` per optimizer step, for the
+backward of the last micro-batch (the one that communicates). All times are seconds after
+that backward started, measured with `time.perf_counter()` in the rank's own process:
+
+  backward start   0 by definition: when autograd produced the gradient of the model's
+                   output (a tensor hook on the output, the first thing backward computes);
+  backward end     when the last parameter gradient was accumulated into its bucket (the
+                   moment the last bucket becomes ready);
+  launched         when the bucket's asynchronous all-reduce was handed to gloo;
+  completed        when gloo finished it: a callback chained on the work's future
+                   (`work.get_future().then(...)`) runs in gloo's own thread as soon as the
+                   collective completes. It is a wall-clock time, an upper bound: the callback
+                   is Python, so it waits for the interpreter lock if the training thread
+                   holds it. None if gloo never reported (a one-rank group has no collective);
+  waited           how long `finish_grad_sync()` blocked in `work.wait()` for this bucket: the
+                   communication that was *not* hidden behind computation;
+  sync start/end   when `finish_grad_sync()` was entered and returned.
+
+With overlap, every bucket but the last is launched before backward ends: its communication
+runs while autograd computes the gradients of earlier layers. Without overlap, all launches
+come after backward ends, inside `finish_grad_sync()`. On a 2-core laptop the ranks share the
+cores, so "overlap" here shows the *schedule* (what is launched when), not a speed-up; the
+benchmark under benchmarks/ reports the measured speed honestly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BucketEvent:
+    """One bucket's all-reduce in one step (times in seconds after backward start)."""
+    bucket: int                       # index in DistributedDataParallel.buckets
+    numel: int                        # elements all-reduced
+    nbytes: int                       # bytes handed to the all-reduce (the ledger's count)
+    launched: float
+    completed: float | None = None    # from the work's future callback (see module docstring)
+    wait_start: float | None = None   # when finish_grad_sync began waiting for it
+    waited: float = 0.0               # seconds blocked in wait() inside finish_grad_sync
+
+
+@dataclass
+class BucketTimeline:
+    """The communication schedule of one step's syncing backward (see the module docstring)."""
+    overlap: bool
+    backward_end: float
+    sync_start: float
+    sync_end: float
+    buckets: list[BucketEvent] = field(default_factory=list)   # in launch order
+
+    def launched_during_backward(self) -> list[int]:
+        """Indices of the buckets whose all-reduce started before backward ended."""
+        return [e.bucket for e in self.buckets if e.launched < self.backward_end]
+
+    def exposed_seconds(self) -> float:
+        """Time finish_grad_sync spent waiting: the communication not hidden by backward."""
+        return sum(e.waited for e in self.buckets)
+
+    def table(self) -> str:
+        """A text table: one row per bucket, times in milliseconds."""
+        ms = lambda t: "   -   " if t is None else f"{1e3 * t:7.2f}"   # noqa: E731
+        lines = [f"backward 0.00 .. {ms(self.backward_end).strip()} ms; finish_grad_sync "
+                 f"{ms(self.sync_start).strip()} .. {ms(self.sync_end).strip()} ms "
+                 f"({'overlapped' if self.overlap else 'not overlapped'})",
+                 f"{'bucket':>6}{'elements':>10}{'bytes':>10}{'launched':>10}{'completed':>11}{'waited':>9}"]
+        for e in self.buckets:
+            lines.append(f"{e.bucket:>6}{e.numel:>10,}{e.nbytes:>10,}{ms(e.launched):>10}"
+                         f"{ms(e.completed):>11}{ms(e.waited):>9}")
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def plot_bucket_timeline(timeline: BucketTimeline, path: str | os.PathLike | None = None,
+                         title: str | None = None):
+    """Draw backward and each bucket's all-reduce as bars on one time axis (milliseconds).
+
+    Row "backward": 0 .. backward_end. Row "sync": finish_grad_sync. One row per bucket, in
+    launch order: a bar from launch to completion (hatched where finish_grad_sync waited for
+    it). Saves a PNG to `path` if given; returns the matplotlib Figure (Agg backend).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    events = timeline.buckets
+    rows = ["backward", "finish_grad_sync"] + [f"bucket {e.bucket}" for e in events]
+    fig = Figure(figsize=(7.5, 1.3 + 0.38 * len(rows)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ms = 1e3
+    span = max(timeline.sync_end, timeline.backward_end, 1e-9)
+    y = {name: len(rows) - 1 - i for i, name in enumerate(rows)}      # first row on top
+    ax.barh(y["backward"], timeline.backward_end * ms, left=0, height=0.6, color="tab:blue",
+            label="backward (gradient computation)")
+    ax.barh(y["finish_grad_sync"], (timeline.sync_end - timeline.sync_start) * ms,
+            left=timeline.sync_start * ms, height=0.6, color="tab:gray", label="finish_grad_sync")
+    hatched = False
+    for e in events:
+        end = e.completed if e.completed is not None else timeline.sync_end
+        ax.barh(y[f"bucket {e.bucket}"], max(end - e.launched, 1e-6) * ms, left=e.launched * ms,
+                height=0.6, color="tab:orange",
+                label="all-reduce (launch .. done)" if e is events[0] else None)
+        if e.waited > 0.01 * span and e.wait_start is not None:   # communication the step waited for
+            ax.barh(y[f"bucket {e.bucket}"], e.waited * ms, left=e.wait_start * ms, height=0.6,
+                    fill=False, hatch="///", edgecolor="black", linewidth=0,
+                    label=None if hatched else "waited for in finish_grad_sync")
+            hatched = True
+    ax.axvline(timeline.backward_end * ms, color="tab:blue", linestyle=":", linewidth=1)
+    ax.set_yticks([y[r] for r in rows], rows)
+    ax.set_xlabel("milliseconds after backward started")
+    ax.set_title(title or f"DDP bucket all-reduces ({'overlapped with' if timeline.overlap else 'after'} backward)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
