@@ -18,8 +18,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# torchrun on this machine only: rendezvous on 127.0.0.1, a port the OS picks.
+TORCHRUN := $(VENV)/bin/torchrun --nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 --local-addr=127.0.0.1
+DEMO_RANKS ?= 2
+
+# The book's main job: the most parallel run it supports so far (chapter 01: data
+# parallelism with the distributed optimizer, ZeRO-1, over DEMO_RANKS ranks).
 demo: $(STAMP)
-	$(PY) -m minimegatron.train --preset demo
+	$(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.train --preset demo \
+		--micro-batch-size $$((8 / $(DEMO_RANKS))) --zero-stage 1 --out-dir runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/graders

@@ -11,6 +11,12 @@ It holds everything that decides the rest of the run:
   configs                     a checkpoint from another model is refused, by field
   history                     the loss curve so far, so the plot continues
 
+With data parallelism over n > 1 ranks, each rank also writes `iter_{step:07d}.rank{r}.pt`
+with what only it holds: its optimizer state (a shard under ZeRO) and its RNG state. Every
+rank writes its file, all ranks meet at a barrier, and only then does rank 0 write the main
+file and move `latest`: a checkpoint that `latest` names is always complete. Resuming needs
+the same number of ranks (resharding a checkpoint is the capstone's subject).
+
 Safety rules:
   - written to a temporary name and renamed: a crash while saving never destroys the
     previous checkpoint (rename is atomic on POSIX filesystems);
@@ -87,4 +93,32 @@ def load_checkpoint(path: str | os.PathLike, *, model_config: dict[str, Any] | N
                  for k, v in model_config.items() if stored.get(k) != v]
         if diffs:
             raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
+    return state
+
+
+def rank_path(directory: str | os.PathLike, step: int, rank: int) -> Path:
+    """The file holding rank `rank`'s own state at `step`."""
+    return Path(directory) / f"iter_{step:07d}.rank{rank}.pt"
+
+
+def save_rank_state(directory: str | os.PathLike, step: int, rank: int, state: dict[str, Any]) -> Path:
+    """Write one rank's own state (atomically); rank 0 moves `latest` later, after a barrier."""
+    path = rank_path(directory, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda tmp: torch.save({"format": FORMAT, "step": step, "rank": rank, **state}, tmp))
+    return path
+
+
+def load_rank_state(directory: str | os.PathLike, step: int, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s own state at `step`, loaded without running pickled code."""
+    path = rank_path(directory, step, rank)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: was the checkpoint written by as many ranks as "
+                              f"this run has (rank {rank} is missing)?")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    if state.get("format") != FORMAT or state.get("rank") != rank:
+        raise CheckpointError(f"{path} is not rank {rank}'s {FORMAT} file")
     return state

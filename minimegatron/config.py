@@ -168,6 +168,8 @@ class TrainConfig:
     """One training run. Batch arithmetic follows Megatron:
 
     global_batch_size = micro_batch_size * grad_accum_steps * data_parallel_size
+
+    so adding data-parallel ranks at a fixed micro-batch size grows the global batch.
     """
 
     data_path: str | None = None          # prefix of a .bin/.idx pair; None = embedded corpus
@@ -190,6 +192,10 @@ class TrainConfig:
     save_dir: str | None = None
     load_dir: str | None = None
     out_dir: str = "runs/latest"          # loss log and plot
+    # data parallelism (chapter 01); the data-parallel size is the number of ranks
+    zero_stage: int = 0                   # 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded
+    ddp_impl: str = "bucketed"            # zero_stage 0: "naive" (one all-reduce per gradient) | "bucketed"
+    ddp_bucket_size: int | None = None    # elements per bucket; None = Megatron's default
     data_seed: int = 1234                 # data order and dropout masks
     progress: bool = True
 
@@ -207,6 +213,10 @@ class TrainConfig:
         need(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
         need(self.eval_interval >= 0 and self.eval_iters >= 0,
              f"eval_interval={self.eval_interval} and eval_iters={self.eval_iters} must be >= 0")
+        need(self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage} is not 0, 1, 2 or 3")
+        need(self.ddp_impl in ("naive", "bucketed"), f"ddp_impl={self.ddp_impl!r} is not 'naive' or 'bucketed'")
+        need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
+             f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
         if model is not None:
             need(self.seq_length <= model.max_position_embeddings,
                  f"seq_length={self.seq_length} is longer than "

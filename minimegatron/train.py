@@ -5,6 +5,7 @@
     python -m minimegatron.train --data-path build/mydata/corpus --tokenizer tok.json ...
     python -m minimegatron.train --preset tiny --save-dir runs/ckpt --save-interval 10
     python -m minimegatron.train --preset tiny --load-dir runs/ckpt  # exact resume
+    torchrun --standalone --nproc_per_node=2 -m minimegatron.train --zero-stage 1   # chapter 01
 
 One step (Megatron's train_step, without the parallel parts yet):
 
@@ -21,6 +22,7 @@ losses bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -31,11 +33,17 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from . import parallel_state
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_rank_state, save_checkpoint,
+                         save_rank_state)
+from .comm import all_reduce, barrier
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
+from .dp import build_data_parallel
+from .launch import init_from_torchrun
 from .model import GPTModel
 
 # ---------------------------------------------------------------------------------------
@@ -80,39 +88,60 @@ def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.
     Each micro-batch's mean token loss is divided by the number of micro-batches, so the
     accumulated gradient equals the gradient of the mean loss over the whole batch (all
     micro-batches have the same number of tokens).
+
+    `model` may be a data-parallel wrapper (chapter 01): then every micro-batch but the last
+    runs under `no_sync()` (no communication while accumulating) and `finish_grad_sync()`
+    completes the gradient reduction after the last one.
     """
+    data_parallel = hasattr(model, "finish_grad_sync")
     total = 0.0
-    for mb in microbatches:
-        losses = model(mb["tokens"], labels=mb["labels"])              # [b, s]
-        loss = losses.mean() / len(microbatches)
-        loss.backward()
+    for i, mb in enumerate(microbatches):
+        last = i == len(microbatches) - 1
+        with model.no_sync() if data_parallel and not last else contextlib.nullcontext():
+            losses = model(mb["tokens"], labels=mb["labels"])          # [b, s]
+            loss = losses.mean() / len(microbatches)
+            loss.backward()
         total += loss.item()
+    if data_parallel:
+        model.finish_grad_sync()
     return total
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
                    clip_grad: float) -> float:
-    """Clip the global gradient norm, set the learning rate, step; returns the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, clip_grad) if clip_grad > 0 else \
-        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    """Clip the global gradient norm, set the learning rate, step; returns the norm before clipping.
+
+    A data-parallel optimizer (chapter 01) computes the global norm itself: under ZeRO each
+    rank holds only a shard of the gradients, so the norm needs an all-reduce.
+    """
+    if hasattr(optimizer, "clip_grad_norm"):
+        norm = optimizer.clip_grad_norm(clip_grad)
+    else:
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad) if clip_grad > 0 else \
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return float(norm)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: GPTDataset, cfg: TrainConfig) -> float:
-    """Mean loss over the first eval_iters micro-batches of the validation set."""
+def evaluate(model: torch.nn.Module, dataset: GPTDataset, cfg: TrainConfig, dp_rank: int = 0, dp_size: int = 1,
+             dp_group=None) -> float:
+    """Mean loss over the first eval_iters global batches (micro_batch_size * dp_size
+    sequences each) of the validation set; each data-parallel rank evaluates its slice."""
     model.eval()
     losses = []
     for i in range(cfg.eval_iters):
-        mb = batch_for_step(dataset, i, cfg.micro_batch_size, 0, 1)
+        mb = batch_for_step(dataset, i, cfg.micro_batch_size, 0, 1, dp_rank, dp_size)
         losses.append(model(mb["tokens"], labels=mb["labels"]).mean().item())
     model.train()
-    return sum(losses) / max(1, len(losses))
+    mean = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
+    if dp_group is not None:
+        all_reduce(mean, dp_group, op="avg", tag="loss")
+    return mean.item()
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,50 +169,105 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
     return train, valid
 
 
+def data_parallel_context() -> tuple[int, int, object]:
+    """(dp_rank, dp_size, dp_group): (0, 1, None) on one process; under torchrun every rank
+    is a data-parallel rank (tensor/pipeline/context parallelism arrive in later chapters)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0, 1, None
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def full_state_dict(engine: torch.nn.Module, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The single-device state dict; under ZeRO-3 the parameters are sharded and gathered first."""
+    if hasattr(engine, "gather_parameters"):
+        return engine.gather_parameters()
+    return model.state_dict()
+
+
 def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
-    """Train from scratch or resume from cfg.load_dir; returns the loss history."""
+    """Train from scratch or resume from cfg.load_dir; returns the loss history.
+
+    On one process this is the baseline. Under torchrun (or `launch.spawn`) with n ranks it
+    trains data-parallel: each rank takes its slice of every global batch of
+    micro_batch_size * grad_accum_steps * n sequences, and `cfg.zero_stage` / `cfg.ddp_impl`
+    pick the variant of chapter 01.
+    """
     model_cfg.validate()
     cfg.validate(model_cfg)
+    dp_rank, dp_size, dp_group = data_parallel_context()
     train_ds, valid_ds = build_datasets(model_cfg, cfg)
     torch.manual_seed(cfg.data_seed)  # dropout masks
     model = GPTModel(model_cfg)
-    optimizer = build_optimizer(model, cfg)
     result = TrainResult(out_dir=cfg.out_dir)
 
-    start = 0
+    state = None
     if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
         state = load_checkpoint(cfg.load_dir, model_config=to_dict(model_cfg))
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        if state.get("dp_size", 1) != dp_size:
+            raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by dp_size={state.get('dp_size', 1)} "
+                                  f"ranks, this run has dp_size={dp_size}")
+        model.load_state_dict(state["model"])                     # before sharding (ZeRO-3)
+    if dp_group is None and cfg.zero_stage == 0:
+        engine, optimizer = model, build_optimizer(model, cfg)
+    else:
+        engine, optimizer = build_data_parallel(model, cfg, dp_group)
+
+    start = 0
+    if state is not None:
+        own = state if dp_size == 1 else load_rank_state(cfg.load_dir, state["step"], dp_rank)
+        optimizer.load_state_dict(own["optimizer"])
+        torch.set_rng_state(own["rng"])
         start = state["step"]
         result.losses = list(state["history"]["losses"])
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
 
-    progress = _progress_bar(start, cfg)
+    progress = _progress_bar(start, cfg) if dp_rank == 0 else None
     for step in range(start, cfg.train_iters):
-        microbatches = [batch_for_step(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps)
-                        for m in range(cfg.grad_accum_steps)]
-        loss = forward_backward(model, microbatches)
+        microbatches = [batch_for_step(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps,
+                                       dp_rank, dp_size) for m in range(cfg.grad_accum_steps)]
+        loss = forward_backward(engine, microbatches)
         lr = learning_rate(step, cfg)
-        grad_norm = optimizer_step(model, optimizer, lr, cfg.clip_grad)
+        grad_norm = optimizer_step(engine, optimizer, lr, cfg.clip_grad)
+        if dp_group is not None:                                   # report the global batch's loss
+            loss_t = torch.tensor([loss], dtype=torch.float64)
+            all_reduce(loss_t, dp_group, op="avg", tag="loss")
+            loss = loss_t.item()
         result.losses.append(loss)
         done = step + 1
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
-            result.eval_losses.append((done, evaluate(model, valid_ds, cfg)))
+            result.eval_losses.append((done, evaluate(engine, valid_ds, cfg, dp_rank, dp_size, dp_group)))
         if progress is not None:
             progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}", gnorm=f"{grad_norm:.2f}")
             progress.update(1)
         if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
-            result.checkpoint = str(save_checkpoint(cfg.save_dir, done, {
-                "model_config": to_dict(model_cfg), "train_config": to_dict(cfg),
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": torch.get_rng_state(),
-                "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}))
+            result.checkpoint = _save(cfg, model_cfg, done, engine, model, optimizer, result, dp_rank, dp_size,
+                                      dp_group)
     if progress is not None:
         progress.close()
-    write_history(result, cfg)
+    if dp_rank == 0:
+        write_history(result, cfg)
     return result
+
+
+def _save(cfg, model_cfg, step, engine, model, optimizer, result, dp_rank, dp_size, dp_group) -> str:
+    """One checkpoint (see checkpoint.py): every rank's own file first, then rank 0's main file."""
+    model_state = full_state_dict(engine, model)                  # a collective under ZeRO-3
+    own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+    if dp_size > 1:
+        save_rank_state(cfg.save_dir, step, dp_rank, own)
+        barrier(dp_group, tag="checkpoint")                       # all rank files exist
+    path = Path(cfg.save_dir) / f"iter_{step:07d}.pt"
+    if dp_rank == 0:
+        main = {"model_config": to_dict(model_cfg), "train_config": to_dict(cfg), "model": model_state,
+                "dp_size": dp_size,
+                "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}
+        path = save_checkpoint(cfg.save_dir, step, {**main, **(own if dp_size == 1 else {})})
+    if dp_size > 1:
+        barrier(dp_group, tag="checkpoint")                       # nobody runs ahead of `latest`
+    return str(path)
 
 
 def _progress_bar(start: int, cfg: TrainConfig):
@@ -253,22 +337,24 @@ def configs_from_args(argv: Iterable[str] | None = None) -> tuple[ModelConfig, T
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        print(f"error: WORLD_SIZE={world_size}, but the baseline trains on one device; "
-              f"the parallel chapters add layouts for more ranks", file=sys.stderr)
-        return 2
+    """The command line. Under `torchrun --nproc_per_node=n` every rank runs this; rank 0 prints."""
     try:
         model_cfg, cfg = configs_from_args(argv)
         model_cfg.validate()
-        cfg.validate(model_cfg)
+        cfg.validate(model_cfg)                                    # before any process group exists
+        rank = 0
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            rank, _ = init_from_torchrun()
         result = train(model_cfg, cfg)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
-    print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
-    print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
+    if rank == 0:
+        final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
+        print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
+        print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
