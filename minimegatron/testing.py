@@ -11,8 +11,12 @@ partial products), and floating-point addition is not associative. In float64 th
 is ~1e-16 per operation, so differences stay far below the float64 tolerances: those tests
 are "exact" for any practical purpose. float32 rounds at ~1e-7; bfloat16 at ~4e-3.
 Adam divides each update by the root of its second moment, which turns tiny gradient
-differences on near-zero gradients into visible parameter differences; equivalence tests
-of many Adam steps therefore run in float64.
+differences on near-zero gradients into visible parameter differences: an update is
+lr * m / (sqrt(v) + eps), so for a gradient g far below eps it is about lr * g / eps, and a
+rounding difference of 2e-10 in a float32 gradient of 6e-9 (a sum that nearly cancels) moves
+the parameter by 3e-5 after one step with eps = 1e-8. This is AdamW's amplification, not the
+parallel layout's: equivalence tests of several Adam steps therefore run in float64, and the
+float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
 """
 
 from __future__ import annotations
