@@ -195,7 +195,8 @@ class TrainConfig:
     # data parallelism (chapter 01); the data-parallel size is the number of ranks
     zero_stage: int = 0                   # 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded
     ddp_impl: str = "bucketed"            # zero_stage 0: "naive" (one all-reduce per gradient) | "bucketed"
-    ddp_bucket_size: int | None = None    # elements per bucket; None = Megatron's default
+    ddp_bucket_size: int | None = None    # elements per bucket; None = Megatron's default for DDP,
+                                          # one bucket per weight-decay group for ZeRO-1/2
     data_seed: int = 1234                 # data order and dropout masks
     progress: bool = True
 

@@ -421,17 +421,19 @@ class FullyShardedDataParallel(nn.Module):
         self.profile.append(MemoryEvent(label, sharded, sum(live.values())))
 
 
-def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike,
-                        unsharded_bytes: int | None = None, title: str = "ZeRO-3 parameter memory over one step") -> None:
-    """A step chart of the parameter bytes one rank holds at each event (matplotlib, Agg)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike | None = None,
+                        unsharded_bytes: int | None = None, title: str = "ZeRO-3 parameter memory over one step"):
+    """A step chart of the parameter bytes one rank holds at each event; returns the Figure
+    (its own Agg canvas, no pyplot: a notebook's backend is left alone) and saves it to `path`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     x = range(len(profile))
     sharded = [e.sharded / 1024 for e in profile]
     total = [(e.sharded + e.gathered) / 1024 for e in profile]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(profile)), 4))
+    fig = Figure(figsize=(max(6.0, 0.35 * len(profile)), 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     ax.fill_between(x, 0, sharded, step="post", color="tab:blue", alpha=0.6, label="own shards")
     ax.fill_between(x, sharded, total, step="post", color="tab:orange", alpha=0.6, label="gathered units")
     if unsharded_bytes:
@@ -443,8 +445,9 @@ def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike,
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
 
 
 __all__ = ["Unit", "UnitPlan", "gpt_unit_plan", "gather_unit_parameters", "install_unit_parameters",
