@@ -1,0 +1,355 @@
+"""The figures of chapter 01, from real multi-rank runs, and the tables the chapter quotes.
+
+    python chapters/01_dp/make_figures.py          # about 30 s on 2 cores; writes figures/*.png
+
+Two spawned gloo worlds (minimegatron.launch.spawn; the rank functions below are imported by
+the new processes from this file):
+
+  2 ranks   the benchmark's model (LLaMA style, h=256, L=4, 2.9M parameters, s=128, b=4 per
+            rank) under DistributedDataParallel, buckets of 500,000 elements, 2 warm-up and 7
+            recorded steps with overlap, the same without; each figure shows the step of median
+            length (the script prints min / median / max of all 7):
+              ddp_timeline.png             backward and each bucket's all-reduce (overlapped)
+              ddp_timeline_no_overlap.png  the same buckets, all-reduced after backward
+  4 ranks   the tests' tiny LLaMA (h=32, L=2, 39,648 parameters, float32), one training step
+            (b=2 per rank, s=16) with each variant of the chapter: naive DP, DDP (one bucket,
+            Megatron's default size; and buckets of 4,000 elements), ZeRO-1, ZeRO-2 (also with
+            buckets of 4,000 elements), ZeRO-3 (M=1 and M=2 micro-batches). It prints
+              * the communication ledger of the step next to the chapter's formula (and stops
+                with an error if they differ), with the ring-algorithm bytes each rank sends;
+              * the bytes each rank holds for parameters, gradients and optimizer state,
+                measured on the real tensors, next to analysis.memory.training_memory;
+            and draws
+              zero_memory.png              those bytes per ZeRO stage, and the same formula
+                                           for a 7B model on 64 ranks (bf16 + fp32 master)
+              zero3_memory_profile.png     ZeRO-3's parameter bytes at every gather and free
+                                           of one step (FullyShardedDataParallel.memory_profile)
+
+Timings in the timeline figures change from run to run (a shared 2-core machine); the
+ledger and the memory bytes do not.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minimegatron import comm
+from minimegatron.analysis import GiB, real_model_config, training_memory
+from minimegatron.config import ModelConfig, TrainConfig
+from minimegatron.dp import (DistributedDataParallel, FullyShardedDataParallel, NaiveDataParallel,
+                             ReplicatedOptimizer, build_zero, measure_memory, plot_bucket_timeline,
+                             plot_memory_profile)
+from minimegatron.dp._workers_zero import tiny_config
+from minimegatron.launch import spawn
+from minimegatron.model import GPTModel
+from minimegatron.testing import make_batches
+from minimegatron.train import build_optimizer, forward_backward, optimizer_step
+
+OUT = Path(__file__).resolve().parent / "figures"
+
+# ---------------------------------------------------------------------------------------
+# the runs (rank functions: spawn imports them from this file)
+# ---------------------------------------------------------------------------------------
+TIMELINE_MODEL = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2,
+                      max_position_embeddings=128, params_dtype="float32")
+TIMELINE_B, TIMELINE_S, TIMELINE_BUCKET = 4, 128, 500_000          # bucket in elements
+TIMELINE_STEPS = 7                    # recorded steps per mode; the figure shows the median one
+
+TINY_B, TINY_S, SMALL_BUCKET = 2, 16, 4_000                         # SMALL_BUCKET in elements
+VARIANTS = ["naive", "ddp", "ddp-4k", "zero1", "zero2", "zero2-4k", "zero3", "zero3-M2"]
+
+
+def timeline_rank() -> dict:
+    """DDP with overlap, then without: the timelines of TIMELINE_STEPS steps of each."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randint(0, 257, (TIMELINE_B, TIMELINE_S + 1), generator=g)
+    batch = {"tokens": x[:, :-1], "labels": x[:, 1:]}
+    cfg = TrainConfig(seq_length=TIMELINE_S, micro_batch_size=TIMELINE_B, lr=1e-4, progress=False)
+    out = {}
+    for overlap in (True, False):
+        model = GPTModel(ModelConfig.llama(**TIMELINE_MODEL))
+        ddp = DistributedDataParallel(model, None, bucket_size_bytes=4 * TIMELINE_BUCKET, overlap=overlap)
+        opt = ReplicatedOptimizer(build_optimizer(model, cfg), ddp)
+        recorded = []
+        for step in range(2 + TIMELINE_STEPS):   # the first 2 warm up the allocator and AdamW
+            forward_backward(ddp, [batch])
+            optimizer_step(ddp, opt, 1e-4, 1.0)
+            if step >= 2:
+                recorded.append(ddp.timeline)
+        names = {p: n for n, p in model.named_parameters()}
+        out[overlap] = {"timelines": recorded,
+                        "buckets": [[names[p] for p in b.params] for b in ddp.buckets]}
+    return out
+
+
+def _build(variant: str, model: GPTModel, group, cfg: TrainConfig):
+    if variant == "naive":
+        wrapper = NaiveDataParallel(model, group)
+        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper)
+    if variant in ("ddp", "ddp-4k"):
+        size = None if variant == "ddp" else 4 * SMALL_BUCKET          # bytes (float32)
+        wrapper = DistributedDataParallel(model, group, bucket_size_bytes=size)
+        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper)
+    stage = int(variant[4])
+    return build_zero(model, group, stage, cfg, bucket_size=SMALL_BUCKET if variant.endswith("-4k") else None)
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def _memory(variant: str, wrapper, optimizer, model) -> dict | None:
+    """Bytes held by this rank after the step, measured on the real tensors (storages counted
+    once). None for naive DP: its gradients exist only between backward and zero_grad."""
+    if variant == "naive":
+        return None
+    if variant.startswith("zero"):
+        m = measure_memory(wrapper, optimizer)
+        return {k: m[k] for k in ("params", "grads", "optimizer")}
+    state = optimizer.inner.state.values()
+    grads = [wrapper.grad_buffer]                     # DDP: the persistent flat buffer
+    return {"params": _storage_bytes(model.parameters()), "grads": _storage_bytes(grads),
+            "optimizer": _storage_bytes(s["exp_avg"] for s in state) + _storage_bytes(s["exp_avg_sq"] for s in state)}
+
+
+def ledger_rank() -> dict:
+    """One training step of every variant on this rank of the world (the data-parallel group)."""
+    group = dist.group.WORLD
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    cfg_model = tiny_config("llama", "float32")
+    out = {}
+    for variant in VARIANTS:
+        M = 2 if variant.endswith("-M2") else 1
+        cfg = TrainConfig(seq_length=TINY_S, micro_batch_size=TINY_B, grad_accum_steps=M, lr=1e-3,
+                          lr_warmup_iters=0, train_iters=1, clip_grad=1.0, progress=False)
+        batch = make_batches(cfg_model, 1, TINY_B * M * dp, TINY_S, seed=0)[0]
+        micro = [{k: v[(m * dp + rank) * TINY_B:(m * dp + rank + 1) * TINY_B] for k, v in batch.items()}
+                 for m in range(M)]
+        model = GPTModel(cfg_model)
+        wrapper, optimizer = _build(variant, model, group, cfg)
+        profile_ctx = wrapper.memory_profile() if isinstance(wrapper, FullyShardedDataParallel) else None
+        with comm.record_communication() as ledger:
+            if profile_ctx is not None:
+                with profile_ctx as events:
+                    loss = forward_backward(wrapper, micro)
+                    optimizer_step(wrapper, optimizer, cfg.lr, cfg.clip_grad)
+                profile = [(e.label, e.sharded, e.gathered) for e in events]
+                grad_peak = None
+            else:
+                loss = forward_backward(wrapper, micro)
+                grad_peak = getattr(wrapper, "grad_bytes_peak", None)   # zero_grad resets it
+                optimizer_step(wrapper, optimizer, cfg.lr, cfg.clip_grad)
+                profile = None
+        out[variant] = {"ledger": [(r.op, r.nbytes, r.tag, r.group_size) for r in ledger],
+                        "ring_bytes": ledger.ring_bytes(),
+                        "memory": _memory(variant, wrapper, optimizer, model),
+                        "grad_peak": grad_peak,
+                        "profile": profile, "loss": loss,
+                        "buckets": len(wrapper.buckets) if hasattr(wrapper, "buckets") else None}
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the chapter's formulas, from the parameter shapes alone
+# ---------------------------------------------------------------------------------------
+def expected_ledger(variant: str, model: GPTModel, dp: int, e: int) -> list[tuple[str, int, str]]:
+    """Per step, the multiset of (op, bytes, tag) the chapter's formulas give."""
+    named = list(model.named_parameters())
+    if variant == "naive":
+        return [("all_reduce", p.numel() * e, "grads") for _, p in named]
+    if variant.startswith("ddp"):
+        from minimegatron.dp import assign_buckets
+        order = [p.numel() for _, p in named][::-1]
+        size = 40_000_000 if variant == "ddp" else SMALL_BUCKET     # Megatron's default: max(40M, 1M dp)
+        return [("all_reduce", sum(order[i] for i in b) * e, "grads") for b in assign_buckets(order, size)]
+    norm = [("all_reduce", e, "grad-norm")]
+    if variant.startswith(("zero1", "zero2")):
+        size = SMALL_BUCKET if variant.endswith("-4k") else None
+        S = []
+        for decay in (True, False):            # reverse order, split by weight decay, then by size
+            chunk = 0
+            members = [p.numel() for _, p in named[::-1] if (p.dim() >= 2) == decay]
+            for i, n in enumerate(members):
+                chunk += n
+                if i == len(members) - 1 or (size and chunk >= size):
+                    S.append(math.ceil(chunk / dp))
+                    chunk = 0
+        return ([("reduce_scatter", dp * s * e, "grads") for s in S] + norm
+                + [("all_gather", s * e, "params") for s in S])
+    M = 2 if variant.endswith("-M2") else 1
+    units = {"embedding": "embedding."}
+    units.update({f"decoder.layers.{i}": f"decoder.layers.{i}." for i in range(model.config.num_layers)})
+    units["head"] = ("decoder.final_layernorm.", "output_layer.")
+    S = {u: math.ceil(sum(p.numel() for n, p in named if n.startswith(pre)) / dp) for u, pre in units.items()}
+    rows = []
+    for _ in range(M):
+        rows += [("all_gather", S[u] * e, "fwd") for u in S]
+        rows += [("all_gather", S[u] * e, "bwd") for u in S if u != "embedding"]  # a lookup needs no weight
+    rows += [("reduce_scatter", dp * S[u] * e, "grads") for u in S]
+    return rows + norm
+
+
+def summarize(rows) -> dict[tuple[str, str], list[int]]:
+    """{(op, tag): [calls, bytes]}."""
+    out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for op, nbytes, tag, *_ in rows:
+        out[(op, tag)][0] += 1
+        out[(op, tag)][1] += nbytes
+    return dict(out)
+
+
+# ---------------------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------------------
+COLORS = {"params": "#4C72B0", "grads": "#55A868", "optimizer": "#C44E52", "master": "#8172B2"}
+
+
+def plot_zero_memory(measured: dict[int, dict], formula: dict[int, dict], n_tiny: int, dp: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seven_b, _ = real_model_config("llama2-7b")
+    big = {s: training_memory(seven_b, master_weights=True, zero_stage=s, dp=64) for s in range(4)}
+    n_big = big[0]["num_parameters"]
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    x = list(range(4))
+    labels = ["stage 0\n(DDP)", "stage 1\n(optimizer)", "stage 2\n(+ grads)", "stage 3\n(+ params)"]
+
+    bottom = [0.0] * 4
+    for kind, name in (("params", "parameters"), ("grads", "gradients"), ("optimizer", "Adam m + v")):
+        vals = [measured[s][kind] / 1024 for s in x]
+        left.bar(x, vals, bottom=bottom, color=COLORS[kind], width=0.6, label=f"{name} (measured)")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    left.plot(x, [formula[s]["total"] / 1024 for s in x], "kD", ms=6, label="training_memory (formula)")
+    for i, total in enumerate(bottom):
+        left.text(i, total + 12, f"{total:,.0f}", ha="center", fontsize=8)
+    left.set_xticks(x, labels, fontsize=8)
+    left.set_ylabel("KiB per rank")
+    left.set_ylim(0, max(bottom) * 1.15)
+    left.set_title(f"tiny LLaMA, {n_tiny:,} params, fp32 AdamW, dp={dp}:\nmeasured bytes per rank "
+                   "(rank 0) and the ZeRO formula", fontsize=9)
+    left.legend(fontsize=7, loc="upper right")
+
+    bottom = [0.0] * 4
+    for kind, name in (("params", "bf16 parameters"), ("grads", "bf16 gradients"),
+                       ("master_weights", "fp32 master"), ("adam", "Adam m + v (fp32)")):
+        vals = [(big[s]["exp_avg"] + big[s]["exp_avg_sq"] if kind == "adam" else big[s][kind]) / GiB for s in x]
+        color = {"params": COLORS["params"], "grads": COLORS["grads"], "master_weights": COLORS["master"],
+                 "adam": COLORS["optimizer"]}[kind]
+        right.bar(x, vals, bottom=bottom, color=color, width=0.6, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, total in enumerate(bottom):
+        right.text(i, total + 1.5, f"{total:,.1f} GiB", ha="center", fontsize=8)
+    right.axhline(80, color="black", ls="--", lw=1)
+    right.text(3.45, 82, "one 80 GiB GPU", ha="right", fontsize=8)
+    right.set_xticks(x, labels, fontsize=8)
+    right.set_ylabel("GiB per rank")
+    right.set_ylim(0, max(bottom) * 1.15)
+    right.set_title(f"LLaMA-2-7B shapes, {n_big / 1e9:.2f}B params, dp=64: 2+2+12 bytes/param\n"
+                    "(formula; activations not included)", fontsize=9)
+    right.legend(fontsize=7, loc="upper right")
+    fig.suptitle("Model state per data-parallel rank, ZeRO stages 0-3", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(OUT / "zero_memory.png", dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+def fmt(n: float) -> str:
+    return f"{n:,.0f}"
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    # ---- 1. the DDP timeline, 2 ranks -------------------------------------------------
+    timelines = spawn(timeline_rank, 2, timeout=300)
+    for overlap, name in ((True, "ddp_timeline.png"), (False, "ddp_timeline_no_overlap.png")):
+        recorded = timelines[0][overlap]["timelines"]
+        by_length = sorted(recorded, key=lambda t: t.sync_end)
+        tl = by_length[len(by_length) // 2]         # the step of median length, not the best one
+        blocked = sorted(1e3 * (t.sync_end - t.sync_start) for t in recorded)
+        totals = sorted(1e3 * t.sync_end for t in recorded)
+        print(f"\n[rank 0, 2 ranks, {'overlap' if overlap else 'no overlap'}] "
+              f"{len(timelines[0][overlap]['buckets'])} buckets; first: {timelines[0][overlap]['buckets'][0]}")
+        print(f"{len(recorded)} steps: backward + finish_grad_sync {totals[0]:.0f} / {totals[len(totals) // 2]:.0f} / "
+              f"{totals[-1]:.0f} ms (min / median / max); blocked in finish_grad_sync "
+              f"{blocked[0]:.1f} / {blocked[len(blocked) // 2]:.1f} / {blocked[-1]:.1f} ms; the median step:")
+        print(tl.table())
+        print(f"blocked in finish_grad_sync: {1e3 * (tl.sync_end - tl.sync_start):.1f} ms of "
+              f"{1e3 * tl.sync_end:.1f} ms (backward {1e3 * tl.backward_end:.1f} ms); "
+              f"launched during backward: {len(tl.launched_during_backward())} of {len(tl.buckets)}")
+        title = (f"DDP on 2 ranks, {len(tl.buckets)} buckets of >= {TIMELINE_BUCKET // 1000}k elements: "
+                 + ("overlapped" if overlap else "after backward"))
+        plot_bucket_timeline(tl, OUT / name, title=title)
+
+    # ---- 2. one step of every variant, 4 ranks ----------------------------------------
+    dp = 4
+    per_rank = spawn(ledger_rank, dp, timeout=300)
+    cfg = tiny_config("llama", "float32")
+    model = GPTModel(cfg)
+    e = 4
+    N = sum(p.numel() for p in model.parameters())
+    print(f"\n== tiny LLaMA ({N:,} parameters, {len(list(model.parameters()))} tensors, float32), "
+          f"dp={dp}, one step, b={TINY_B} s={TINY_S} per rank; ledger of rank 0 (bytes handed in)")
+    print(f"{'variant':<10}{'op':<16}{'tag':<11}{'calls':>6}{'bytes':>10}{'formula':>10}")
+    for variant in VARIANTS:
+        expected = expected_ledger(variant, model, dp, e)
+        for r, result in enumerate(per_rank):
+            got = sorted((op, nb, tag) for op, nb, tag, _ in result[variant]["ledger"])
+            if got != sorted(expected):
+                print(f"MISMATCH rank {r} {variant}:\n got {got}\n expected {sorted(expected)}", file=sys.stderr)
+                return 1
+        got_sum, exp_sum = summarize(per_rank[0][variant]["ledger"]), summarize(expected)
+        for (op, tag), (calls, nbytes) in got_sum.items():
+            print(f"{variant:<10}{op:<16}{tag:<11}{calls:>6}{fmt(nbytes):>10}{fmt(exp_sum[(op, tag)][1]):>10}")
+        print(f"{'':<10}ring bytes sent per rank: {fmt(per_rank[0][variant]['ring_bytes'])} "
+              f"({per_rank[0][variant]['ring_bytes'] / (N * e):.3f} x N e)")
+    print("ledger == formula on every rank, for every variant")
+
+    print(f"\n== bytes per rank, measured (min..max over ranks) vs training_memory(cfg, zero_stage, dp={dp})")
+    measured, formula = {}, {}
+    for s, variant in enumerate(["ddp", "zero1", "zero2", "zero3"]):
+        formula[s] = training_memory(cfg, zero_stage=s, dp=dp)
+        measured[s] = per_rank[0][variant]["memory"]
+        cells = []
+        for kind in ("params", "grads", "optimizer"):
+            vals = [r[variant]["memory"][kind] for r in per_rank]
+            cells.append(f"{kind} {fmt(min(vals))}..{fmt(max(vals))} ({fmt(formula[s][kind])})")
+        print(f"stage {s} ({variant:<5}): " + "; ".join(cells)
+              + f"; total {fmt(sum(measured[s].values()))} ({fmt(formula[s]['total'])})")
+    for variant in ("zero2", "zero2-4k"):
+        peaks = [r[variant]["grad_peak"] for r in per_rank]
+        print(f"{variant}: most full-gradient bytes held during backward {fmt(max(peaks))} "
+              f"(one full gradient: {fmt(N * e)}; buckets: {per_rank[0][variant]['buckets']})")
+    plot_zero_memory(measured, formula, N, dp)
+
+    # ---- 3. ZeRO-3's parameter memory over one step -------------------------------------
+    profile = per_rank[0]["zero3"]["profile"]
+    from minimegatron.dp.fsdp import MemoryEvent
+    events = [MemoryEvent(*x) for x in profile]
+    print("\n== ZeRO-3 parameter bytes on rank 0 over one step (own shards + gathered units)")
+    for ev in events:
+        print(f"  {ev.label:<28}{fmt(ev.sharded):>8} + {fmt(ev.gathered):>7} = {fmt(ev.sharded + ev.gathered):>7}")
+    plot_memory_profile(events, OUT / "zero3_memory_profile.png", unsharded_bytes=N * e,
+                        title=f"ZeRO-3, dp={dp}: rank 0's parameter memory, one step")
+
+    for path in sorted(OUT.glob("*.png")):
+        print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
