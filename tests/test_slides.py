@@ -32,14 +32,16 @@ def _load_build_module():
 
 build = _load_build_module()
 
+# Every chapter's notebook gets a deck (chapter 00's must exist), plus the fixture.
 NOTEBOOKS = {
     "chapter00": REPO / "notebooks" / "00_single_device.ipynb",
+    **{nb.stem: nb for nb in sorted((REPO / "notebooks").glob("*.ipynb")) if nb.stem != "00_single_device"},
     "fixture": REPO / "tests" / "fixtures" / "slides_fixture.ipynb",
 }
 # nbconvert wraps each slide in two <section>s (the slide and its first subslide) and each
 # further subslide in one more, so 10 means at least five slides.
-MIN_SECTIONS = {"chapter00": 10, "fixture": 7}
-MIN_NOTES = {"chapter00": 1, "fixture": 2}
+MIN_SECTIONS = {name: 10 for name in NOTEBOOKS} | {"fixture": 7}
+MIN_NOTES = {name: 1 for name in NOTEBOOKS} | {"fixture": 2}
 URL = re.compile(r"""https?://[^\s"'<>()\\]+""", re.IGNORECASE)
 
 
