@@ -46,6 +46,7 @@ from torch import nn
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.model import GPTModel
 from minimegatron.train import build_optimizer, forward_backward, optimizer_step
+from machine import cpu_model  # benchmarks/machine.py
 
 
 # ---------------------------------------------------------------------------------------
@@ -262,17 +263,6 @@ def time_window(r: Runner, steps: int) -> float:
 # ---------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def style_config(style: str, args: argparse.Namespace, backend: str) -> ModelConfig:
     common = dict(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
                   max_position_embeddings=args.seq, attention_backend=backend, params_dtype="float32")

@@ -55,6 +55,7 @@ from minimegatron.dp import DistributedDataParallel, ReplicatedOptimizer, build_
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.train import build_optimizer, forward_backward, optimizer_step
+from machine import cpu_model, load_average  # benchmarks/machine.py
 
 VARIANTS = ("naive", "ddp", "ddp-no-overlap", "zero1")
 
@@ -147,25 +148,6 @@ def bench_rank(variants: list[str], args: dict) -> dict:
         out[v]["buckets"] = len(getattr(wrapper, "buckets", []) or []) or None
     out["params"] = sum(p.numel() for p in GPTModel(model_config(args)).parameters())
     return out
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def load_average() -> str:
-    try:
-        with open("/proc/loadavg") as fh:
-            return fh.read().split()[0]
-    except OSError:
-        return "?"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
