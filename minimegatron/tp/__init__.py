@@ -1,0 +1,21 @@
+"""Chapter 02: tensor parallelism, Megatron-LM style (megatron/core/tensor_parallel/).
+
+Read in this order:
+
+  layers.py         cutting a weight matrix by columns (ColumnParallelLinear) and by rows
+                    (RowParallelLinear), the vocabulary-split embedding, and the helpers
+                    that cut a shard from the single-device initial value
+  cross_entropy.py  the loss over a split vocabulary with three all-reduces of [b, s]
+                    numbers instead of gathering the [b, s, V] logits
+
+The communication operators they use (Megatron's f and g, split and gather) live in
+minimegatron/comm/regions.py, with every call recorded in the ledger.
+"""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide,
+                     pad_vocab_size, shard_cols, shard_rows, vocab_range)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "divide",
+           "pad_vocab_size", "vocab_range"]

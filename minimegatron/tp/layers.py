@@ -1,0 +1,281 @@
+"""Tensor-parallel layers: a weight matrix cut across the ranks of a tensor-parallel group.
+
+Shape legend as in model/gpt.py (b batch, s sequence, h hidden, V vocabulary, f MLP inner
+size, tp the tensor-parallel size). A linear layer stores W: [out, in] and computes
+y = x W^T + b. It can be cut two ways:
+
+  ColumnParallelLinear   rank r holds rows r of W (its output features): [out/tp, in].
+                         y_r = x W_r^T is the r-th slice of y's last dimension.
+                         Every rank needs all of x, and x's gradient is a SUM over ranks
+                         (each rank's slice of y depends on all of x):
+                             forward  copy_to_region (f: identity)  -> local matmul
+                             backward local matmul grads            -> all-reduce dx (f)
+  RowParallelLinear      rank r holds columns r of W (its input features): [out, in/tp].
+                         x_r W_r^T is a PARTIAL SUM of y; the full y is their sum:
+                             forward  local matmul -> all-reduce (g) -> + bias (once)
+                             backward identity (g): every rank gets the full dy
+
+A column-parallel layer followed by a row-parallel one (the MLP, attention's QKV then its
+output projection) needs one all-reduce forward (g) and one backward (f), and the activation
+between them stays split: nothing is gathered.
+
+VocabParallelEmbedding cuts the embedding table [V, h] by rows (vocabulary ranges); each
+rank looks up the ids it owns, writes zeros for the others, and one all-reduce (g) sums.
+
+Initialisation (the book's rule 2): every shard is cut from ``initial_value(name,
+full_shape, config)`` of the *single-device* parameter name, so any TP layout starts from
+exactly the single-device weights. Nothing here draws random numbers per rank.
+
+Megatron-LM: megatron/core/tensor_parallel/layers.py (ColumnParallelLinear,
+RowParallelLinear, VocabParallelEmbedding, _initialize_affine_weight_cpu) and
+megatron/core/tensor_parallel/utils.py (VocabUtility). Difference: Megatron's linear layers
+return (output, bias) so a later fused kernel can add the bias; ours return the output only,
+like the baseline's Linear, so a TP layer drops into the baseline model in its place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import (copy_to_region, gather_from_region, group_rank, group_size,
+                    reduce_from_region, scatter_to_region)
+from ..model.init import initial_value
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range"]
+
+
+# ======================================================================================
+# Cutting shards
+# ======================================================================================
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """``numerator / denominator``, or ValueError naming both when it is not a whole number."""
+    if numerator % denominator:
+        raise ValueError(f"{what} {numerator} is not divisible by the tensor-parallel size "
+                         f"{denominator}")
+    return numerator // denominator
+
+
+def _shard(full: torch.Tensor, dim: int, group, stride: int) -> torch.Tensor:
+    tp, r = group_size(group), group_rank(group)
+    divide(full.shape[dim], tp * stride, f"dimension {dim} of size")
+    # stride > 1: the full tensor is `stride` blocks stacked along `dim` (e.g. SwiGLU's
+    # [gate; up]); each rank keeps its slice of EVERY block, so the local tensor is again
+    # [block_0 slice; block_1 slice; ...] and local code can still chunk it the same way.
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(tp, dim=dim)[r] for b in blocks], dim=dim).contiguous()
+
+
+def shard_rows(full: torch.Tensor, group, stride: int = 1) -> torch.Tensor:
+    """This rank's rows of ``full`` [n, ...] -> [n/tp, ...] (a copy, contiguous).
+
+    Rank r (its index in ``group``) keeps rows [r n/tp, (r+1) n/tp). With ``stride`` k the
+    rows are k stacked blocks and rank r keeps its rows of each block, in block order
+    (Megatron's ``stride`` in _initialize_affine_weight_cpu). No communication.
+    """
+    return _shard(full, 0, group, stride)
+
+
+def shard_cols(full: torch.Tensor, group, stride: int = 1) -> torch.Tensor:
+    """This rank's columns of ``full`` [m, n] -> [m, n/tp] (as shard_rows, along dim 1)."""
+    return _shard(full, 1, group, stride)
+
+
+def pad_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 1) -> int:
+    """The smallest multiple of ``make_vocab_size_divisible_by * tp`` that is >= vocab_size.
+
+    Megatron pads the vocabulary the same way (``--make-vocab-size-divisible-by``, 128 by
+    default, times tp) so each rank gets an equal, well-aligned slice. 257 with tp 2 -> 258,
+    with tp 4 -> 260. The padding ids [vocab_size, padded) are never valid tokens.
+    """
+    multiple = make_vocab_size_divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def vocab_range(padded_vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
+    """[start, end) of the vocabulary ids that rank ``rank`` of ``tp`` owns (Megatron's
+    VocabUtility.vocab_range_from_global_vocab_size)."""
+    per_rank = divide(padded_vocab_size, tp, "padded vocabulary size")
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+# ======================================================================================
+# Linear layers
+# ======================================================================================
+
+class _ParallelLinear(nn.Module):
+    """Shared set-up: parameters created from the single-device initial values
+    (left zero when ``init_name`` is None: set them with ``load_full``)."""
+
+    def _create(self, weight_shape, bias_shape, init_name, config):
+        dtype = config.dtype if config is not None else torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.zeros(weight_shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(bias_shape, dtype=dtype)) if bias_shape else None
+        if init_name is not None:
+            if config is None:
+                raise ValueError(f"init_name={init_name!r} needs a config (seed, dtype, std)")
+            w = initial_value(f"{init_name}.weight", (self.out_features, self.in_features),
+                              config)
+            b = (initial_value(f"{init_name}.bias", (self.out_features,), config)
+                 if self.bias is not None else None)
+            self.load_full(w, b)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Set this rank's shard from the full single-device weight [out, in] (and bias [out])."""
+        self.weight.copy_(self.shard_weight(weight))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("this layer has a bias: pass the full bias too")
+            self.bias.copy_(self.shard_bias(bias))
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W's rows (the output features) split over ``group``.
+
+    Parameters (this rank r of tp): weight [out/tp, in] = rows r of the full W (with
+    ``stride`` k: rows r of each of k stacked blocks, see shard_rows); bias [out/tp].
+    Input  x [..., in], the same on every rank of the group.
+    Output [..., out/tp] (this rank's output features), or [..., out] with gather_output.
+    Communication: forward nothing (plus one all-gather of the output with gather_output);
+    backward one all-reduce of dx [..., in] (f), plus the split of dy with gather_output.
+    Invariant: a rank's weight/bias gradients are exactly the rows of the single-device
+    gradients, so reassembling them (concatenate in group order) gives the full gradient.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 gather_output: bool = False, init_name: str | None = None, config=None,
+                 stride: int = 1):
+        super().__init__()
+        self.group, self.tp = group, group_size(group)
+        self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        divide(out_features, self.tp * stride, "ColumnParallelLinear: out_features")
+        self.output_size_per_partition = out_features // self.tp
+        self.gather_output = gather_output
+        self._create((self.output_size_per_partition, in_features),
+                     (self.output_size_per_partition,) if bias else None, init_name, config)
+
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        return shard_rows(full, self.group, self.stride)
+
+    def shard_bias(self, full: torch.Tensor) -> torch.Tensor:
+        return shard_rows(full, self.group, self.stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_region(x, self.group)               # f: identity now, all-reduce dx later
+        y = F.linear(x, self.weight, self.bias)         # [..., out/tp]
+        if self.gather_output:
+            # only for a consumer that needs every feature (rare: it costs an all-gather
+            # and every rank then holds the whole activation); stride must be 1 for the
+            # gathered features to come out in the single-device order.
+            if self.stride != 1:
+                raise ValueError("gather_output with stride > 1 would interleave the blocks")
+            y = gather_from_region(y, self.group, dim=-1)  # [..., out]
+        return y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = x W^T + b with W's columns (the input features) split over ``group``.
+
+    Parameters (rank r of tp): weight [out, in/tp] = columns r of the full W;
+    bias [out], the full bias, the same on every rank.
+    Input  x [..., in/tp] (this rank's input features, e.g. a column-parallel output), or
+    x [..., in] with input_is_parallel=False (then split here, no communication).
+    Output y [..., out], the same on every rank.
+    Communication: forward one all-reduce of y [..., out] (g); backward nothing (plus an
+    all-gather of dx when input_is_parallel=False).
+    The bias is added once, after the all-reduce: added before it, it would be summed tp
+    times. Its gradient is the full dy summed, identical on every rank (so, like any
+    replicated parameter, it is never averaged across the tensor-parallel group).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 input_is_parallel: bool = True, init_name: str | None = None, config=None):
+        super().__init__()
+        self.group, self.tp = group, group_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_size_per_partition = divide(in_features, self.tp,
+                                               "RowParallelLinear: in_features")
+        self.input_is_parallel = input_is_parallel
+        self._create((out_features, self.input_size_per_partition),
+                     (out_features,) if bias else None, init_name, config)
+
+    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
+        return shard_cols(full, self.group)
+
+    def shard_bias(self, full: torch.Tensor) -> torch.Tensor:
+        return full.clone()                              # replicated, not split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.group, dim=-1)  # [..., in/tp]; dx all-gathered later
+        partial = F.linear(x, self.weight)               # [..., out], a partial sum
+        y = reduce_from_region(partial, self.group)      # g: all-reduce now, identity later
+        return y + self.bias if self.bias is not None else y
+
+
+# ======================================================================================
+# Embedding
+# ======================================================================================
+
+class VocabParallelEmbedding(nn.Module):
+    """tokens [b, s] -> [b, s, h], with the table's rows (vocabulary ids) split over ``group``.
+
+    The vocabulary is padded to Vp = pad_vocab_size(V, tp, make_vocab_size_divisible_by);
+    rank r owns ids [start, end) = vocab_range(Vp, r, tp) and holds weight [Vp/tp, h].
+    Rows of real ids are cut from initial_value(init_name + ".weight", (V, h)); the padding
+    rows [V, Vp) are initialised to ZERO. They can never matter: no valid token id is >= V
+    (the forward rejects one), so the embedding never reads them and they get no gradient;
+    a tied output layer produces logits for them, but vocab_parallel_cross_entropy(...,
+    vocab_size=V) gives those logits zero probability, so their gradient is zero too.
+    Communication: forward one all-reduce of the output [b, s, h] (g); backward nothing
+    (each rank's rows get the gradient of the tokens it owns, zero for the others).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group,
+                 init_name: str | None = None, config=None,
+                 make_vocab_size_divisible_by: int = 1):
+        super().__init__()
+        self.group = group
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        tp, r = group_size(group), group_rank(group)
+        self.padded_vocab_size = pad_vocab_size(num_embeddings, tp, make_vocab_size_divisible_by)
+        self.vocab_start_index, self.vocab_end_index = vocab_range(self.padded_vocab_size, r, tp)
+        dtype = config.dtype if config is not None else torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.zeros(self.padded_vocab_size // tp, embedding_dim,
+                                               dtype=dtype))
+        if init_name is not None:
+            if config is None:
+                raise ValueError(f"init_name={init_name!r} needs a config (seed, dtype, std)")
+            self.load_full(initial_value(f"{init_name}.weight",
+                                         (num_embeddings, embedding_dim), config))
+
+    def pad(self, full: torch.Tensor) -> torch.Tensor:
+        """The full table [V, h] with zero padding rows appended: [Vp, h]."""
+        padding = full.new_zeros(self.padded_vocab_size - full.shape[0], *full.shape[1:])
+        return torch.cat([full, padding])
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor) -> None:
+        """Set this rank's rows from the full single-device table [V, h]."""
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"expected the full table [{self.num_embeddings}, "
+                             f"{self.embedding_dim}], got {list(weight.shape)}")
+        self.weight.copy_(shard_rows(self.pad(weight), self.group))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.num_embeddings):
+            # the single-device embedding raises too; here an id in the padding would
+            # silently read a zero row, so say it before it becomes a wrong answer
+            raise ValueError(f"token ids must be in [0, {self.num_embeddings}), got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        outside = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
+        local_ids = (tokens - self.vocab_start_index).masked_fill(outside, 0)   # [b, s]
+        partial = F.embedding(local_ids, self.weight)                          # [b, s, h]
+        # ids owned by another rank read row 0 above: zero them, so the sum over ranks
+        # holds exactly one (the owner's) row per token, and row 0 gets no stray gradient
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(partial, self.group)                         # [b, s, h]
