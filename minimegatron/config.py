@@ -49,7 +49,7 @@ class ModelConfig:
     num_layers: int = 2                   # L
     num_attention_heads: int = 4          # a (query heads)
     num_query_groups: int | None = None   # g (key/value heads); None = a (multi-head attention)
-    ffn_hidden_size: int | None = None    # f; None = 4h (GELU) or the LLaMA rule (SwiGLU)
+    ffn_hidden_size: int | None = None    # f; None = 4h (GELU) or about 8h/3 (SwiGLU)
     max_position_embeddings: int = 64     # longest sequence the model accepts
     normalization: str = "LayerNorm"      # "LayerNorm" | "RMSNorm"
     activation: str = "gelu"              # "gelu" | "swiglu"
@@ -97,7 +97,8 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         if self.activation == "swiglu":
-            # LLaMA: 2/3 of 4h keeps the parameter count of a 4h GELU MLP; rounded up to 8.
+            # 2/3 of 4h keeps the parameter count of a 4h GELU MLP (the LLaMA paper's choice);
+            # rounded up to a multiple of 8 here (LLaMA rounds to 256, Megatron's --swiglu to 64).
             return ((8 * self.hidden_size // 3) + 7) // 8 * 8
         return 4 * self.hidden_size
 

@@ -169,6 +169,22 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
     return train, valid
 
 
+# What decides the rest of a run besides the saved state: resuming with other values would
+# silently break the "bit-identical to the uninterrupted run" guarantee, so it is refused.
+RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size", "grad_accum_steps",
+                     "train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "adam_beta1",
+                     "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage")
+
+
+def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
+    """CheckpointError naming every field in RESUME_MUST_MATCH that differs from the saved run."""
+    now = to_dict(cfg)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, run {now[k]!r}" for k in RESUME_MUST_MATCH
+             if k in saved and saved[k] != now[k]]
+    if diffs:
+        raise CheckpointError(f"cannot resume exactly from {where}: the training config differs: " + "; ".join(diffs))
+
+
 def data_parallel_context() -> tuple[int, int, object]:
     """(dp_rank, dp_size, dp_group): (0, 1, None) on one process; under torchrun every rank
     is a data-parallel rank (tensor/pipeline/context parallelism arrive in later chapters)."""
@@ -209,6 +225,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
         if state.get("dp_size", 1) != dp_size:
             raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by dp_size={state.get('dp_size', 1)} "
                                   f"ranks, this run has dp_size={dp_size}")
+        check_resume_config(state.get("train_config", {}), cfg, cfg.load_dir)
         model.load_state_dict(state["model"])                     # before sharding (ZeRO-3)
     if dp_group is None and cfg.zero_stage == 0:
         engine, optimizer = model, build_optimizer(model, cfg)

@@ -86,6 +86,13 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
         train(bigger, _train_cfg(tmp_path, train_iters=4, load_dir=str(tmp_path / "ckpt")))
 
 
+def test_resuming_with_another_training_config_is_refused(tmp_path):
+    """Another batch size or data seed would silently change the run: refused, by field."""
+    train(TINY, _train_cfg(tmp_path, train_iters=2, save_dir=str(tmp_path / "ckpt")))
+    with pytest.raises(CheckpointError, match="micro_batch_size: checkpoint 4, run 2"):
+        train(TINY, _train_cfg(tmp_path, train_iters=2, micro_batch_size=2, load_dir=str(tmp_path / "ckpt")))
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     path = save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
     path.write_bytes(path.read_bytes()[:40])

@@ -240,7 +240,7 @@ def korthikanti_activation_memory(config: ModelConfig, batch: int, seq: int) -> 
       - on CPU a dropout mask has the dtype of its input (2 bytes in bf16, 4 in fp32);
       - in fp32 every term doubles; without dropout the mask terms vanish;
       - SwiGLU saves 4 b s f e (fc1 output 2f, silu output f, fc2 input f) where GELU saves
-        2 b s f e, and the LLaMA rule f ~ 8h/3 makes that about 21 s b h in bf16, not 16;
+        2 b s f e, and the SwiGLU width f ~ 8h/3 makes that about 21 s b h in bf16, not 16;
       - GQA does not shrink what attention saves: k and v are repeated to a heads first.
     """
     b, s, h, a = batch, seq, config.hidden_size, config.num_attention_heads

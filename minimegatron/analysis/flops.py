@@ -116,7 +116,7 @@ def megatron_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *,
 
         F = 72 B s L h^2 (1 + s / (6h) + V / (12 L h))
 
-    the form of Narayanan et al. 2021 without recomputation, and what
+    the same derivation with three passes (the paper states only the 96 form), and what
     `training_flops(...)["total"]` gives for g = a, f = 4h. (Megatron-LM's current
     `num_floating_point_operations` in megatron/training/training.py refines it for GQA,
     SwiGLU and the causal half of the attention scores, so its logged figure differs.) The formula ignores GQA and
