@@ -325,14 +325,17 @@ class FullyShardedDataParallel(nn.Module):
     @contextmanager
     def no_sync(self):
         """Backward inside this block accumulates each unit's local gradient in unit.pending."""
-        self._sync = False
+        previous, self._sync = self._sync, False
         try:
             yield
         finally:
-            self._sync = True
+            self._sync = previous
 
     def finish_grad_sync(self) -> None:
         """Gradients were reduce-scattered during backward; reduce what no_sync left pending."""
+        if not self._sync:
+            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
+                               "micro-batch's backward outside it, then sync")
         for unit in self.units.values():
             if unit.pending is not None:
                 self._reduce(unit, torch.zeros_like(unit.pending))

@@ -233,11 +233,11 @@ class ZeroDataParallel(nn.Module):
     @contextmanager
     def no_sync(self):
         """Backward inside this block only accumulates local gradients: no communication."""
-        self._sync = False
+        previous, self._sync = self._sync, False
         try:
             yield
         finally:
-            self._sync = True
+            self._sync = previous
 
     # ---- stage 2: reduce a bucket as soon as its last gradient is accumulated ------------
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -274,6 +274,9 @@ class ZeroDataParallel(nn.Module):
         """After the last micro-batch's backward: every bucket's main_grad holds this rank's
         shard of the gradient averaged over the group (stage 1: one in-place reduce-scatter
         per bucket now; stage 2: the buckets the backward did not complete are reduced now)."""
+        if not self._sync:
+            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
+                               "micro-batch's backward outside it, then sync")
         for i, b in enumerate(self.buckets):
             if self.stage == 1:
                 reduce_scatter_tensor(b.main_grad, b.grad_data, self.group, op="avg", tag="grads")
