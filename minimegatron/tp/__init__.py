@@ -7,6 +7,8 @@ Read in this order:
                     that cut a shard from the single-device initial value
   cross_entropy.py  the loss over a split vocabulary with three all-reduces of [b, s]
                     numbers instead of gathering the [b, s, V] logits
+  random.py         two random streams: one shared by the tensor-parallel group (dropout on
+                    replicated activations), one per rank (dropout inside split regions)
 
 The communication operators they use (Megatron's f and g, split and gather) live in
 minimegatron/comm/regions.py, with every call recorded in the ledger.
@@ -15,7 +17,9 @@ minimegatron/comm/regions.py, with every call recorded in the ledger.
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide,
                      pad_vocab_size, shard_cols, shard_rows, vocab_range)
+from .random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "divide",
-           "pad_vocab_size", "vocab_range"]
+           "pad_vocab_size", "vocab_range", "RNGStatesTracker", "get_rng_tracker",
+           "model_parallel_manual_seed"]
