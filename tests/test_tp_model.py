@@ -1,0 +1,185 @@
+"""Tests for minimegatron.tp.model: the tensor-parallel GPT against the single-device GPTModel.
+
+ONE spawned world of 4 ranks: TP 2 on [0, 1] and [2, 3] (Megatron's contiguous TP groups),
+TP 4 on the world. float64, vocabulary 257 (divisible by neither 2 nor 4), GPT-2 style (tied,
+learned positions, biases, GELU, LayerNorm) and LLaMA style (untied, RoPE, GQA, SwiGLU,
+RMSNorm, no biases). Each rank trains the TP model for 3 AdamW steps over its LOCAL shards
+(AdamW is elementwise, so sharded AdamW is the full one; clipping is off because the global
+norm of sharded gradients would need an all-reduce) and compares losses, first-step gradients
+and final parameters, reassembled under single-device names, with testing.single_device_run.
+"""
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minimegatron.comm import record_communication
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.launch import spawn
+from minimegatron.model import GPTModel
+from minimegatron.testing import RunRecord, assert_equivalent, make_batches, single_device_run
+from minimegatron.tp.model import TensorParallelGPTModel, full_gradients, full_parameters
+from minimegatron.train import build_optimizer, forward_backward, learning_rate, optimizer_step
+
+WORLD = 4
+CHECKS = []
+E = 8                      # bytes per float64
+STEPS, B, S = 3, 2, 16
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def gpt2(**kw):
+    base = dict(vocab_size=257, hidden_size=32, num_layers=2, num_attention_heads=4,
+                max_position_embeddings=S, params_dtype="float64")
+    return ModelConfig.gpt2(**{**base, **kw})
+
+
+def llama(tp, **kw):
+    # GQA with 2 query heads per group; g must be divisible by tp, so g = tp
+    return ModelConfig.llama(vocab_size=257, hidden_size=32, num_layers=2,
+                             num_attention_heads=2 * tp, num_query_groups=tp,
+                             max_position_embeddings=S, params_dtype="float64", **kw)
+
+
+def plain_gather(t, group):
+    """Every rank's copy of t (plain torch.distributed: not the code under test, not counted)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def tp_run(cfg, group, batches, train_cfg):
+    """The same loop as single_device_run, on a TensorParallelGPTModel; returns its RunRecord."""
+    model = TensorParallelGPTModel(cfg, group)
+    optimizer = build_optimizer(model, train_cfg)            # over this rank's shards only
+    layout = model.shard_layout()
+    losses, first_grads = [], {}
+    for step, batch in enumerate(batches):
+        losses.append(forward_backward(model, [batch]))
+        if step == 0:
+            first_grads = full_gradients(model, group)
+            # replicated parameters: identical gradients on every TP rank, with no all-reduce
+            for name, p in model.named_parameters():
+                if layout[name][1] == "replicated":
+                    for other in plain_gather(p.grad, group):
+                        assert torch.equal(other, p.grad), f"{name}: gradient differs across TP ranks"
+        optimizer_step(model, optimizer, learning_rate(step, train_cfg), clip_grad=0.0)
+    return RunRecord(losses, first_grads, full_parameters(model, group))
+
+
+# ---------------------------------------------------------------------- equivalence
+
+@check
+def check_training_equals_single_device(rank, G):
+    for tp, group in G["tps"]:
+        for cfg in (gpt2(), llama(tp)):
+            batches = make_batches(cfg, STEPS, B, S, seed=7)
+            train_cfg = TrainConfig(train_iters=STEPS, lr_warmup_iters=0, clip_grad=0.0)
+            reference = single_device_run(cfg, batches, train_cfg)
+            record = tp_run(cfg, group, batches, train_cfg)
+            try:
+                assert_equivalent(reference, record, torch.float64)
+            except AssertionError as e:
+                raise AssertionError(f"tp={tp} {cfg.normalization}/{cfg.activation}: {e}") from None
+
+
+@check
+def check_initial_parameters_and_logits_equal_single_device(rank, G):
+    tokens = make_batches(gpt2(), 1, B, S, seed=3)[0]["tokens"]
+    for tp, group in G["tps"]:
+        for cfg in (gpt2(), llama(tp)):
+            ref = GPTModel(cfg)
+            model = TensorParallelGPTModel(cfg, group)
+            full = full_parameters(model, group)
+            assert set(full) == {n for n, _ in ref.named_parameters()}
+            for name, p in ref.named_parameters():
+                assert torch.equal(full[name], p.detach()), name   # cut, not re-drawn
+            shard = model(tokens)                                  # [b, s, Vp/tp]
+            assert shard.shape == (B, S, model.padded_vocab_size // tp)
+            logits = torch.cat(plain_gather(shard.detach(), group), dim=-1)[..., :cfg.vocab_size]
+            torch.testing.assert_close(logits, ref(tokens).detach(), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- communication
+
+@check
+def check_two_all_reduces_per_layer_forward_and_backward(rank, G):
+    for tp, group in G["tps"]:
+        cfg = gpt2()
+        h, L = cfg.hidden_size, cfg.num_layers
+        model = TensorParallelGPTModel(cfg, group)
+        bsh = B * S * h
+        x = torch.randn(B, S, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        x.requires_grad_()
+        with record_communication() as fwd:
+            y = model.decoder.layers["0"](x, None)
+        with record_communication() as bwd:
+            y.sum().backward()
+        # g after linear_proj, g after linear_fc2; f before linear_qkv, f before linear_fc1
+        for ledger, tag in ((fwd, "fwd"), (bwd, "bwd")):
+            assert ledger.count() == ledger.count("all_reduce", group, tag) == 2, ledger.records
+            assert [r.shape for r in ledger.records] == [(B, S, h)] * 2
+            assert ledger.total_bytes() == 2 * bsh * E
+
+        # the whole model with the loss: embedding 1 + 2 per layer of [b, s, h], loss 3 of [b, s]
+        batch = make_batches(cfg, 1, B, S, seed=1)[0]
+        with record_communication() as fwd:
+            losses = model(batch["tokens"], labels=batch["labels"])
+        with record_communication() as bwd:
+            losses.mean().backward()
+        assert fwd.count() == fwd.count("all_reduce", group, "fwd") == 1 + 2 * L + 3
+        assert fwd.total_bytes() == (1 + 2 * L) * bsh * E + 3 * B * S * E
+        # the loss path moves b*s numbers per all-reduce, never the [b, s, Vp/tp] logits
+        assert sum(r.shape == (B, S) for r in fwd.records) == 3
+        assert max(r.nbytes for r in fwd.records) == bsh * E < B * S * cfg.vocab_size * E
+        # backward: 2 per layer, plus the output layer's f; the embedding and loss need none
+        assert bwd.count() == bwd.count("all_reduce", group, "bwd") == 2 * L + 1
+        assert bwd.total_bytes() == (2 * L + 1) * bsh * E
+
+
+# ---------------------------------------------------------------------- bad input
+
+@check
+def check_config_errors_name_the_numbers(rank, G):
+    world = G["tps"][-1][1]
+    with pytest.raises(ConfigError, match="num_query_groups=2 is not divisible by the "
+                                          "tensor-parallel size tp=4"):
+        TensorParallelGPTModel(llama(2), world)
+    with pytest.raises(ConfigError, match="num_attention_heads=2 is not divisible by the "
+                                          "tensor-parallel size tp=4"):
+        TensorParallelGPTModel(gpt2(num_attention_heads=2), world)
+    with pytest.raises(ConfigError, match="attention_dropout=0.1"):
+        TensorParallelGPTModel(gpt2(attention_dropout=0.1), world)
+
+
+# ---------------------------------------------------------------------- the spawned world
+
+def run_checks():
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank creates every group
+    G = {"tps": [(2, pairs[rank // 2]), (4, dist.group.WORLD)]}
+    results = {}
+    for fn in CHECKS:
+        try:
+            fn(rank, G)
+            results[fn.__name__] = None
+        except Exception:
+            results[fn.__name__] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def world_results():
+    return spawn(run_checks, WORLD, timeout=120.0, collective_timeout=30.0)
+
+
+@pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
+def test_in_world_of_4(world_results, name):
+    failures = {r: res[name] for r, res in enumerate(world_results) if res[name] is not None}
+    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
