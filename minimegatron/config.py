@@ -198,6 +198,8 @@ class TrainConfig:
     ddp_impl: str = "bucketed"            # zero_stage 0: "naive" (one all-reduce per gradient) | "bucketed"
     ddp_bucket_size: int | None = None    # elements per bucket; None = Megatron's default for DDP,
                                           # one bucket per weight-decay group for ZeRO-1/2
+    # tensor parallelism (chapter 02): the ranks form a grid, tp fastest; dp = world / tp
+    tensor_model_parallel_size: int = 1   # each matrix split over this many ranks
     data_seed: int = 1234                 # data order and dropout masks
     progress: bool = True
 
@@ -219,6 +221,14 @@ class TrainConfig:
         need(self.ddp_impl in ("naive", "bucketed"), f"ddp_impl={self.ddp_impl!r} is not 'naive' or 'bucketed'")
         need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
+        tp = self.tensor_model_parallel_size
+        need(tp >= 1, f"tensor_model_parallel_size={tp} must be >= 1")
+        need(tp == 1 or self.zero_stage == 0,
+             f"zero_stage={self.zero_stage} with tensor_model_parallel_size={tp}: zero_stage > 0 with "
+             f"tensor parallelism arrives later; use zero_stage 0")
+        if model is not None and tp > 1:
+            from .tp.model import check_tensor_parallel_config   # heads, groups, ffn by tp; no dropout
+            check_tensor_parallel_config(model, tp)
         if model is not None:
             need(self.seq_length <= model.max_position_embeddings,
                  f"seq_length={self.seq_length} is longer than "

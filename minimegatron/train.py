@@ -6,6 +6,7 @@
     python -m minimegatron.train --preset tiny --save-dir runs/ckpt --save-interval 10
     python -m minimegatron.train --preset tiny --load-dir runs/ckpt  # exact resume
     torchrun --standalone --nproc_per_node=2 -m minimegatron.train --zero-stage 1   # chapter 01
+    torchrun --standalone --nproc_per_node=4 -m minimegatron.train --tensor-model-parallel-size 2  # 02
 
 One step (Megatron's train_step, without the parallel parts yet):
 
@@ -45,6 +46,7 @@ from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_
 from .dp import build_data_parallel
 from .launch import init_from_torchrun
 from .model import GPTModel
+from .tp import TensorParallelGPTModel, clip_tensor_parallel_grad_norm, full_parameters
 
 # ---------------------------------------------------------------------------------------
 # presets: sizes that train in seconds to a minute on a laptop CPU
@@ -108,13 +110,17 @@ def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
-                   clip_grad: float) -> float:
+                   clip_grad: float, tensor_parallel: TensorParallelGPTModel | None = None) -> float:
     """Clip the global gradient norm, set the learning rate, step; returns the norm before clipping.
 
     A data-parallel optimizer (chapter 01) computes the global norm itself: under ZeRO each
-    rank holds only a shard of the gradients, so the norm needs an all-reduce.
+    rank holds only a shard of the gradients, so the norm needs an all-reduce. Under tensor
+    parallelism (chapter 02) pass the split model as `tensor_parallel`: its norm sums over the
+    TP group (the DP ranks of zero_stage 0 already hold identical, averaged gradients).
     """
-    if hasattr(optimizer, "clip_grad_norm"):
+    if tensor_parallel is not None:
+        norm = clip_tensor_parallel_grad_norm(tensor_parallel, clip_grad)
+    elif hasattr(optimizer, "clip_grad_norm"):
         norm = optimizer.clip_grad_norm(clip_grad)
     else:
         params = [p for p in model.parameters() if p.grad is not None]
@@ -173,7 +179,8 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
 # silently break the "bit-identical to the uninterrupted run" guarantee, so it is refused.
 RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size", "grad_accum_steps",
                      "train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "adam_beta1",
-                     "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage")
+                     "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage",
+                     "tensor_model_parallel_size")
 
 
 def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
@@ -185,15 +192,37 @@ def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
         raise CheckpointError(f"cannot resume exactly from {where}: the training config differs: " + "; ".join(diffs))
 
 
-def data_parallel_context() -> tuple[int, int, object]:
-    """(dp_rank, dp_size, dp_group): (0, 1, None) on one process; under torchrun every rank
-    is a data-parallel rank (tensor/pipeline/context parallelism arrive in later chapters)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return 0, 1, None
+@dataclass
+class Grid:
+    """Where this process sits on the 2D grid of ranks: tp (fastest) x dp. A group of size 1
+    is None (nothing to communicate)."""
+    rank: int = 0
+    world: int = 1
+    tp_size: int = 1
+    tp_group: object = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: object = None
+
+
+def parallel_context(tp: int = 1) -> Grid:
+    """The grid for tensor_model_parallel_size `tp`: one process is Grid(); under torchrun
+    dp = world / tp, and the ranks of one TP group are one data-parallel rank (same
+    micro-batches). ConfigError, before any group is made, when the world does not split."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tp < 1 or world % tp:
+        raise ConfigError(f"world size {world} is not divisible by tensor_model_parallel_size={tp}")
+    if world == 1:
+        return Grid()
+    if parallel_state.model_parallel_is_initialized() and \
+            parallel_state.get_tensor_model_parallel_world_size() != tp:
+        parallel_state.destroy_model_parallel()            # another layout in the same world
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return dist.get_rank(group), dist.get_world_size(group), group
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_size = dist.get_world_size(dp_group)
+    return Grid(dist.get_rank(), world, tp, parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+                dist.get_rank(dp_group), dp_size, dp_group if dp_size > 1 else None)
 
 
 def full_state_dict(engine: torch.nn.Module, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -209,24 +238,31 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     On one process this is the baseline. Under torchrun (or `launch.spawn`) with n ranks it
     trains data-parallel: each rank takes its slice of every global batch of
     micro_batch_size * grad_accum_steps * n sequences, and `cfg.zero_stage` / `cfg.ddp_impl`
-    pick the variant of chapter 01.
+    pick the variant of chapter 01. With cfg.tensor_model_parallel_size = t > 1 (chapter 02)
+    the ranks form a t x (n / t) grid: every matrix is split over a TP group of t ranks, and
+    the n / t TP groups are the data-parallel ranks.
     """
     model_cfg.validate()
+    grid = parallel_context(cfg.tensor_model_parallel_size)      # first: does the world split?
     cfg.validate(model_cfg)
-    dp_rank, dp_size, dp_group = data_parallel_context()
+    dp_rank, dp_size, dp_group = grid.dp_rank, grid.dp_size, grid.dp_group
     train_ds, valid_ds = build_datasets(model_cfg, cfg)
-    torch.manual_seed(cfg.data_seed)  # dropout masks
-    model = GPTModel(model_cfg)
+    torch.manual_seed(cfg.data_seed)  # dropout masks (refused under TP: see check_tensor_parallel_config)
+    tp_model = TensorParallelGPTModel(model_cfg, grid.tp_group) if grid.tp_size > 1 else None
+    model = tp_model if tp_model is not None else GPTModel(model_cfg)
     result = TrainResult(out_dir=cfg.out_dir)
 
-    state = None
+    state = own = None
     if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
         state = load_checkpoint(cfg.load_dir, model_config=to_dict(model_cfg))
-        if state.get("dp_size", 1) != dp_size:
-            raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by dp_size={state.get('dp_size', 1)} "
-                                  f"ranks, this run has dp_size={dp_size}")
+        saved = (state.get("tp_size", 1), state.get("dp_size", 1))
+        if saved != (grid.tp_size, dp_size):
+            raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by tp_size={saved[0]} x dp_size="
+                                  f"{saved[1]} ranks, this run has tp_size={grid.tp_size} x dp_size={dp_size}")
         check_resume_config(state.get("train_config", {}), cfg, cfg.load_dir)
-        model.load_state_dict(state["model"])                     # before sharding (ZeRO-3)
+        own = state if grid.world == 1 else load_rank_state(cfg.load_dir, state["step"], grid.rank)
+        # before sharding (ZeRO-3); under TP each rank's file holds its own shard
+        model.load_state_dict(own["model"] if tp_model is not None else state["model"])
     if dp_group is None and cfg.zero_stage == 0:
         engine, optimizer = model, build_optimizer(model, cfg)
     else:
@@ -234,20 +270,19 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
 
     start = 0
     if state is not None:
-        own = state if dp_size == 1 else load_rank_state(cfg.load_dir, state["step"], dp_rank)
         optimizer.load_state_dict(own["optimizer"])
         torch.set_rng_state(own["rng"])
         start = state["step"]
         result.losses = list(state["history"]["losses"])
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
 
-    progress = _progress_bar(start, cfg) if dp_rank == 0 else None
+    progress = _progress_bar(start, cfg) if grid.rank == 0 else None
     for step in range(start, cfg.train_iters):
         microbatches = [batch_for_step(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps,
                                        dp_rank, dp_size) for m in range(cfg.grad_accum_steps)]
         loss = forward_backward(engine, microbatches)
         lr = learning_rate(step, cfg)
-        grad_norm = optimizer_step(engine, optimizer, lr, cfg.clip_grad)
+        grad_norm = optimizer_step(engine, optimizer, lr, cfg.clip_grad, tensor_parallel=tp_model)
         if dp_group is not None:                                   # report the global batch's loss
             loss_t = torch.tensor([loss], dtype=torch.float64)
             all_reduce(loss_t, dp_group, op="avg", tag="loss")
@@ -260,30 +295,35 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
             progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}", gnorm=f"{grad_norm:.2f}")
             progress.update(1)
         if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
-            result.checkpoint = _save(cfg, model_cfg, done, engine, model, optimizer, result, dp_rank, dp_size,
-                                      dp_group)
+            result.checkpoint = _save(cfg, model_cfg, done, engine, model, optimizer, result, grid)
     if progress is not None:
         progress.close()
-    if dp_rank == 0:
+    if grid.rank == 0:
         write_history(result, cfg)
     return result
 
 
-def _save(cfg, model_cfg, step, engine, model, optimizer, result, dp_rank, dp_size, dp_group) -> str:
-    """One checkpoint (see checkpoint.py): every rank's own file first, then rank 0's main file."""
-    model_state = full_state_dict(engine, model)                  # a collective under ZeRO-3
-    own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
-    if dp_size > 1:
-        save_rank_state(cfg.save_dir, step, dp_rank, own)
-        barrier(dp_group, tag="checkpoint")                       # all rank files exist
+def _save(cfg, model_cfg, step, engine, model, optimizer, result, grid: Grid) -> str:
+    """One checkpoint (see checkpoint.py): every rank's own file first, then rank 0's main file.
+
+    The main file's "model" is always the single-device state (names and full shapes): under
+    TP the shards are gathered (a collective over the TP group). Under TP each rank's own file
+    also holds its shard ("model"), which is what a resume with the same layout loads."""
+    tp = grid.tp_size > 1
+    model_state = full_parameters(model) if tp else full_state_dict(engine, model)   # collectives
+    own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+           **({"model": model.state_dict()} if tp else {})}
+    if grid.world > 1:
+        save_rank_state(cfg.save_dir, step, grid.rank, own)
+        barrier(None, tag="checkpoint")                           # all rank files exist
     path = Path(cfg.save_dir) / f"iter_{step:07d}.pt"
-    if dp_rank == 0:
+    if grid.rank == 0:
         main = {"model_config": to_dict(model_cfg), "train_config": to_dict(cfg), "model": model_state,
-                "dp_size": dp_size,
+                "dp_size": grid.dp_size, "tp_size": grid.tp_size,
                 "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}
-        path = save_checkpoint(cfg.save_dir, step, {**main, **(own if dp_size == 1 else {})})
-    if dp_size > 1:
-        barrier(dp_group, tag="checkpoint")                       # nobody runs ahead of `latest`
+        path = save_checkpoint(cfg.save_dir, step, {**main, **(own if grid.world == 1 else {})})
+    if grid.world > 1:
+        barrier(None, tag="checkpoint")                           # nobody runs ahead of `latest`
     return str(path)
 
 

@@ -21,11 +21,13 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide,
                      pad_vocab_size, shard_cols, shard_rows, vocab_range)
 from .model import (ParallelMLP, ParallelSelfAttention, ParallelTransformerLayer, TensorParallelGPTModel,
-                    check_tensor_parallel_config, full_gradients, full_parameters)
+                    check_tensor_parallel_config, clip_tensor_parallel_grad_norm, full_gradients,
+                    full_parameters)
 from .random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "divide",
            "pad_vocab_size", "vocab_range", "RNGStatesTracker", "get_rng_tracker",
            "model_parallel_manual_seed", "TensorParallelGPTModel", "ParallelSelfAttention", "ParallelMLP",
-           "ParallelTransformerLayer", "check_tensor_parallel_config", "full_parameters", "full_gradients"]
+           "ParallelTransformerLayer", "check_tensor_parallel_config", "full_parameters", "full_gradients",
+           "clip_tensor_parallel_grad_norm"]

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import all_gather, copy_to_region, group_size
+from ..comm import all_gather, all_reduce, copy_to_region, group_rank, group_size
 from ..config import ConfigError, ModelConfig
 from ..model.attention import causal_attention, sdpa_attention
 from ..model.init import initial_value
@@ -57,7 +57,8 @@ from ..model.rope import apply_rotary_pos_emb, rope_cos_sin
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["ParallelSelfAttention", "ParallelMLP", "ParallelTransformerLayer",
+
+__all__ = ["clip_tensor_parallel_grad_norm", "ParallelSelfAttention", "ParallelMLP", "ParallelTransformerLayer",
            "TensorParallelGPTModel", "check_tensor_parallel_config", "full_parameters",
            "full_gradients"]
 
@@ -314,3 +315,28 @@ def full_gradients(model: TensorParallelGPTModel, group=None) -> dict[str, torch
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
              for n, p in model.named_parameters()}
     return _reassemble(model, grads, "full")
+
+
+def clip_tensor_parallel_grad_norm(model: "TensorParallelGPTModel", max_norm: float) -> torch.Tensor:
+    """The global gradient norm of a tensor-parallel model, clipped in place as clip_grad_norm_.
+
+    norm^2 = sum over the TP group of each rank's split gradients' squares, plus the replicated
+    gradients' squares counted ONCE (tp rank 0 adds them; every rank holds the same copy), so
+    one all-reduce of one number over the TP group. Megatron: get_grad_norm_fp32 in
+    megatron/core/optimizer/clip_grads.py over the grads that pass
+    param_is_not_tensor_parallel_duplicate (tensor_parallel/layers.py).
+    """
+    first = group_rank(model.group) == 0
+    replicated = {n for n, (_, how, _) in model.shard_layout().items() if how == "replicated"}
+    params = dict(model.named_parameters())
+    squares = torch.zeros(1, dtype=next(iter(params.values())).dtype)
+    for name, p in params.items():
+        if p.grad is not None and (first or name not in replicated):
+            squares += p.grad.pow(2).sum()
+    norm = all_reduce(squares, model.group, op="sum", tag="grad-norm").sqrt()[0]
+    if max_norm > 0:                                 # as torch.nn.utils.clip_grad_norm_
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params.values():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,90 @@
+"""The training loop under tensor x data parallelism (chapter 02): TP=2 x DP=2 and TP=4 x DP=1
+train the same model as the single-device loop (same global batch, gradient clipping active),
+resume bit for bit from their checkpoints, and bad layouts stop before training."""
+
+import pytest
+import torch
+
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.launch import spawn
+from minimegatron.model import GPTModel
+from minimegatron.train import train
+
+# 4 heads in 4 groups (splits over tp 4); the vocabulary of 256 byte ids splits too
+MODEL = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=4,
+                          max_position_embeddings=16,
+                          params_dtype="float64")
+GQA = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                        max_position_embeddings=16, params_dtype="float64")
+CLIP = 0.05          # well below the gradient norm of this model (~0.5-2): every step clips
+LAYOUTS = {"tp2xdp2": 2, "tp4xdp1": 4}
+
+
+def _cfg(tmp, name, **kw) -> TrainConfig:
+    base = dict(seq_length=16, micro_batch_size=2, grad_accum_steps=2, train_iters=6, lr_warmup_iters=2,
+                eval_interval=3, eval_iters=1, clip_grad=CLIP, zero_stage=0, progress=False,
+                out_dir=str(tmp / name / "out"))
+    return TrainConfig(**{**base, **kw})
+
+
+def _worker(tmp) -> dict:
+    """On each of 4 ranks: every layout trains 6 steps, then again stopped at 3 and resumed; then
+    the bad layouts, whose errors are returned as text."""
+    out = {}
+    for name, tp in LAYOUTS.items():
+        full = train(MODEL, _cfg(tmp, name + "-full", tensor_model_parallel_size=tp))
+        ckpt = tmp / name / "ckpt"
+        train(MODEL, _cfg(tmp, name + "-first", tensor_model_parallel_size=tp, save_dir=str(ckpt), save_interval=3))
+        if torch.distributed.get_rank() == 0:
+            (ckpt / "latest").write_text("iter_0000003.pt\n")
+        torch.distributed.barrier()
+        resumed = train(MODEL, _cfg(tmp, name + "-resumed", tensor_model_parallel_size=tp, load_dir=str(ckpt)))
+        out[name] = (full.losses, full.eval_losses, resumed.losses, resumed.eval_losses)
+    errors = {}
+    for what, model, tp, extra in (("world", MODEL, 3, {}), ("groups", GQA, 4, {}),
+                                   ("layout", MODEL, 4, {"load_dir": str(tmp / "tp2xdp2" / "ckpt")})):
+        try:
+            train(model, _cfg(tmp, "bad-" + what, tensor_model_parallel_size=tp, **extra))
+            errors[what] = "no error"
+        except Exception as exc:                 # ConfigError / CheckpointError, on every rank
+            errors[what] = f"{type(exc).__name__}: {exc}"
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_x_data_parallel_trains_like_one_device_and_resumes_exactly(tmp_path):
+    # One device, same global batch: micro-batch 2 x dp 2 = 4 sequences (tp 4 x dp 1: 2).
+    reference = {name: train(MODEL, _cfg(tmp_path, "single-" + name, micro_batch_size=2 * (4 // tp)))
+                 for name, tp in LAYOUTS.items()}
+    per_rank = spawn(_worker, 4, tmp_path, timeout=300)
+    assert all(r == per_rank[0] for r in per_rank)          # every rank reports the same losses
+    for name in LAYOUTS:
+        full, full_eval, resumed, resumed_eval = per_rank[0][name]
+        assert resumed == full and resumed_eval == full_eval, name   # exact resume, bit for bit
+        assert len(full) == len(reference[name].losses)
+        diff = max(abs(a - b) for a, b in zip(full, reference[name].losses))
+        assert diff < 1e-10, (name, diff)                   # float64: the single-device run
+        eval_diff = max(abs(a[1] - b[1]) for a, b in zip(full_eval, reference[name].eval_losses))
+        assert eval_diff < 1e-10, (name, eval_diff)
+    # the main checkpoint file holds the single-device model, gathered from the shards
+    state = torch.load(tmp_path / "tp2xdp2" / "ckpt" / "iter_0000006.pt", weights_only=True)
+    assert state["tp_size"] == 2 and state["dp_size"] == 2
+    GPTModel(MODEL).load_state_dict(state["model"])
+    errors = per_rank[0]["errors"]
+    assert "ConfigError" in errors["world"] and "world size 4" in errors["world"] \
+        and "tensor_model_parallel_size=3" in errors["world"], errors["world"]
+    assert "ConfigError" in errors["groups"] and "num_query_groups=2" in errors["groups"] \
+        and "tp=4" in errors["groups"], errors["groups"]
+    assert "CheckpointError" in errors["layout"] and "tp_size=2 x dp_size=2" in errors["layout"], errors["layout"]
+
+
+def test_bad_tensor_parallel_configs_are_refused_before_training():
+    with pytest.raises(ConfigError, match="zero_stage > 0 with tensor parallelism arrives later"):
+        TrainConfig(tensor_model_parallel_size=2, zero_stage=1).validate(MODEL)
+    with pytest.raises(ConfigError, match="hidden_dropout=0.1"):
+        TrainConfig(tensor_model_parallel_size=2).validate(ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.1}))
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=0"):
+        TrainConfig(tensor_model_parallel_size=0).validate()
+    with pytest.raises(ConfigError, match="world size 1 is not divisible by tensor_model_parallel_size=2"):
+        train(MODEL, TrainConfig(tensor_model_parallel_size=2, train_iters=1, progress=False))
