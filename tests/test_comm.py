@@ -9,7 +9,6 @@ The rank function runs the ``@check`` functions below in order and returns, per 
 or the failure's traceback; each check then becomes one pytest test that reads its entry.
 """
 
-import traceback
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from minimegatron import comm
 from minimegatron.comm import CommRecord, Ledger, record_communication, ring_traffic
 from minimegatron.launch import spawn
+from minimegatron.testing import rank_failures, run_named_checks
 
 WORLD = 4
 CHECKS = []
@@ -400,14 +400,7 @@ def run_checks():
     three = dist.new_group([1, 2, 3])
     G = {"world": dist.group.WORLD, "pair": pairs[rank % 2], "pair_ranks": (rank % 2, rank % 2 + 2),
          "solo": solos[rank], "three": three}
-    results = {}
-    for fn in CHECKS:
-        try:
-            fn(rank, G)
-            results[fn.__name__] = None
-        except Exception:
-            results[fn.__name__] = traceback.format_exc()
-    return results
+    return run_named_checks(CHECKS, rank, G)
 
 
 @pytest.fixture(scope="module")
@@ -417,8 +410,8 @@ def world_results():
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
 def test_in_world_of_4(world_results, name):
-    failures = {r: res[name] for r, res in enumerate(world_results) if res[name] is not None}
-    assert not failures, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items())
+    failures = rank_failures(world_results, name)
+    assert not failures, failures
 
 
 # ---------------------------------------------------------------------- no world needed

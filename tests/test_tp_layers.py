@@ -7,7 +7,6 @@ Every rank builds the same full tensors from a fixed seed, computes the single-d
 reference itself, and compares its shard (or the reassembled full gradient) with it.
 """
 
-import traceback
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from minimegatron.comm import copy_to_region, record_communication
 from minimegatron.config import ModelConfig
 from minimegatron.launch import spawn
+from minimegatron.testing import rank_failures, run_named_checks
 from minimegatron.model.init import initial_value
 from minimegatron.model.linear import Linear
 from minimegatron.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -306,14 +306,7 @@ def run_checks():
     solos = [dist.new_group([r]) for r in range(WORLD)]
     G = {"world": dist.group.WORLD,
          "tps": [(1, solos[rank]), (2, pairs[rank // 2]), (4, dist.group.WORLD)]}
-    results = {}
-    for fn in CHECKS:
-        try:
-            fn(rank, G)
-            results[fn.__name__] = None
-        except Exception:
-            results[fn.__name__] = traceback.format_exc()
-    return results
+    return run_named_checks(CHECKS, rank, G)
 
 
 @pytest.fixture(scope="module")
@@ -323,5 +316,5 @@ def world_results():
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
 def test_in_world_of_4(world_results, name):
-    failures = {r: res[name] for r, res in enumerate(world_results) if res[name] is not None}
-    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+    failures = rank_failures(world_results, name)
+    assert not failures, failures

@@ -9,7 +9,6 @@ norm of sharded gradients would need an all-reduce) and compares losses, first-s
 and final parameters, reassembled under single-device names, with testing.single_device_run.
 """
 
-import traceback
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from minimegatron.comm import record_communication
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
+from minimegatron.testing import rank_failures, run_named_checks
 from minimegatron.model import GPTModel
 from minimegatron.testing import RunRecord, assert_equivalent, make_batches, single_device_run
 from minimegatron.tp.model import TensorParallelGPTModel, full_gradients, full_parameters
@@ -164,14 +164,7 @@ def run_checks():
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]   # every rank creates every group
     G = {"tps": [(2, pairs[rank // 2]), (4, dist.group.WORLD)]}
-    results = {}
-    for fn in CHECKS:
-        try:
-            fn(rank, G)
-            results[fn.__name__] = None
-        except Exception:
-            results[fn.__name__] = traceback.format_exc()
-    return results
+    return run_named_checks(CHECKS, rank, G)
 
 
 @pytest.fixture(scope="module")
@@ -181,5 +174,5 @@ def world_results():
 
 @pytest.mark.parametrize("name", [fn.__name__ for fn in CHECKS])
 def test_in_world_of_4(world_results, name):
-    failures = {r: res[name] for r, res in enumerate(world_results) if res[name] is not None}
-    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+    failures = rank_failures(world_results, name)
+    assert not failures, failures
