@@ -223,11 +223,12 @@ class TrainConfig:
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
         tp = self.tensor_model_parallel_size
         need(tp >= 1, f"tensor_model_parallel_size={tp} must be >= 1")
-        need(tp == 1 or self.zero_stage == 0,
-             f"zero_stage={self.zero_stage} with tensor_model_parallel_size={tp}: zero_stage > 0 with "
-             f"tensor parallelism arrives later; use zero_stage 0")
+        need(tp == 1 or self.zero_stage < 3,
+             f"zero_stage=3 with tensor_model_parallel_size={tp}: parameter sharding (ZeRO-3) is not "
+             f"combined with tensor parallelism here (Megatron's distributed optimizer is ZeRO-1/2); "
+             f"use zero_stage 0, 1 or 2")
         if model is not None and tp > 1:
-            from .tp.model import check_tensor_parallel_config   # heads, groups, ffn by tp; no dropout
+            from .tp.model import check_tensor_parallel_config   # heads, groups, ffn by tp
             check_tensor_parallel_config(model, tp)
         if model is not None:
             need(self.seq_length <= model.max_position_embeddings,

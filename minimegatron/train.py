@@ -46,7 +46,8 @@ from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_
 from .dp import build_data_parallel
 from .launch import init_from_torchrun
 from .model import GPTModel
-from .tp import TensorParallelGPTModel, clip_tensor_parallel_grad_norm, full_parameters
+from .tp import (TensorParallelGPTModel, clip_tensor_parallel_grad_norm, full_parameters, get_rng_tracker,
+                 model_parallel_manual_seed)
 
 # ---------------------------------------------------------------------------------------
 # presets: sizes that train in seconds to a minute on a laptop CPU
@@ -114,14 +115,15 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr:
     """Clip the global gradient norm, set the learning rate, step; returns the norm before clipping.
 
     A data-parallel optimizer (chapter 01) computes the global norm itself: under ZeRO each
-    rank holds only a shard of the gradients, so the norm needs an all-reduce. Under tensor
-    parallelism (chapter 02) pass the split model as `tensor_parallel`: its norm sums over the
-    TP group (the DP ranks of zero_stage 0 already hold identical, averaged gradients).
+    rank holds only a shard of the gradients, so the norm needs an all-reduce (and when it
+    was built with tensor_parallel, one over the TP group too). A tensor-parallel model
+    without a data-parallel wrapper (chapter 02) is passed as `tensor_parallel`: its norm sums
+    over the TP group, counting the replicated parameters once.
     """
-    if tensor_parallel is not None:
-        norm = clip_tensor_parallel_grad_norm(tensor_parallel, clip_grad)
-    elif hasattr(optimizer, "clip_grad_norm"):
+    if hasattr(optimizer, "clip_grad_norm"):
         norm = optimizer.clip_grad_norm(clip_grad)
+    elif tensor_parallel is not None:
+        norm = clip_tensor_parallel_grad_norm(tensor_parallel, clip_grad)
     else:
         params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip_grad) if clip_grad > 0 else \
@@ -247,9 +249,15 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     cfg.validate(model_cfg)
     dp_rank, dp_size, dp_group = grid.dp_rank, grid.dp_size, grid.dp_group
     train_ds, valid_ds = build_datasets(model_cfg, cfg)
-    torch.manual_seed(cfg.data_seed)  # dropout masks (refused under TP: see check_tensor_parallel_config)
     tp_model = TensorParallelGPTModel(model_cfg, grid.tp_group) if grid.tp_size > 1 else None
     model = tp_model if tp_model is not None else GPTModel(model_cfg)
+    # dropout masks, seeded after the model is built (building may draw from the default
+    # generator, and must not shift the masks): under TP a stream shared by the TP group for
+    # the replicated activations and one per TP rank for the split ones (tp/random.py)
+    if grid.tp_size > 1:
+        model_parallel_manual_seed(cfg.data_seed)            # tp_rank from parallel_state
+    else:
+        torch.manual_seed(cfg.data_seed)
     result = TrainResult(out_dir=cfg.out_dir)
 
     state = own = None
@@ -263,15 +271,17 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
         own = state if grid.world == 1 else load_rank_state(cfg.load_dir, state["step"], grid.rank)
         # before sharding (ZeRO-3); under TP each rank's file holds its own shard
         model.load_state_dict(own["model"] if tp_model is not None else state["model"])
-    if dp_group is None and cfg.zero_stage == 0:
+    if dp_group is None:             # one data-parallel rank: nothing to average or to shard
         engine, optimizer = model, build_optimizer(model, cfg)
     else:
-        engine, optimizer = build_data_parallel(model, cfg, dp_group)
+        engine, optimizer = build_data_parallel(model, cfg, dp_group, tensor_parallel=tp_model)
 
     start = 0
     if state is not None:
         optimizer.load_state_dict(own["optimizer"])
         torch.set_rng_state(own["rng"])
+        if grid.tp_size > 1:
+            get_rng_tracker().set_states(own["tp_rng"])
         start = state["step"]
         result.losses = list(state["history"]["losses"])
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
@@ -312,7 +322,7 @@ def _save(cfg, model_cfg, step, engine, model, optimizer, result, grid: Grid) ->
     tp = grid.tp_size > 1
     model_state = full_parameters(model) if tp else full_state_dict(engine, model)   # collectives
     own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-           **({"model": model.state_dict()} if tp else {})}
+           **({"model": model.state_dict(), "tp_rng": get_rng_tracker().get_states()} if tp else {})}
     if grid.world > 1:
         save_rank_state(cfg.save_dir, step, grid.rank, own)
         barrier(None, tag="checkpoint")                           # all rank files exist

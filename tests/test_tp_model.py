@@ -21,6 +21,7 @@ from minimegatron.testing import rank_failures, run_named_checks
 from minimegatron.model import GPTModel
 from minimegatron.testing import RunRecord, assert_equivalent, make_batches, single_device_run
 from minimegatron.tp.model import TensorParallelGPTModel, full_gradients, full_parameters
+from minimegatron.tp.random import model_parallel_manual_seed
 from minimegatron.train import build_optimizer, forward_backward, learning_rate, optimizer_step
 
 WORLD = 4
@@ -143,6 +144,51 @@ def check_two_all_reduces_per_layer_forward_and_backward(rank, G):
         assert bwd.total_bytes() == (2 * L + 1) * bsh * E
 
 
+# ---------------------------------------------------------------------- dropout streams
+
+@check
+def check_dropout_masks_shared_on_replicated_and_per_rank_on_split_activations(rank, G):
+    tp, group = G["tps"][0]                                  # tp 2
+    tokens = make_batches(gpt2(), 1, B, S, seed=5)
+    batch = tokens[0]
+
+    # hidden dropout only: the masks are the default stream's, drawn in the single-device
+    # order, so the TP model in train mode computes exactly the single-device losses
+    cfg = gpt2(hidden_dropout=0.3)
+    ref = GPTModel(cfg).train()
+    torch.manual_seed(11)
+    expected = ref(batch["tokens"], labels=batch["labels"]).detach()
+    model = TensorParallelGPTModel(cfg, group).train()
+    model_parallel_manual_seed(11, tp_rank=dist.get_rank(group))
+    got = model(batch["tokens"], labels=batch["labels"]).detach()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+    # attention dropout: give both ranks the SAME query/key/value weights (the first rank's
+    # rows twice), so that without dropout their heads compute identical outputs; with it,
+    # the per-rank stream must cut different masks. The residual stream stays replicated.
+    cfg = gpt2(attention_dropout=0.3, hidden_dropout=0.3)
+    model = TensorParallelGPTModel(cfg, group)
+    qkv = model.decoder.layers["0"].self_attention.linear_qkv
+    with torch.no_grad():
+        first = plain_gather(qkv.weight.detach(), group)[0]
+        qkv.weight.copy_(first)
+        if qkv.bias is not None:
+            qkv.bias.copy_(plain_gather(qkv.bias.detach(), group)[0])
+    seen = {}
+    model.decoder.layers["0"].self_attention.linear_proj.register_forward_hook(
+        lambda m, inp, out: seen.__setitem__("heads", inp[0].detach()))
+    model.decoder.layers["0"].register_forward_hook(lambda m, inp, out: seen.__setitem__("residual", out.detach()))
+    model_parallel_manual_seed(11, tp_rank=dist.get_rank(group))
+    model.eval()(batch["tokens"])
+    a, b = plain_gather(seen["heads"], group)
+    assert torch.equal(a, b), "set-up: identical weights should give identical heads without dropout"
+    model.train()(batch["tokens"])
+    a, b = plain_gather(seen["heads"], group)
+    assert not torch.equal(a, b), "attention dropout drew the same mask on both TP ranks"
+    r0, r1 = plain_gather(seen["residual"], group)
+    assert torch.equal(r0, r1), "the replicated residual stream differs across TP ranks"
+
+
 # ---------------------------------------------------------------------- bad input
 
 @check
@@ -154,8 +200,6 @@ def check_config_errors_name_the_numbers(rank, G):
     with pytest.raises(ConfigError, match="num_attention_heads=2 is not divisible by the "
                                           "tensor-parallel size tp=4"):
         TensorParallelGPTModel(gpt2(num_attention_heads=2), world)
-    with pytest.raises(ConfigError, match="attention_dropout=0.1"):
-        TensorParallelGPTModel(gpt2(attention_dropout=0.1), world)
 
 
 # ---------------------------------------------------------------------- the spawned world

@@ -37,16 +37,21 @@ from .zero import DistributedOptimizer, ZeroDataParallel, build_zero, measure_me
 
 class ReplicatedOptimizer:
     """torch AdamW for wrappers that keep full, identical gradients on every rank
-    (naive DP and DDP): the local gradient norm already is the global one."""
+    (naive DP and DDP): the local gradient norm already is the global one. With
+    `tensor_parallel` (the TensorParallelGPTModel inside the wrapper), the norm sums over its
+    TP group instead, counting the replicated parameters once."""
 
-    def __init__(self, inner: torch.optim.Optimizer, wrapper: nn.Module):
-        self.inner, self.wrapper = inner, wrapper
+    def __init__(self, inner: torch.optim.Optimizer, wrapper: nn.Module, tensor_parallel=None):
+        self.inner, self.wrapper, self.tensor_parallel = inner, wrapper, tensor_parallel
 
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.tensor_parallel is not None:
+            from ..tp.model import clip_tensor_parallel_grad_norm
+            return float(clip_tensor_parallel_grad_norm(self.tensor_parallel, max_norm))
         params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -65,7 +70,8 @@ class ReplicatedOptimizer:
         self.inner.load_state_dict(state)
 
 
-def build_data_parallel(model: nn.Module, cfg: TrainConfig, group) -> tuple[nn.Module, object]:
+def build_data_parallel(model: nn.Module, cfg: TrainConfig, group,
+                        tensor_parallel=None) -> tuple[nn.Module, object]:
     """(wrapper, optimizer) for `model` over the data-parallel `group`, as `cfg` asks:
 
     zero_stage 0: `ddp_impl` "naive" (NaiveDataParallel) or "bucketed"
@@ -74,6 +80,9 @@ def build_data_parallel(model: nn.Module, cfg: TrainConfig, group) -> tuple[nn.M
     zero_stage 1, 2: ZeroDataParallel + DistributedOptimizer (sharded AdamW state; stage 2
                   also shards the gradients);
     zero_stage 3: FullyShardedDataParallel + DistributedOptimizer (parameters sharded too).
+    `tensor_parallel`: pass `model` itself when it is a TensorParallelGPTModel (each DP rank is
+    a TP group, chapter 02): the optimizer's gradient norm then also sums over the TP group.
+    Stages 0, 1 and 2 only.
     """
     from ..train import build_optimizer
 
@@ -84,8 +93,9 @@ def build_data_parallel(model: nn.Module, cfg: TrainConfig, group) -> tuple[nn.M
             element_size = next(model.parameters()).element_size()
             bucket_bytes = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
             wrapper = DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes)
-        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper)
-    return build_zero(model, group, cfg.zero_stage, cfg, bucket_size=cfg.ddp_bucket_size)
+        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper, tensor_parallel)
+    return build_zero(model, group, cfg.zero_stage, cfg, bucket_size=cfg.ddp_bucket_size,
+                      tensor_parallel=tensor_parallel)
 
 
 __all__ = ["NaiveDataParallel", "HookedDataParallel", "DistributedDataParallel", "ZeroDataParallel",

@@ -317,6 +317,18 @@ class ZeroDataParallel(nn.Module):
                 out[name] = full[off:off + p.numel()].view_as(p).clone()
         return out
 
+    def grad_shard_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, the part of its averaged gradient in this rank's shard) for every
+        parameter that overlaps the shard (views of main_grad; padding excluded). Under tensor
+        parallelism the norm needs to know which elements belong to replicated parameters."""
+        pieces = []
+        for b in self.buckets:
+            for name, p, off in zip(b.names, b.params, b.offsets):
+                lo, hi = max(off, b.start), min(off + p.numel(), b.end)
+                if lo < hi:
+                    pieces.append((name, b.main_grad[lo - b.start:hi - b.start]))
+        return pieces
+
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors that hold this rank's parameters and gradients (for measure_memory)."""
         grads = [b.grad_data if b.grad_data is not None else b.main_grad for b in self.buckets]
@@ -333,10 +345,18 @@ class DistributedOptimizer:
     AdamW is elementwise, so stepping a shard does to each element exactly what the single-device
     AdamW does to it. After the step the wrapper restores full parameters where its stage keeps
     them (stages 1 and 2: all-gather; stage 3: nothing, the next forward gathers).
+
+    `tensor_parallel`: the TensorParallelGPTModel the wrapper holds, when the data-parallel
+    ranks are themselves tensor-parallel groups (chapter 02; stages 1 and 2). The gradient
+    norm then sums over both groups and counts the TP-replicated parameters once.
     """
 
-    def __init__(self, wrapper: nn.Module, cfg: TrainConfig):
+    def __init__(self, wrapper: nn.Module, cfg: TrainConfig, tensor_parallel=None):
         self.wrapper, self.group = wrapper, wrapper.group
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None and not hasattr(wrapper, "grad_shard_pieces"):
+            raise ValueError(f"{type(wrapper).__name__} cannot combine with tensor parallelism here "
+                             "(ZeRO stages 1 and 2 can)")
         segments = wrapper.optimizer_segments()
         groups = [{"params": [], "weight_decay": cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
         for param, grad, decay in segments:
@@ -361,11 +381,19 @@ class DistributedOptimizer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """The global gradient norm before clipping; if max_norm > 0, scale the shards' gradients
         by min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s rule).
-        Communication: one all_reduce (sum) of one element, tag "grad-norm"."""
+        Communication: one all_reduce (sum) of one element, tag "grad-norm"; with
+        tensor_parallel one more before it, over the TP group (see
+        tp.model.tensor_parallel_grad_norm_squared)."""
         grads = [p.grad for p in self._shard_params()]
-        sq = torch.zeros(1, dtype=self._dtype)
-        for g in grads:
-            sq += g.pow(2).sum()
+        if self.tensor_parallel is not None:
+            from ..tp.model import replicated_names, tensor_parallel_grad_norm_squared
+            sq = tensor_parallel_grad_norm_squared(self.wrapper.grad_shard_pieces(),
+                                                   replicated_names(self.tensor_parallel),
+                                                   self.tensor_parallel.group)
+        else:
+            sq = torch.zeros(1, dtype=self._dtype)
+            for g in grads:
+                sq += g.pow(2).sum()
         all_reduce(sq, self.group, op="sum", tag="grad-norm")
         norm = sq.sqrt()[0]
         if max_norm > 0:
@@ -419,14 +447,16 @@ def measure_memory(wrapper: nn.Module, optimizer: DistributedOptimizer) -> dict:
     return out
 
 
-def build_zero(model: nn.Module, group, stage: int, cfg: TrainConfig, bucket_size: int | None = None):
-    """(wrapper, optimizer) for ZeRO stage 1, 2 or 3 of `model` over `group`."""
+def build_zero(model: nn.Module, group, stage: int, cfg: TrainConfig, bucket_size: int | None = None,
+               tensor_parallel=None):
+    """(wrapper, optimizer) for ZeRO stage 1, 2 or 3 of `model` over `group` (stages 1 and 2
+    also with `tensor_parallel`, see DistributedOptimizer)."""
     if stage == 3:
         from .fsdp import FullyShardedDataParallel
         wrapper = FullyShardedDataParallel(model, group)
     else:
         wrapper = ZeroDataParallel(model, group, stage=stage, bucket_size=bucket_size)
-    return wrapper, DistributedOptimizer(wrapper, cfg)
+    return wrapper, DistributedOptimizer(wrapper, cfg, tensor_parallel=tensor_parallel)
 
 
 __all__ = ["shard_range", "Bucket", "build_buckets", "zero1_step", "ZeroDataParallel",

@@ -43,7 +43,49 @@ import torch
 from ..comm import all_reduce, group_rank, group_size
 from ..model.linear import _compute_dtype
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_loss"]
+
+
+def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+                        group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of the vocab-parallel cross-entropy: per-token losses and softmax shard.
+
+    logits z [b, s, n]: this rank's columns, the ids [vocab_start, vocab_start + n) of a
+    vocabulary split over ``group`` (padding columns already -inf: zero probability).
+    labels [b, s] int64: global target ids, the same on every rank; each belongs to exactly
+    one rank's range.
+    Returns (loss [b, s], the same on every rank: log sum_j exp(z_j) - z_target over the
+    whole vocabulary; softmax [b, s, n]: this rank's columns of the full softmax, for the
+    backward), in the logits' dtype.
+    Communication: exactly three comm.all_reduce calls of [b, s] numbers over ``group``, tag
+    "fwd", in this order: op "max" (the row maximum m), "sum" (the target's shifted logit
+    z_t - m, contributed by the rank that owns t, 0 elsewhere), "sum" (sum_j exp(z_j - m)).
+    Never gather the logits. all_reduce works in place: reduce a tensor of your own
+    (contiguous), not a view of the logits.
+    """
+    # BEGIN EXERCISE 2.3: vocab-parallel cross-entropy | hint: m = all-reduce max of z.amax(-1); the owner gathers z_t - m (others 0), all-reduce sum; S = all-reduce sum of exp(z - m).sum(-1); loss = log S - (z_t - m); softmax = exp(z - m) / S
+    n = logits.shape[-1]
+    # 1. the global max of each token's logits
+    logits_max = logits.amax(dim=-1)                                   # [b, s]
+    all_reduce(logits_max, group, op="max", tag="fwd")
+    shifted = logits - logits_max.unsqueeze(-1)                        # [b, s, n]
+
+    # 2. the target's shifted logit, contributed by the one rank that owns the target
+    outside = (labels < vocab_start) | (labels >= vocab_start + n)     # [b, s]
+    local_labels = (labels - vocab_start).masked_fill(outside, 0)
+    target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
+    target_logit = target_logit.masked_fill(outside, 0.0).contiguous()  # [b, s]
+    all_reduce(target_logit, group, op="sum", tag="fwd")
+
+    # 3. the sum of exponentials over the whole vocabulary
+    exp = shifted.exp()                                                # [b, s, n]
+    sum_exp = exp.sum(dim=-1)                                          # [b, s]
+    all_reduce(sum_exp, group, op="sum", tag="fwd")
+
+    loss = sum_exp.log() - target_logit                                # [b, s]
+    softmax = exp.div_(sum_exp.unsqueeze(-1))                          # [b, s, n]
+    # END EXERCISE
+    return loss, softmax
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -72,26 +114,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z = z.clone()                                # never write into the caller's logits
             z[..., n_real:] = float("-inf")              # padding: zero probability
 
-        # 1. the global max of each token's logits
-        logits_max = z.amax(dim=-1)                                        # [b, s]
-        all_reduce(logits_max, group, op="max", tag="fwd")
-        shifted = z - logits_max.unsqueeze(-1)                             # [b, s, Vp/tp]
-
-        # 2. the target's shifted logit, contributed by the one rank that owns the target
+        loss, softmax = vocab_parallel_loss(z, labels, start, group)       # [b, s], [b, s, Vp/tp]
         outside = (labels < start) | (labels >= start + per_rank)          # [b, s]
         local_labels = (labels - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0).contiguous()  # [b, s]
-        all_reduce(target_logit, group, op="sum", tag="fwd")
-
-        # 3. the sum of exponentials over the whole vocabulary
-        exp = shifted.exp()                                                # [b, s, Vp/tp]
-        sum_exp = exp.sum(dim=-1)                                          # [b, s]
-        all_reduce(sum_exp, group, op="sum", tag="fwd")
-
-        loss = sum_exp.log() - target_logit                                # [b, s]
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))        # this rank's columns of the softmax
         ctx.save_for_backward(softmax, local_labels, outside)
         ctx.logits_dtype = logits_shard.dtype
         return loss

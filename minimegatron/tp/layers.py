@@ -8,8 +8,10 @@ y = x W^T + b. It can be cut two ways:
                          y_r = x W_r^T is the r-th slice of y's last dimension.
                          Every rank needs all of x, and x's gradient is a SUM over ranks
                          (each rank's slice of y depends on all of x):
-                             forward  copy_to_region (f: identity)  -> local matmul
-                             backward local matmul grads            -> all-reduce dx (f)
+                             forward  f (identity)  -> local matmul
+                             backward local matmul grads -> all-reduce dx (f)
+                         (LinearWithGradAllReduce: the matmul and f in one autograd
+                         Function, the backward written out by hand)
   RowParallelLinear      rank r holds columns r of W (its input features): [out, in/tp].
                          x_r W_r^T is a PARTIAL SUM of y; the full y is their sum:
                              forward  local matmul -> all-reduce (g) -> + bias (once)
@@ -39,11 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import (copy_to_region, gather_from_region, group_rank, group_size,
-                    reduce_from_region, scatter_to_region)
+from ..comm import (all_reduce, gather_from_region, group_rank, group_size, reduce_from_region,
+                    scatter_to_region)
 from ..model.init import initial_value
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
+           "column_parallel_linear_backward", "row_parallel_linear_forward",
            "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range"]
 
 
@@ -106,6 +109,76 @@ def vocab_range(padded_vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
 # Linear layers
 # ======================================================================================
 
+def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                    has_bias: bool, group):
+    """The backward of a column-parallel linear y = x W_r^T + b_r, written out by hand.
+
+    grad_output dy [..., out/tp]: the gradient of this rank's output slice.
+    x [..., in]: the layer's input, the same on every rank of ``group``.
+    weight W_r [out/tp, in]: this rank's rows of the full W.
+    Returns (grad_x [..., in], grad_weight [out/tp, in], grad_bias [out/tp] or None), in the
+    dtypes of x and weight.
+
+    Every rank's output slice depends on ALL of x, so the full gradient of x is the sum over
+    the group of dy_r W_r: grad_x is all-reduced (sum) over ``group`` -- the backward half of
+    Megatron's f, one comm.all_reduce of [..., in], tag "bwd", and no other collective.
+    grad_weight = dy^T x and grad_bias = the sum of dy over every dimension but the last are
+    local: they are exactly this rank's rows of the single-device gradients.
+    Order, as Megatron's LinearWithGradAccumulationAndAsyncCommunication: compute grad_x,
+    launch its all-reduce asynchronously (async_op=True), compute the weight gradient while
+    it travels, then wait: communication overlapped with a matmul.
+    """
+    # BEGIN EXERCISE 2.1: the column-parallel linear's backward | hint: dx = dy @ W; handle = all_reduce(dx, group, tag="bwd", async_op=True); dW = dy^T x with leading dims flattened; db = dy summed over them; handle.wait()
+    grad_x = grad_output @ weight                                        # [..., in], partial
+    handle = all_reduce(grad_x, group, op="sum", tag="bwd", async_op=True)   # in place, later full
+    dy_2d = grad_output.reshape(-1, grad_output.shape[-1])               # [b*s, out/tp]
+    x_2d = x.reshape(-1, x.shape[-1])                                    # [b*s, in]
+    grad_weight = dy_2d.t() @ x_2d                                       # [out/tp, in], local
+    grad_bias = dy_2d.sum(dim=0) if has_bias else None                   # [out/tp], local
+    handle.wait()                                                        # grad_x is now the sum
+    # END EXERCISE
+    return grad_x, grad_weight, grad_bias
+
+
+class LinearWithGradAllReduce(torch.autograd.Function):
+    """y = x W^T + b forward (no communication); backward column_parallel_linear_backward,
+    whose dx is all-reduced over ``group``. The same as ``F.linear(copy_to_region(x, group),
+    W, b)``, with the backward in view (Megatron fuses it for the overlap)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_weight, grad_bias = column_parallel_linear_backward(
+            grad_output, x, weight, ctx.has_bias, ctx.group)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                group) -> torch.Tensor:
+    """The forward of a row-parallel linear: y = sum over ranks of x_r W_r^T, plus b once.
+
+    x [..., in/tp]: this rank's input features (e.g. a column-parallel output).
+    weight W_r [out, in/tp]: this rank's columns of the full W. bias [out] (the full bias,
+    replicated) or None.
+    Returns y [..., out], the same on every rank: the single-device x W^T + b.
+    Communication: ONE all-reduce (sum) of the [..., out] partial sums through
+    comm.reduce_from_region (Megatron's g: identity backward, so every rank's x_r gets the
+    full dy), and nothing else. The bias is added after the all-reduce; added before, it
+    would be summed tp times.
+    """
+    # BEGIN EXERCISE 2.2: the row-parallel linear's forward | hint: partial = F.linear(x, weight) with NO bias; y = reduce_from_region(partial, group); add the bias (if any) after
+    partial = F.linear(x, weight)                    # [..., out], a partial sum
+    y = reduce_from_region(partial, group)           # g: all-reduce now, identity later
+    return y + bias if bias is not None else y
+    # END EXERCISE
+
+
 class _ParallelLinear(nn.Module):
     """Shared set-up: parameters created from the single-device initial values
     (left zero when ``init_name`` is None: set them with ``load_full``)."""
@@ -165,8 +238,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return shard_rows(full, self.group, self.stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.group)               # f: identity now, all-reduce dx later
-        y = F.linear(x, self.weight, self.bias)         # [..., out/tp]
+        y = LinearWithGradAllReduce.apply(x, self.weight, self.bias, self.group)   # [..., out/tp]
         if self.gather_output:
             # only for a consumer that needs every feature (rare: it costs an all-gather
             # and every rank then holds the whole activation); stride must be 1 for the
@@ -212,9 +284,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, dim=-1)  # [..., in/tp]; dx all-gathered later
-        partial = F.linear(x, self.weight)               # [..., out], a partial sum
-        y = reduce_from_region(partial, self.group)      # g: all-reduce now, identity later
-        return y + self.bias if self.bias is not None else y
+        return row_parallel_linear_forward(x, self.weight, self.bias, self.group)
 
 
 # ======================================================================================

@@ -20,7 +20,7 @@ a multiple of tp, see tp/layers.py pad_vocab_size). What rank r of tp holds:
 Communication of one forward (all through minimegatron.comm, in the TP group, tag "fwd"):
   embedding       1 all-reduce of [b, s, h]   (each rank looks up only the ids it owns)
   each layer      2 all-reduces of [b, s, h]  (g after linear_proj, g after linear_fc2)
-  output layer    nothing (copy_to_region: identity forward)
+  output layer    nothing (LinearWithGradAllReduce: f is the identity forward)
   loss            3 all-reduces of [b, s]     (vocab_parallel_cross_entropy; no logits gathered)
 and of one backward (tag "bwd"): 2 all-reduces of [b, s, h] per layer (f before linear_qkv,
 f before linear_fc1) plus 1 for the output layer's input; the embedding and the loss need none.
@@ -38,27 +38,36 @@ reassemble them under the single-device names and shapes.
 Megatron-LM: megatron/core/transformer/attention.py (SelfAttention), megatron/core/transformer/
 mlp.py (MLP), megatron/core/models/gpt/gpt_model.py (GPTModel, its output_layer and
 compute_language_model_loss). Differences: the layers here are the baseline's [b, s, h]
-modules with TP layers dropped in, not Megatron's spec-built modules; dropout inside the TP
-region needs the TP RNG tracker (a later part of chapter 02), so dropout must be 0 here.
+modules with TP layers dropped in, not Megatron's spec-built modules.
+
+Dropout (tp/random.py): the embedding's and the residual branches' dropout act on replicated
+tensors and draw from torch's default generator, which every rank of the group seeds alike:
+with the same seed and batch shape their masks are the single-device model's masks. The
+attention dropout acts on this rank's heads only and draws inside get_rng_tracker().fork(),
+the per-rank stream; so with attention_dropout > 0 the model is a correct one, but no longer
+draws the single-device masks. Seed both streams with model_parallel_manual_seed first.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import all_gather, all_reduce, copy_to_region, group_rank, group_size
+from ..comm import all_gather, all_reduce, group_rank, group_size
 from ..config import ConfigError, ModelConfig
 from ..model.attention import causal_attention, sdpa_attention
 from ..model.init import initial_value
 from ..model.linear import build_norm
 from ..model.rope import apply_rotary_pos_emb, rope_cos_sin
 from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, LinearWithGradAllReduce, RowParallelLinear, VocabParallelEmbedding
+from .random import get_rng_tracker
 
 
-__all__ = ["clip_tensor_parallel_grad_norm", "ParallelSelfAttention", "ParallelMLP", "ParallelTransformerLayer",
+__all__ = ["clip_tensor_parallel_grad_norm", "tensor_parallel_grad_norm_squared", "replicated_names", "ParallelSelfAttention", "ParallelMLP", "ParallelTransformerLayer",
            "TensorParallelGPTModel", "check_tensor_parallel_config", "full_parameters",
            "full_gradients"]
 
@@ -66,7 +75,8 @@ __all__ = ["clip_tensor_parallel_grad_norm", "ParallelSelfAttention", "ParallelM
 def check_tensor_parallel_config(config: ModelConfig, tp: int) -> None:
     """ConfigError (a ValueError) naming the field and the numbers when ``config`` cannot be
     split over ``tp`` ranks. Heads: a rank needs whole query heads AND whole key/value groups
-    (a query head must find its group's k and v on its own rank); the MLP needs f / tp."""
+    (a query head must find its group's k and v on its own rank); the MLP needs f / tp.
+    (The vocabulary need not divide: it is padded, see tp/layers.py pad_vocab_size.)"""
     config.validate()
     for field, value in (("num_attention_heads", config.num_attention_heads),
                          ("num_query_groups", config.query_groups),
@@ -74,10 +84,6 @@ def check_tensor_parallel_config(config: ModelConfig, tp: int) -> None:
         if value % tp:
             raise ConfigError(f"{field}={value} is not divisible by the tensor-parallel size "
                               f"tp={tp}")
-    for field in ("hidden_dropout", "attention_dropout"):
-        if getattr(config, field) > 0:
-            raise ConfigError(f"{field}={getattr(config, field)}: dropout under tensor "
-                              f"parallelism needs the TP RNG tracker; set it to 0 here")
 
 
 def _replicated_norm(config: ModelConfig, name: str) -> nn.Module:
@@ -126,7 +132,11 @@ class ParallelSelfAttention(nn.Module):
             k = k.repeat_interleave(heads_per_group, dim=1)                 # [b, a/tp, s, d]
             v = v.repeat_interleave(heads_per_group, dim=1)
         attend = causal_attention if self.config.attention_backend == "naive" else sdpa_attention
-        out = attend(q, k, v)                                               # [b, a/tp, s, d]
+        p = self.config.attention_dropout
+        # the probabilities of this rank's heads are a SHARD of the full [b, a, s, s]: their
+        # dropout masks must differ across the TP group, so draw them from the per-rank stream
+        with get_rng_tracker().fork() if self.training and p > 0 else nullcontext():
+            out = attend(q, k, v, dropout_p=p, training=self.training)      # [b, a/tp, s, d]
         out = out.transpose(1, 2).reshape(b, s, n * d)                      # [b, s, a d/tp]
         return self.linear_proj(out)                                        # [b, s, h], g
 
@@ -168,14 +178,19 @@ class ParallelTransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, group, layer_number: int):
         super().__init__()
         prefix = f"decoder.layers.{layer_number}"
+        self.dropout = config.hidden_dropout
         self.input_layernorm = _replicated_norm(config, f"{prefix}.input_layernorm")
         self.self_attention = ParallelSelfAttention(config, group, layer_number)
         self.pre_mlp_layernorm = _replicated_norm(config, f"{prefix}.pre_mlp_layernorm")
         self.mlp = ParallelMLP(config, group, layer_number)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), rope)           # [b, s, h]
-        return x + self.mlp(self.pre_mlp_layernorm(x))                       # [b, s, h]
+        # hidden dropout acts on REPLICATED [b, s, h] tensors (after the g all-reduces): the
+        # default stream, seeded alike on the whole TP group, so every rank draws one mask
+        attn = self.self_attention(self.input_layernorm(x), rope)            # [b, s, h]
+        x = x + F.dropout(attn, self.dropout, self.training)
+        mlp = self.mlp(self.pre_mlp_layernorm(x))                            # [b, s, h]
+        return x + F.dropout(mlp, self.dropout, self.training)
 
 
 class TensorParallelGPTModel(nn.Module):
@@ -238,6 +253,7 @@ class TensorParallelGPTModel(nn.Module):
         x = self.embedding.word_embeddings(tokens)                          # [b, s, h], g
         if self.embedding.position_embeddings is not None:
             x = x + self.embedding.position_embeddings(position_ids)        # replicated, local
+        x = F.dropout(x, cfg.hidden_dropout, self.training)                 # replicated: shared stream
         rope = None
         if cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base, dtype=x.dtype)
@@ -248,7 +264,7 @@ class TensorParallelGPTModel(nn.Module):
 
         # the output layer is column-parallel over the vocabulary: f (identity now; the
         # backward all-reduces dx, since every vocabulary shard's logits depend on all of x)
-        logits = copy_to_region(x, self.group) @ self.output_weight().t()   # [b, s, Vp/tp]
+        logits = LinearWithGradAllReduce.apply(x, self.output_weight(), None, self.group)  # [b, s, Vp/tp]
         if labels is None:
             return logits
         # 3 all-reduces of [b, s]; the logits never leave their rank
@@ -317,26 +333,65 @@ def full_gradients(model: TensorParallelGPTModel, group=None) -> dict[str, torch
     return _reassemble(model, grads, "full")
 
 
+def tensor_parallel_grad_norm_squared(grads: list[tuple[str, torch.Tensor]], replicated: set[str],
+                                      group) -> torch.Tensor:
+    """The squared global norm of the gradients of a model split over the TP ``group``.
+
+    grads: (parameter name, gradient) pairs, the gradients this rank holds: the shards of the
+    split parameters and full copies of the replicated ones (any dtype; float64 is safest).
+    replicated: the names whose gradient is the SAME full tensor on every rank of the group
+    (norms, position embeddings, row-parallel biases: shard_layout's "replicated").
+    Returns a tensor of shape [1] in the gradients' dtype, the same on every rank: the sum of
+    squares of every element of the single-device model's gradient, each counted ONCE.
+    Communication: one comm.all_reduce (sum) of that one element over ``group``, tag
+    "grad-norm". (Under ZeRO the gradients are also split over the data-parallel group;
+    the caller adds that all-reduce: sums commute.)
+
+    A first version trained without an error, and its loss went down:
+
+        squares = torch.zeros(1, dtype=grads[0][1].dtype)
+        for name, g in grads:
+            squares += g.pow(2).sum()
+        all_reduce(squares, group, op="sum", tag="grad-norm")
+        return squares
+
+    Checked against the single-device run with clipping active (clip_grad=1.0), it showed:
+      * with clipping off, losses, gradients and parameters all matched;
+      * with clipping on, the updated parameters drifted from the single-device ones, and
+        the printed gradient norm was LARGER than the single-device norm, by more at tp 4
+        than at tp 2, and by more for GPT-2 style models (LayerNorm weights AND biases,
+        linear biases) than LLaMA style ones.
+    Find the bug, and write a body that meets the spec.
+    """
+    # BEGIN EXERCISE 2.4: spot the bug in the tensor-parallel gradient norm | hint: every rank holds a full copy of each replicated gradient; how many times does the all-reduce count it?
+    count_replicated = group_rank(group) == 0      # one rank speaks for the replicas
+    squares = torch.zeros(1, dtype=grads[0][1].dtype)
+    for name, g in grads:
+        if count_replicated or name not in replicated:
+            squares += g.pow(2).sum()
+    all_reduce(squares, group, op="sum", tag="grad-norm")
+    return squares
+    # END EXERCISE
+
+
+def replicated_names(model: "TensorParallelGPTModel") -> set[str]:
+    """The local parameter names that every rank of the TP group holds in full."""
+    return {n for n, (_, how, _) in model.shard_layout().items() if how == "replicated"}
+
+
 def clip_tensor_parallel_grad_norm(model: "TensorParallelGPTModel", max_norm: float) -> torch.Tensor:
     """The global gradient norm of a tensor-parallel model, clipped in place as clip_grad_norm_.
 
-    norm^2 = sum over the TP group of each rank's split gradients' squares, plus the replicated
-    gradients' squares counted ONCE (tp rank 0 adds them; every rank holds the same copy), so
-    one all-reduce of one number over the TP group. Megatron: get_grad_norm_fp32 in
-    megatron/core/optimizer/clip_grads.py over the grads that pass
-    param_is_not_tensor_parallel_duplicate (tensor_parallel/layers.py).
+    norm^2 = tensor_parallel_grad_norm_squared: each rank's split gradients' squares, plus
+    the replicated gradients' squares counted ONCE, summed with one all-reduce of one number
+    over the TP group. Megatron: get_grad_norm_fp32 in megatron/core/optimizer/clip_grads.py
+    over the grads that pass param_is_not_tensor_parallel_duplicate
+    (megatron/core/tensor_parallel/layers.py).
     """
-    first = group_rank(model.group) == 0
-    replicated = {n for n, (_, how, _) in model.shard_layout().items() if how == "replicated"}
-    params = dict(model.named_parameters())
-    squares = torch.zeros(1, dtype=next(iter(params.values())).dtype)
-    for name, p in params.items():
-        if p.grad is not None and (first or name not in replicated):
-            squares += p.grad.pow(2).sum()
-    norm = all_reduce(squares, model.group, op="sum", tag="grad-norm").sqrt()[0]
+    grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    norm = tensor_parallel_grad_norm_squared(grads, replicated_names(model), model.group).sqrt()[0]
     if max_norm > 0:                                 # as torch.nn.utils.clip_grad_norm_
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params.values():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for _, g in grads:
+            g.mul_(coef)
     return norm
