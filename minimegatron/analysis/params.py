@@ -93,4 +93,36 @@ def count_parameters(config: ModelConfig) -> dict:
     return counts
 
 
-__all__ = ["count_parameters"]
+def tensor_parallel_parameters(config: ModelConfig, tp: int, make_vocab_size_divisible_by: int = 1) -> dict:
+    """Parameters ONE rank of a tensor-parallel group of `tp` holds (chapter 02's layout, which
+    is Megatron's), from count_parameters' components. Numbers of elements:
+
+      "split"       what is cut tp ways, per rank: (qkv + proj weight + fc1 + fc2 weight) / tp
+                    per layer, the qkv and fc1 biases / tp, and the vocabulary matrices
+                    (embedding, untied output layer) as Vp/tp rows of h, Vp = V padded to a
+                    multiple of make_vocab_size_divisible_by * tp
+      "padding"     of "split", the rows of the padded vocabulary: (Vp - V) h / tp per matrix
+      "replicated"  what every rank holds in full: the norms, the position embedding, the
+                    row-parallel biases (linear_proj's and linear_fc2's h each, per layer)
+      "per_rank"    split + replicated
+      "total"       count_parameters(config)["total"] (the single-device model)
+
+    So per_rank = (total - replicated) / tp + replicated + padding: as tp grows, the rank's
+    share tends to the replicated part, which is O(L h), not zero.
+    """
+    c = count_parameters(config)
+    layer = c["per_layer"]
+    h, V = config.hidden_size, config.vocab_size
+    multiple = make_vocab_size_divisible_by * tp
+    Vp = -(-V // multiple) * multiple
+    vocab_matrices = 1 + (1 if config.untie_embeddings_and_output_weights else 0)
+    split_per_layer = (layer["qkv_weight"] + layer["qkv_bias"] + layer["proj_weight"]
+                       + layer["fc1_weight"] + layer["fc1_bias"] + layer["fc2_weight"])
+    replicated_per_layer = layer["proj_bias"] + layer["fc2_bias"] + layer["norms"]
+    split = config.num_layers * split_per_layer // tp + vocab_matrices * Vp * h // tp
+    replicated = (config.num_layers * replicated_per_layer + c["final_norm"] + c["position_embedding"])
+    return {"split": split, "padding": vocab_matrices * (Vp - V) * h // tp, "replicated": replicated,
+            "per_rank": split + replicated, "total": c["total"]}
+
+
+__all__ = ["count_parameters", "tensor_parallel_parameters"]

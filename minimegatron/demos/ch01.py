@@ -58,7 +58,7 @@ from .ch00 import fingerprint, tiny_gpt2, tiny_llama
 
 __all__ = ["KINDS", "LEDGER_FORMULAS", "Variant", "make_variant", "chapter_variants", "tiny_model", "run_variants",
            "train_variant", "forget_averaging", "zero_bucket_numels", "zero3_unit_numels",
-           "expected_ledger", "expected_memory", "LedgerRow", "MemoryRow", "VariantReport",
+           "expected_ledger", "gradient_sync_ledger", "expected_memory", "LedgerRow", "MemoryRow", "VariantReport",
            "check_variant", "check_variants", "gather_results", "summary_line", "phase_names"]
 
 # kind -> (zero_stage, ddp_impl, title)
@@ -350,6 +350,27 @@ def zero3_unit_numels(model: torch.nn.Module) -> dict[str, int]:
     return {u: sum(p.numel() for n, p in named if n.startswith(pre)) for u, pre in prefixes.items()}
 
 
+def gradient_sync_ledger(model: torch.nn.Module, train: TrainConfig, dp: int,
+                         e: int) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
+    """The data-parallel collectives of ZeRO stage 0, 1 or 2 over `dp` > 1 ranks, for this
+    rank's `model` (any module: its parameters are what the wrapper syncs), as two lists of
+    (op, bytes, tag): (during the last micro-batch, during the optimizer step). See
+    expected_ledger for the rules."""
+    named = list(model.named_parameters())
+    stage = train.zero_stage
+    if stage == 0 and train.ddp_impl == "naive":
+        return [("all_reduce", p.numel() * e, "grads") for _, p in named], []
+    if stage == 0:
+        numels = [p.numel() for _, p in named[::-1]]
+        size = train.ddp_bucket_size or megatron_default_bucket_size(dp)
+        return [("all_reduce", sum(numels[i] for i in b) * e, "grads") for b in assign_buckets(numels, size)], []
+    if stage not in (1, 2):
+        raise ValueError(f"gradient_sync_ledger: zero_stage={stage} is not 0, 1 or 2")
+    shards = [math.ceil(n / dp) for n in zero_bucket_numels(model, train.ddp_bucket_size)]
+    return ([("reduce_scatter", dp * s * e, "grads") for s in shards],
+            [("all_reduce", e, "grad-norm")] + [("all_gather", s * e, "params") for s in shards])
+
+
 def expected_ledger(v: Variant, dp: int) -> list[list[tuple[str, int, str]]]:
     """The collectives one rank issues in each phase of a step (`phase_names`), as
     (op, bytes, tag), e = bytes per element, N parameters, from the chapter's docstrings:
@@ -373,17 +394,8 @@ def expected_ledger(v: Variant, dp: int) -> list[list[tuple[str, int, str]]]:
         return phases
     model = GPTModel(v.model)
     e = _element_size(v.model)
-    named = list(model.named_parameters())
-    if stage == 0 and v.train.ddp_impl == "naive":
-        phases[M - 1] = [("all_reduce", p.numel() * e, "grads") for _, p in named]
-    elif stage == 0:
-        numels = [p.numel() for _, p in named[::-1]]
-        size = v.train.ddp_bucket_size or megatron_default_bucket_size(dp)
-        phases[M - 1] = [("all_reduce", sum(numels[i] for i in b) * e, "grads") for b in assign_buckets(numels, size)]
-    elif stage in (1, 2):
-        shards = [math.ceil(n / dp) for n in zero_bucket_numels(model, v.train.ddp_bucket_size)]
-        phases[M - 1] = [("reduce_scatter", dp * s * e, "grads") for s in shards]
-        phases[M] = [("all_reduce", e, "grad-norm")] + [("all_gather", s * e, "params") for s in shards]
+    if stage < 3:
+        phases[M - 1], phases[M] = gradient_sync_ledger(model, v.train, dp, e)
     else:
         shard = {u: math.ceil(n / dp) for u, n in zero3_unit_numels(model).items()}
         uses = list(shard) + (["embedding"] if model.output_layer is None else [])

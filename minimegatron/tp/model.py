@@ -67,7 +67,7 @@ from .layers import ColumnParallelLinear, LinearWithGradAllReduce, RowParallelLi
 from .random import get_rng_tracker
 
 
-__all__ = ["clip_tensor_parallel_grad_norm", "tensor_parallel_grad_norm_squared", "replicated_names", "ParallelSelfAttention", "ParallelMLP", "ParallelTransformerLayer",
+__all__ = ["reassemble", "clip_tensor_parallel_grad_norm", "tensor_parallel_grad_norm_squared", "replicated_names", "ParallelSelfAttention", "ParallelMLP", "ParallelTransformerLayer",
            "TensorParallelGPTModel", "check_tensor_parallel_config", "full_parameters",
            "full_gradients"]
 
@@ -289,7 +289,7 @@ class TensorParallelGPTModel(nn.Module):
         return layout
 
 
-def _reassemble(model: TensorParallelGPTModel, tensors: dict[str, torch.Tensor],
+def reassemble(model: TensorParallelGPTModel, tensors: dict[str, torch.Tensor],
                 tag: str) -> dict[str, torch.Tensor]:
     """Gather each shard across the TP group (one all-gather per split tensor, through the
     ledger with ``tag``) into the single-device full tensor; replicated ones are copied."""
@@ -320,7 +320,7 @@ def full_parameters(model: TensorParallelGPTModel, group=None) -> dict[str, torc
     Communication: one all-gather (tag "full") per split parameter; collective: every rank
     of the group must call it. ``group``, if given, must be the model's own group."""
     _same_group(model, group)
-    return _reassemble(model, dict(model.named_parameters()), "full")
+    return reassemble(model, dict(model.named_parameters()), "full")
 
 
 def full_gradients(model: TensorParallelGPTModel, group=None) -> dict[str, torch.Tensor]:
@@ -330,7 +330,7 @@ def full_gradients(model: TensorParallelGPTModel, group=None) -> dict[str, torch
     _same_group(model, group)
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
              for n, p in model.named_parameters()}
-    return _reassemble(model, grads, "full")
+    return reassemble(model, grads, "full")
 
 
 def tensor_parallel_grad_norm_squared(grads: list[tuple[str, torch.Tensor]], replicated: set[str],
