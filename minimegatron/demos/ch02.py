@@ -267,7 +267,9 @@ class RunReport:
         for rank, n in enumerate(self.param_elements):
             lines.append(f"      rank {rank}: {n:,} elements = {n * e:,} bytes: "
                          + ("OK" if n == f["per_rank"] else "DIFFERENT"))
-        lines += [f"      problem: {p}" for p in self.problems]
+        lines += [f"      problem: {p}" for p in self.problems[:6]]
+        if len(self.problems) > 6:
+            lines.append(f"      ... and {len(self.problems) - 6} more problems")
         return "\n".join(lines)
 
 

@@ -42,8 +42,7 @@ def tensor_parallel_grad_norm_squared(grads: list[tuple[str, torch.Tensor]], rep
       * with clipping off, losses, gradients and parameters all matched;
       * with clipping on, the updated parameters drifted from the single-device ones, and
         the printed gradient norm was LARGER than the single-device norm, by more at tp 4
-        than at tp 2, and by more for GPT-2 style models (LayerNorm weights AND biases,
-        linear biases) than LLaMA style ones.
+        than at tp 2.
     Find the bug, and write a body that meets the spec.
     """
     # BEGIN EXERCISE 2.4: spot the bug in the tensor-parallel gradient norm
