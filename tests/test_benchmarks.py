@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script, args", [
     ("benchmarks/bench_baseline.py", ["--smoke"]),
     ("benchmarks/bench_ddp.py", ["--smoke", "--ranks", "1", "2"]),
+    ("benchmarks/bench_tp.py", ["--smoke", "--tp", "1", "2"]),
 ])
 def test_benchmark_runs(script, args):
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
