@@ -20,13 +20,16 @@ $(STAMP): requirements.txt pyproject.toml
 
 # torchrun on this machine only: rendezvous on 127.0.0.1, a port the OS picks.
 TORCHRUN := $(VENV)/bin/torchrun --nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 --local-addr=127.0.0.1
-DEMO_RANKS ?= 2
+DEMO_RANKS ?= 4
+DEMO_TP    ?= 2
 
-# The book's main job: the most parallel run it supports so far (chapter 01: data
-# parallelism with the distributed optimizer, ZeRO-1, over DEMO_RANKS ranks).
+# The book's main job: the most parallel run it supports so far (chapter 02: tensor x data
+# parallelism, TP=DEMO_TP inside each group, the distributed optimizer (ZeRO-1) across the
+# DEMO_RANKS/DEMO_TP data-parallel replicas). The global batch stays 8 sequences per step.
 demo: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.train --preset demo \
-		--micro-batch-size $$((8 / $(DEMO_RANKS))) --zero-stage 1 --out-dir runs/demo
+		--tensor-model-parallel-size $(DEMO_TP) --micro-batch-size $$((8 * $(DEMO_TP) / $(DEMO_RANKS))) \
+		--zero-stage 1 --out-dir runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/graders
