@@ -45,6 +45,10 @@ class ModelConfig:
     """
 
     vocab_size: int = 257                 # byte tokenizer: 256 bytes + <eod>
+    # tensor parallelism pads the vocabulary to a multiple of this x tp (Megatron's
+    # --make-vocab-size-divisible-by, default 128, pads on one device too; here the
+    # single-device model keeps exactly vocab_size rows, and 1 pads only as much as tp needs)
+    make_vocab_size_divisible_by: int = 1
     hidden_size: int = 64                 # h
     num_layers: int = 2                   # L
     num_attention_heads: int = 4          # a (query heads)
@@ -113,7 +117,7 @@ class ModelConfig:
                 raise ConfigError(msg)
 
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "make_vocab_size_divisible_by"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
         need(self.hidden_size % self.num_attention_heads == 0,
              f"hidden_size={self.hidden_size} is not divisible by "

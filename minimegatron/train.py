@@ -213,7 +213,9 @@ def parallel_context(tp: int = 1) -> Grid:
     micro-batches). ConfigError, before any group is made, when the world does not split."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tp < 1 or world % tp:
-        raise ConfigError(f"world size {world} is not divisible by tensor_model_parallel_size={tp}")
+        hint = (f"; start {tp} (or a multiple of {tp}) ranks with torchrun, e.g. `torchrun --nproc_per_node={tp} "
+                f"-m minimegatron.train --tensor-model-parallel-size {tp}`" if world == 1 and tp > 1 else "")
+        raise ConfigError(f"world size {world} is not divisible by tensor_model_parallel_size={tp}{hint}")
     if world == 1:
         return Grid()
     if parallel_state.model_parallel_is_initialized() and \

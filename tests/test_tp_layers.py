@@ -91,6 +91,10 @@ def check_shards_come_from_the_single_device_initial_values(rank, G):
         ColumnParallelLinear(4, 6, G["world"])
     with pytest.raises(ValueError, match="in_features 6 is not divisible"):
         RowParallelLinear(6, 4, G["world"])
+    # SwiGLU's fc1: 2 stacked blocks of 6 rows; each block must split tp = 4 ways
+    with pytest.raises(ValueError, match="out_features 12 in 2 stacked blocks, each is not divisible by "
+                                         "the tensor-parallel size 4"):
+        ColumnParallelLinear(4, 12, G["world"], stride=2)
 
 
 # ---------------------------------------------------------------------- linear layers

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minimegatron.analysis import tensor_parallel_parameters
 from minimegatron.comm import record_communication
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
@@ -79,7 +80,10 @@ def tp_run(cfg, group, batches, train_cfg):
 @check
 def check_training_equals_single_device(rank, G):
     for tp, group in G["tps"]:
-        for cfg in (gpt2(), llama(tp)):
+        # Megatron's padding (to a multiple of 128 x tp): at tp 4, 257 ids in 512 rows, so the
+        # last rank holds padding only
+        megatron_padding = [gpt2(make_vocab_size_divisible_by=128)] if tp == 4 else []
+        for cfg in (gpt2(), llama(tp), *megatron_padding):
             batches = make_batches(cfg, STEPS, B, S, seed=7)
             train_cfg = TrainConfig(train_iters=STEPS, lr_warmup_iters=0, clip_grad=0.0)
             reference = single_device_run(cfg, batches, train_cfg)
@@ -105,6 +109,25 @@ def check_initial_parameters_and_logits_equal_single_device(rank, G):
             assert shard.shape == (B, S, model.padded_vocab_size // tp)
             logits = torch.cat(plain_gather(shard.detach(), group), dim=-1)[..., :cfg.vocab_size]
             torch.testing.assert_close(logits, ref(tokens).detach(), rtol=1e-12, atol=1e-12)
+
+
+@check
+def check_parameters_per_rank_equal_the_formula(rank, G):
+    """analysis.tensor_parallel_parameters (from the config alone) against the real shards."""
+    for tp, group in G["tps"]:
+        for cfg in (gpt2(), llama(tp), gpt2(make_vocab_size_divisible_by=128)):
+            model = TensorParallelGPTModel(cfg, group)
+            layout = model.shard_layout()
+            counts = {"split": 0, "replicated": 0}
+            for name, p in model.named_parameters():
+                counts["replicated" if layout[name][1] == "replicated" else "split"] += p.numel()
+            formula = tensor_parallel_parameters(cfg, tp)
+            assert (counts["split"], counts["replicated"]) == (formula["split"], formula["replicated"]), \
+                (tp, cfg.normalization, cfg.make_vocab_size_divisible_by, counts, formula)
+            assert formula["per_rank"] == sum(counts.values())
+            padded_rows = model.padded_vocab_size - cfg.vocab_size
+            matrices = 2 if cfg.untie_embeddings_and_output_weights else 1
+            assert formula["padding"] == matrices * padded_rows * cfg.hidden_size // tp
 
 
 # ---------------------------------------------------------------------- communication

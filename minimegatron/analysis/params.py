@@ -93,14 +93,14 @@ def count_parameters(config: ModelConfig) -> dict:
     return counts
 
 
-def tensor_parallel_parameters(config: ModelConfig, tp: int, make_vocab_size_divisible_by: int = 1) -> dict:
+def tensor_parallel_parameters(config: ModelConfig, tp: int) -> dict:
     """Parameters ONE rank of a tensor-parallel group of `tp` holds (chapter 02's layout, which
     is Megatron's), from count_parameters' components. Numbers of elements:
 
       "split"       what is cut tp ways, per rank: (qkv + proj weight + fc1 + fc2 weight) / tp
                     per layer, the qkv and fc1 biases / tp, and the vocabulary matrices
                     (embedding, untied output layer) as Vp/tp rows of h, Vp = V padded to a
-                    multiple of make_vocab_size_divisible_by * tp
+                    multiple of config.make_vocab_size_divisible_by * tp
       "padding"     of "split", the rows of the padded vocabulary: (Vp - V) h / tp per matrix
       "replicated"  what every rank holds in full: the norms, the position embedding, the
                     row-parallel biases (linear_proj's and linear_fc2's h each, per layer)
@@ -113,7 +113,7 @@ def tensor_parallel_parameters(config: ModelConfig, tp: int, make_vocab_size_div
     c = count_parameters(config)
     layer = c["per_layer"]
     h, V = config.hidden_size, config.vocab_size
-    multiple = make_vocab_size_divisible_by * tp
+    multiple = config.make_vocab_size_divisible_by * tp
     Vp = -(-V // multiple) * multiple
     vocab_matrices = 1 + (1 if config.untie_embeddings_and_output_weights else 0)
     split_per_layer = (layer["qkv_weight"] + layer["qkv_bias"] + layer["proj_weight"]

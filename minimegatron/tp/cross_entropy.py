@@ -98,18 +98,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         padded = per_rank * tp
         if vocab_size is None:
             vocab_size = padded
-        if not padded - per_rank < vocab_size <= padded:
-            # the padding must fit in the last rank's shard, or some rank would have none of
-            # the real vocabulary: a mistake in the caller's vocabulary sizes, not a layout
+        if not 0 < vocab_size <= padded:
+            # (with Megatron's padding to a multiple of 128 x tp a small vocabulary can leave
+            # the last ranks with padding only: their columns are all -inf, which is fine)
             raise ValueError(f"vocab_size={vocab_size} does not fit logits of {per_rank} ids "
-                             f"per rank x tp={tp} = {padded} (padding must be < {per_rank})")
+                             f"per rank x tp={tp} = {padded}")
         if labels.numel() and (labels.min() < 0 or labels.max() >= vocab_size):
             raise ValueError(f"labels must be in [0, {vocab_size}), got "
                              f"[{int(labels.min())}, {int(labels.max())}]")
 
         # float32 for 16-bit logits, as the single-device loss (language_model_loss) does
         z = logits_shard.to(_compute_dtype(logits_shard))
-        n_real = vocab_size - start                      # real ids on this rank (may be all)
+        n_real = max(0, vocab_size - start)              # real ids on this rank (all, some, none)
         if n_real < per_rank:
             z = z.clone()                                # never write into the caller's logits
             z[..., n_real:] = float("-inf")              # padding: zero probability

@@ -54,17 +54,20 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 # Cutting shards
 # ======================================================================================
 
-def divide(numerator: int, denominator: int, what: str = "size") -> int:
-    """``numerator / denominator``, or ValueError naming both when it is not a whole number."""
-    if numerator % denominator:
-        raise ValueError(f"{what} {numerator} is not divisible by the tensor-parallel size "
+def divide(numerator: int, denominator: int, what: str = "size", stride: int = 1) -> int:
+    """``numerator / (denominator * stride)``, or ValueError naming the numbers when it is not a
+    whole number (``denominator`` is the tensor-parallel size; ``stride`` blocks are each
+    split tp ways, see shard_rows)."""
+    if numerator % (denominator * stride):
+        blocks = f" in {stride} stacked blocks, each" if stride > 1 else ""
+        raise ValueError(f"{what} {numerator}{blocks} is not divisible by the tensor-parallel size "
                          f"{denominator}")
-    return numerator // denominator
+    return numerator // (denominator * stride)
 
 
 def _shard(full: torch.Tensor, dim: int, group, stride: int) -> torch.Tensor:
     tp, r = group_size(group), group_rank(group)
-    divide(full.shape[dim], tp * stride, f"dimension {dim} of size")
+    divide(full.shape[dim], tp, f"dimension {dim} of size", stride)
     # stride > 1: the full tensor is `stride` blocks stacked along `dim` (e.g. SwiGLU's
     # [gate; up]); each rank keeps its slice of EVERY block, so the local tensor is again
     # [block_0 slice; block_1 slice; ...] and local code can still chunk it the same way.
@@ -225,7 +228,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__()
         self.group, self.tp = group, group_size(group)
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
-        divide(out_features, self.tp * stride, "ColumnParallelLinear: out_features")
+        divide(out_features, self.tp, "ColumnParallelLinear: out_features", stride)
         self.output_size_per_partition = out_features // self.tp
         self.gather_output = gather_output
         self._create((self.output_size_per_partition, in_features),

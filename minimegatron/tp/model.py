@@ -213,7 +213,8 @@ class TensorParallelGPTModel(nn.Module):
 
         self.embedding = nn.Module()
         self.embedding.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, h, group, init_name="embedding.word_embeddings", config=config)
+            config.vocab_size, h, group, init_name="embedding.word_embeddings", config=config,
+            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
         self.embedding.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.embedding.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
