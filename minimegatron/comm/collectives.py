@@ -178,31 +178,34 @@ def broadcast(t, src, group, tag=None, async_op=False):
     return work if async_op else t
 
 
-def send(t, dst, group=None, tag=None):
-    """Send ``t`` to global rank ``dst`` (blocks until handed off). Records "send"."""
+def send(t, dst, group=None, tag=None, p2p_tag=0):
+    """Send ``t`` to global rank ``dst`` (blocks until handed off). Records "send".
+    ``tag`` labels the ledger record; ``p2p_tag`` is the message tag the receiver must name
+    (messages between two ranks match by tag, in order within one tag)."""
     _record("send", group, t, tag)
-    dist.send(_wire(t.contiguous()), dst=dst, group=group)
+    dist.send(_wire(t.contiguous()), dst=dst, group=group, tag=p2p_tag)
 
 
-def recv(t, src, group=None, tag=None):
-    """Receive into ``t`` from global rank ``src``. Records "recv". Returns ``t``."""
+def recv(t, src, group=None, tag=None, p2p_tag=0):
+    """Receive into ``t`` from global rank ``src`` the message tagged ``p2p_tag``. Records
+    "recv". Returns ``t``."""
     _check_buffer(t, "recv")
     _record("recv", group, t, tag)
-    dist.recv(_wire(t), src=src, group=group)
+    dist.recv(_wire(t), src=src, group=group, tag=p2p_tag)
     return t
 
 
-def isend(t, dst, group=None, tag=None):
+def isend(t, dst, group=None, tag=None, p2p_tag=0):
     """Start sending ``t`` to ``dst``; returns a work handle. Do not modify ``t`` until waited."""
     _record("send", group, t, tag)
-    return dist.isend(_wire(t.contiguous()), dst=dst, group=group)
+    return dist.isend(_wire(t.contiguous()), dst=dst, group=group, tag=p2p_tag)
 
 
-def irecv(t, src, group=None, tag=None):
+def irecv(t, src, group=None, tag=None, p2p_tag=0):
     """Start receiving into ``t`` from ``src``; returns a work handle (``t`` valid after wait)."""
     _check_buffer(t, "irecv")
     _record("recv", group, t, tag)
-    return dist.irecv(_wire(t), src=src, group=group)
+    return dist.irecv(_wire(t), src=src, group=group, tag=p2p_tag)
 
 
 @dataclass

@@ -1,0 +1,24 @@
+"""Chapter 03: pipeline parallelism, Megatron-LM style (megatron/core/pipeline_parallel/).
+
+Read in this order:
+
+  schedules.py  which forwards and backwards a stage runs, in which order: GPipe, 1F1B and
+                interleaved 1F1B as pure functions of (pp_size, pp_rank, micro-batches, chunks)
+  timeline.py   the bubble: every schedule simulated with unit costs, the textbook formula,
+                the in-flight micro-batches, and the pipeline diagram
+  stages.py     which layers each rank (and each of its chunks) holds
+  p2p.py        activations forward and gradients backward between stages, through the ledger
+  executor.py   one training step of a schedule on real ranks: forwards, backwards, p2p, the
+                data-parallel sync after the last backward, the tied embedding's gradients
+"""
+
+from .executor import finish_pipeline_grads, pipeline_grad_norm_squared, run_pipeline_step
+from .p2p import PipelineComm
+from .schedules import KINDS, check_schedule_args, interleaved_order, num_warmup_microbatches, schedule
+from .stages import build_stage_chunks, stage_layers, virtual_stage
+from .timeline import Interval, bubble_fraction, idle_fraction, peak_in_flight, plot_timeline, simulate
+
+__all__ = ["KINDS", "schedule", "check_schedule_args", "interleaved_order", "num_warmup_microbatches",
+           "stage_layers", "build_stage_chunks", "virtual_stage", "PipelineComm", "run_pipeline_step",
+           "finish_pipeline_grads", "pipeline_grad_norm_squared", "Interval", "simulate", "bubble_fraction",
+           "idle_fraction", "peak_in_flight", "plot_timeline"]

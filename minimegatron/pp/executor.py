@@ -1,0 +1,161 @@
+"""Running a pipeline schedule on real ranks: forwards, backwards, p2p, and the gradient syncs.
+
+Shape legend as in model/gpt.py. `run_pipeline_step` executes one rank's op list (from
+schedules.schedule) for one global batch of M micro-batches:
+
+  F(mb, c)  input: the micro-batch's tokens (virtual stage 0) or the previous stage's hidden
+            states [b, s, h] (p2p.recv_forward); run chunk c; on the last virtual stage the
+            loss of the micro-batch, losses.mean() / M (the same scaling as train.forward_backward),
+            else send the output [b, s, h] on (p2p.send_forward). Keep what the backward needs.
+  B(mb, c)  the output's gradient: from the loss (last stage) or received (p2p.recv_backward);
+            backpropagate through chunk c; send the input's gradient back (unless stage 0).
+
+Gradients accumulate in p.grad over the micro-batches. With data parallelism each chunk is
+wrapped in a chapter-01 wrapper and every backward but the chunk's LAST one runs inside
+no_sync(): the data-parallel all-reduce happens once per step, during (bucketed DDP) or after
+(finish_grad_sync) the last backward, as Megatron does. Then `finish_pipeline_grads` makes the
+tied embedding's two copies agree: the first stage's word embedding and the last stage's output
+layer are one parameter of the single-device model, so their gradients are all-reduced over
+the embedding group (first and last stage of the pipeline; Megatron's
+_allreduce_word_embedding_grads in megatron/core/distributed/finalize_model_grads.py).
+
+Measured on the way (for the chapter's figures and checks): the intervals of every op and of
+every wait for a receive (perf_counter, relative to the step's start), and the activation
+bytes each forward saves for its backward (saved_tensors_hooks; parameters excluded), from
+which the peak number and bytes of micro-batches held at once follow.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from .. import comm
+from .p2p import PipelineComm
+from .timeline import Interval
+
+__all__ = ["run_pipeline_step", "finish_pipeline_grads", "pipeline_grad_norm_squared", "StepRecord"]
+
+
+class StepRecord:
+    """What one step measured on this rank: losses (per micro-batch, last stage only),
+    intervals (list[Interval]: "F", "B", "recv wait"), activation bytes saved by each
+    (microbatch, chunk) forward, and the peak count and bytes alive at once."""
+
+    def __init__(self):
+        self.losses: dict[int, float] = {}
+        self.intervals: list[Interval] = []
+        self.saved_bytes: dict[tuple[int, int], int] = {}
+        self.peak_in_flight = 0
+        self.peak_bytes = 0
+
+
+def _saved_bytes_hooks(params: set[int], into: dict[int, int]):
+    """saved_tensors_hooks that record the storages a forward saves (parameters excluded)."""
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            into[ptr] = t.untyped_storage().nbytes()
+        return t
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]], microbatches: list[dict],
+                      p2p: PipelineComm, rank: int = 0) -> StepRecord:
+    """Run `ops` (this rank's schedule) over `microbatches` (M dicts {"tokens", "labels"}, the
+    same on every stage of the pipeline). engines[c] is chunk c: a GPTModel stage or a
+    data-parallel wrapper of one (then its gradient sync runs with the last backward of the
+    chunk; call finish_grad_sync / finish_pipeline_grads after). Returns the StepRecord;
+    gradients are left accumulated in the parameters (DP-synced where wrapped)."""
+    M, rec = len(microbatches), StepRecord()
+    last_backward = {c: max(i for i, (op, _, ch) in enumerate(ops) if op == "B" and ch == c)
+                     for c in range(len(engines))}
+    params = {p.untyped_storage().data_ptr() for e in engines for p in e.parameters()}
+    held: dict[tuple[int, int], tuple] = {}              # (mb, chunk) -> (input, output or loss)
+    t0 = time.perf_counter()
+    now = lambda: time.perf_counter() - t0               # noqa: E731
+
+    for i, (op, mb, c) in enumerate(ops):
+        engine, data = engines[c], microbatches[mb]
+        if op == "F":
+            x = None
+            if not p2p.is_first(c):
+                start = now()
+                x = p2p.recv_forward(mb, c)                                   # [b, s, h]
+                rec.intervals.append(Interval(rank, "recv wait", mb, c, start, now()))
+            start, saved = now(), {}
+            with _saved_bytes_hooks(params, saved):
+                if x is None:
+                    out = engine(data["tokens"], labels=data["labels"] if p2p.is_last(c) else None)
+                else:
+                    out = engine(hidden_states=x, labels=data["labels"] if p2p.is_last(c) else None)
+            if p2p.is_last(c):
+                out = out.mean() / M                      # the micro-batch's share of the step loss
+                rec.losses[mb] = out.item()
+            else:
+                p2p.send_forward(out, mb, c)                                  # [b, s, h]
+            rec.intervals.append(Interval(rank, "F", mb, c, start, now()))
+            held[(mb, c)] = (x, out)
+            rec.saved_bytes[(mb, c)] = sum(saved.values())
+            rec.peak_in_flight = max(rec.peak_in_flight, len(held))
+            rec.peak_bytes = max(rec.peak_bytes, sum(rec.saved_bytes[k] for k in held))
+        else:
+            x, out = held.pop((mb, c))
+            grad = None
+            if not p2p.is_last(c):
+                start = now()
+                grad = p2p.recv_backward(mb, c)                               # [b, s, h]
+                rec.intervals.append(Interval(rank, "recv wait", mb, c, start, now()))
+            start = now()
+            sync = i == last_backward[c] or not hasattr(engine, "no_sync")
+            with nullcontext() if sync else engine.no_sync():
+                torch.autograd.backward(out, grad)
+            if x is not None:
+                p2p.send_backward(x.grad, mb, c)
+            rec.intervals.append(Interval(rank, "B", mb, c, start, now()))
+    if held:
+        raise RuntimeError(f"the schedule left forwards without a backward: {sorted(held)}")
+    return rec
+
+
+def finish_pipeline_grads(engines: list[nn.Module], chunks: list[nn.Module], p2p: PipelineComm,
+                          embedding_group) -> None:
+    """After run_pipeline_step: finish every data-parallel gradient sync, wait for the sends,
+    then all-reduce (sum) the tied embedding's gradient over `embedding_group` on the first
+    and last virtual stages (nothing when untied, or when one stage holds both)."""
+    for engine in engines:
+        if hasattr(engine, "finish_grad_sync"):
+            engine.finish_grad_sync()
+    p2p.wait_sends()
+    for c, chunk in enumerate(chunks):
+        if chunk.config.untie_embeddings_and_output_weights or embedding_group is None:
+            continue
+        if p2p.is_first(c) and not p2p.is_last(c):
+            comm.all_reduce(chunk.embedding.word_embeddings.weight.grad, embedding_group, tag="embedding-grads")
+        elif p2p.is_last(c) and not p2p.is_first(c):
+            comm.all_reduce(chunk.output_layer.weight.grad, embedding_group, tag="embedding-grads")
+
+
+def pipeline_grad_norm_squared(chunks: list[nn.Module], p2p: PipelineComm, pp_group) -> torch.Tensor:
+    """Sum of squares of the single-device model's gradient, over the whole pipeline: every
+    stage's gradients, the tied embedding counted once (the last stage's copy of it left out),
+    all-reduced (sum) over `pp_group`, tag "grad-norm". Returns a [1] tensor, same on every
+    stage. (Megatron: get_grad_norm_fp32 over the model-parallel group, skipping shared
+    embedding copies.)"""
+    squares = None
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            if p.grad is None:
+                continue
+            tied_copy = (name == "output_layer.weight" and p2p.is_last(c) and not p2p.is_first(c)
+                         and not chunk.config.untie_embeddings_and_output_weights)
+            if not tied_copy:
+                sq = p.grad.pow(2).sum().reshape(1)
+                squares = sq if squares is None else squares + sq
+    if squares is None:
+        squares = torch.zeros(1, dtype=p2p.dtype)
+    comm.all_reduce(squares, pp_group, op="sum", tag="grad-norm")
+    return squares

@@ -1,0 +1,104 @@
+"""Point-to-point communication between pipeline stages: activations forward, gradients back.
+
+Shape legend as in model/gpt.py. Between two consecutive virtual stages (see stages.py) only
+one kind of tensor ever travels: the hidden states [b, s, h] of a micro-batch, forward, and
+their gradient [b, s, h], backward. Its shape and dtype are agreed in advance (every stage
+knows b, s, h and the dtype), so no shape is sent; Megatron does the same unless sequence
+lengths vary (variable_seq_lengths).
+
+Sends are asynchronous (comm.isend): a stage hands its output over and goes on computing;
+the handles are waited for at the end of the step (`wait_sends`), which also keeps the sent
+tensors alive until then. Receives block (comm.irecv + wait): a stage cannot run an op before
+its input has arrived, and that waiting is the pipeline bubble made visible. Because only
+receives block, any schedule whose dependencies can be met runs without deadlock, whatever
+order two stages post their messages in.
+
+Messages are matched by tag: each (direction, micro-batch, receiving virtual stage) has its
+own, so a forward activation and a backward gradient travelling between the same two ranks
+(with interleaving, rank pp-1 sends chunk c's output to rank 0's chunk c+1 while rank 0 sends
+gradients back to it) can never be mistaken for each other. Megatron, on NCCL, instead posts
+each pair of stages' sends and receives in exactly matching order (send_forward_recv_backward
+and friends in megatron/core/pipeline_parallel/p2p_communication.py, via batch_isend_irecv).
+
+Ledger: every send and receive is recorded, tag "pp-fwd" (activations) or "pp-bwd"
+(gradients), b * s * h * e bytes each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .stages import virtual_stage
+
+__all__ = ["PipelineComm"]
+
+
+class PipelineComm:
+    """The p2p endpoints of one rank of a pipeline.
+
+    ranks: the global ranks of this pipeline group, in stage order (ranks[i] = stage i).
+    pp_rank: this rank's stage. num_chunks: model chunks per rank (v). shape, dtype: of the
+    hidden states every message carries ([b, s, h], the model's dtype).
+    """
+
+    def __init__(self, ranks: list[int], pp_rank: int, num_chunks: int, shape: tuple[int, ...],
+                 dtype: torch.dtype):
+        self.ranks, self.pp_rank, self.num_chunks = list(ranks), pp_rank, num_chunks
+        self.pp_size = len(ranks)
+        self.shape, self.dtype = tuple(shape), dtype
+        self.last_stage = self.pp_size * num_chunks - 1
+        self._pending: list = []          # (handle, tensor) of sends not yet waited for
+
+    # ---- who is next -------------------------------------------------------------------
+    def stage(self, chunk: int) -> int:
+        return virtual_stage(self.pp_size, self.pp_rank, chunk)
+
+    def is_first(self, chunk: int) -> bool:
+        return self.stage(chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.stage(chunk) == self.last_stage
+
+    def _rank_of(self, stage: int) -> int:
+        return self.ranks[stage % self.pp_size]
+
+    def _tag(self, direction: int, microbatch: int, to_stage: int) -> int:
+        # unique per (direction, micro-batch, receiving virtual stage)
+        return (microbatch * (self.last_stage + 1) + to_stage) * 2 + direction
+
+    # ---- forward: activations ----------------------------------------------------------
+    def send_forward(self, hidden: torch.Tensor, microbatch: int, chunk: int) -> None:
+        """Send chunk `chunk`'s output [b, s, h] for `microbatch` to the next virtual stage."""
+        to = self.stage(chunk) + 1
+        t = hidden.detach().contiguous()
+        self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-fwd",
+                                         p2p_tag=self._tag(0, microbatch, to)), t))
+
+    def recv_forward(self, microbatch: int, chunk: int) -> torch.Tensor:
+        """The previous virtual stage's output for `microbatch`: [b, s, h], requires grad."""
+        me = self.stage(chunk)
+        t = torch.empty(self.shape, dtype=self.dtype)
+        comm.irecv(t, self._rank_of(me - 1), tag="pp-fwd", p2p_tag=self._tag(0, microbatch, me)).wait()
+        return t.requires_grad_()
+
+    # ---- backward: gradients -----------------------------------------------------------
+    def send_backward(self, grad: torch.Tensor, microbatch: int, chunk: int) -> None:
+        """Send the gradient of this chunk's input [b, s, h] to the previous virtual stage."""
+        to = self.stage(chunk) - 1
+        t = grad.contiguous()
+        self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-bwd",
+                                         p2p_tag=self._tag(1, microbatch, to)), t))
+
+    def recv_backward(self, microbatch: int, chunk: int) -> torch.Tensor:
+        """The gradient of this chunk's output for `microbatch`, from the next virtual stage."""
+        me = self.stage(chunk)
+        t = torch.empty(self.shape, dtype=self.dtype)
+        comm.irecv(t, self._rank_of(me + 1), tag="pp-bwd", p2p_tag=self._tag(1, microbatch, me)).wait()
+        return t
+
+    def wait_sends(self) -> None:
+        """Block until every send of this step has been handed over; release the buffers."""
+        for handle, _ in self._pending:
+            handle.wait()
+        self._pending.clear()

@@ -1,0 +1,147 @@
+"""The pipeline bubble: simulated from a schedule with unit costs, by formula, and drawn.
+
+A pipeline of p stages runs m micro-batches; on each stage a forward costs t_f and a backward
+t_b (with v chunks per rank, each chunk's F costs t_f / v and B t_b / v: the rank's layers are
+cut into v pieces). `simulate` plays the schedules of every rank with those costs, each op
+starting as soon as its rank is free AND its input exists (the forward of the previous virtual
+stage, the backward of the next one), communication taking no time. It returns the intervals,
+from which
+
+    idle fraction of a rank = 1 - busy / makespan,        busy = m (t_f + t_b)
+
+For GPipe and 1F1B every stage waits p - 1 forward slots before its first F and p - 1 backward
+slots after its last B (the fill and the drain), so
+
+    makespan = (m + p - 1)(t_f + t_b)        idle fraction = (p - 1) / (m + p - 1)
+
+whatever t_f and t_b are; 1F1B does not shrink the bubble, it bounds the activations alive
+(see peak_in_flight). With v chunks per rank the fill and drain are made of chunk-sized pieces:
+
+    makespan = (m + (p - 1) / v)(t_f + t_b)  idle fraction = (p - 1) / (v m + p - 1)
+
+Narayanan et al. 2021 (Megatron-LM, "Efficient Large-Scale Language Model Training on GPU
+Clusters", Section 2.2) state the same as bubble time over ideal time: (p - 1) / m, and
+(p - 1) / (v m) interleaved; bubble_fraction returns that ratio too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schedules import schedule
+
+__all__ = ["Interval", "simulate", "bubble_fraction", "idle_fraction", "peak_in_flight", "plot_timeline"]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One op of one rank: what ("F", "B", or for a real run "send"/"recv wait"), which
+    micro-batch and chunk, and when (start, end), in the unit of the costs or in seconds."""
+    rank: int
+    op: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+def simulate(kind: str, pp_size: int, num_microbatches: int, num_chunks: int = 1,
+             forward_time: float = 1.0, backward_time: float = 2.0) -> list[Interval]:
+    """Every rank's F and B intervals when `kind` runs with these unit costs (see the module
+    docstring). Raises ValueError if the schedules deadlock (an op waits for one that its
+    rank can never reach): a wrong schedule."""
+    p, v = pp_size, num_chunks
+    ops = [schedule(kind, p, r, num_microbatches, v) for r in range(p)]
+    cost = {"F": forward_time / v, "B": backward_time / v}
+    done: dict[tuple[str, int, int], float] = {}      # (op, microbatch, virtual stage) -> end
+    free, nxt, out = [0.0] * p, [0] * p, []
+    last = p * v - 1
+    while any(nxt[r] < len(ops[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while nxt[r] < len(ops[r]):
+                op, mb, chunk = ops[r][nxt[r]]
+                stage = chunk * p + r                  # the virtual stage this op belongs to
+                if op == "F":
+                    need = ("F", mb, stage - 1) if stage > 0 else None
+                else:
+                    need = ("B", mb, stage + 1) if stage < last else ("F", mb, stage)
+                if need is not None and need not in done:
+                    break                              # its input does not exist yet
+                start = max(free[r], done[need] if need is not None else 0.0)
+                free[r] = done[(op, mb, stage)] = start + cost[op]
+                out.append(Interval(r, op, mb, chunk, start, free[r]))
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: ops[r][nxt[r]] for r in range(p) if nxt[r] < len(ops[r])}
+            raise ValueError(f"the {kind} schedules deadlock: the next ops {stuck} wait for each other")
+    return sorted(out, key=lambda i: (i.rank, i.start))
+
+
+def idle_fraction(intervals: list[Interval], rank: int) -> float:
+    """1 - (time rank `rank` computes) / (the pipeline's makespan, first start to last end)."""
+    start = min(i.start for i in intervals)
+    makespan = max(i.end for i in intervals) - start
+    busy = sum(i.end - i.start for i in intervals if i.rank == rank and i.op in ("F", "B"))
+    return 1.0 - busy / makespan
+
+
+def bubble_fraction(kind: str, pp_size: int, num_microbatches: int, num_chunks: int = 1) -> dict[str, float]:
+    """The textbook bubble of a schedule, uniform stages, free communication:
+
+      "idle":            idle time / makespan on every rank = (p - 1) / (v m + p - 1)
+      "bubble_over_ideal": idle time / compute time       = (p - 1) / (v m)
+    with v = num_chunks (1 for "gpipe" and "1f1b"). Same for GPipe and 1F1B.
+    """
+    # BEGIN EXERCISE 3.3: the bubble formula | hint: the fill and the drain cost (p - 1) forward+backward slots, each of size 1/v of a micro-batch's work; the work is m micro-batches
+    p, m, v = pp_size, num_microbatches, num_chunks
+    if kind != "interleaved" and v != 1:
+        raise ValueError(f"num_chunks={v} needs kind 'interleaved'")
+    bubble = (p - 1) / v                       # in units of one micro-batch's F + B on one rank
+    return {"idle": bubble / (m + bubble), "bubble_over_ideal": bubble / m}
+    # END EXERCISE
+
+
+def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
+    """The most micro-batch-chunks whose forward has run and whose backward has not, over a
+    stage's schedule: how many sets of activations the stage holds at its peak (GPipe: m;
+    1F1B: at most pp - rank; interleaved: the warm-up count + 1, at most v m)."""
+    alive = peak = 0
+    for op, _, _ in ops:
+        alive += 1 if op == "F" else -1
+        peak = max(peak, alive)
+    return peak
+
+
+def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: str = "time"):
+    """Draw one row per rank (rank 0 on top), F boxes light, B boxes dark, each labelled
+    with its micro-batch (and chunk when there are several); waiting shows as white space.
+    Returns the matplotlib Figure (saved to `path` if given)."""
+    import matplotlib
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({i.rank for i in intervals})
+    chunks = max(i.chunk for i in intervals) + 1
+    colors = {"F": ["#9ecae1", "#c6dbef", "#deebf7"], "B": ["#3182bd", "#6baed6", "#08519c"]}
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(ranks) + 1.2))
+    for i in intervals:
+        if i.op not in colors:
+            color = "#fdae6b" if i.op == "send" else "#d9d9d9"
+        else:
+            color = colors[i.op][i.chunk % 3]
+        y = len(ranks) - 1 - ranks.index(i.rank)
+        ax.barh(y, i.end - i.start, left=i.start, height=0.8, color=color, edgecolor="black", linewidth=0.4)
+        if i.op in ("F", "B"):
+            label = f"{i.microbatch}" + (f".{i.chunk}" if chunks > 1 else "")
+            ax.text((i.start + i.end) / 2, y, label, ha="center", va="center", fontsize=7,
+                    color="white" if i.op == "B" else "black")
+    ax.set_yticks(range(len(ranks)), [f"stage {r}" for r in reversed(ranks)])
+    ax.set_xlabel(unit)
+    ax.set_title(title)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
