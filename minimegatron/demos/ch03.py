@@ -43,7 +43,7 @@ from ..testing import EquivalenceReport, RunRecord, compare_runs, make_batches, 
 from ..train import build_optimizer, learning_rate
 from .ch00 import tiny_gpt2, tiny_llama
 
-__all__ = ["PPRun", "tiny_model", "make_run", "train_run", "check_run", "RunReport", "expected_p2p_ledger"]
+__all__ = ["PPRun", "tiny_model", "make_run", "train_run", "train_runs", "check_run", "RunReport", "expected_p2p_ledger"]
 
 
 def tiny_model(style: str = "gpt2", dtype: str = "float64", **overrides) -> ModelConfig:
@@ -115,7 +115,7 @@ def train_run(run: PPRun) -> dict:
     "params" (final) of this rank's chunks under global names (the last stage's copy of a tied
     embedding left out), "ledger" [step] -> [(op, bytes, tag)], "peak_in_flight",
     "peak_bytes", "saved_bytes" (per micro-batch-chunk, first step), "intervals" (last step),
-    "layers" (per chunk)}."""
+    "layers" (per chunk), "tied_copy" (the last stage's output layer, when tied)}."""
     import torch.distributed as dist
 
     if dist.get_world_size() != run.world:
@@ -164,7 +164,16 @@ def train_run(run: PPRun) -> dict:
         out["peak_bytes"] = max(out["peak_bytes"], rec.peak_bytes)
         out["intervals"] = rec.intervals
     out["params"] = _named(chunks, p2p, lambda p: p)
+    for c, chunk in enumerate(chunks):             # the last stage's copy of a tied embedding
+        if p2p.is_last(c) and not p2p.is_first(c) and not run.model.untie_embeddings_and_output_weights:
+            out["tied_copy"] = chunk.output_layer.weight.detach().clone()
     return out
+
+
+def train_runs(runs: list[PPRun]) -> list[dict]:
+    """train_run for each of `runs` in turn, in one world (each run's pp x dp must be the
+    world size): starting ranks costs seconds, a tiny run a fraction of one."""
+    return [train_run(run) for run in runs]
 
 
 def optimizer_params(optimizer) -> list[torch.Tensor]:

@@ -20,7 +20,11 @@ one stage runs its F's and B's; everything else (sending, waiting) follows from 
                  (forward_backward_pipelining_with_interleaving): see interleaved_order.
 
 Megatron-LM: megatron/core/pipeline_parallel/schedules.py. What the book adds: the orders as
-data, so they can be printed, tested and drawn (simulate, below) without running anything.
+data, so they can be printed, tested and drawn (timeline.simulate) without running anything.
+Constraints, as Megatron's with its default micro-batch group size (pp): interleaving needs
+num_microbatches to be a multiple of pp. Megatron's training/arguments.py also asks for
+pp > 2 with interleaving unless its p2p overlap is on; the tagged p2p here (p2p.py) has no
+such restriction, so pp = 2 with 2 chunks is allowed.
 """
 
 from __future__ import annotations
