@@ -132,6 +132,10 @@ RUNS = [
     ch03.make_run(ch03.tiny_model("gpt2", num_layers=3), pp=4, kind="1f1b", micro_batches=4,
                   layers_per_stage=[0, 2, 1, 0]),                 # uneven; embedding-only and head-only stages
     ch03.make_run(ch03.tiny_model("gpt2", dtype="float32"), pp=2, dp=2, kind="1f1b", micro_batches=3),
+    # TP x PP: every stage split over a TP group of 2 (tied: the vocab-parallel copies agree)
+    ch03.make_run(ch03.tiny_model("gpt2"), tp=2, pp=2, kind="1f1b", micro_batches=4),
+    ch03.make_run(ch03.tiny_model("llama", num_query_groups=2), tp=2, pp=2, kind="interleaved", num_chunks=2,
+                  micro_batches=4),
 ]
 
 
@@ -177,3 +181,11 @@ def test_tied_embedding_copies_stay_equal(pipelines):
     first = per_rank[0]["params"]["embedding.word_embeddings.weight"]
     assert "output_layer.weight" not in per_rank[3]["params"]      # left out as a copy
     assert torch.equal(per_rank[3]["tied_copy"], first)
+
+
+@pytest.mark.slow
+def test_3d_tp_pp_dp_on_8_ranks_trains_like_one_device():
+    """The 2021 Megatron-LM paper's setting: TP 2 x PP 2 x DP 2 (tied GPT-2, 1F1B)."""
+    run = ch03.make_run(ch03.tiny_model("gpt2"), tp=2, pp=2, dp=2, kind="1f1b", micro_batches=4)
+    report = ch03.check_run(run, spawn(ch03.train_run, 8, run, timeout=400))
+    assert report.ok, f"{report.equivalence}\n{report.problems}"

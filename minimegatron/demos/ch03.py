@@ -56,7 +56,8 @@ def tiny_model(style: str = "gpt2", dtype: str = "float64", **overrides) -> Mode
 
 @dataclass(frozen=True)
 class PPRun:
-    """One run: `model` on pp x dp ranks, schedule `kind` with num_chunks chunks per rank,
+    """One run: `model` on tp x pp x dp ranks (tp > 1: 3D, each stage tensor-parallel),
+    schedule `kind` with num_chunks chunks per rank,
     `train.grad_accum_steps` = M micro-batches of `train.micro_batch_size` = b rows per step and
     pipeline, `train.train_iters` steps, optional uneven layers_per_stage; seed: the batches."""
     model: ModelConfig
@@ -67,10 +68,11 @@ class PPRun:
     train: TrainConfig
     layers_per_stage: tuple[int, ...] | None = None
     seed: int = 0
+    tp: int = 1
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.tp * self.pp * self.dp
 
     @property
     def micro_batches(self) -> int:
@@ -89,7 +91,7 @@ class PPRun:
 
 def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *, num_chunks: int = 1,
              micro_batches: int = 4, micro_batch_size: int = 2, steps: int = 2, clip_grad: float = 0.05,
-             layers_per_stage: list[int] | None = None, seed: int = 0) -> PPRun:
+             layers_per_stage: list[int] | None = None, seed: int = 0, tp: int = 1) -> PPRun:
     """A validated PPRun: ValueError / ConfigError naming the numbers for a schedule or a
     partition that cannot work (checked on every rank's arguments, before any process starts).
     clip_grad 0.05 is below the tiny model's gradient norm: every step clips, so the norm
@@ -101,9 +103,9 @@ def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *
     train = TrainConfig(seq_length=model.max_position_embeddings, micro_batch_size=micro_batch_size,
                         grad_accum_steps=micro_batches, train_iters=steps, lr_warmup_iters=0, clip_grad=clip_grad,
                         adam_eps=1e-5 if model.params_dtype == "float32" else 1e-8, progress=False,
-                        eval_interval=0).validate(model.validate())
+                        tensor_model_parallel_size=tp, eval_interval=0).validate(model.validate())
     return PPRun(model, pp, dp, kind, num_chunks, train, None if layers_per_stage is None else tuple(layers_per_stage),
-                 seed)
+                 seed, tp)
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,32 +121,34 @@ def train_run(run: PPRun) -> dict:
     import torch.distributed as dist
 
     if dist.get_world_size() != run.world:
-        raise ValueError(f"this run needs pp x dp = {run.pp} x {run.dp} = {run.world} ranks, "
+        raise ValueError(f"this run needs tp x pp x dp = {run.tp} x {run.pp} x {run.dp} = {run.world} ranks, "
                          f"the world has {dist.get_world_size()}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=run.pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp)
     pp_rank, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
     pp_group, dp_group = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_data_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group() if run.tp > 1 else None
     embedding_group = parallel_state.get_embedding_group() if run.pp > 1 else None
 
     chunks = build_stage_chunks(run.model, run.pp, pp_rank, run.num_chunks,
-                                None if run.layers_per_stage is None else list(run.layers_per_stage))
+                                None if run.layers_per_stage is None else list(run.layers_per_stage), tp_group)
     engines = chunks if run.dp == 1 else [DistributedDataParallel(c, dp_group) for c in chunks]
     optimizer = build_optimizer(nn.ModuleList(chunks), run.train)
     t = run.train
     p2p = PipelineComm(parallel_state.get_group_ranks("pp"), pp_rank, run.num_chunks,
                        (t.micro_batch_size, t.seq_length, run.model.hidden_size), run.model.dtype)
     ops = schedule(run.kind, run.pp, pp_rank, run.micro_batches, run.num_chunks)
-    out = {"pp_rank": pp_rank, "dp_rank": dp_rank, "losses": [], "ledger": [], "peak_in_flight": 0, "peak_bytes": 0,
+    out = {"pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+           "losses": [], "ledger": [], "peak_in_flight": 0, "peak_bytes": 0,
            "layers": [c.layer_numbers for c in chunks], "ops": ops}
     for step, batch in enumerate(run.global_batches()):
         with comm.record_communication() as ledger:
             rec = run_pipeline_step(engines, ops, run.local_microbatches(batch, dp_rank), p2p, pp_rank)
             finish_pipeline_grads(engines, chunks, p2p, embedding_group)
-            norm = pipeline_grad_norm_squared(chunks, p2p, pp_group).sqrt()[0]
+            norm = pipeline_grad_norm_squared(chunks, p2p, pp_group, tp_group).sqrt()[0]
         if step == 0:
-            out["grads"] = _named(chunks, p2p, lambda p: p.grad)
+            out["grads"] = _named(chunks, lambda chunk: _full(chunk, "grads"))
             out["saved_bytes"] = dict(rec.saved_bytes)
         if t.clip_grad > 0:                       # torch.nn.utils.clip_grad_norm_'s rule
             coef = torch.clamp(t.clip_grad / (norm + 1e-6), max=1.0)
@@ -163,10 +167,10 @@ def train_run(run: PPRun) -> dict:
         out["peak_in_flight"] = max(out["peak_in_flight"], rec.peak_in_flight)
         out["peak_bytes"] = max(out["peak_bytes"], rec.peak_bytes)
         out["intervals"] = rec.intervals
-    out["params"] = _named(chunks, p2p, lambda p: p)
+    out["params"] = _named(chunks, lambda chunk: _full(chunk, "params"))
     for c, chunk in enumerate(chunks):             # the last stage's copy of a tied embedding
         if p2p.is_last(c) and not p2p.is_first(c) and not run.model.untie_embeddings_and_output_weights:
-            out["tied_copy"] = chunk.output_layer.weight.detach().clone()
+            out["tied_copy"] = _full(chunk, "params")["output_layer.weight"]
     return out
 
 
@@ -180,13 +184,23 @@ def optimizer_params(optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _named(chunks, p2p: PipelineComm, what) -> dict[str, torch.Tensor]:
+def _full(chunk: nn.Module, what: str) -> dict[str, torch.Tensor]:
+    """A chunk's parameters or gradients under single-device names and full shapes (a
+    tensor-parallel chunk's shards are gathered: a collective over its TP group)."""
+    from ..tp import TensorParallelGPTModel, full_gradients, full_parameters
+    if isinstance(chunk, TensorParallelGPTModel):
+        return full_gradients(chunk) if what == "grads" else full_parameters(chunk)
+    return {n: (p.grad if what == "grads" else p).detach().clone() for n, p in chunk.named_parameters()
+            if (p.grad if what == "grads" else p) is not None}
+
+
+def _named(chunks, full) -> dict[str, torch.Tensor]:
+    """The union over chunks of full(chunk), without the last stage's copy of a tied embedding."""
     out = {}
-    for c, chunk in enumerate(chunks):
-        for name, p in chunk.named_parameters():
-            tied_copy = (name == "output_layer.weight" and not chunk.config.untie_embeddings_and_output_weights)
-            if not tied_copy and what(p) is not None:
-                out[name] = what(p).detach().clone()
+    for chunk in chunks:
+        for name, t in full(chunk).items():
+            if not (name == "output_layer.weight" and not chunk.config.untie_embeddings_and_output_weights):
+                out[name] = t
     return out
 
 
@@ -228,7 +242,8 @@ def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
     reference = single_device_run(run.model, run.global_batches(), run.train, grad_accum_steps=run.micro_batches)
     pipelines: dict[int, dict[int, dict]] = {}
     for r in per_rank:
-        pipelines.setdefault(r["dp_rank"], {})[r["pp_rank"]] = r
+        if r["tp_rank"] == 0:                      # one rank of each TP group speaks for it
+            pipelines.setdefault(r["dp_rank"], {})[r["pp_rank"]] = r
     first = pipelines[0]
     last_stage = first[run.pp - 1]
     dp_losses = [pipelines[d][run.pp - 1]["losses"] for d in sorted(pipelines)]

@@ -139,23 +139,31 @@ def finish_pipeline_grads(engines: list[nn.Module], chunks: list[nn.Module], p2p
             comm.all_reduce(chunk.output_layer.weight.grad, embedding_group, tag="embedding-grads")
 
 
-def pipeline_grad_norm_squared(chunks: list[nn.Module], p2p: PipelineComm, pp_group) -> torch.Tensor:
+def pipeline_grad_norm_squared(chunks: list[nn.Module], p2p: PipelineComm, pp_group, tp_group=None) -> torch.Tensor:
     """Sum of squares of the single-device model's gradient, over the whole pipeline: every
     stage's gradients, the tied embedding counted once (the last stage's copy of it left out),
-    all-reduced (sum) over `pp_group`, tag "grad-norm". Returns a [1] tensor, same on every
-    stage. (Megatron: get_grad_norm_fp32 over the model-parallel group, skipping shared
-    embedding copies.)"""
-    squares = None
+    summed over `pp_group` (one all-reduce, tag "grad-norm"). With `tp_group` (3D) the chunks
+    are tensor-parallel and tp.model.tensor_parallel_grad_norm_squared sums over the TP group
+    first (its replicated parameters counted once). Returns a [1] tensor, the same on every
+    rank of the model-parallel group. (Megatron: get_grad_norm_fp32 over the model-parallel
+    group, skipping shared embedding copies and TP duplicates.)"""
+    grads, replicated = [], set()
     for c, chunk in enumerate(chunks):
-        for name, p in chunk.named_parameters():
-            if p.grad is None:
-                continue
-            tied_copy = (name == "output_layer.weight" and p2p.is_last(c) and not p2p.is_first(c)
-                         and not chunk.config.untie_embeddings_and_output_weights)
-            if not tied_copy:
-                sq = p.grad.pow(2).sum().reshape(1)
-                squares = sq if squares is None else squares + sq
-    if squares is None:
-        squares = torch.zeros(1, dtype=p2p.dtype)
+        tied_copy_here = (p2p.is_last(c) and not p2p.is_first(c)
+                          and not chunk.config.untie_embeddings_and_output_weights)
+        if tp_group is not None:
+            from ..tp.model import replicated_names
+            replicated |= replicated_names(chunk)
+        grads += [(name, p.grad) for name, p in chunk.named_parameters()
+                  if p.grad is not None and not (tied_copy_here and name == "output_layer.weight")]
+    if not grads:                      # a stage without parameters still joins the all-reduces
+        grads = [("(no parameters)", torch.zeros(1, dtype=p2p.dtype))]
+    if tp_group is not None:
+        from ..tp.model import tensor_parallel_grad_norm_squared
+        squares = tensor_parallel_grad_norm_squared(grads, replicated, tp_group)
+    else:
+        squares = torch.zeros(1, dtype=grads[0][1].dtype)
+        for _, g in grads:
+            squares += g.pow(2).sum()
     comm.all_reduce(squares, pp_group, op="sum", tag="grad-norm")
     return squares

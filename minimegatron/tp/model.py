@@ -63,7 +63,8 @@ from ..model.init import initial_value
 from ..model.linear import build_norm
 from ..model.rope import apply_rotary_pos_emb, rope_cos_sin
 from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, LinearWithGradAllReduce, RowParallelLinear, VocabParallelEmbedding
+from .layers import (ColumnParallelLinear, LinearWithGradAllReduce, RowParallelLinear, VocabParallelEmbedding,
+                     pad_vocab_size)
 from .random import get_rng_tracker
 
 
@@ -194,47 +195,57 @@ class ParallelTransformerLayer(nn.Module):
 
 
 class TensorParallelGPTModel(nn.Module):
-    """GPTModel split over the tensor-parallel ``group`` (every rank of it builds one).
+    """GPTModel split over the tensor-parallel ``group`` (every rank of it builds one), or one
+    pipeline stage of it (pre_process, post_process, layer_numbers as GPTModel's, chapter 03).
 
-    forward(tokens, position_ids=None, labels=None):
-      tokens [b, s] int64, the same on every rank of the group; position_ids [b, s] or [s]
-      (default 0..s-1); returns per-token losses [b, s] (same on every rank, dtype as
-      GPTModel's) when labels [b, s] are given, else this rank's logits shard [b, s, Vp/tp]
-      (ids [r Vp/tp, (r+1) Vp/tp); columns >= V are padding, not real ids).
+    forward(tokens=None, position_ids=None, labels=None, hidden_states=None):
+      tokens [b, s] int64 (first stage) or hidden_states [b, s, h] (later stages), the same on
+      every rank of the group; position_ids [b, s] or [s] (default 0..s-1); on the last stage,
+      per-token losses [b, s] (same on every rank, dtype as GPTModel's) when labels [b, s] are
+      given, else this rank's logits shard [b, s, Vp/tp] (ids [r Vp/tp, (r+1) Vp/tp); columns
+      >= V are padding, not real ids); on other stages the hidden states [b, s, h].
     Raises ConfigError before building anything if config does not split over tp.
     """
 
-    def __init__(self, config: ModelConfig, group):
+    def __init__(self, config: ModelConfig, group, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: list[int] | None = None):
         super().__init__()
         self.tp = group_size(group)
         check_tensor_parallel_config(config, self.tp)
         self.config, self.group = config, group
-        h = config.hidden_size
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
+        h, V = config.hidden_size, config.vocab_size
+        self.padded_vocab_size = pad_vocab_size(V, self.tp, config.make_vocab_size_divisible_by)
 
-        self.embedding = nn.Module()
-        self.embedding.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, h, group, init_name="embedding.word_embeddings", config=config,
-            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
-        self.embedding.position_embeddings = None
-        if config.position_embedding_type == "learned_absolute":
-            self.embedding.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
-            self.embedding.position_embeddings.weight.data = initial_value(
-                "embedding.position_embeddings.weight", (config.max_position_embeddings, h), config)
+        self.embedding = None
+        if pre_process:
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = VocabParallelEmbedding(
+                V, h, group, init_name="embedding.word_embeddings", config=config,
+                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
+            self.embedding.position_embeddings = None
+            if config.position_embedding_type == "learned_absolute":
+                self.embedding.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+                self.embedding.position_embeddings.weight.data = initial_value(
+                    "embedding.position_embeddings.weight", (config.max_position_embeddings, h), config)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict(
-            {str(i): ParallelTransformerLayer(config, group, i) for i in range(config.num_layers)})
-        self.decoder.final_layernorm = _replicated_norm(config, "decoder.final_layernorm")
+            {str(i): ParallelTransformerLayer(config, group, i) for i in self.layer_numbers})
+        self.decoder.final_layernorm = _replicated_norm(config, "decoder.final_layernorm") if post_process else None
 
-        self.padded_vocab_size = self.embedding.word_embeddings.padded_vocab_size
         self.output_layer = None
-        if config.untie_embeddings_and_output_weights:
+        if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
             # its own [V, h] matrix, padded with zero rows like the embedding and cut by rows
             # (vocabulary ranges). The padding rows get zero gradient (the loss masks their
-            # logits) and, being zero, AdamW's decoupled weight decay keeps them zero.
+            # logits) and, being zero, AdamW's decoupled weight decay keeps them zero. Tied, on
+            # a last pipeline stage without the embedding: a copy that starts equal to it.
             self.output_layer = ColumnParallelLinear(h, self.padded_vocab_size, group, bias=False,
                                                      config=config)
-            full = initial_value("output_layer.weight", (config.vocab_size, h), config)
-            self.output_layer.load_full(self.embedding.word_embeddings.pad(full))
+            name = ("output_layer.weight" if config.untie_embeddings_and_output_weights
+                    else "embedding.word_embeddings.weight")
+            full = initial_value(name, (V, h), config)
+            self.output_layer.load_full(torch.cat([full, full.new_zeros(self.padded_vocab_size - V, h)]))
 
     def output_weight(self) -> torch.Tensor:
         """[Vp/tp, h]: this rank's vocabulary rows of the matrix that makes the logits."""
@@ -242,25 +253,31 @@ class TensorParallelGPTModel(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
-        s = tokens.shape[1]
+        first = tokens if tokens is not None else hidden_states
+        s = first.shape[1]
         if s > cfg.max_position_embeddings:
             raise ValueError(f"sequence length {s} > max_position_embeddings={cfg.max_position_embeddings}")
         if position_ids is None:
-            position_ids = torch.arange(s, device=tokens.device)
+            position_ids = torch.arange(s, device=first.device)
 
-        x = self.embedding.word_embeddings(tokens)                          # [b, s, h], g
-        if self.embedding.position_embeddings is not None:
-            x = x + self.embedding.position_embeddings(position_ids)        # replicated, local
-        x = F.dropout(x, cfg.hidden_dropout, self.training)                 # replicated: shared stream
+        if self.pre_process:
+            x = self.embedding.word_embeddings(tokens)                      # [b, s, h], g
+            if self.embedding.position_embeddings is not None:
+                x = x + self.embedding.position_embeddings(position_ids)    # replicated, local
+            x = F.dropout(x, cfg.hidden_dropout, self.training)             # replicated: shared stream
+        else:
+            x = hidden_states                                               # [b, s, h] from the previous stage
         rope = None
         if cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base, dtype=x.dtype)
 
         for layer in self.decoder.layers.values():
             x = layer(x, rope)                                              # [b, s, h]
+        if not self.post_process:
+            return x
         x = self.decoder.final_layernorm(x)                                 # [b, s, h]
 
         # the output layer is column-parallel over the vocabulary: f (identity now; the
