@@ -204,6 +204,10 @@ class TrainConfig:
                                           # one bucket per weight-decay group for ZeRO-1/2
     # tensor parallelism (chapter 02): the ranks form a grid, tp fastest; dp = world / tp
     tensor_model_parallel_size: int = 1   # each matrix split over this many ranks
+    # pipeline parallelism (chapter 03): pp stages, the slowest dimension; dp = world / (tp pp)
+    pipeline_model_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"       # "gpipe" | "1f1b" | "interleaved"; grad_accum_steps micro-batches
+    num_virtual_stages_per_pipeline_rank: int = 1   # model chunks per rank (> 1: interleaved)
     data_seed: int = 1234                 # data order and dropout masks
     progress: bool = True
 
@@ -234,6 +238,22 @@ class TrainConfig:
         if model is not None and tp > 1:
             from .tp.model import check_tensor_parallel_config   # heads, groups, ffn by tp
             check_tensor_parallel_config(model, tp)
+        pp, chunks = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
+        need(pp >= 1 and chunks >= 1, f"pipeline_model_parallel_size={pp} and "
+                                      f"num_virtual_stages_per_pipeline_rank={chunks} must be >= 1")
+        need(pp == 1 or self.zero_stage == 0,
+             f"zero_stage={self.zero_stage} with pipeline_model_parallel_size={pp}: ZeRO is not combined "
+             f"with pipeline parallelism here; use zero_stage 0 (bucketed DDP per stage)")
+        if pp > 1:
+            from .pp.schedules import check_schedule_args      # kind, micro-batches, chunks
+            from .pp.stages import stage_layers                # layers by pp x chunks
+            try:
+                check_schedule_args(self.pipeline_schedule, pp, 0, self.grad_accum_steps, chunks)
+            except ValueError as exc:
+                raise ConfigError(f"pipeline_schedule={self.pipeline_schedule!r} with grad_accum_steps="
+                                  f"{self.grad_accum_steps} micro-batches: {exc}") from None
+            if model is not None:
+                stage_layers(model.num_layers, pp, 0, chunks)
         if model is not None:
             need(self.seq_length <= model.max_position_embeddings,
                  f"seq_length={self.seq_length} is longer than "

@@ -7,6 +7,8 @@
     python -m minimegatron.train --preset tiny --load-dir runs/ckpt  # exact resume
     torchrun --standalone --nproc_per_node=2 -m minimegatron.train --zero-stage 1   # chapter 01
     torchrun --standalone --nproc_per_node=4 -m minimegatron.train --tensor-model-parallel-size 2  # 02
+    torchrun --standalone --nproc_per_node=8 -m minimegatron.train --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --grad-accum-steps 4                                       # 03: 3D
 
 One step (Megatron's train_step, without the parallel parts yet):
 
@@ -46,6 +48,9 @@ from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_
 from .dp import build_data_parallel
 from .launch import init_from_torchrun
 from .model import GPTModel
+from .pp.engine import PipelineEngine, PipelineOptimizer
+from .pp.p2p import PipelineComm
+from .pp.stages import build_stage_chunks
 from .tp import (TensorParallelGPTModel, clip_tensor_parallel_grad_norm, full_parameters, get_rng_tracker,
                  model_parallel_manual_seed)
 
@@ -96,6 +101,8 @@ def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.
     runs under `no_sync()` (no communication while accumulating) and `finish_grad_sync()`
     completes the gradient reduction after the last one.
     """
+    if hasattr(model, "pipeline_step"):    # chapter 03: the schedule runs the micro-batches
+        return model.pipeline_step(microbatches)
     data_parallel = hasattr(model, "finish_grad_sync")
     total = 0.0
     for i, mb in enumerate(microbatches):
@@ -120,6 +127,11 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr:
     without a data-parallel wrapper (chapter 02) is passed as `tensor_parallel`: its norm sums
     over the TP group, counting the replicated parameters once.
     """
+    if tensor_parallel is not None and hasattr(optimizer, "clip_grad_norm") and \
+            getattr(optimizer, "tensor_parallel", None) is not tensor_parallel:
+        # its norm would be this rank's shards' only: clipping silently wrong
+        raise ValueError("optimizer_step(tensor_parallel=model): the data-parallel optimizer was built without "
+                         "it; pass tensor_parallel=model to dp.build_data_parallel")
     if hasattr(optimizer, "clip_grad_norm"):
         norm = optimizer.clip_grad_norm(clip_grad)
     elif tensor_parallel is not None:
@@ -140,12 +152,13 @@ def evaluate(model: torch.nn.Module, dataset: GPTDataset, cfg: TrainConfig, dp_r
              dp_group=None) -> float:
     """Mean loss over the first eval_iters global batches (micro_batch_size * dp_size
     sequences each) of the validation set; each data-parallel rank evaluates its slice."""
-    model.eval()
+    pipeline = hasattr(model, "pipeline_evaluate")       # chapter 03: forward through the stages
+    model.train(False) if not pipeline else None
     losses = []
     for i in range(cfg.eval_iters):
         mb = batch_for_step(dataset, i, cfg.micro_batch_size, 0, 1, dp_rank, dp_size)
-        losses.append(model(mb["tokens"], labels=mb["labels"]).mean().item())
-    model.train()
+        losses.append(model.pipeline_evaluate(mb, i) if pipeline else model(mb["tokens"], labels=mb["labels"]).mean().item())
+    model.train(True) if not pipeline else None
     mean = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
     if dp_group is not None:
         all_reduce(mean, dp_group, op="avg", tag="loss")
@@ -182,7 +195,8 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
 RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size", "grad_accum_steps",
                      "train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "adam_beta1",
                      "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage",
-                     "tensor_model_parallel_size")
+                     "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
+                     "num_virtual_stages_per_pipeline_rank")
 
 
 def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
@@ -196,8 +210,8 @@ def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
 
 @dataclass
 class Grid:
-    """Where this process sits on the 2D grid of ranks: tp (fastest) x dp. A group of size 1
-    is None (nothing to communicate)."""
+    """Where this process sits on the grid of ranks: tp (fastest) x dp x pp (slowest),
+    Megatron's order. A group of size 1 is None (nothing to communicate)."""
     rank: int = 0
     world: int = 1
     tp_size: int = 1
@@ -205,28 +219,39 @@ class Grid:
     dp_rank: int = 0
     dp_size: int = 1
     dp_group: object = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: object = None
+    embedding_group: object = None        # first + last pipeline stage (tied embeddings)
 
 
-def parallel_context(tp: int = 1) -> Grid:
-    """The grid for tensor_model_parallel_size `tp`: one process is Grid(); under torchrun
-    dp = world / tp, and the ranks of one TP group are one data-parallel rank (same
-    micro-batches). ConfigError, before any group is made, when the world does not split."""
+def parallel_context(tp: int = 1, pp: int = 1) -> Grid:
+    """The grid for tensor_model_parallel_size `tp` and pipeline_model_parallel_size `pp`: one
+    process is Grid(); under torchrun dp = world / (tp pp), and the ranks of one TP group are
+    one data-parallel rank of one stage (same micro-batches). ConfigError, before any group
+    is made, when the world does not split."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp < 1 or world % tp:
-        hint = (f"; start {tp} (or a multiple of {tp}) ranks with torchrun, e.g. `torchrun --nproc_per_node={tp} "
-                f"-m minimegatron.train --tensor-model-parallel-size {tp}`" if world == 1 and tp > 1 else "")
-        raise ConfigError(f"world size {world} is not divisible by tensor_model_parallel_size={tp}{hint}")
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        hint = (f"; start {tp * pp} (or a multiple of {tp * pp}) ranks with torchrun, e.g. `torchrun "
+                f"--nproc_per_node={tp * pp} -m minimegatron.train --tensor-model-parallel-size {tp} "
+                f"--pipeline-model-parallel-size {pp}`" if world == 1 and tp * pp > 1 else "")
+        raise ConfigError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
+                          f"pipeline_model_parallel_size={pp}{hint}")
     if world == 1:
         return Grid()
-    if parallel_state.model_parallel_is_initialized() and \
-            parallel_state.get_tensor_model_parallel_world_size() != tp:
+    if parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_tensor_model_parallel_world_size() != tp
+            or parallel_state.get_pipeline_model_parallel_world_size() != pp):
         parallel_state.destroy_model_parallel()            # another layout in the same world
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_size = dist.get_world_size(dp_group)
     return Grid(dist.get_rank(), world, tp, parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
-                dist.get_rank(dp_group), dp_size, dp_group if dp_size > 1 else None)
+                dist.get_rank(dp_group), dp_size, dp_group if dp_size > 1 else None,
+                parallel_state.get_pipeline_model_parallel_rank(), pp,
+                parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None,
+                parallel_state.get_embedding_group() if pp > 1 else None)
 
 
 def full_state_dict(engine: torch.nn.Module, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -234,6 +259,19 @@ def full_state_dict(engine: torch.nn.Module, model: torch.nn.Module) -> dict[str
     if hasattr(engine, "gather_parameters"):
         return engine.gather_parameters()
     return model.state_dict()
+
+
+def build_pipeline(model_cfg: ModelConfig, cfg: TrainConfig, grid: Grid) -> PipelineEngine:
+    """This rank's stage(s) of the pipeline (chapter 03), tensor-parallel when grid.tp_size > 1,
+    each chunk in bucketed DDP over the data-parallel group when there is one."""
+    chunks = build_stage_chunks(model_cfg, grid.pp_size, grid.pp_rank, cfg.num_virtual_stages_per_pipeline_rank,
+                                tp_group=grid.tp_group)
+    p2p = PipelineComm(parallel_state.get_group_ranks("pp"), grid.pp_rank, len(chunks),
+                       (cfg.micro_batch_size, cfg.seq_length, model_cfg.hidden_size), model_cfg.dtype)
+    element_size = torch.empty((), dtype=model_cfg.dtype).element_size()
+    bucket = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
+    return PipelineEngine(chunks, cfg.pipeline_schedule, cfg.grad_accum_steps, p2p, grid.pp_group,
+                          grid.embedding_group, grid.dp_group, grid.tp_group, bucket_size_bytes=bucket)
 
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
@@ -244,20 +282,25 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     micro_batch_size * grad_accum_steps * n sequences, and `cfg.zero_stage` / `cfg.ddp_impl`
     pick the variant of chapter 01. With cfg.tensor_model_parallel_size = t > 1 (chapter 02)
     the ranks form a t x (n / t) grid: every matrix is split over a TP group of t ranks, and
-    the n / t TP groups are the data-parallel ranks.
+    the n / t TP groups are the data-parallel ranks. With cfg.pipeline_model_parallel_size =
+    p > 1 (chapter 03) the layers are cut into p stages and each step runs
+    cfg.pipeline_schedule over the grad_accum_steps micro-batches: t x p x (n / t p), 3D.
     """
     model_cfg.validate()
-    grid = parallel_context(cfg.tensor_model_parallel_size)      # first: does the world split?
+    grid = parallel_context(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)  # does it split?
     cfg.validate(model_cfg)
     dp_rank, dp_size, dp_group = grid.dp_rank, grid.dp_size, grid.dp_group
     train_ds, valid_ds = build_datasets(model_cfg, cfg)
-    tp_model = TensorParallelGPTModel(model_cfg, grid.tp_group) if grid.tp_size > 1 else None
-    model = tp_model if tp_model is not None else GPTModel(model_cfg)
+    pipeline = build_pipeline(model_cfg, cfg, grid) if grid.pp_size > 1 else None
+    tp_model = TensorParallelGPTModel(model_cfg, grid.tp_group) if grid.tp_size > 1 and pipeline is None else None
+    model = pipeline.module if pipeline else tp_model if tp_model is not None else GPTModel(model_cfg)
+    split = pipeline is not None or tp_model is not None        # each rank holds a part of the model
     # dropout masks, seeded after the model is built (building may draw from the default
     # generator, and must not shift the masks): under TP a stream shared by the TP group for
-    # the replicated activations and one per TP rank for the split ones (tp/random.py)
-    if grid.tp_size > 1:
-        model_parallel_manual_seed(cfg.data_seed)            # tp_rank from parallel_state
+    # the replicated activations and one per TP rank for the split ones (tp/random.py); each
+    # pipeline stage its own (Megatron adds 100 x pp_rank)
+    if split:
+        model_parallel_manual_seed(cfg.data_seed, pp_rank=grid.pp_rank)   # tp_rank from parallel_state
     else:
         torch.manual_seed(cfg.data_seed)
     result = TrainResult(out_dir=cfg.out_dir)
@@ -265,15 +308,18 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     state = own = None
     if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
         state = load_checkpoint(cfg.load_dir, model_config=to_dict(model_cfg))
-        saved = (state.get("tp_size", 1), state.get("dp_size", 1))
-        if saved != (grid.tp_size, dp_size):
-            raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by tp_size={saved[0]} x dp_size="
-                                  f"{saved[1]} ranks, this run has tp_size={grid.tp_size} x dp_size={dp_size}")
+        saved = (state.get("tp_size", 1), state.get("pp_size", 1), state.get("dp_size", 1))
+        if saved != (grid.tp_size, grid.pp_size, dp_size):
+            raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by tp_size={saved[0]} x pp_size="
+                                  f"{saved[1]} x dp_size={saved[2]} ranks, this run has tp_size={grid.tp_size} x "
+                                  f"pp_size={grid.pp_size} x dp_size={dp_size}")
         check_resume_config(state.get("train_config", {}), cfg, cfg.load_dir)
         own = state if grid.world == 1 else load_rank_state(cfg.load_dir, state["step"], grid.rank)
-        # before sharding (ZeRO-3); under TP each rank's file holds its own shard
-        model.load_state_dict(own["model"] if tp_model is not None else state["model"])
-    if dp_group is None:             # one data-parallel rank: nothing to average or to shard
+        # before sharding (ZeRO-3); under TP or PP each rank's file holds its own part
+        model.load_state_dict(own["model"] if split else state["model"])
+    if pipeline is not None:         # the schedule, DP sync and norm live in the engine
+        engine, optimizer = pipeline, PipelineOptimizer(build_optimizer(model, cfg), pipeline)
+    elif dp_group is None:           # one data-parallel rank: nothing to average or to shard
         engine, optimizer = model, build_optimizer(model, cfg)
     else:
         engine, optimizer = build_data_parallel(model, cfg, dp_group, tensor_parallel=tp_model)
@@ -282,7 +328,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     if state is not None:
         optimizer.load_state_dict(own["optimizer"])
         torch.set_rng_state(own["rng"])
-        if grid.tp_size > 1:
+        if split:
             get_rng_tracker().set_states(own["tp_rng"])
         start = state["step"]
         result.losses = list(state["history"]["losses"])
@@ -321,17 +367,20 @@ def _save(cfg, model_cfg, step, engine, model, optimizer, result, grid: Grid) ->
     The main file's "model" is always the single-device state (names and full shapes): under
     TP the shards are gathered (a collective over the TP group). Under TP each rank's own file
     also holds its shard ("model"), which is what a resume with the same layout loads."""
-    tp = grid.tp_size > 1
-    model_state = full_parameters(model) if tp else full_state_dict(engine, model)   # collectives
+    split = grid.tp_size > 1 or grid.pp_size > 1
+    if grid.pp_size > 1:                                          # collectives
+        model_state = engine.full_state_dict()
+    else:
+        model_state = full_parameters(model) if split else full_state_dict(engine, model)
     own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-           **({"model": model.state_dict(), "tp_rng": get_rng_tracker().get_states()} if tp else {})}
+           **({"model": model.state_dict(), "tp_rng": get_rng_tracker().get_states()} if split else {})}
     if grid.world > 1:
         save_rank_state(cfg.save_dir, step, grid.rank, own)
         barrier(None, tag="checkpoint")                           # all rank files exist
     path = Path(cfg.save_dir) / f"iter_{step:07d}.pt"
     if grid.rank == 0:
         main = {"model_config": to_dict(model_cfg), "train_config": to_dict(cfg), "model": model_state,
-                "dp_size": grid.dp_size, "tp_size": grid.tp_size,
+                "dp_size": grid.dp_size, "tp_size": grid.tp_size, "pp_size": grid.pp_size,
                 "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}
         path = save_checkpoint(cfg.save_dir, step, {**main, **(own if grid.world == 1 else {})})
     if grid.world > 1:

@@ -10,8 +10,12 @@ from .collectives import all_gather, all_reduce, all_to_all, group_rank, group_s
 # ======================================================================================
 # Autograd-aware regions (Megatron's tensor-parallel "mappings")
 # ======================================================================================
-# Each operator runs a collective forward and its adjoint backward: if the forward computes
-# y = A x across the group, the backward computes dx = A^T dy. Hence the pairs
+# Each operator runs a collective forward and the matching backward: if the forward computes
+# y = A x across the group, the backward computes dx = A^T dy. Identity and all-reduce pair
+# up because a replicated tensor is ONE tensor stored on every member: copying it to the
+# members (f) is a fan-out whose transpose is a sum (all-reduce), and summing partial results
+# into one replicated tensor (g) is a fan-in whose transpose hands the one gradient to every
+# member unchanged (identity). Hence the pairs
 #
 #     operator                   forward          backward
 #     copy_to_region             identity         all-reduce (sum)

@@ -28,19 +28,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from .. import comm, parallel_state
 from ..config import ModelConfig, TrainConfig
 from ..data.gpt_dataset import global_sample_indices
-from ..dp import DistributedDataParallel
-from ..pp.executor import finish_pipeline_grads, pipeline_grad_norm_squared, run_pipeline_step
+from ..pp.engine import PipelineEngine, PipelineOptimizer
 from ..pp.p2p import PipelineComm
 from ..pp.schedules import check_schedule_args, schedule
 from ..pp.stages import build_stage_chunks, stage_layers
 from ..pp.timeline import peak_in_flight
 from ..testing import EquivalenceReport, RunRecord, compare_runs, make_batches, single_device_run
-from ..train import build_optimizer, learning_rate
+from ..tp import full_parameters
+from ..train import build_optimizer, learning_rate, optimizer_step
 from .ch00 import tiny_gpt2, tiny_llama
 
 __all__ = ["PPRun", "tiny_model", "make_run", "train_run", "train_runs", "check_run", "RunReport", "expected_p2p_ledger"]
@@ -117,7 +116,8 @@ def train_run(run: PPRun) -> dict:
     "params" (final) of this rank's chunks under global names (the last stage's copy of a tied
     embedding left out), "ledger" [step] -> [(op, bytes, tag)], "peak_in_flight",
     "peak_bytes", "saved_bytes" (per micro-batch-chunk, first step), "intervals" (last step),
-    "layers" (per chunk), "tied_copy" (the last stage's output layer, when tied)}."""
+    "layers" (per chunk), "tied_copy" (the last stage's output layer, when tied)}.
+    The step is the training loop's own (PipelineEngine, train.optimizer_step)."""
     import torch.distributed as dist
 
     if dist.get_world_size() != run.world:
@@ -133,44 +133,35 @@ def train_run(run: PPRun) -> dict:
 
     chunks = build_stage_chunks(run.model, run.pp, pp_rank, run.num_chunks,
                                 None if run.layers_per_stage is None else list(run.layers_per_stage), tp_group)
-    engines = chunks if run.dp == 1 else [DistributedDataParallel(c, dp_group) for c in chunks]
-    optimizer = build_optimizer(nn.ModuleList(chunks), run.train)
     t = run.train
     p2p = PipelineComm(parallel_state.get_group_ranks("pp"), pp_rank, run.num_chunks,
                        (t.micro_batch_size, t.seq_length, run.model.hidden_size), run.model.dtype)
-    ops = schedule(run.kind, run.pp, pp_rank, run.micro_batches, run.num_chunks)
+    engine = PipelineEngine(chunks, run.kind, run.micro_batches, p2p, pp_group, embedding_group,
+                            dp_group if run.dp > 1 else None, tp_group)
+    optimizer = PipelineOptimizer(build_optimizer(engine.module, t), engine)
     out = {"pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
            "losses": [], "ledger": [], "peak_in_flight": 0, "peak_bytes": 0,
-           "layers": [c.layer_numbers for c in chunks], "ops": ops}
+           "layers": [c.layer_numbers for c in chunks], "ops": engine.ops}
     for step, batch in enumerate(run.global_batches()):
-        with comm.record_communication() as ledger:
-            rec = run_pipeline_step(engines, ops, run.local_microbatches(batch, dp_rank), p2p, pp_rank)
-            finish_pipeline_grads(engines, chunks, p2p, embedding_group)
-            norm = pipeline_grad_norm_squared(chunks, p2p, pp_group, tp_group).sqrt()[0]
+        with comm.record_communication() as ledger:     # the schedule, the DP and embedding syncs
+            loss = engine.pipeline_step(run.local_microbatches(batch, dp_rank))
         if step == 0:
-            out["grads"] = _named(chunks, lambda chunk: _full(chunk, "grads"))
-            out["saved_bytes"] = dict(rec.saved_bytes)
-        if t.clip_grad > 0:                       # torch.nn.utils.clip_grad_norm_'s rule
-            coef = torch.clamp(t.clip_grad / (norm + 1e-6), max=1.0)
-            for p in optimizer_params(optimizer):
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        for g in optimizer.param_groups:
-            g["lr"] = learning_rate(step, t)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for e in engines:
-            if hasattr(e, "zero_grad_buffer"):
-                e.zero_grad_buffer()
-        out["losses"].append(sum(rec.losses.values()) if rec.losses else None)
-        out["ledger"].append([(r.op, r.nbytes, r.tag) for r in ledger])
+            out["grads"] = engine.stage_tensors("grads")           # (outside the ledger)
+            out["saved_bytes"] = dict(engine.last_record.saved_bytes)
+        with comm.record_communication() as ledger_step:          # the norm
+            optimizer_step(engine, optimizer, learning_rate(step, t), t.clip_grad)
+        rec = engine.last_record
+        out["losses"].append(loss)
+        out["ledger"].append([(r.op, r.nbytes, r.tag) for r in [*ledger, *ledger_step]])
         out["peak_in_flight"] = max(out["peak_in_flight"], rec.peak_in_flight)
         out["peak_bytes"] = max(out["peak_bytes"], rec.peak_bytes)
         out["intervals"] = rec.intervals
-    out["params"] = _named(chunks, lambda chunk: _full(chunk, "params"))
+    out["params"] = engine.stage_tensors("params")
     for c, chunk in enumerate(chunks):             # the last stage's copy of a tied embedding
         if p2p.is_last(c) and not p2p.is_first(c) and not run.model.untie_embeddings_and_output_weights:
-            out["tied_copy"] = _full(chunk, "params")["output_layer.weight"]
+            out["tied_copy"] = (full_parameters(chunk) if tp_group is not None
+                                else {"output_layer.weight": chunk.output_layer.weight.detach().clone()}
+                                )["output_layer.weight"]
     return out
 
 
@@ -178,30 +169,6 @@ def train_runs(runs: list[PPRun]) -> list[dict]:
     """train_run for each of `runs` in turn, in one world (each run's pp x dp must be the
     world size): starting ranks costs seconds, a tiny run a fraction of one."""
     return [train_run(run) for run in runs]
-
-
-def optimizer_params(optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def _full(chunk: nn.Module, what: str) -> dict[str, torch.Tensor]:
-    """A chunk's parameters or gradients under single-device names and full shapes (a
-    tensor-parallel chunk's shards are gathered: a collective over its TP group)."""
-    from ..tp import TensorParallelGPTModel, full_gradients, full_parameters
-    if isinstance(chunk, TensorParallelGPTModel):
-        return full_gradients(chunk) if what == "grads" else full_parameters(chunk)
-    return {n: (p.grad if what == "grads" else p).detach().clone() for n, p in chunk.named_parameters()
-            if (p.grad if what == "grads" else p) is not None}
-
-
-def _named(chunks, full) -> dict[str, torch.Tensor]:
-    """The union over chunks of full(chunk), without the last stage's copy of a tied embedding."""
-    out = {}
-    for chunk in chunks:
-        for name, t in full(chunk).items():
-            if not (name == "output_layer.weight" and not chunk.config.untie_embeddings_and_output_weights):
-                out[name] = t
-    return out
 
 
 # ---------------------------------------------------------------------------------------

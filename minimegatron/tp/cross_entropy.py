@@ -17,8 +17,9 @@ columns and one all-reduce over the group finishes the job:
                                  0 on every other rank
     3. S       = all-reduce SUM  of the local sum_j exp(z_j - m)       [b, s]
 
-Three all-reduces of b*s numbers each: bytes = 3 * b * s * e, where the gathered logits
-would be b * s * V * e (V/3 times more; 50k/3 for GPT-2).
+Three all-reduces of b*s numbers each: bytes = 3 * b * s * e_loss (e_loss = 4 for 16-bit
+logits, which the loss computes in float32; else the logits' element size), where the
+gathered logits would be b * s * V * e (about V/3 times more; 50k/3 for GPT-2).
 
 Backward. d loss / d z_j = softmax_j - [j == t]. Each rank already holds its columns of the
 softmax, exp(z_j - m) / S, and knows whether it owns t: the gradient is local, no
@@ -32,8 +33,10 @@ real columns equal the single-device ones over the V real ids.
 
 Megatron-LM: megatron/core/tensor_parallel/cross_entropy.py (VocabParallelCrossEntropy,
 _VocabParallelCrossEntropy). Difference: Megatron does not mask the padding; its padded ids
-are part of the model's vocabulary on every layout (also on one device), so they carry a
-little probability. Here the single-device model has exactly V ids, so we mask.
+are ordinary rows of its (padded) embedding, so they carry a little probability, and since
+the padded size depends on tp (a multiple of 128 x tp: GPT-2's 50,257 ids become 50,304 at
+tp 1 and 51,200 at tp 8) the model differs slightly between layouts. Here the single-device
+model has exactly V ids on every layout, so we mask.
 """
 
 from __future__ import annotations

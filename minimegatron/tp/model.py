@@ -2,7 +2,8 @@
 tensor-parallel group, Megatron-LM's layout.
 
 Shape legend as in model/gpt.py, plus tp (the group's size) and Vp (the vocabulary padded to
-a multiple of tp, see tp/layers.py pad_vocab_size). What rank r of tp holds:
+a multiple of config.make_vocab_size_divisible_by x tp, see tp/layers.py pad_vocab_size).
+What rank r of tp holds:
 
   embedding.word_embeddings.weight      [Vp/tp, h]   VocabParallelEmbedding: ids r Vp/tp ..
   embedding.position_embeddings.weight  [P, h]       replicated (learned positions only)
