@@ -37,7 +37,7 @@ from .. import comm
 from .p2p import PipelineComm
 from .timeline import Interval
 
-__all__ = ["run_pipeline_step", "finish_pipeline_grads", "pipeline_grad_norm_squared", "StepRecord"]
+__all__ = ["run_pipeline_step", "finish_pipeline_grads", "allreduce_tied_embedding_grads", "pipeline_grad_norm_squared", "StepRecord"]
 
 
 class StepRecord:
@@ -121,22 +121,56 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
     return rec
 
 
+def allreduce_tied_embedding_grads(chunks: list[nn.Module], p2p: PipelineComm, embedding_group) -> None:
+    """Make the two copies of a tied embedding get the single-device gradient.
+
+    With tied embeddings the single-device model has ONE matrix E [V, h] used twice: by the
+    embedding lookup (first virtual stage) and by the output layer (logits = x E^T, last
+    virtual stage). Under pipeline parallelism each of the two stages holds a copy, and after
+    the backward each copy holds only the gradient of ITS use: the first stage's
+    chunk.embedding.word_embeddings.weight.grad = dE_lookup, the last stage's
+    chunk.output_layer.weight.grad = dE_logits. The single-device gradient is their sum.
+
+    The spec. On the chunk that is the first virtual stage (and not the last) and on the chunk
+    that is the last virtual stage (and not the first), exactly one comm.all_reduce (sum) of
+    that copy's gradient over `embedding_group` (the two ranks), tag "embedding-grads"; both
+    copies then hold dE_lookup + dE_logits (in their tensor-parallel shards, under 3D). Nothing
+    for untied embeddings, when one chunk is both first and last, or on the other chunks.
+
+    A first version ran without an error:
+
+        for c, chunk in enumerate(chunks):
+            if p2p.is_first(c):
+                comm.all_reduce(chunk.embedding.word_embeddings.weight.grad, embedding_group, op="avg")
+            if p2p.is_last(c):
+                comm.all_reduce(chunk.output_layer.weight.grad, embedding_group, op="avg")
+
+    Checked against the single-device run with tied embeddings (GPT-2 style), it showed:
+      * on a 2-stage pipeline the first step's embedding gradient differs from the
+        single-device one, by exactly half of it, while every other gradient matches;
+      * untied models (LLaMA style) trained exactly like one device, but a tied model on ONE
+        stage (pp = 1) stopped with an error.
+    Find the bugs, and write a body that meets the spec.
+    """
+    # BEGIN EXERCISE 3.4: spot the bug in the tied-embedding gradient sync | hint: each copy holds the gradient of one use; the single-device gradient is the sum of the two. Which chunks hold a copy, and which hold both uses?
+    for c, chunk in enumerate(chunks):
+        if chunk.config.untie_embeddings_and_output_weights or p2p.is_first(c) == p2p.is_last(c):
+            continue                        # untied, a middle chunk, or one chunk with both uses
+        copy = chunk.embedding.word_embeddings.weight if p2p.is_first(c) else chunk.output_layer.weight
+        comm.all_reduce(copy.grad, embedding_group, op="sum", tag="embedding-grads")
+    # END EXERCISE
+
+
 def finish_pipeline_grads(engines: list[nn.Module], chunks: list[nn.Module], p2p: PipelineComm,
                           embedding_group) -> None:
     """After run_pipeline_step: finish every data-parallel gradient sync, wait for the sends,
-    then all-reduce (sum) the tied embedding's gradient over `embedding_group` on the first
-    and last virtual stages (nothing when untied, or when one stage holds both)."""
+    then sum the tied embedding's two gradients over `embedding_group`
+    (allreduce_tied_embedding_grads; Megatron's _allreduce_word_embedding_grads)."""
     for engine in engines:
         if hasattr(engine, "finish_grad_sync"):
             engine.finish_grad_sync()
     p2p.wait_sends()
-    for c, chunk in enumerate(chunks):
-        if chunk.config.untie_embeddings_and_output_weights or embedding_group is None:
-            continue
-        if p2p.is_first(c) and not p2p.is_last(c):
-            comm.all_reduce(chunk.embedding.word_embeddings.weight.grad, embedding_group, tag="embedding-grads")
-        elif p2p.is_last(c) and not p2p.is_first(c):
-            comm.all_reduce(chunk.output_layer.weight.grad, embedding_group, tag="embedding-grads")
+    allreduce_tied_embedding_grads(chunks, p2p, embedding_group)
 
 
 def pipeline_grad_norm_squared(chunks: list[nn.Module], p2p: PipelineComm, pp_group, tp_group=None) -> torch.Tensor:
