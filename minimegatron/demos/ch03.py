@@ -36,13 +36,14 @@ from ..pp.engine import PipelineEngine, PipelineOptimizer
 from ..pp.p2p import PipelineComm
 from ..pp.schedules import check_schedule_args, schedule
 from ..pp.stages import build_stage_chunks, stage_layers
-from ..pp.timeline import peak_in_flight
+from ..pp.timeline import Interval, bubble_fraction, idle_fraction, peak_in_flight, simulate
 from ..testing import EquivalenceReport, RunRecord, compare_runs, make_batches, single_device_run
 from ..tp import full_parameters
 from ..train import build_optimizer, learning_rate, optimizer_step
 from .ch00 import tiny_gpt2, tiny_llama
 
-__all__ = ["PPRun", "tiny_model", "make_run", "train_run", "train_runs", "check_run", "RunReport", "expected_p2p_ledger"]
+__all__ = ["PPRun", "tiny_model", "make_run", "train_run", "train_runs", "check_run", "RunReport", "expected_p2p_ledger",
+           "measured_timeline", "summary_line"]
 
 
 def tiny_model(style: str = "gpt2", dtype: str = "float64", **overrides) -> ModelConfig:
@@ -155,7 +156,7 @@ def train_run(run: PPRun) -> dict:
         out["ledger"].append([(r.op, r.nbytes, r.tag) for r in [*ledger, *ledger_step]])
         out["peak_in_flight"] = max(out["peak_in_flight"], rec.peak_in_flight)
         out["peak_bytes"] = max(out["peak_bytes"], rec.peak_bytes)
-        out["intervals"] = rec.intervals
+        out["intervals"], out["t0"] = rec.intervals, rec.t0
     out["params"] = engine.stage_tensors("params")
     for c, chunk in enumerate(chunks):             # the last stage's copy of a tied embedding
         if p2p.is_last(c) and not p2p.is_first(c) and not run.model.untie_embeddings_and_output_weights:
@@ -191,16 +192,82 @@ def expected_p2p_ledger(run: PPRun, pp_rank: int) -> list[tuple[str, int, str]]:
     return calls
 
 
+def measured_timeline(per_rank: list[dict]) -> list[Interval]:
+    """The last step of pipeline 0 (dp rank 0, tp rank 0 of each stage) on one time axis:
+    each stage's intervals shifted by its step start minus the earliest (perf_counter is one
+    clock for the whole machine); Interval.rank is the pipeline stage."""
+    stages = {r["pp_rank"]: r for r in per_rank if r["dp_rank"] == 0 and r["tp_rank"] == 0}
+    origin = min(r["t0"] for r in stages.values())
+    return sorted((Interval(stage, i.op, i.microbatch, i.chunk, i.start + r["t0"] - origin, i.end + r["t0"] - origin)
+                   for stage, r in stages.items() for i in r["intervals"]), key=lambda i: (i.rank, i.start))
+
+
 @dataclass
 class RunReport:
     run: PPRun
     equivalence: EquivalenceReport
     peaks: list[tuple[int, int, int]]          # per stage (pipeline 0): measured, schedule's, bytes
+    p2p: list[tuple[int, int, int]]            # per stage (pipeline 0): calls, bytes measured, bytes formula
+    measured_idle: list[float]                 # per stage, the last step's wall clock
+    simulated_idle: list[float]                # per stage, unit costs t_f = 1, t_b = 2
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.equivalence.ok and not self.problems
+
+    @property
+    def formula(self) -> dict[str, float]:
+        r = self.run
+        return bubble_fraction(r.kind, r.pp, r.micro_batches, r.num_chunks)
+
+    def __str__(self) -> str:
+        r, t = self.run, self.run.train
+        layout = (f"tp={r.tp} x " if r.tp > 1 else "") + f"pp={r.pp} x dp={r.dp}"
+        lines = [f"=== {r.kind}" + (f" with {r.num_chunks} chunks per rank" if r.num_chunks > 1 else "")
+                 + f", {layout} ({r.world} ranks), m={r.micro_batches} micro-batches of {t.micro_batch_size} x "
+                 f"{t.seq_length} tokens, {t.train_iters} steps, {r.model.params_dtype}, clip_grad {t.clip_grad}",
+                 f"[1/4] equivalence with the single-device run on the same global batch "
+                 f"({t.micro_batch_size * r.micro_batches * r.dp} sequences per step):"]
+        lines += ["      " + x for x in str(self.equivalence).splitlines()[:7]]
+        f = self.formula
+        lines.append(f"[2/4] the bubble: formula (p-1)/(v m + p-1) = {r.pp - 1}/({r.num_chunks} x {r.micro_batches} "
+                     f"+ {r.pp - 1}) = {f['idle']:.3f} of the step idle on every stage (bubble/ideal "
+                     f"(p-1)/(v m) = {f['bubble_over_ideal']:.3f})")
+        lines.append("      stage:              " + " ".join(f"{s:>6}" for s in range(r.pp)))
+        lines.append("      simulated (1, 2):   " + " ".join(f"{x:6.3f}" for x in self.simulated_idle))
+        lines.append("      measured, last step:" + " ".join(f"{x:6.3f}" for x in self.measured_idle)
+                     + "   (wall clock; ranks share this machine's cores)")
+        lines.append("[3/4] activations held at once (micro-batch-chunks), measured vs the schedule's peak:")
+        for stage, (got, want, nbytes) in enumerate(self.peaks):
+            lines.append(f"      stage {stage}: {got} (schedule: {want}), {nbytes:,} bytes saved for backward at the peak"
+                         + (": OK" if got == want else ": DIFFERENT"))
+        lines.append("[4/4] p2p per step (ledger vs formula: one b s h e activation forward and one gradient "
+                     "backward per micro-batch and stage boundary):")
+        for stage, (calls, got, want) in enumerate(self.p2p):
+            lines.append(f"      stage {stage}: {calls} sends+receives, {got:,} bytes / formula {want:,}: "
+                         + ("OK" if got == want else "DIFFERENT"))
+        lines += [f"      problem: {p}" for p in self.problems[:6]]
+        if len(self.problems) > 6:
+            lines.append(f"      ... and {len(self.problems) - 6} more problems")
+        return "\n".join(lines)
+
+
+def summary_line(reports: list[RunReport]) -> str:
+    """The demo's last line: MATCH ... or MISMATCH ..."""
+    worst = {k: max(getattr(r.equivalence, k) for r in reports)
+             for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
+    tol = reports[0].equivalence.tolerance
+    diffs = (f"max |dloss| {worst['max_loss_diff']:.1e} (tol {tol.loss:.0e}), max |dgrad| {worst['max_grad_diff']:.1e}, "
+             f"max |dparam| {worst['max_param_diff']:.1e} (rtol {tol.rtol:.0e}, atol {tol.atol:.0e})")
+    names = ", ".join(f"{r.run.kind} " + (f"tp={r.run.tp} x " if r.run.tp > 1 else "") + f"pp={r.run.pp} x dp={r.run.dp}"
+                      for r in reports)
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        return ("MISMATCH: " + "; ".join(f"{r.run.kind} pp={r.run.pp}: " + (r.problems[0] if r.problems else
+                                                                           "differs from the single-device run")
+                                         for r in bad) + f"; {diffs}")
+    return f"MATCH: {names} equal the single-device run: {diffs}; in-flight counts and p2p bytes equal the formulas"
 
 
 def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
@@ -212,7 +279,6 @@ def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
         if r["tp_rank"] == 0:                      # one rank of each TP group speaks for it
             pipelines.setdefault(r["dp_rank"], {})[r["pp_rank"]] = r
     first = pipelines[0]
-    last_stage = first[run.pp - 1]
     dp_losses = [pipelines[d][run.pp - 1]["losses"] for d in sorted(pipelines)]
     losses = [sum(step) / len(dp_losses) for step in zip(*dp_losses)]
     grads, params = {}, {}
@@ -223,7 +289,6 @@ def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
         grads.update(first[stage]["grads"])
         params.update(first[stage]["params"])
     equivalence = compare_runs(reference, RunRecord(losses, grads, params), run.model.dtype)
-    del last_stage
     peaks = []
     for stage in range(run.pp):
         rec = first[stage]
@@ -238,4 +303,11 @@ def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
             got = Counter(c for c in calls if c[2] in ("pp-fwd", "pp-bwd"))
             if got != want:
                 problems.append(f"p2p ledger, rank {rank}, step {step}: measured {dict(got)}, formula {dict(want)}")
-    return RunReport(run, equivalence, peaks, problems)
+    p2p = []
+    for stage in range(run.pp):
+        calls = [c for c in first[stage]["ledger"][0] if c[2] in ("pp-fwd", "pp-bwd")]
+        p2p.append((len(calls), sum(n for _, n, _ in calls), sum(n for _, n, _ in expected_p2p_ledger(run, stage))))
+    timeline = measured_timeline(per_rank)
+    simulated = simulate(run.kind, run.pp, run.micro_batches, run.num_chunks)
+    return RunReport(run, equivalence, peaks, p2p, [idle_fraction(timeline, s) for s in range(run.pp)],
+                     [idle_fraction(simulated, s) for s in range(run.pp)], problems)

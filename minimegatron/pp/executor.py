@@ -42,10 +42,13 @@ __all__ = ["run_pipeline_step", "finish_pipeline_grads", "allreduce_tied_embeddi
 
 class StepRecord:
     """What one step measured on this rank: losses (per micro-batch, last stage only),
-    intervals (list[Interval]: "F", "B", "recv wait"), activation bytes saved by each
-    (microbatch, chunk) forward, and the peak count and bytes alive at once."""
+    intervals (list[Interval]: "F", "B", "recv wait", in seconds from t0), t0 (the step's
+    start, time.perf_counter(): one clock for every process of the machine, so ranks' runs
+    can be drawn on one axis), activation bytes saved by each (microbatch, chunk) forward,
+    and the peak count and bytes alive at once."""
 
     def __init__(self):
+        self.t0 = 0.0
         self.losses: dict[int, float] = {}
         self.intervals: list[Interval] = []
         self.saved_bytes: dict[tuple[int, int], int] = {}
@@ -75,7 +78,7 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
                      for c in range(len(engines))}
     params = {p.untyped_storage().data_ptr() for e in engines for p in e.parameters()}
     held: dict[tuple[int, int], tuple] = {}              # (mb, chunk) -> (input, output or loss)
-    t0 = time.perf_counter()
+    t0 = rec.t0 = time.perf_counter()
     now = lambda: time.perf_counter() - t0               # noqa: E731
 
     for i, (op, mb, c) in enumerate(ops):

@@ -114,24 +114,24 @@ def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
     return peak
 
 
-def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: str = "time"):
-    """Draw one row per rank (rank 0 on top), F boxes light, B boxes dark, each labelled
-    with its micro-batch (and chunk when there are several); waiting shows as white space.
-    Returns the matplotlib Figure (saved to `path` if given)."""
+def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: str = "time", ax=None):
+    """Draw one row per rank (rank 0 on top), F boxes light, B boxes dark, each labelled with
+    its micro-batch (and chunk when there are several); waiting for a receive grey, idle white.
+    Draws into `ax` if given, else a new Figure (saved to `path` if given); returns the Figure."""
     import matplotlib
-    if path is not None:
+    if path is not None and ax is None:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ranks = sorted({i.rank for i in intervals})
     chunks = max(i.chunk for i in intervals) + 1
     colors = {"F": ["#9ecae1", "#c6dbef", "#deebf7"], "B": ["#3182bd", "#6baed6", "#08519c"]}
-    fig, ax = plt.subplots(figsize=(10, 0.55 * len(ranks) + 1.2))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.55 * len(ranks) + 1.2))
+    else:
+        fig = ax.figure
     for i in intervals:
-        if i.op not in colors:
-            color = "#fdae6b" if i.op == "send" else "#d9d9d9"
-        else:
-            color = colors[i.op][i.chunk % 3]
+        color = colors[i.op][i.chunk % 3] if i.op in colors else "#d9d9d9"
         y = len(ranks) - 1 - ranks.index(i.rank)
         ax.barh(y, i.end - i.start, left=i.start, height=0.8, color=color, edgecolor="black", linewidth=0.4)
         if i.op in ("F", "B"):
@@ -141,7 +141,7 @@ def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: s
     ax.set_yticks(range(len(ranks)), [f"stage {r}" for r in reversed(ranks)])
     ax.set_xlabel(unit)
     ax.set_title(title)
-    fig.tight_layout()
     if path is not None:
+        fig.tight_layout()
         fig.savefig(path, dpi=120)
     return fig
