@@ -33,12 +33,11 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 import torch
 
 from minimegatron.analysis import count_parameters
-from minimegatron.demos import ch01
+from minimegatron.demos import ch01, verdict_under_torchrun
 
 VARIANTS = {"0": None, "1": ["zero1"], "2": ["zero2"], "3": ["zero3"], "all": ["naive", "ddp", "zero1", "zero2", "zero3"]}
 
@@ -120,27 +119,13 @@ def report(args, jobs, per_rank_results, how: str, seconds: float) -> int:
 
 
 def main_torchrun(args) -> int:
-    import torch.distributed as dist
-
-    from minimegatron import comm
     from minimegatron.launch import init_from_torchrun
 
     rank, world = init_from_torchrun()
     jobs = build_jobs(args, world)
     start = time.perf_counter()
-    gathered = ch01.gather_results(ch01.run_variants(jobs))
-    code = 0
-    if rank == 0:
-        try:
-            code = report(args, jobs, gathered, "torchrun", time.perf_counter() - start)
-        except Exception:                                   # still tell the other ranks
-            traceback.print_exc()
-            print("MISMATCH: the report failed (traceback above)")
-            code = 1
-    verdict = torch.tensor([code])
-    comm.broadcast(verdict, 0, None, tag="verdict")        # every rank exits with rank 0's verdict
-    dist.destroy_process_group()
-    return int(verdict.item())
+    return verdict_under_torchrun(ch01.run_variants(jobs),
+                                  lambda per_rank: report(args, jobs, per_rank, "torchrun", time.perf_counter() - start))
 
 
 def main_spawn(args) -> int:

@@ -31,13 +31,13 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 from minimegatron.analysis import count_parameters
 from minimegatron.config import ConfigError
+from minimegatron.demos import verdict_under_torchrun
 from minimegatron.demos import ch03
 from minimegatron.pp import KINDS, plot_timeline, simulate
 
@@ -126,7 +126,6 @@ def report(args, run: ch03.PPRun, per_rank: list[dict], how: str, seconds: float
 def main_torchrun(args) -> int:
     import torch.distributed as dist
 
-    from minimegatron import comm
     from minimegatron.launch import init_from_torchrun
 
     rank, world = init_from_torchrun()
@@ -139,21 +138,8 @@ def main_torchrun(args) -> int:
         return 2
     run = build_run(args, world // model_parallel)
     start = time.perf_counter()
-    result = ch03.train_run(run)
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(result, gathered, dst=0)        # plumbing for the report, not in any ledger
-    code = 0
-    if rank == 0:
-        try:
-            code = report(args, run, gathered, "torchrun", time.perf_counter() - start)
-        except Exception:                                # still tell the other ranks
-            traceback.print_exc()
-            print("MISMATCH: the report failed (traceback above)")
-            code = 1
-    verdict = torch.tensor([code])
-    comm.broadcast(verdict, 0, None, tag="verdict")     # every rank exits with rank 0's verdict
-    dist.destroy_process_group()
-    return int(verdict.item())
+    return verdict_under_torchrun(ch03.train_run(run),
+                                  lambda per_rank: report(args, run, per_rank, "torchrun", time.perf_counter() - start))
 
 
 def main_spawn(args) -> int:

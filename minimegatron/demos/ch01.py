@@ -59,7 +59,7 @@ from .ch00 import fingerprint, tiny_gpt2, tiny_llama
 __all__ = ["KINDS", "LEDGER_FORMULAS", "Variant", "make_variant", "chapter_variants", "tiny_model", "run_variants",
            "train_variant", "forget_averaging", "zero_bucket_numels", "zero3_unit_numels",
            "expected_ledger", "gradient_sync_ledger", "expected_memory", "LedgerRow", "MemoryRow", "VariantReport",
-           "check_variant", "check_variants", "gather_results", "summary_line", "phase_names"]
+           "check_variant", "check_variants", "summary_line", "phase_names"]
 
 # kind -> (zero_stage, ddp_impl, title)
 KINDS: dict[str, tuple[int, str, str]] = {
@@ -310,16 +310,6 @@ def run_variants(jobs: list[tuple[int, Variant]]) -> dict[str, dict]:
         # new_group is collective over the whole world: every rank calls it, member or not
         groups[dp] = dist.group.WORLD if dp == world else dist.new_group(list(range(dp)))
     return {v.name: train_variant(v, groups[dp]) for dp, v in jobs if rank < dp}
-
-
-def gather_results(result: dict) -> list[dict] | None:
-    """Under torchrun: every rank's run_variants result, in rank order, on rank 0 (None on the
-    others). Plumbing for the demo's report, not part of any ledger."""
-    import torch.distributed as dist
-
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(result, gathered, dst=0)
-    return gathered
 
 
 # ---------------------------------------------------------------------------------------
