@@ -126,6 +126,24 @@ def make_batches(model_cfg: ModelConfig, steps: int, batch_size: int, seq_length
     return out
 
 
+def global_batches(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int = 1,
+                   seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """make_batches for a data-parallel run: one global batch per step (train_iters of them) of
+    micro_batch_size * grad_accum_steps * dp sequences: what the single device sees."""
+    t = train_cfg
+    return make_batches(model_cfg, t.train_iters, t.micro_batch_size * t.grad_accum_steps * dp, t.seq_length,
+                        seed=seed)
+
+
+def local_microbatch(batch: dict[str, torch.Tensor], train_cfg: TrainConfig, m: int, dp_rank: int,
+                     dp: int) -> dict[str, torch.Tensor]:
+    """Data-parallel rank dp_rank's micro-batch m of a global batch: the rows the training
+    loop's data order gives it (data.gpt_dataset.global_sample_indices, Megatron's order)."""
+    from .data.gpt_dataset import global_sample_indices
+    rows = global_sample_indices(0, train_cfg.micro_batch_size, m, train_cfg.grad_accum_steps, dp_rank, dp)
+    return {k: v[rows] for k, v in batch.items()}
+
+
 def split_microbatches(batch: dict[str, torch.Tensor], num: int) -> list[dict[str, torch.Tensor]]:
     """Cut a global batch [B, s] into `num` micro-batches [B/num, s] along the batch dim."""
     B = batch["tokens"].shape[0]

@@ -46,13 +46,12 @@ import torch
 from .. import comm
 from ..analysis import count_parameters, training_memory
 from ..config import ModelConfig, TrainConfig
-from ..data.gpt_dataset import global_sample_indices
 from ..dp import build_data_parallel
 from ..dp._workers_ddp import record_of
 from ..dp.ddp import assign_buckets, megatron_default_bucket_size
 from ..dp.zero import storage_bytes
 from ..model import GPTModel
-from ..testing import EquivalenceReport, compare_runs, make_batches, single_device_run
+from ..testing import EquivalenceReport, compare_runs, global_batches, local_microbatch, single_device_run
 from ..train import learning_rate, optimizer_step
 from .ch00 import fingerprint, tiny_gpt2, tiny_llama
 
@@ -129,16 +128,11 @@ class Variant:
 
     def global_batches(self, dp: int) -> list[dict[str, torch.Tensor]]:
         """One global batch of b * M * dp sequences per step: what the single-device run sees."""
-        t = self.train
-        rows = t.micro_batch_size * t.grad_accum_steps * dp
-        return make_batches(self.model, t.train_iters, rows, t.seq_length, seed=self.seed)
+        return global_batches(self.model, self.train, dp, self.seed)
 
     def local_microbatch(self, batch: dict, m: int, dp: int, rank: int) -> dict:
-        """Rank `rank`'s micro-batch m of a global batch: the rows the training loop's data
-        order gives it (data.gpt_dataset.global_sample_indices, Megatron's order)."""
-        t = self.train
-        rows = global_sample_indices(0, t.micro_batch_size, m, t.grad_accum_steps, rank, dp)
-        return {k: v[rows] for k, v in batch.items()}
+        """Rank `rank`'s micro-batch m of a global batch (testing.local_microbatch)."""
+        return local_microbatch(batch, self.train, m, rank, dp)
 
 
 def make_variant(kind: str, model: ModelConfig, *, micro_batches: int = 1, steps: int = 2,

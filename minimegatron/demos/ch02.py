@@ -35,9 +35,8 @@ import torch
 from .. import comm
 from ..analysis import tensor_parallel_parameters
 from ..config import ModelConfig, TrainConfig
-from ..data.gpt_dataset import global_sample_indices
 from ..dp import build_data_parallel
-from ..testing import EquivalenceReport, RunRecord, compare_runs, make_batches, single_device_run
+from ..testing import EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch, single_device_run
 from ..tp import TensorParallelGPTModel, full_parameters
 from ..tp.model import reassemble
 from ..train import build_optimizer, learning_rate, optimizer_step, parallel_context
@@ -81,16 +80,12 @@ class TPRun:
 
     def global_batches(self) -> list[dict[str, torch.Tensor]]:
         """One global batch of b * M * dp sequences per step: what the single device sees."""
-        t = self.train
-        return make_batches(self.model, t.train_iters, t.micro_batch_size * t.grad_accum_steps * self.dp,
-                            t.seq_length, seed=self.seed)
+        return global_batches(self.model, self.train, self.dp, self.seed)
 
     def local_microbatch(self, batch: dict, m: int, dp_rank: int) -> dict:
         """Micro-batch m of a global batch for data-parallel rank dp_rank (every rank of its
-        TP group reads the same rows: the training loop's order, global_sample_indices)."""
-        t = self.train
-        rows = global_sample_indices(0, t.micro_batch_size, m, t.grad_accum_steps, dp_rank, self.dp)
-        return {k: v[rows] for k, v in batch.items()}
+        TP group reads the same rows: testing.local_microbatch)."""
+        return local_microbatch(batch, self.train, m, dp_rank, self.dp)
 
 
 def make_run(model: ModelConfig, tp: int = 2, dp: int = 1, *, zero_stage: int = 0, micro_batches: int = 2,

@@ -31,13 +31,12 @@ import torch
 
 from .. import comm, parallel_state
 from ..config import ModelConfig, TrainConfig
-from ..data.gpt_dataset import global_sample_indices
 from ..pp.engine import PipelineEngine, PipelineOptimizer
 from ..pp.p2p import PipelineComm
 from ..pp.schedules import check_schedule_args, schedule
 from ..pp.stages import build_stage_chunks, stage_layers
 from ..pp.timeline import Interval, bubble_fraction, idle_fraction, peak_in_flight, simulate
-from ..testing import EquivalenceReport, RunRecord, compare_runs, make_batches, single_device_run
+from ..testing import EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch, single_device_run
 from ..tp import full_parameters
 from ..train import build_optimizer, learning_rate, optimizer_step
 from .ch00 import tiny_gpt2, tiny_llama
@@ -79,14 +78,11 @@ class PPRun:
         return self.train.grad_accum_steps
 
     def global_batches(self) -> list[dict[str, torch.Tensor]]:
-        t = self.train
-        return make_batches(self.model, t.train_iters, t.micro_batch_size * t.grad_accum_steps * self.dp,
-                            t.seq_length, seed=self.seed)
+        return global_batches(self.model, self.train, self.dp, self.seed)
 
     def local_microbatches(self, batch: dict, dp_rank: int) -> list[dict]:
-        t = self.train
-        return [{k: v[global_sample_indices(0, t.micro_batch_size, m, t.grad_accum_steps, dp_rank, self.dp)]
-                 for k, v in batch.items()} for m in range(t.grad_accum_steps)]
+        """This data-parallel rank's M micro-batches (every stage of its pipeline reads them)."""
+        return [local_microbatch(batch, self.train, m, dp_rank, self.dp) for m in range(self.micro_batches)]
 
 
 def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *, num_chunks: int = 1,
