@@ -42,7 +42,8 @@ __all__ = ["run_pipeline_step", "finish_pipeline_grads", "allreduce_tied_embeddi
 
 class StepRecord:
     """What one step measured on this rank: losses (per micro-batch, last stage only),
-    intervals (list[Interval]: "F", "B", "recv wait", in seconds from t0), t0 (the step's
+    intervals (list[Interval]: "F", "B", "recv wait" (blocked until an input arrived), "send"
+    (handing an output to the asynchronous send), in seconds from t0), t0 (the step's
     start, time.perf_counter(): one clock for every process of the machine, so ranks' runs
     can be drawn on one axis), activation bytes saved by each (microbatch, chunk) forward,
     and the peak count and bytes alive at once."""
@@ -98,9 +99,11 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
             if p2p.is_last(c):
                 out = out.mean() / M                      # the micro-batch's share of the step loss
                 rec.losses[mb] = out.item()
-            else:
-                p2p.send_forward(out, mb, c)                                  # [b, s, h]
             rec.intervals.append(Interval(rank, "F", mb, c, start, now()))
+            if not p2p.is_last(c):
+                start = now()
+                p2p.send_forward(out, mb, c)                                  # [b, s, h], asynchronous
+                rec.intervals.append(Interval(rank, "send", mb, c, start, now()))
             held[(mb, c)] = (x, out)
             rec.saved_bytes[(mb, c)] = sum(saved.values())
             rec.peak_in_flight = max(rec.peak_in_flight, len(held))
@@ -116,9 +119,11 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
             sync = i == last_backward[c] or not hasattr(engine, "no_sync")
             with nullcontext() if sync else engine.no_sync():
                 torch.autograd.backward(out, grad)
-            if x is not None:
-                p2p.send_backward(x.grad, mb, c)
             rec.intervals.append(Interval(rank, "B", mb, c, start, now()))
+            if x is not None:
+                start = now()
+                p2p.send_backward(x.grad, mb, c)                              # asynchronous
+                rec.intervals.append(Interval(rank, "send", mb, c, start, now()))
     if held:
         raise RuntimeError(f"the schedule left forwards without a backward: {sorted(held)}")
     return rec

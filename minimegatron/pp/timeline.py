@@ -116,7 +116,8 @@ def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
 
 def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: str = "time", ax=None):
     """Draw one row per rank (rank 0 on top), F boxes light, B boxes dark, each labelled with
-    its micro-batch (and chunk when there are several); waiting for a receive grey, idle white.
+    its micro-batch (and chunk when there are several); waiting for a receive grey, handing
+    an output to a send orange, idle white.
     Draws into `ax` if given, else a new Figure (saved to `path` if given); returns the Figure."""
     import matplotlib
     if path is not None and ax is None:
@@ -131,7 +132,7 @@ def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: s
     else:
         fig = ax.figure
     for i in intervals:
-        color = colors[i.op][i.chunk % 3] if i.op in colors else "#d9d9d9"
+        color = colors[i.op][i.chunk % 3] if i.op in colors else "#fdae6b" if i.op == "send" else "#d9d9d9"
         y = len(ranks) - 1 - ranks.index(i.rank)
         ax.barh(y, i.end - i.start, left=i.start, height=0.8, color=color, edgecolor="black", linewidth=0.4)
         if i.op in ("F", "B"):
