@@ -119,10 +119,7 @@ def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: s
     its micro-batch (and chunk when there are several); waiting for a receive grey, handing
     an output to a send orange, idle white.
     Draws into `ax` if given, else a new Figure (saved to `path` if given); returns the Figure."""
-    import matplotlib
-    if path is not None and ax is None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt      # (no backend switch: the caller's, or matplotlib's default)
 
     ranks = sorted({i.rank for i in intervals})
     chunks = max(i.chunk for i in intervals) + 1
