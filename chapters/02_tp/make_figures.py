@@ -368,16 +368,18 @@ def plot_tp_memory(gpt2_small: dict[int, dict], big: dict[str, dict[int, dict]])
 
     width = 0.38
     colors = {"llama2-7b": "#55A868", "llama2-70b": "#8172B2"}
+    big_tps = sorted(next(iter(big.values())))
+    x = list(range(len(big_tps)))
     for k, (name, rows) in enumerate(big.items()):
-        vals = [rows[t]["per_rank"] * 16 / GiB for t in tps]
+        vals = [rows[t]["per_rank"] * 16 / GiB for t in big_tps]
         xs = [i + (k - 0.5) * width for i in x]
         right.bar(xs, vals, width=width, color=colors[name], label=f"{name} shapes, 16 bytes/param")
         for xi, v in zip(xs, vals):
             right.text(xi, v * 1.08, f"{v:.0f}", ha="center", fontsize=7)
     right.axhline(80, color="black", ls="--", lw=1)
-    right.text(len(tps) - 0.5, 86, "one 80 GiB GPU", ha="right", fontsize=8)
+    right.text(len(big_tps) - 0.5, 86, "one 80 GiB GPU", ha="right", fontsize=8)
     right.set_yscale("log")
-    right.set_xticks(x, [f"tp = {t}" for t in tps])
+    right.set_xticks(x, [f"tp = {t}" for t in big_tps])
     right.set_ylabel("GiB per rank (log scale)")
     right.set_title("Model state per rank (bf16 weights + grads, fp32 master + Adam m, v)\n"
                     "vs tp; activations not included", fontsize=9)
@@ -494,7 +496,7 @@ def main() -> int:
 
     # ---- 5. real-size models, from the formula ---------------------------------------------
     gpt2_small_cfg, _ = real_model_config("gpt2-small")
-    tps = (1, 2, 4, 8)
+    tps = (1, 2, 3, 4, 6)           # the divisors of its 12 heads up to 6 (tp = 8 cannot split them)
     gpt2_small = {t: tp_parameter_counts(gpt2_small_cfg, t) for t in tps}
     print("\n== GPT-2 small shapes (h 768, L 12, a 12, V 50257, P 1024, tied), parameters per rank")
     print(f"{'tp':>3}{'Vp':>7}{'split/tp':>13}{'replicated':>12}{'per rank':>13}{'bf16 MiB':>10}{'repl. share':>12}")
@@ -508,12 +510,12 @@ def main() -> int:
     print("  with Megatron's default --make-vocab-size-divisible-by 128: "
           + ", ".join(f"tp={t} Vp={tp_parameter_counts(megatron, t)['Vp']} "
                       f"({fmt(tp_parameter_counts(megatron, t)['padding'])} padding elements per rank)" for t in tps))
-    big = {}
+    big, big_tps = {}, (1, 2, 4, 8)
     for name in ("llama2-7b", "llama2-70b"):
         cfg, _ = real_model_config(name)
-        big[name] = {t: tp_parameter_counts(cfg, t) for t in tps}
+        big[name] = {t: tp_parameter_counts(cfg, t) for t in big_tps}
         print(f"  {name}: model state (16 bytes/param) per rank: "
-              + ", ".join(f"tp={t} {big[name][t]['per_rank'] * 16 / GiB:.1f} GiB" for t in tps)
+              + ", ".join(f"tp={t} {big[name][t]['per_rank'] * 16 / GiB:.1f} GiB" for t in big_tps)
               + f"; replicated {fmt(big[name][1]['replicated'])} params")
     plot_tp_memory(gpt2_small, big)
 
@@ -522,7 +524,7 @@ def main() -> int:
     cfg = gpt2_small_cfg
     form = tp_ledger_formula(cfg, 1, 1024, 2)
     handed = sum(form["fwd"]) + sum(form["bwd"])
-    for t in (2, 4, 8):
+    for t in (2, 4, 6):
         print(f"  tp={t}: {len(form['fwd'])} + {len(form['bwd'])} all-reduces, {handed / 2**20:.1f} MiB handed in, "
               f"ring {2 * (t - 1) / t * handed / 2**20:.1f} MiB sent per rank")
 

@@ -108,8 +108,11 @@ def tensor_parallel_parameters(config: ModelConfig, tp: int) -> dict:
       "total"       count_parameters(config)["total"] (the single-device model)
 
     So per_rank = (total - replicated) / tp + replicated + padding: as tp grows, the rank's
-    share tends to the replicated part, which is O(L h), not zero.
+    share tends to the replicated part, which is O(L h), not zero. ConfigError (naming the
+    numbers) when the layout cannot exist, e.g. 12 heads over tp = 8.
     """
+    from ..tp.model import check_tensor_parallel_config     # heads, KV groups, ffn by tp
+    check_tensor_parallel_config(config, tp)                # ConfigError for a layout that cannot exist
     c = count_parameters(config)
     layer = c["per_layer"]
     h, V = config.hidden_size, config.vocab_size
