@@ -128,6 +128,7 @@ RUNS = [
     ch03.make_run(ch03.tiny_model("llama"), pp=4, kind="1f1b", micro_batches=6),
     ch03.make_run(M8, pp=4, kind="interleaved", num_chunks=2, micro_batches=4),
     ch03.make_run(ch03.tiny_model("gpt2"), pp=2, dp=2, kind="1f1b", micro_batches=4),
+    ch03.make_run(ch03.tiny_model("llama"), pp=2, dp=2, kind="gpipe", micro_batches=3),
     ch03.make_run(ch03.tiny_model("llama"), pp=2, dp=2, kind="interleaved", num_chunks=2, micro_batches=4),
     ch03.make_run(ch03.tiny_model("gpt2", num_layers=3), pp=4, kind="1f1b", micro_batches=4,
                   layers_per_stage=[0, 2, 1, 0]),                 # uneven; embedding-only and head-only stages
