@@ -37,7 +37,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/graders
-	$(PY) -m minimegatron.exercises check
+	$(PY) -m booktools.exercises check
 	$(GRADE) --impl=reference --check-coverage
 	$(GRADE) --impl=stub --check-coverage
 	$(PY) -m pytest -q --nbval-lax notebooks
@@ -58,7 +58,7 @@ $(SLIDES_NPM): slides/package.json slides/package-lock.json
 	touch $@
 
 # Exercises: stubs generated from marked regions of the reference code into
-# chapters/NN_*/exercises/, graded by tests/graders/ (see minimegatron/exercises/).
+# chapters/NN_*/exercises/, graded by tests/graders/ (see booktools/exercises/).
 #   make grade CH=00      grade your chapter-00 exercises   (make grade EX=0.1: one exercise)
 #   make exercises        write missing/outdated stubs; never overwrites your work
 #   make exercises-reset CH=00   back to the unfilled stubs (discards your work)
@@ -68,13 +68,13 @@ GRADE := $(PY) -m pytest -q tests/graders
 
 .PHONY: exercises exercises-check exercises-reset grade grade-reference grade-stubs
 exercises: $(STAMP)
-	$(PY) -m minimegatron.exercises generate
+	$(PY) -m booktools.exercises generate
 
 exercises-check: $(STAMP)
-	$(PY) -m minimegatron.exercises check
+	$(PY) -m booktools.exercises check
 
 exercises-reset: $(STAMP)
-	$(PY) -m minimegatron.exercises generate --force $(if $(CH),--chapter $(CH))
+	$(PY) -m booktools.exercises generate --force $(if $(CH),--chapter $(CH))
 
 grade: $(STAMP)
 	$(GRADE) --impl=learner $(if $(CH),--chapter $(CH)) $(foreach e,$(EX),--exercise $(e))

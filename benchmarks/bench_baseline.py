@@ -45,7 +45,9 @@ from torch import nn
 
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.model import GPTModel
-from minimegatron.train import build_optimizer, forward_backward, optimizer_step
+from minimegatron.optim import Optimizer
+from minimegatron.parallel_state import Layout
+from minimegatron.train import train_step
 from machine import cpu_model  # benchmarks/machine.py
 
 
@@ -211,11 +213,10 @@ class Runner:
 
 def our_runner(name: str, cfg: ModelConfig, train_cfg: TrainConfig, batch: dict) -> Runner:
     model = GPTModel(cfg)
-    opt = build_optimizer(model, train_cfg)
+    opt = Optimizer(model.parameters(), train_cfg)
 
-    def step() -> float:
-        loss = forward_backward(model, [batch])
-        optimizer_step(model, opt, train_cfg.lr, train_cfg.clip_grad)
+    def step() -> float:            # the training loop's step, on the single device
+        loss, _ = train_step([model], opt, [batch], Layout(), train_cfg.lr, train_cfg.clip_grad)
         return loss
     return Runner(name, model, step)
 

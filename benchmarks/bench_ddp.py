@@ -4,11 +4,12 @@
     python benchmarks/bench_ddp.py --ranks 2 --variants ddp ddp-no-overlap
     python benchmarks/bench_ddp.py --smoke                 # tiny sizes, one short window (~20 s)
 
-One training step is what `python -m minimegatron.train` runs on every rank: forward and
-backward of this rank's micro-batch (through the data-parallel wrapper), `finish_grad_sync`,
-global-norm clipping, AdamW, zero_grad (`minimegatron.train.forward_backward` and
-`optimizer_step`, unchanged). The variants are the wrappers of chapter 01, built with the
-package's own `minimegatron.dp.build_data_parallel`:
+One training step is what `python -m minimegatron.train` runs on every rank,
+`minimegatron.train.train_step`, unchanged: forward and backward of this rank's micro-batch
+(through the data-parallel wrapper), `finish_grad_sync`, global-norm clipping, AdamW,
+zero_grad. The variants are the wrappers of chapter 01, the ones `minimegatron.dp.apply_data_parallel`
+builds for a TrainConfig (built directly here, so that a one-rank world runs them too:
+apply_data_parallel leaves a model on one rank unwrapped):
 
   naive           NaiveDataParallel: after backward, one blocking all-reduce per parameter
   ddp             DistributedDataParallel: flat buckets of --bucket-size elements, each
@@ -51,10 +52,12 @@ import torch
 import torch.distributed as dist
 
 from minimegatron.config import ModelConfig, TrainConfig
-from minimegatron.dp import DistributedDataParallel, ReplicatedOptimizer, build_data_parallel
+from minimegatron.dp import DistributedDataParallel, DistributedOptimizer, NaiveDataParallel, ZeroDataParallel
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
-from minimegatron.train import build_optimizer, forward_backward, optimizer_step
+from minimegatron.optim import Optimizer
+from minimegatron.parallel_state import Layout
+from minimegatron.train import train_step
 from machine import cpu_model, load_average  # benchmarks/machine.py
 
 VARIANTS = ("naive", "ddp", "ddp-no-overlap", "zero1")
@@ -69,22 +72,19 @@ def model_config(args: dict) -> ModelConfig:
 def build_variant(variant: str, args: dict, group):
     """(wrapper, optimizer) of one variant over `group`, from the book's initial weights."""
     model = GPTModel(model_config(args))
-    bucket = args["bucket_size"]
-    base = dict(seq_length=args["seq"], micro_batch_size=args["batch"], lr=1e-4, min_lr=0.0,
-                lr_warmup_iters=0, clip_grad=1.0, progress=False)
+    bucket = args["bucket_size"]                                    # elements
+    cfg = TrainConfig(seq_length=args["seq"], micro_batch_size=args["batch"], lr=1e-4, min_lr=0.0,
+                      lr_warmup_iters=0, clip_grad=1.0, progress=False)
     if variant == "naive":
-        cfg = TrainConfig(zero_stage=0, ddp_impl="naive", **base)
-    elif variant == "ddp":
-        cfg = TrainConfig(zero_stage=0, ddp_impl="bucketed", ddp_bucket_size=bucket, **base)
+        wrapper = NaiveDataParallel(model, group)
+    elif variant in ("ddp", "ddp-no-overlap"):
+        wrapper = DistributedDataParallel(model, group, bucket_size_bytes=bucket * 4, overlap=variant == "ddp")
     elif variant == "zero1":
-        cfg = TrainConfig(zero_stage=1, ddp_bucket_size=bucket, **base)
-    elif variant == "ddp-no-overlap":
-        cfg = TrainConfig(**base)
-        wrapper = DistributedDataParallel(model, group, bucket_size_bytes=bucket * 4, overlap=False)
-        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper)
+        wrapper = ZeroDataParallel(model, group, stage=1, bucket_size=bucket)
+        return wrapper, DistributedOptimizer(wrapper, cfg)
     else:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
-    return build_data_parallel(model, cfg, group)
+    return wrapper, Optimizer(model.parameters(), cfg)
 
 
 class Timed:
@@ -110,6 +110,7 @@ def bench_rank(variants: list[str], args: dict) -> dict:
     """Spawn target: build every variant, warm up, then time interleaved windows."""
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
+    layout = Layout(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=group)
     g = torch.Generator().manual_seed(1000 + rank)          # each rank its own slice of data
     x = torch.randint(0, 257, (args["batch"], args["seq"] + 1), generator=g)
     batch = {"tokens": x[:, :-1], "labels": x[:, 1:]}
@@ -122,8 +123,7 @@ def bench_rank(variants: list[str], args: dict) -> dict:
 
     def step(v: str) -> None:
         wrapper, optimizer, _ = runners[v]
-        forward_backward(wrapper, [batch])
-        optimizer_step(wrapper, optimizer, 1e-4, 1.0)
+        train_step([wrapper], optimizer, [batch], layout, 1e-4, 1.0)
 
     for v in variants:
         for _ in range(args["warmup"]):

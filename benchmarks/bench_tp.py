@@ -6,11 +6,12 @@ the step spent blocked in collectives.
     python benchmarks/bench_tp.py --smoke                # tiny sizes, one window each (< 60 s)
 
 One step is what `python -m minimegatron.train --tensor-model-parallel-size k` runs on every
-rank of a TP group: forward of the whole batch through TensorParallelGPTModel, the
-vocab-parallel cross-entropy, backward, the TP-aware global gradient-norm clipping
-(`clip_tensor_parallel_grad_norm`), AdamW, zero_grad (`minimegatron.train.forward_backward`
-and `optimizer_step(..., tensor_parallel=model)`, unchanged). TP=1 is the plain single-device
-GPTModel with `torch.nn.utils.clip_grad_norm_`: the baseline every TP size is compared with.
+rank of a TP group, `minimegatron.train.train_step` unchanged: forward of the whole batch
+through the GPTModel cut by `tp.apply_tensor_parallel`, the vocab-parallel cross-entropy,
+backward, the global gradient-norm clipping (`optim.clip_grad_norm`: replicated parameters
+counted once, one all-reduce of one number over the TP group), AdamW, zero_grad. TP=1 is the
+plain single-device GPTModel through the same step: the baseline every TP size is compared
+with.
 Every TP size processes the SAME b x s tokens per step (strong scaling: tensor parallelism
 splits one model replica's work, it does not add data), so tokens/s compare directly.
 
@@ -21,7 +22,7 @@ Rows (variants):
                                                  --threads): the same cores as TP=N, used
                                                  by one process through PyTorch's own
                                                  intra-op parallelism
-  tp2, tp4 TensorParallelGPTModel over k ranks, 1 thread per rank
+  tp2, tp4 GPTModel + apply_tensor_parallel over k ranks, 1 thread per rank
 
 How it is timed. All variants live in ONE `minimegatron.launch.spawn` world of max(--tp)
 gloo ranks; TP size k uses the group of ranks 0..k-1 (the first TP group that
@@ -42,7 +43,7 @@ reduction, AND waiting for a slower peer to arrive (a collective finishes only w
 member has joined). The part of an asynchronous all-reduce that runs while the rank computes
 (if the library overlaps one) is not counted: it did not block. A one-step ledger per
 variant checks that every collective of a step is an all-reduce (the only op timed) and
-gives the bytes, printed next to the formula of minimegatron/tp/model.py:
+gives the bytes, printed next to the formula of minimegatron/tp/parallel.py:
 
   per step per rank: (1 + 2L) all-reduces of [b, s, h] forward (embedding, 2 per layer),
                      (2L + 1) of [b, s, h] backward (2 per layer, 1 for the output layer's
@@ -85,8 +86,10 @@ from minimegatron.comm import record_communication
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
-from minimegatron.tp import TensorParallelGPTModel, check_tensor_parallel_config, pad_vocab_size
-from minimegatron.train import build_optimizer, forward_backward, optimizer_step
+from minimegatron.optim import Optimizer
+from minimegatron.parallel_state import Layout
+from minimegatron.tp import apply_tensor_parallel, check_tensor_parallel_config, pad_vocab_size
+from minimegatron.train import train_step
 from machine import cpu_model, load_average  # benchmarks/machine.py
 
 
@@ -175,19 +178,24 @@ def bench_rank(tp_sizes: list[int], threads: list[int], args: dict) -> dict:
 
     # new_group is collective over the world: every rank creates every group, in one order
     groups = {k: dist.new_group(list(range(k))) for k in sorted(set(tp_sizes)) if k > 1}
-    runners = {}                                     # name -> (model, optimizer, tp, threads)
+    runners = {}                                     # name -> (model, optimizer, layout, threads)
     for name, k, n_threads in rows:
         if rank >= k:
             continue                                 # not a member of this variant's group
-        model = GPTModel(cfg) if k == 1 else TensorParallelGPTModel(cfg, groups[k])
-        runners[name] = (model, build_optimizer(model, train_cfg), k, n_threads)
+        if k == 1:                                   # one device: no group to sum the norm over
+            model, layout, norm_groups = GPTModel(cfg), Layout(), []
+        else:                                        # this rank's shards; rank r is TP rank r of ranks 0..k-1
+            model = apply_tensor_parallel(GPTModel(cfg), groups[k])
+            layout = Layout(world=k, rank=rank, tp=k, tp_rank=rank, tp_group=groups[k])
+            norm_groups = [groups[k]]
+        optimizer = Optimizer(model.parameters(), train_cfg, layout.tp_rank, norm_groups)
+        runners[name] = (model, optimizer, layout, n_threads)
 
     timer = CollectiveTimer()
 
     def step(name: str) -> float:
-        model, optimizer, k, _ = runners[name]
-        loss = forward_backward(model, [batch])
-        optimizer_step(model, optimizer, 1e-4, 1.0, tensor_parallel=model if k > 1 else None)
+        model, optimizer, layout, _ = runners[name]
+        loss, _ = train_step([model], optimizer, [batch], layout, 1e-4, train_cfg.clip_grad)
         return loss
 
     out = {name: {"windows": [], "blocked": [], "blocked_s": [], "loss0": None, "ledger": None, "calls": None,
@@ -261,7 +269,7 @@ def bench_rank(tp_sizes: list[int], threads: list[int], args: dict) -> dict:
 # in the parent
 # ---------------------------------------------------------------------------------------
 def formula_bytes(cfg: ModelConfig, b: int, s: int) -> tuple[int, int]:
-    """(all-reduce calls, bytes handed in) per step per rank, from the tp/model.py docstring:
+    """(all-reduce calls, bytes handed in) per step per rank, from the tp/parallel.py docstring:
     (1 + 2L) fwd + (2L + 1) bwd all-reduces of [b, s, h], 3 of [b, s] for the loss, 1 number
     for the gradient norm. Independent of tp."""
     L, h, e = cfg.num_layers, cfg.hidden_size, 4                  # float32

@@ -1,4 +1,4 @@
-"""Configuration dataclasses: the model, the parallel layout, the training run.
+"""Configuration dataclasses: the model and the training run (its parallel sizes included).
 
 Field names follow Megatron-LM's command-line arguments where one exists
 (`--hidden-size` -> `hidden_size`, `--num-query-groups` -> `num_query_groups`, ...),
@@ -145,30 +145,6 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """The 5D layout. Sizes multiply to the world size: world = tp * cp * dp * pp.
-
-    order: Megatron's rank order; the leftmost dimension varies fastest.
-    etp: expert tensor parallel size (defaults to tp); experts use a second grid with
-    expert_dp = world / (etp * ep * pp).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    order: str = "tp-cp-ep-dp-pp"
-
-    def data_parallel_size(self, world_size: int) -> int:
-        model_parallel = self.tp * self.pp * self.cp
-        if world_size % model_parallel:
-            raise ConfigError(f"world_size={world_size} is not divisible by "
-                              f"tp*pp*cp={self.tp}*{self.pp}*{self.cp}={model_parallel}")
-        return world_size // model_parallel
-
-
-@dataclass
 class TrainConfig:
     """One training run. Batch arithmetic follows Megatron:
 
@@ -209,6 +185,7 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"       # "gpipe" | "1f1b" | "interleaved"; grad_accum_steps micro-batches
     num_virtual_stages_per_pipeline_rank: int = 1   # model chunks per rank (> 1: interleaved)
     data_seed: int = 1234                 # data order and dropout masks
+    device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
     progress: bool = True
 
     def validate(self, model: ModelConfig | None = None) -> "TrainConfig":
@@ -225,35 +202,17 @@ class TrainConfig:
         need(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
         need(self.eval_interval >= 0 and self.eval_iters >= 0,
              f"eval_interval={self.eval_interval} and eval_iters={self.eval_iters} must be >= 0")
+        need(self.device in ("cpu", "cuda"), f"device={self.device!r} is not 'cpu' or 'cuda'")
+        need(self.device != "cuda" or torch.cuda.is_available(),
+             "device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
         need(self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage} is not 0, 1, 2 or 3")
         need(self.ddp_impl in ("naive", "bucketed"), f"ddp_impl={self.ddp_impl!r} is not 'naive' or 'bucketed'")
         need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
-        tp = self.tensor_model_parallel_size
-        need(tp >= 1, f"tensor_model_parallel_size={tp} must be >= 1")
-        need(tp == 1 or self.zero_stage < 3,
-             f"zero_stage=3 with tensor_model_parallel_size={tp}: parameter sharding (ZeRO-3) is not "
-             f"combined with tensor parallelism here (Megatron's distributed optimizer is ZeRO-1/2); "
-             f"use zero_stage 0, 1 or 2")
-        if model is not None and tp > 1:
-            from .tp.model import check_tensor_parallel_config   # heads, groups, ffn by tp
-            check_tensor_parallel_config(model, tp)
-        pp, chunks = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
-        need(pp >= 1 and chunks >= 1, f"pipeline_model_parallel_size={pp} and "
-                                      f"num_virtual_stages_per_pipeline_rank={chunks} must be >= 1")
-        need(pp == 1 or self.zero_stage == 0,
-             f"zero_stage={self.zero_stage} with pipeline_model_parallel_size={pp}: ZeRO is not combined "
-             f"with pipeline parallelism here; use zero_stage 0 (bucketed DDP per stage)")
-        if pp > 1:
-            from .pp.schedules import check_schedule_args      # kind, micro-batches, chunks
-            from .pp.stages import stage_layers                # layers by pp x chunks
-            try:
-                check_schedule_args(self.pipeline_schedule, pp, 0, self.grad_accum_steps, chunks)
-            except ValueError as exc:
-                raise ConfigError(f"pipeline_schedule={self.pipeline_schedule!r} with grad_accum_steps="
-                                  f"{self.grad_accum_steps} micro-batches: {exc}") from None
-            if model is not None:
-                stage_layers(model.num_layers, pp, 0, chunks)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "num_virtual_stages_per_pipeline_rank"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        # how the sizes combine with the model and the world: parallelize.validate_layout
         if model is not None:
             need(self.seq_length <= model.max_position_embeddings,
                  f"seq_length={self.seq_length} is longer than "
@@ -275,5 +234,5 @@ def from_dict(cls: type, values: dict[str, Any]) -> Any:
     return cls(**values)
 
 
-__all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "to_dict",
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "to_dict",
            "from_dict", "dtype_from_name", "DTYPES"]

@@ -149,8 +149,9 @@ def _check_importable(fn: Callable) -> None:
     qualname = getattr(fn, "__qualname__", repr(fn))
     module = getattr(fn, "__module__", None)
     hint = ("spawn() starts fresh Python processes that import the function by name: define "
-            "it at the top level of an importable module (e.g. in the minimegatron package "
-            "or a .py file next to your notebook), not as a lambda or a nested function.")
+            "it at the top level of an importable module (e.g. a chapter's demo.py, imported "
+            "with minimegatron.testing.import_chapter_demo, a module under tests/workers/, or a "
+            ".py file next to your notebook), not as a lambda or a nested function.")
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise TypeError(f"cannot spawn {qualname!r} from module {module!r}: {hint}")
     main = sys.modules.get("__main__")
@@ -322,8 +323,11 @@ def _collect(processes, readers, world_size: int, timeout: float) -> list[Any]:
 # torchrun
 # --------------------------------------------------------------------------------------
 
-def init_from_torchrun(timeout: float = 60.0) -> tuple[int, int]:
-    """Join the gloo process group of a ``torchrun`` job; return ``(rank, world_size)``.
+def init_from_torchrun(timeout: float = 60.0, device: str = "cpu") -> tuple[int, int]:
+    """Join the process group of a ``torchrun`` job; return ``(rank, world_size)``.
+
+    The backend follows the device: gloo on "cpu" (the book's tested path), NCCL on "cuda"
+    (then each rank also selects GPU LOCAL_RANK).
 
     Reads RANK and WORLD_SIZE (set by torchrun) and uses the env:// rendezvous at
     MASTER_ADDR:MASTER_PORT, with ``timeout`` seconds per collective instead of the default
@@ -336,13 +340,16 @@ def init_from_torchrun(timeout: float = 60.0) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     td = timedelta(seconds=timeout)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:
         lo = _loopback_interface()
         if os.environ.get("MASTER_ADDR") in (LOOPBACK, "localhost") and lo is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)  # one machine: stay on loopback
-        dist.init_process_group("gloo", init_method="env://", timeout=td)
+        dist.init_process_group(backend, init_method="env://", timeout=td)
     else:
         # No launcher: a world of one, rendezvous in this process's memory (no port needed).
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=td)
     return dist.get_rank(), dist.get_world_size()

@@ -30,10 +30,10 @@ expert_dp = world / (etp * ep * pp). The same rank can be tp_rank 1 for attentio
 etp_rank 0 for experts; only the pipeline stage must agree, because one rank runs the
 dense and the MoE layers of the same stage.
 
-This file has three parts:
+This file has two parts:
   1. `rank_groups` / `rank_coordinates`: pure functions, no processes, the whole layout.
   2. `initialize_model_parallel` and Megatron-named getters: real torch process groups.
-  3. `draw_rank_grid`: a picture of the layout for the book.
+(The picture of a layout for the book is viz.draw_rank_grid.)
 """
 
 from __future__ import annotations
@@ -342,79 +342,35 @@ def get_embedding_group():
     return get_group("embedding")
 
 
-# ------------------------------------------------------------------- 3. the picture
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits in the grid and the groups it talks in: the one object every
+    part of a step reads (parallelize.build_model, train.train_step, the checkpoints).
 
-def _colour(i: int, n: int):
-    import matplotlib
-
-    if n <= 10:
-        return matplotlib.colormaps["tab10"](i)
-    if n <= 20:  # dark shades first, so neighbouring groups do not look alike
-        return matplotlib.colormaps["tab20"]((2 * i) % 20 + (2 * i) // 20)
-    return matplotlib.colormaps["hsv"](i / n)
-
-
-def draw_rank_grid(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                   etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
-                   keys=("tp", "dp", "pp"), path=None):
-    """One panel per key: every rank is a box, coloured by its group of that key.
-
-    Rows are pipeline stages; inside a row the ranks of that stage in ascending order.
-    A box shows the rank (large) and the index of its group (small, "g3"). Each box is
-    a Rectangle with gid "<key>:<rank>", so tests can find it. Saves to `path` if given.
-    Returns a matplotlib Figure drawn with the Agg backend (no screen needed).
+    Sizes tp, pp, dp (dp counts the ranks that average dense gradients, "dp-cp"), this
+    rank's index in each, and the process groups (real torch groups, also when of size 1:
+    comm skips those; None in a one-process run without torch.distributed). embedding_group:
+    the first and last pipeline stage (None on a middle stage). pp_ranks: this pipeline's
+    global ranks in stage order. Layout() is the single device.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
+    world: int = 1
+    rank: int = 0
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: object = None
+    pp_group: object = None
+    dp_group: object = None
+    embedding_group: object = None
+    pp_ranks: tuple = (0,)
 
-    layout = rank_groups(world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
-    for key in keys:
-        if key not in layout:
-            raise KeyError(f"unknown group {key!r}; known: {', '.join(KEYS)}")
-    stage_of = {r: s for g in layout["pp"] for s, r in enumerate(g)}
-    rows = [[r for r in range(world_size) if stage_of[r] == s] for s in range(pp)]
-    ncols = len(rows[0])
 
-    per_row = 1 if ncols > 8 else min(len(keys), 3)  # wide panels go one per row
-    shape = (math.ceil(len(keys) / per_row), per_row)
-    panel_w, panel_h = 0.62 * ncols + 1.0, 0.62 * pp + 0.6
-    fig = Figure(figsize=(panel_w * shape[1], panel_h * shape[0] + 0.4), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(*shape, squeeze=False).ravel()
-    for ax in axes[len(keys):]:
-        ax.set_visible(False)
-    for ax, key in zip(axes, keys):
-        groups = layout[key]
-        group_of = {r: i for i, g in enumerate(groups) for r in g}
-        for row, stage in enumerate(rows):
-            for col, r in enumerate(stage):
-                # a rank outside every group of this key (a middle stage for
-                # "embedding") stays grey
-                colour = (_colour(group_of[r], len(groups)) if r in group_of
-                          else (0.9, 0.9, 0.9, 1.0))
-                ax.add_patch(Rectangle((col + 0.05, -row - 0.95), 0.9, 0.9, facecolor=colour,
-                                       edgecolor="black", linewidth=0.8, gid=f"{key}:{r}"))
-                red, green, blue = colour[:3]
-                ink = "black" if 0.3 * red + 0.6 * green + 0.1 * blue > 0.5 else "white"
-                ax.text(col + 0.5, -row - 0.45, str(r), ha="center", va="center",
-                        fontsize=11, fontweight="bold", color=ink)
-                if r in group_of:
-                    ax.text(col + 0.5, -row - 0.82, f"g{group_of[r]}", ha="center",
-                            va="center", fontsize=6.5, color=ink)
-        ax.set_xlim(0, ncols)
-        ax.set_ylim(-pp, 0)
-        ax.set_aspect("equal")
-        ax.set_xticks([])
-        ax.set_yticks([-s - 0.5 for s in range(pp)], [f"stage {s}" for s in range(pp)],
-                      fontsize=8)
-        ax.tick_params(length=0)
-        for spine in ax.spines.values():
-            spine.set_visible(False)
-        ax.set_title(f'"{key}": {len(groups)} groups of {len(groups[0])}', fontsize=10)
-    etp_text = "" if etp is None else f" etp={etp}"
-    fig.suptitle(f"world={world_size}  tp={tp} cp={cp} pp={pp} ep={ep}{etp_text}  "
-                 f"order={order}", fontsize=10)
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
+def get_layout() -> Layout:
+    """The Layout of this rank, from the groups initialize_model_parallel made."""
+    state = _state()
+    return Layout(dist.get_world_size(), state.rank, _size_of("tp"), _size_of("pp"), _size_of("dp-cp"),
+                  _rank_in("tp"), _rank_in("pp"), _rank_in("dp-cp"), get_group("tp"), get_group("pp"),
+                  get_group("dp-cp"), get_group("embedding"), tuple(get_group_ranks("pp")))

@@ -21,7 +21,11 @@ float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
 import torch
 
 from .config import ModelConfig, TrainConfig
@@ -154,23 +158,25 @@ def split_microbatches(batch: dict[str, torch.Tensor], num: int) -> list[dict[st
 
 def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tensor]],
                       train_cfg: TrainConfig | None = None, grad_accum_steps: int = 1) -> RunRecord:
-    """The reference: train the single-device model one step per global batch.
-
-    Uses the same step as the training loop (train.forward_backward + train.optimizer_step),
-    with AdamW and the learning-rate schedule of `train_cfg` (defaults: TrainConfig() with
-    train_iters = len(batches), no clipping).
-    """
-    from .train import build_optimizer, forward_backward, learning_rate, optimizer_step
+    """The reference: train the single-device model one step per global batch, with the
+    training loop's own step (train.train_step on Layout(): every size 1), AdamW and the
+    learning-rate schedule of `train_cfg` (defaults: TrainConfig() with train_iters =
+    len(batches), no clipping)."""
+    from .optim import Optimizer, learning_rate
+    from .parallel_state import Layout
+    from .train import train_step
 
     cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
     model = GPTModel(model_cfg)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = Optimizer(model.parameters(), cfg)
     losses, first_grads = [], {}
+    def keep_first_grads():
+        if not first_grads:
+            first_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
     for step, batch in enumerate(batches):
-        loss = forward_backward(model, split_microbatches(batch, grad_accum_steps))
-        if step == 0:
-            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        optimizer_step(model, optimizer, learning_rate(step, cfg), cfg.clip_grad)
+        loss, _ = train_step([model], optimizer, split_microbatches(batch, grad_accum_steps), Layout(),
+                             learning_rate(step, cfg), cfg.clip_grad, on_grads=keep_first_grads)
         losses.append(loss)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return RunRecord(losses, first_grads, params)
@@ -194,3 +200,58 @@ def run_named_checks(checks, *args) -> dict[str, str | None]:
 def rank_failures(per_rank: list[dict[str, str | None]], name: str) -> str:
     """The tracebacks of check `name` on every rank where it failed ("" when it passed everywhere)."""
     return "\n".join(f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(per_rank) if res[name] is not None)
+
+
+# --------------------------------------------------------------------------------------
+# Shared demo helpers: the chapter demos (chapters/NN_x/demo.py) and their readers
+# --------------------------------------------------------------------------------------
+
+def verdict_under_torchrun(result, report) -> int:
+    """The end of a chapter demo under torchrun, on every rank: gather every rank's `result`
+    on rank 0 (torch.distributed.gather_object: plumbing for the report, in no ledger), call
+    `report(per_rank)` there (it prints, and returns the exit status; a report that raises
+    prints its traceback and counts as MISMATCH, 1), broadcast rank 0's status to every rank,
+    destroy the process group, and return the status: every rank exits with rank 0's verdict."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from . import comm
+
+    rank = dist.get_rank()
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    code = 0
+    if rank == 0:
+        try:
+            code = report(gathered)
+        except Exception:                               # still tell the other ranks
+            traceback.print_exc()
+            print("MISMATCH: the report failed (traceback above)")
+            code = 1
+    verdict = torch.tensor([code])
+    comm.broadcast(verdict, 0, None, tag="verdict")
+    dist.destroy_process_group()
+    return int(verdict.item())
+
+
+def import_chapter_demo(number: str):
+    """The module of chapter `number`'s demo, ``chapters/<number>_*/demo.py``, imported as
+    ``chapters.<folder>.demo`` (e.g. import_chapter_demo("00") -> chapters.00_single_device.demo).
+
+    A chapter's experiments live in its demo.py, next to its README; notebooks and graders
+    import them from there. The repository root (the folder holding ``minimegatron/`` and
+    ``chapters/``) goes on sys.path if it is not there yet; ``chapters/`` and its chapter
+    folders have no __init__.py (namespace packages). Because the module has a real dotted
+    name, a function defined in it can be sent to `minimegatron.launch.spawn`: the spawned
+    processes inherit sys.path and import it by that name.
+    Raises FileNotFoundError when no (or more than one) chapter folder matches.
+    """
+    root = Path(__file__).resolve().parent.parent                  # this file is minimegatron/testing.py
+    folders = sorted(p.parent.name for p in (root / "chapters").glob(f"{number}_*/demo.py"))
+    if len(folders) != 1:
+        raise FileNotFoundError(f"chapter {number!r}: expected one chapters/{number}_*/demo.py under {root}, "
+                                f"found {folders}")
+    if not any(Path(p or ".").resolve() == root for p in sys.path):
+        sys.path.insert(0, str(root))
+    return importlib.import_module(f"chapters.{folders[0]}.demo")

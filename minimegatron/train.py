@@ -1,4 +1,4 @@
-"""The training loop: one loop that every chapter's parallelism plugs into.
+"""The training loop: one step and one loop that every chapter's parallelism plugs into.
 
     python -m minimegatron.train --preset demo                     # the embedded corpus
     python -m minimegatron.train --preset tiny --train-iters 50 --hidden-size 32
@@ -10,12 +10,12 @@
     torchrun --standalone --nproc_per_node=8 -m minimegatron.train --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --grad-accum-steps 4                                       # 03: 3D
 
-One step (Megatron's train_step, without the parallel parts yet):
+One step (`train_step`, Megatron's train_step), the same code on every layout:
 
-    for each of the grad_accum_steps micro-batches:       # gradient accumulation
-        loss = mean token loss / grad_accum_steps; loss.backward()
-    clip the global gradient norm to clip_grad
-    set the learning rate for this step (warm-up, then cosine decay); AdamW step
+    forward and backward of the M micro-batches     pp > 1: the pipeline schedule
+                                                    else: accumulate, DP sync on the last one
+    finalize_model_grads                            every group's gradient finishing
+    clip the global gradient norm; set the learning rate (warm-up, cosine); AdamW step
 
 The data order, the learning rate and the dropout RNG are functions of the step number and
 of state saved in the checkpoint, so a run resumed at step k repeats the uninterrupted run's
@@ -25,18 +25,18 @@ losses bit for bit.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import parallel_state
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_rank_state, save_checkpoint,
@@ -45,14 +45,13 @@ from .comm import all_reduce, barrier
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
-from .dp import build_data_parallel
+from .dp import finish_grad_sync, no_sync
 from .launch import init_from_torchrun
-from .model import GPTModel
-from .pp.engine import PipelineEngine, PipelineOptimizer
-from .pp.p2p import PipelineComm
-from .pp.stages import build_stage_chunks
-from .tp import (TensorParallelGPTModel, clip_tensor_parallel_grad_norm, full_parameters, get_rng_tracker,
-                 model_parallel_manual_seed)
+from .optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
+from .parallel_state import Layout
+from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
+from .pp import PipelineComm, allreduce_tied_embedding_grads, evaluate_pipelining, forward_backward_pipelining
+from .tp import get_rng_tracker, model_parallel_manual_seed
 
 # ---------------------------------------------------------------------------------------
 # presets: sizes that train in seconds to a minute on a laptop CPU
@@ -68,100 +67,78 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+
 # ---------------------------------------------------------------------------------------
-# the pieces of a step
+# one step
 # ---------------------------------------------------------------------------------------
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up from lr/warmup to lr over lr_warmup_iters steps, then cosine decay to
-    min_lr at train_iters (Megatron's --lr-decay-style cosine). `step` counts from 0."""
-    if step < cfg.lr_warmup_iters:
-        return cfg.lr * (step + 1) / cfg.lr_warmup_iters
-    decay_steps = max(1, cfg.train_iters - cfg.lr_warmup_iters)
-    progress = min(1.0, (step - cfg.lr_warmup_iters) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only, not on biases and norm weights (as Megatron)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-
-
-def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]]) -> float:
+def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str, torch.Tensor]]) -> float:
     """Accumulate gradients over micro-batches; returns the mean loss of the global batch.
 
     Each micro-batch's mean token loss is divided by the number of micro-batches, so the
     accumulated gradient equals the gradient of the mean loss over the whole batch (all
-    micro-batches have the same number of tokens).
-
-    `model` may be a data-parallel wrapper (chapter 01): then every micro-batch but the last
-    runs under `no_sync()` (no communication while accumulating) and `finish_grad_sync()`
-    completes the gradient reduction after the last one.
+    micro-batches have the same number of tokens). Under data parallelism every micro-batch
+    but the last runs under no_sync(): no communication while accumulating.
     """
-    if hasattr(model, "pipeline_step"):    # chapter 03: the schedule runs the micro-batches
-        return model.pipeline_step(microbatches)
-    data_parallel = hasattr(model, "finish_grad_sync")
     total = 0.0
     for i, mb in enumerate(microbatches):
-        last = i == len(microbatches) - 1
-        with model.no_sync() if data_parallel and not last else contextlib.nullcontext():
-            losses = model(mb["tokens"], labels=mb["labels"])          # [b, s]
-            loss = losses.mean() / len(microbatches)
+        with no_sync(model) if i < len(microbatches) - 1 else nullcontext():
+            loss = model(mb["tokens"], labels=mb["labels"]).mean() / len(microbatches)   # [b, s] -> []
             loss.backward()
         total += loss.item()
-    if data_parallel:
-        model.finish_grad_sync()
     return total
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float,
-                   clip_grad: float, tensor_parallel: TensorParallelGPTModel | None = None) -> float:
-    """Clip the global gradient norm, set the learning rate, step; returns the norm before clipping.
+def finalize_model_grads(chunks: list[nn.Module], layout: Layout) -> None:
+    """After the last backward of a step, finish every gradient (Megatron's
+    finalize_model_grads, megatron/core/distributed/finalize_model_grads.py):
+      1. data parallel: wait for (or run) each chunk's gradient reduction (finish_grad_sync);
+      2. pipeline: sum the tied embedding's two gradients over the embedding group.
+    Later chapters add their hooks here (04: the sequence-parallel norms' gradients over TP)."""
+    for chunk in chunks:
+        finish_grad_sync(chunk)
+    if layout.pp > 1:
+        allreduce_tied_embedding_grads([unwrap(c) for c in chunks], layout.embedding_group)
 
-    A data-parallel optimizer (chapter 01) computes the global norm itself: under ZeRO each
-    rank holds only a shard of the gradients, so the norm needs an all-reduce (and when it
-    was built with tensor_parallel, one over the TP group too). A tensor-parallel model
-    without a data-parallel wrapper (chapter 02) is passed as `tensor_parallel`: its norm sums
-    over the TP group, counting the replicated parameters once.
-    """
-    if tensor_parallel is not None and hasattr(optimizer, "clip_grad_norm") and \
-            getattr(optimizer, "tensor_parallel", None) is not tensor_parallel:
-        # its norm would be this rank's shards' only: clipping silently wrong
-        raise ValueError("optimizer_step(tensor_parallel=model): the data-parallel optimizer was built without "
-                         "it; pass tensor_parallel=model to dp.build_data_parallel")
-    if hasattr(optimizer, "clip_grad_norm"):
-        norm = optimizer.clip_grad_norm(clip_grad)
-    elif tensor_parallel is not None:
-        norm = clip_tensor_parallel_grad_norm(tensor_parallel, clip_grad)
+
+def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list[dict[str, torch.Tensor]],
+               layout: Layout, lr: float, clip_grad: float, p2p: PipelineComm | None = None,
+               schedule: str = "1f1b", on_grads=None) -> tuple[float, float]:
+    """One optimizer step over the global batch's micro-batches (this rank's share of them).
+    Returns (the mean loss of this data-parallel rank's micro-batches, the global gradient
+    norm before clipping). `p2p` and `schedule` for a pipeline (layout.pp > 1). `on_grads()`,
+    if given, runs once the gradients are final and before they are clipped (tests and
+    demos read them there)."""
+    if layout.pp > 1:
+        loss, _ = forward_backward_pipelining(chunks, microbatches, p2p, schedule, layout.pp_group)
     else:
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad) if clip_grad > 0 else \
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+        loss = forward_backward_no_pipelining(chunks[0], microbatches)
+    finalize_model_grads(chunks, layout)
+    if on_grads is not None:
+        on_grads()
+    grad_norm = clip_grad_norm(optimizer, clip_grad)
+    set_learning_rate(optimizer, lr)
     optimizer.step()
     optimizer.zero_grad()
-    return float(norm)
+    return loss, grad_norm
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: GPTDataset, cfg: TrainConfig, dp_rank: int = 0, dp_size: int = 1,
-             dp_group=None) -> float:
-    """Mean loss over the first eval_iters global batches (micro_batch_size * dp_size
-    sequences each) of the validation set; each data-parallel rank evaluates its slice."""
-    pipeline = hasattr(model, "pipeline_evaluate")       # chapter 03: forward through the stages
-    model.train(False) if not pipeline else None
+def evaluate(chunks: list[nn.Module], dataset: GPTDataset, cfg: TrainConfig, layout: Layout,
+             p2p: PipelineComm | None = None, device: torch.device | str = "cpu") -> float:
+    """Mean loss over the first eval_iters global batches (micro_batch_size * dp sequences
+    each) of the validation set; each data-parallel rank evaluates its slice."""
     losses = []
     for i in range(cfg.eval_iters):
-        mb = batch_for_step(dataset, i, cfg.micro_batch_size, 0, 1, dp_rank, dp_size)
-        losses.append(model.pipeline_evaluate(mb, i) if pipeline else model(mb["tokens"], labels=mb["labels"]).mean().item())
-    model.train(True) if not pipeline else None
-    mean = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64)
-    if dp_group is not None:
-        all_reduce(mean, dp_group, op="avg", tag="loss")
+        mb = {k: v.to(device) for k, v in
+              batch_for_step(dataset, i, cfg.micro_batch_size, 0, 1, layout.dp_rank, layout.dp).items()}
+        if layout.pp > 1:
+            losses.append(evaluate_pipelining(chunks, mb, p2p, layout.pp_group, i))
+        else:
+            chunks[0].eval()
+            losses.append(chunks[0](mb["tokens"], labels=mb["labels"]).mean().item())
+            chunks[0].train()
+    mean = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64, device=device)
+    all_reduce(mean, layout.dp_group, op="avg", tag="loss")
     return mean.item()
 
 
@@ -208,182 +185,113 @@ def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
         raise CheckpointError(f"cannot resume exactly from {where}: the training config differs: " + "; ".join(diffs))
 
 
-@dataclass
-class Grid:
-    """Where this process sits on the grid of ranks: tp (fastest) x dp x pp (slowest),
-    Megatron's order. A group of size 1 is None (nothing to communicate)."""
-    rank: int = 0
-    world: int = 1
-    tp_size: int = 1
-    tp_group: object = None
-    dp_rank: int = 0
-    dp_size: int = 1
-    dp_group: object = None
-    pp_rank: int = 0
-    pp_size: int = 1
-    pp_group: object = None
-    embedding_group: object = None        # first + last pipeline stage (tied embeddings)
-
-
-def parallel_context(tp: int = 1, pp: int = 1) -> Grid:
-    """The grid for tensor_model_parallel_size `tp` and pipeline_model_parallel_size `pp`: one
-    process is Grid(); under torchrun dp = world / (tp pp), and the ranks of one TP group are
-    one data-parallel rank of one stage (same micro-batches). ConfigError, before any group
-    is made, when the world does not split."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp < 1 or pp < 1 or world % (tp * pp):
-        hint = (f"; start {tp * pp} (or a multiple of {tp * pp}) ranks with torchrun, e.g. `torchrun "
-                f"--nproc_per_node={tp * pp} -m minimegatron.train --tensor-model-parallel-size {tp} "
-                f"--pipeline-model-parallel-size {pp}`" if world == 1 and tp * pp > 1 else "")
-        raise ConfigError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
-                          f"pipeline_model_parallel_size={pp}{hint}")
-    if world == 1:
-        return Grid()
-    if parallel_state.model_parallel_is_initialized() and (
-            parallel_state.get_tensor_model_parallel_world_size() != tp
-            or parallel_state.get_pipeline_model_parallel_world_size() != pp):
-        parallel_state.destroy_model_parallel()            # another layout in the same world
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_size = dist.get_world_size(dp_group)
-    return Grid(dist.get_rank(), world, tp, parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
-                dist.get_rank(dp_group), dp_size, dp_group if dp_size > 1 else None,
-                parallel_state.get_pipeline_model_parallel_rank(), pp,
-                parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None,
-                parallel_state.get_embedding_group() if pp > 1 else None)
-
-
-def full_state_dict(engine: torch.nn.Module, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The single-device state dict; under ZeRO-3 the parameters are sharded and gathered first."""
-    if hasattr(engine, "gather_parameters"):
-        return engine.gather_parameters()
-    return model.state_dict()
-
-
-def build_pipeline(model_cfg: ModelConfig, cfg: TrainConfig, grid: Grid) -> PipelineEngine:
-    """This rank's stage(s) of the pipeline (chapter 03), tensor-parallel when grid.tp_size > 1,
-    each chunk in bucketed DDP over the data-parallel group when there is one."""
-    chunks = build_stage_chunks(model_cfg, grid.pp_size, grid.pp_rank, cfg.num_virtual_stages_per_pipeline_rank,
-                                tp_group=grid.tp_group)
-    p2p = PipelineComm(parallel_state.get_group_ranks("pp"), grid.pp_rank, len(chunks),
-                       (cfg.micro_batch_size, cfg.seq_length, model_cfg.hidden_size), model_cfg.dtype)
-    element_size = torch.empty((), dtype=model_cfg.dtype).element_size()
-    bucket = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
-    return PipelineEngine(chunks, cfg.pipeline_schedule, cfg.grad_accum_steps, p2p, grid.pp_group,
-                          grid.embedding_group, grid.dp_group, grid.tp_group, bucket_size_bytes=bucket)
+def initialize_layout(cfg: TrainConfig) -> Layout:
+    """This process's Layout: Layout() on one process; in a world of n ranks (torchrun or
+    launch.spawn) the process groups of tensor_model_parallel_size x
+    pipeline_model_parallel_size, the rest data parallel (validate_layout first)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return Layout()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()            # maybe another layout in the same world
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                                             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size)
+    return parallel_state.get_layout()
 
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     """Train from scratch or resume from cfg.load_dir; returns the loss history.
 
-    On one process this is the baseline. Under torchrun (or `launch.spawn`) with n ranks it
-    trains data-parallel: each rank takes its slice of every global batch of
-    micro_batch_size * grad_accum_steps * n sequences, and `cfg.zero_stage` / `cfg.ddp_impl`
-    pick the variant of chapter 01. With cfg.tensor_model_parallel_size = t > 1 (chapter 02)
-    the ranks form a t x (n / t) grid: every matrix is split over a TP group of t ranks, and
-    the n / t TP groups are the data-parallel ranks. With cfg.pipeline_model_parallel_size =
-    p > 1 (chapter 03) the layers are cut into p stages and each step runs
-    cfg.pipeline_schedule over the grad_accum_steps micro-batches: t x p x (n / t p), 3D.
+    On one process this is the baseline. Under torchrun (or `launch.spawn`) with n ranks the
+    ranks form a tp x dp x pp grid (Megatron's order, tp fastest): every matrix split over tp
+    ranks (chapter 02), the layers cut into pp stages running cfg.pipeline_schedule over the
+    grad_accum_steps micro-batches (chapter 03), and dp = n / (tp pp) data-parallel replicas,
+    each taking its slice of every global batch of micro_batch_size x grad_accum_steps x dp
+    sequences, synced as cfg.zero_stage / cfg.ddp_impl ask (chapter 01).
     """
-    model_cfg.validate()
-    grid = parallel_context(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)  # does it split?
-    cfg.validate(model_cfg)
-    dp_rank, dp_size, dp_group = grid.dp_rank, grid.dp_size, grid.dp_group
+    validate_layout(model_cfg, cfg, dist.get_world_size() if dist.is_initialized() else 1)
+    layout = initialize_layout(cfg)
     train_ds, valid_ds = build_datasets(model_cfg, cfg)
-    pipeline = build_pipeline(model_cfg, cfg, grid) if grid.pp_size > 1 else None
-    tp_model = TensorParallelGPTModel(model_cfg, grid.tp_group) if grid.tp_size > 1 and pipeline is None else None
-    model = pipeline.module if pipeline else tp_model if tp_model is not None else GPTModel(model_cfg)
-    split = pipeline is not None or tp_model is not None        # each rank holds a part of the model
-    # dropout masks, seeded after the model is built (building may draw from the default
-    # generator, and must not shift the masks): under TP a stream shared by the TP group for
-    # the replicated activations and one per TP rank for the split ones (tp/random.py); each
-    # pipeline stage its own (Megatron adds 100 x pp_rank)
-    if split:
-        model_parallel_manual_seed(cfg.data_seed, pp_rank=grid.pp_rank)   # tp_rank from parallel_state
-    else:
-        torch.manual_seed(cfg.data_seed)
-    result = TrainResult(out_dir=cfg.out_dir)
+    split = layout.tp > 1 or layout.pp > 1                  # each rank holds a part of the model
 
     state = own = None
     if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
         state = load_checkpoint(cfg.load_dir, model_config=to_dict(model_cfg))
         saved = (state.get("tp_size", 1), state.get("pp_size", 1), state.get("dp_size", 1))
-        if saved != (grid.tp_size, grid.pp_size, dp_size):
+        if saved != (layout.tp, layout.pp, layout.dp):
             raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by tp_size={saved[0]} x pp_size="
-                                  f"{saved[1]} x dp_size={saved[2]} ranks, this run has tp_size={grid.tp_size} x "
-                                  f"pp_size={grid.pp_size} x dp_size={dp_size}")
+                                  f"{saved[1]} x dp_size={saved[2]} ranks, this run has tp_size={layout.tp} x "
+                                  f"pp_size={layout.pp} x dp_size={layout.dp}")
         check_resume_config(state.get("train_config", {}), cfg, cfg.load_dir)
-        own = state if grid.world == 1 else load_rank_state(cfg.load_dir, state["step"], grid.rank)
-        # before sharding (ZeRO-3); under TP or PP each rank's file holds its own part
-        model.load_state_dict(own["model"] if split else state["model"])
-    if pipeline is not None:         # the schedule, DP sync and norm live in the engine
-        engine, optimizer = pipeline, PipelineOptimizer(build_optimizer(model, cfg), pipeline)
-    elif dp_group is None:           # one data-parallel rank: nothing to average or to shard
-        engine, optimizer = model, build_optimizer(model, cfg)
-    else:
-        engine, optimizer = build_data_parallel(model, cfg, dp_group, tensor_parallel=tp_model)
+        own = state if layout.world == 1 else load_rank_state(cfg.load_dir, state["step"], layout.rank)
+    chunks = build_model(model_cfg, cfg, layout,
+                         load=None if state is None else own["model"] if split else [state["model"]])
+    # dropout masks, seeded after the model is built (building may draw from the default
+    # generator, and must not shift the masks): a stream shared by the TP group for the
+    # replicated activations and one per TP rank for the split ones (tp/random.py); each
+    # pipeline stage its own (Megatron adds 100 x pp_rank)
+    model_parallel_manual_seed(cfg.data_seed, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
+    optimizer = build_optimizer(chunks, cfg, layout)
+    device = layout_device(cfg)
+    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks), (cfg.micro_batch_size, cfg.seq_length,
+                                                                      model_cfg.hidden_size), model_cfg.dtype, device)
+           if layout.pp > 1 else None)
+    result = TrainResult(out_dir=cfg.out_dir)
 
     start = 0
     if state is not None:
         optimizer.load_state_dict(own["optimizer"])
         torch.set_rng_state(own["rng"])
-        if split:
-            get_rng_tracker().set_states(own["tp_rng"])
+        get_rng_tracker().set_states(own["tp_rng"])
         start = state["step"]
         result.losses = list(state["history"]["losses"])
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
 
-    progress = _progress_bar(start, cfg) if grid.rank == 0 else None
+    progress = _progress_bar(start, cfg) if layout.rank == 0 else None
     for step in range(start, cfg.train_iters):
-        microbatches = [batch_for_step(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps,
-                                       dp_rank, dp_size) for m in range(cfg.grad_accum_steps)]
-        loss = forward_backward(engine, microbatches)
+        microbatches = [{k: v.to(device) for k, v in batch_for_step(
+            train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout.dp_rank, layout.dp).items()}
+            for m in range(cfg.grad_accum_steps)]
         lr = learning_rate(step, cfg)
-        grad_norm = optimizer_step(engine, optimizer, lr, cfg.clip_grad, tensor_parallel=tp_model)
-        if dp_group is not None:                                   # report the global batch's loss
-            loss_t = torch.tensor([loss], dtype=torch.float64)
-            all_reduce(loss_t, dp_group, op="avg", tag="loss")
-            loss = loss_t.item()
-        result.losses.append(loss)
+        loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, cfg.clip_grad, p2p,
+                                     cfg.pipeline_schedule)
+        loss_t = torch.tensor([loss], dtype=torch.float64, device=device)   # report the global batch's loss
+        all_reduce(loss_t, layout.dp_group, op="avg", tag="loss")
+        result.losses.append(loss_t.item())
         done = step + 1
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
-            result.eval_losses.append((done, evaluate(engine, valid_ds, cfg, dp_rank, dp_size, dp_group)))
+            result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
         if progress is not None:
-            progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}", gnorm=f"{grad_norm:.2f}")
+            progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}", gnorm=f"{grad_norm:.2f}")
             progress.update(1)
         if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
-            result.checkpoint = _save(cfg, model_cfg, done, engine, model, optimizer, result, grid)
+            result.checkpoint = _save(cfg, model_cfg, done, chunks, optimizer, result, layout)
     if progress is not None:
         progress.close()
-    if grid.rank == 0:
+    if layout.rank == 0:
         write_history(result, cfg)
     return result
 
 
-def _save(cfg, model_cfg, step, engine, model, optimizer, result, grid: Grid) -> str:
+def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> str:
     """One checkpoint (see checkpoint.py): every rank's own file first, then rank 0's main file.
 
-    The main file's "model" is always the single-device state (names and full shapes): under
-    TP the shards are gathered (a collective over the TP group). Under TP each rank's own file
-    also holds its shard ("model"), which is what a resume with the same layout loads."""
-    split = grid.tp_size > 1 or grid.pp_size > 1
-    if grid.pp_size > 1:                                          # collectives
-        model_state = engine.full_state_dict()
-    else:
-        model_state = full_parameters(model) if split else full_state_dict(engine, model)
-    own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-           **({"model": model.state_dict(), "tp_rng": get_rng_tracker().get_states()} if split else {})}
-    if grid.world > 1:
-        save_rank_state(cfg.save_dir, step, grid.rank, own)
+    The main file's "model" is always the single-device state (names and full shapes: the
+    shards gathered, a collective). When the model is split (TP or PP) each rank's own file
+    also holds its chunks' own state dicts, which is what a resume with the same layout loads."""
+    split = layout.tp > 1 or layout.pp > 1
+    model_state = full_model_tensors(chunks, layout)                      # collective
+    own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "tp_rng": get_rng_tracker().get_states(),
+           **({"model": [unwrap(c).state_dict() for c in chunks]} if split else {})}
+    if layout.world > 1:
+        save_rank_state(cfg.save_dir, step, layout.rank, own)
         barrier(None, tag="checkpoint")                           # all rank files exist
     path = Path(cfg.save_dir) / f"iter_{step:07d}.pt"
-    if grid.rank == 0:
+    if layout.rank == 0:
         main = {"model_config": to_dict(model_cfg), "train_config": to_dict(cfg), "model": model_state,
-                "dp_size": grid.dp_size, "tp_size": grid.tp_size, "pp_size": grid.pp_size,
+                "dp_size": layout.dp, "tp_size": layout.tp, "pp_size": layout.pp,
                 "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}
-        path = save_checkpoint(cfg.save_dir, step, {**main, **(own if grid.world == 1 else {})})
-    if grid.world > 1:
+        path = save_checkpoint(cfg.save_dir, step, {**main, **(own if layout.world == 1 else {})})
+    if layout.world > 1:
         barrier(None, tag="checkpoint")                           # nobody runs ahead of `latest`
     return str(path)
 
@@ -397,30 +305,11 @@ def _progress_bar(start: int, cfg: TrainConfig):
 
 def write_history(result: TrainResult, cfg: TrainConfig) -> None:
     """losses.json and loss.png in cfg.out_dir."""
+    from .viz import plot_losses
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "losses.json").write_text(json.dumps({"train": result.losses, "eval": result.eval_losses}))
-    plot_losses(result, out / "loss.png")
-
-
-def plot_losses(result: TrainResult, path: str | os.PathLike) -> None:
-    # A Figure with its own Agg canvas: no pyplot, so a notebook's backend is left alone.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 3.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(range(1, len(result.losses) + 1), result.losses, label="train (per step)", lw=1)
-    if result.eval_losses:
-        steps, values = zip(*result.eval_losses)
-        ax.plot(steps, values, "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_losses(result.losses, result.eval_losses, out / "loss.png")
 
 
 # ---------------------------------------------------------------------------------------
@@ -458,11 +347,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     """The command line. Under `torchrun --nproc_per_node=n` every rank runs this; rank 0 prints."""
     try:
         model_cfg, cfg = configs_from_args(argv)
-        model_cfg.validate()
-        cfg.validate(model_cfg)                                    # before any process group exists
+        validate_layout(model_cfg, cfg, int(os.environ.get("WORLD_SIZE", "1")))   # before any process group
         rank = 0
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            rank, _ = init_from_torchrun()
+            rank, _ = init_from_torchrun(device=cfg.device)
         result = train(model_cfg, cfg)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -472,6 +360,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
         print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
     if dist.is_initialized():
+        parallel_state.destroy_model_parallel()       # drop the subgroups before the world group
         dist.destroy_process_group()
     return 0
 

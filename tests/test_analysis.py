@@ -16,10 +16,11 @@ from minimegatron.analysis import (REAL_MODELS, activation_memory, adam_bytes_pe
                                    count_parameters, does_it_fit, flops_per_token_6n,
                                    format_memory_report, korthikanti_activation_memory,
                                    measure_saved_activation_bytes, megatron_flops_per_iteration,
-                                   memory_report, plot_memory_breakdown, real_model_config,
-                                   training_flops, training_memory)
+                                   memory_report, real_model_config, training_flops,
+                                   training_memory)
 from minimegatron.config import ModelConfig
 from minimegatron.model import GPTModel
+from minimegatron.viz import plot_memory_breakdown
 
 SMALL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=16,
              vocab_size=61)
@@ -429,7 +430,7 @@ def test_exercise_marker_is_well_formed():
     from pathlib import Path
 
     import minimegatron.analysis.memory as memory_module
-    from minimegatron.exercises.markers import find_exercises
+    from booktools.exercises.markers import find_exercises
 
     path = Path(memory_module.__file__)
     exercises = find_exercises(path.read_text(), path, "minimegatron.analysis.memory")

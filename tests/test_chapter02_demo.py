@@ -1,4 +1,4 @@
-"""The chapter-02 demo (chapters/02_tp/demo.py) and its module (minimegatron/demos/ch02.py):
+"""The chapter-02 demo (chapters/02_tp/demo.py: the experiment and its command line):
 TP x DP ends with MATCH under torchrun, the spawned path works (GPT-2 style, tied, float32),
 a layout that does not split stops before any rank starts, and the verdict turns to MISMATCH
 when a run's numbers are tampered with."""
@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from minimegatron.demos import ch02
 from minimegatron.launch import spawn
+from minimegatron.testing import import_chapter_demo
+
+demo = import_chapter_demo("02")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "chapters/02_tp/demo.py"
@@ -67,18 +69,18 @@ def test_a_layout_that_does_not_split_fails_before_any_rank_starts():
 
 
 def test_the_verdict_catches_wrong_numbers():
-    run = ch02.make_run(ch02.tiny_model("gpt2"), tp=2, dp=1)
-    per_rank = spawn(ch02.train_run, 2, run, timeout=180)
-    assert ch02.check_run(run, per_rank).ok
+    run = demo.make_run(demo.tiny_model("gpt2"), tp=2, dp=1)
+    per_rank = spawn(demo.train_run, 2, run, timeout=180)
+    assert demo.check_run(run, per_rank).ok
     # a loss that is off, a rank holding an extra parameter, a ledger with a missing call
     wrong_loss = [{**r, "losses": [x + 1e-6 for x in r["losses"]]} for r in per_rank]
-    assert ch02.summary_line([ch02.check_run(run, wrong_loss)]).startswith("MISMATCH")
+    assert demo.summary_line([demo.check_run(run, wrong_loss)]).startswith("MISMATCH")
     extra = [dict(r) for r in per_rank]
     extra[1]["param_elements"] += 1
-    report = ch02.check_run(run, extra)
+    report = demo.check_run(run, extra)
     assert not report.ok and any("parameters, rank 1" in p for p in report.problems)
     short = [dict(r) for r in per_rank]
     short[0]["ledger"] = [[phase[1:] if i == 0 else phase for i, phase in enumerate(step)]
                           for step in short[0]["ledger"]]
-    report = ch02.check_run(run, short)
+    report = demo.check_run(run, short)
     assert not report.ok and any("ledger, rank 0" in p for p in report.problems)

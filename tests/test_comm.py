@@ -289,11 +289,11 @@ def tags(ledger):
 
 @check
 def check_copy_and_reduce_regions(rank, G):
-    xs, dys, y, grad, ledger = region_case(rank, G, comm.copy_to_region, (3, 4), 30)
+    xs, dys, y, grad, ledger = region_case(rank, G, comm.copy_to_tensor_model_parallel_region, (3, 4), 30)
     equal(y, xs[rank])
     equal(grad, sum(dys))  # identity forward -> the gradient sums over the members
     assert tags(ledger) == [("all_reduce", "bwd", 96)]
-    xs, dys, y, grad, ledger = region_case(rank, G, comm.reduce_from_region, (3, 4), 32)
+    xs, dys, y, grad, ledger = region_case(rank, G, comm.reduce_from_tensor_model_parallel_region, (3, 4), 32)
     equal(y, sum(xs))
     equal(grad, dys[rank])
     assert tags(ledger) == [("all_reduce", "fwd", 96)]
@@ -302,11 +302,11 @@ def check_copy_and_reduce_regions(rank, G):
 @check
 def check_scatter_and_gather_regions(rank, G):
     cols = slice(2 * rank, 2 * rank + 2)
-    xs, dys, y, grad, ledger = region_case(rank, G, comm.scatter_to_region, (3, 8), 34)
+    xs, dys, y, grad, ledger = region_case(rank, G, comm.scatter_to_tensor_model_parallel_region, (3, 8), 34)
     equal(y, xs[rank][:, cols])
     equal(grad, torch.cat(dys, dim=-1))
     assert tags(ledger) == [("all_gather", "bwd", 3 * 2 * 8)]
-    xs, dys, y, grad, ledger = region_case(rank, G, comm.gather_from_region, (3, 2), 36)
+    xs, dys, y, grad, ledger = region_case(rank, G, comm.gather_from_tensor_model_parallel_region, (3, 2), 36)
     equal(y, torch.cat(xs, dim=-1))
     equal(grad, dys[rank][:, cols])
     assert tags(ledger) == [("all_gather", "fwd", 3 * 2 * 8)]
@@ -315,11 +315,11 @@ def check_scatter_and_gather_regions(rank, G):
 @check
 def check_sequence_parallel_regions(rank, G):
     rows = slice(2 * rank, 2 * rank + 2)
-    xs, dys, y, grad, ledger = region_case(rank, G, comm.reduce_scatter_to_region, (8, 3), 38)
+    xs, dys, y, grad, ledger = region_case(rank, G, comm.reduce_scatter_to_sequence_parallel_region, (8, 3), 38)
     equal(y, sum(xs)[rows])
     equal(grad, torch.cat(dys, dim=0))
     assert tags(ledger) == [("reduce_scatter", "fwd", 8 * 3 * 8), ("all_gather", "bwd", 2 * 3 * 8)]
-    xs, dys, y, grad, ledger = region_case(rank, G, comm.gather_to_region, (2, 3), 40)
+    xs, dys, y, grad, ledger = region_case(rank, G, comm.gather_from_sequence_parallel_region, (2, 3), 40)
     equal(y, torch.cat(xs, dim=0))
     equal(grad, sum(dys)[rows])
     assert tags(ledger) == [("all_gather", "fwd", 2 * 3 * 8), ("reduce_scatter", "bwd", 8 * 3 * 8)]
@@ -344,12 +344,12 @@ def check_regions_are_adjoint(rank, G):
     one value held by every member: it is the same on every rank and counted once.
     """
     cases = [  # operator, shape of x, dims, input replicated, output replicated
-        (comm.copy_to_region, (4, 4), {}, True, False),
-        (comm.reduce_from_region, (4, 4), {}, False, True),
-        (comm.scatter_to_region, (4, 4), {}, True, False),
-        (comm.gather_from_region, (4, 4), {}, False, True),
-        (comm.reduce_scatter_to_region, (4, 4), {}, False, False),
-        (comm.gather_to_region, (4, 4), {}, False, False),
+        (comm.copy_to_tensor_model_parallel_region, (4, 4), {}, True, False),
+        (comm.reduce_from_tensor_model_parallel_region, (4, 4), {}, False, True),
+        (comm.scatter_to_tensor_model_parallel_region, (4, 4), {}, True, False),
+        (comm.gather_from_tensor_model_parallel_region, (4, 4), {}, False, True),
+        (comm.reduce_scatter_to_sequence_parallel_region, (4, 4), {}, False, False),
+        (comm.gather_from_sequence_parallel_region, (4, 4), {}, False, False),
         (comm.all_to_all_region, (4, 8), {"scatter_dim": 1, "gather_dim": 0}, False, False)]
     n = 2  # members of G["pair"]
     for fn, shape, kw, x_replicated, y_replicated in cases:
@@ -381,8 +381,8 @@ def check_tensor_parallel_mlp_matches_the_full_one(rank, G):
     x = x_full.clone().requires_grad_()
     w1_shard = w1[:, cols].clone().requires_grad_()  # column parallel
     w2_shard = w2[cols, :].clone().requires_grad_()  # row parallel
-    h = torch.tanh(comm.copy_to_region(x, G["world"]) @ w1_shard)
-    y = comm.reduce_from_region(h @ w2_shard, G["world"])
+    h = torch.tanh(comm.copy_to_tensor_model_parallel_region(x, G["world"]) @ w1_shard)
+    y = comm.reduce_from_tensor_model_parallel_region(h @ w2_shard, G["world"])
     y.backward(dy)
     torch.testing.assert_close(y, torch.tanh(x_full @ w1) @ w2, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
@@ -445,8 +445,8 @@ def test_without_a_process_group_everything_is_local():
     assert not dist.is_initialized()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     with record_communication() as ledger:
-        y = comm.reduce_from_region(comm.copy_to_region(x, None), None)
-        z = comm.gather_from_region(comm.scatter_to_region(y, None), None)
+        y = comm.reduce_from_tensor_model_parallel_region(comm.copy_to_tensor_model_parallel_region(x, None), None)
+        z = comm.gather_from_tensor_model_parallel_region(comm.scatter_to_tensor_model_parallel_region(y, None), None)
         z.sum().backward()
     equal(z.detach(), x.detach())
     equal(x.grad, torch.ones(2, 4, dtype=torch.float64))

@@ -2,7 +2,7 @@
 
 The proof, for DP sizes 2, 3 and 4. One spawned world of 4 ranks serves all three: ranks
 0..dp-1 form the data-parallel group of size dp (see run_world in
-minimegatron/dp/_workers_ddp.py), which also proves the wrappers talk over the group they are
+tests/workers/dp_ddp.py), which also proves the wrappers talk over the group they are
 given and not over the world. What is checked:
   * equivalence: losses, first-step gradients and parameters after 2-3 AdamW steps equal the
     single-device run on the same global batches (float64; float32 for losses and gradients);
@@ -24,14 +24,13 @@ import pytest
 import torch
 
 from minimegatron import comm
-from minimegatron.dp._workers_ddp import (DPCase, check_equivalent, check_ledger, check_run,
-                                          run_world, tiny_config)
 from minimegatron.dp.ddp import DistributedDataParallel, assign_buckets
 from minimegatron.dp.naive import NaiveDataParallel
-from minimegatron.dp.timeline import plot_bucket_timeline
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.testing import RunRecord, assert_equivalent, single_device_run
+from minimegatron.viz import plot_bucket_timeline
+from workers.dp_ddp import DPCase, check_equivalent, check_ledger, check_run, run_world, tiny_config
 
 MID = 65536     # bytes: 8192 float64 elements, 4 buckets for either tiny model
 ONE_PER_PARAM = 1

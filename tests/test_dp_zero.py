@@ -1,7 +1,8 @@
 """ZeRO-1, ZeRO-2 and ZeRO-3 (minimegatron/dp/zero.py, fsdp.py) against the single-device run.
 
 One spawned world per DP size (2, 3, 4) runs every case of that size (each rank costs seconds
-to start); the parent compares each case with `testing.single_device_run` on the same global
+to start), each step by the training loop's own `train.train_step` (tests/workers/dp_zero.py);
+the parent compares each case with `testing.single_device_run` on the same global
 batches: losses, first-step gradients (reassembled from the shards), final parameters. The
 ledger of every step must equal the formula derived here from the parameter shapes alone, and
 the memory measured on the real tensors must equal the derived bytes, next to
@@ -17,11 +18,11 @@ import pytest
 import torch
 
 from minimegatron.analysis.memory import training_memory
-from minimegatron.dp._workers_zero import case_batches, run_zero_cases, tiny_config, train_config
 from minimegatron.dp.zero import build_buckets, shard_range
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.testing import RunRecord, assert_equivalent, single_device_run
+from workers.dp_zero import case_batches, run_zero_cases, tiny_config, train_config
 
 
 # float32 cases: AdamW's first update is g / (|g| + eps). A gradient element near eps (measured:
@@ -295,7 +296,8 @@ def test_zero3_memory_profile_untied():
 
 
 def test_zero3_memory_profile_tied_and_plot(tmp_path):
-    from minimegatron.dp.fsdp import MemoryEvent, plot_memory_profile
+    from minimegatron.dp.fsdp import MemoryEvent
+    from minimegatron.viz import plot_memory_profile
 
     dp, i = 3, 5
     c = CASES[dp][i]

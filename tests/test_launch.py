@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minimegatron import _selftest_workers as w
 from minimegatron.launch import RankError, _rebuild_exception, free_port, init_from_torchrun, spawn
+from workers import launch_workers as w  # tests/workers/launch_workers.py
 
 
 def child_pids() -> set[int]:
@@ -75,7 +75,7 @@ def test_value_error_comes_back_fast_with_rank_and_traceback(no_leftover_process
     message = str(info.value)
     assert message.startswith("rank 1 of 3 failed: ValueError: bad shard 7")
     assert "raise getattr(builtins, exc_name)(message)  # the failing line" in message
-    assert "_selftest_workers.py" in message
+    assert "workers/launch_workers.py" in message
     assert elapsed < 30, f"the failure took {elapsed:.1f} s to come back"
 
 

@@ -47,9 +47,17 @@ def test_forward_backward_shapes_and_dtypes(style, dtype):
 
 def test_tied_and_untied_output_layer():
     tied, untied = GPTModel(STYLES["gpt2"]), GPTModel(STYLES["gpt2-untied"])
+    # tied: the output layer exists (tensor parallelism swaps it) but owns no weight; the
+    # logits use the word embedding, and the names are the single-device ones
+    assert tied.output_layer is not None and tied.output_layer.weight is None
     assert tied.output_weight() is tied.embedding.word_embeddings.weight
     assert "output_layer.weight" not in dict(tied.named_parameters())
+    assert not any(k.startswith("output_layer") for k in tied.state_dict())
+    assert set(tied.state_dict()) == set(dict(tied.named_parameters()))
     assert "output_layer.weight" in dict(untied.named_parameters())
+    assert "output_layer.weight" in untied.state_dict()
+    assert untied.output_weight() is untied.output_layer.weight
+    assert not getattr(untied.output_layer.weight, "shared", False)
     n_tied = sum(p.numel() for p in tied.parameters())
     n_untied = sum(p.numel() for p in untied.parameters())
     assert n_untied - n_tied == 257 * 32
@@ -151,6 +159,19 @@ def test_pipeline_stages_chained_equal_the_full_model(style):
     last = GPTModel(cfg, pre_process=False, layer_numbers=[2])
     tokens = _tokens()
     assert torch.equal(last(hidden_states=first(tokens), labels=tokens), full(tokens, labels=tokens))
+
+
+def test_tied_output_layer_on_a_last_stage_without_the_embedding_is_a_shared_copy():
+    """A pipeline's last stage of a tied model holds its own copy of the word embedding, as
+    output_layer.weight, marked shared (the gradient norm counts it once); it starts equal to
+    the embedding of the full model."""
+    cfg = STYLES["gpt2"]
+    full = GPTModel(cfg)
+    last = GPTModel(cfg, pre_process=False, layer_numbers=[1])
+    weight = dict(last.named_parameters())["output_layer.weight"]
+    assert weight.shared is True
+    assert last.output_weight() is weight
+    assert torch.equal(weight, full.embedding.word_embeddings.weight)
 
 
 @pytest.mark.parametrize("overrides, words", [

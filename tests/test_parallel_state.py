@@ -4,12 +4,15 @@ Every expected table below is written by hand from Megatron-LM's documented sema
 (the leftmost dimension of the order string varies fastest), never from rank_groups itself.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from minimegatron import parallel_state as ps
 from minimegatron.parallel_state import rank_coordinates, rank_groups
+from minimegatron.viz import draw_rank_grid
 
 
 # ---------------------------------------------------------------- rank_groups: tables
@@ -172,6 +175,16 @@ def test_getters_raise_before_initialization():
         ps.initialize_model_parallel()
 
 
+def test_layout_default_is_the_single_device():
+    """Layout(): every size 1, every index 0, no process groups (comm then does nothing)."""
+    layout = ps.Layout()
+    assert (layout.world, layout.rank, layout.tp, layout.pp, layout.dp) == (1, 0, 1, 1, 1)
+    assert (layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.pp_ranks) == (0, 0, 0, (0,))
+    assert (layout.tp_group, layout.pp_group, layout.dp_group, layout.embedding_group) == (None,) * 4
+    with pytest.raises(dataclasses.FrozenInstanceError):   # a layout is not edited in place
+        layout.tp = 2
+
+
 def test_world_of_one_in_process():
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
@@ -183,6 +196,9 @@ def test_world_of_one_in_process():
         assert ps.get_data_parallel_rank(with_context_parallel=True) == 0
         assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
         assert ps.get_group_ranks("embedding") == [0]
+        layout = ps.get_layout()
+        assert (layout.world, layout.rank, layout.tp, layout.pp, layout.dp) == (1, 0, 1, 1, 1)
+        assert (layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.pp_ranks) == (0, 0, 0, (0,))
         with pytest.raises(KeyError, match="tpp"):
             ps.get_group_ranks("tpp")
         with pytest.raises(RuntimeError, match="already initialized"):
@@ -245,6 +261,13 @@ def _groups_worker(layouts):
                            ps.get_data_parallel_world_size(),
                            ps.get_expert_model_parallel_world_size())
         report["first_last"] = (ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        layout = ps.get_layout()                        # the one object a step reads
+        members = lambda g: [] if g is None else dist.get_process_group_ranks(g)  # noqa: E731
+        report["layout"] = dict(
+            world=layout.world, rank=layout.rank, sizes=(layout.tp, layout.pp, layout.dp),
+            ranks=(layout.tp_rank, layout.pp_rank, layout.dp_rank), pp_ranks=list(layout.pp_ranks),
+            groups={"tp": members(layout.tp_group), "pp": members(layout.pp_group),
+                    "dp-cp": members(layout.dp_group), "embedding": members(layout.embedding_group)})
         reports.append(report)
         ps.destroy_model_parallel()
     return reports
@@ -286,6 +309,13 @@ def test_runtime_groups_on_8_ranks():
             assert rep["coords"] == rank_coordinates(rank, 8, **kw), (kw, rank)
             pp_rank = rep["coords"]["pp_rank"]
             assert rep["first_last"] == (pp_rank == 0, pp_rank == kw["pp"] - 1)
+            # parallel_state.get_layout(): the same sizes, coordinates and groups
+            lay, coords = rep["layout"], rep["coords"]
+            assert (lay["world"], lay["rank"]) == (8, rank)
+            assert lay["sizes"] == (kw.get("tp", 1), kw["pp"], len(rep["members"]["dp-cp"])), (kw, rank)
+            assert lay["ranks"] == (coords["tp_rank"], coords["pp_rank"], coords["dp_cp_rank"]), (kw, rank)
+            assert lay["groups"] == {k: rep["members"][k] for k in ("tp", "pp", "dp-cp", "embedding")}, (kw, rank)
+            assert lay["pp_ranks"] == rep["members"]["pp"], (kw, rank)
     assert reports[0][0]["sizes"] == (2, 2, 2, 1)
     assert reports[0][2]["sizes"] == (2, 2, 1, 2)  # dp = 8/(2*2*2) = 1
 
@@ -296,7 +326,7 @@ def test_draw_rank_grid_colours_groups(tmp_path):
     from matplotlib.colors import same_color
 
     path = tmp_path / "grid.png"
-    fig = ps.draw_rank_grid(16, tp=2, pp=4, keys=("tp", "dp", "pp", "embedding"), path=path)
+    fig = draw_rank_grid(16, tp=2, pp=4, keys=("tp", "dp", "pp", "embedding"), path=path)
     assert path.stat().st_size > 1000
     assert len([ax for ax in fig.axes if ax.get_visible()]) == 4
     boxes = {p.get_gid(): p.get_facecolor() for ax in fig.axes for p in ax.patches}
@@ -310,4 +340,4 @@ def test_draw_rank_grid_colours_groups(tmp_path):
     texts = {t.get_text() for ax in fig.axes for t in ax.texts}
     assert {str(r) for r in range(16)} <= texts
     with pytest.raises(KeyError, match="nope"):
-        ps.draw_rank_grid(8, keys=("nope",))
+        draw_rank_grid(8, keys=("nope",))

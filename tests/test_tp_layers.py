@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minimegatron.comm import copy_to_region, record_communication
+from minimegatron.comm import copy_to_tensor_model_parallel_region, record_communication
 from minimegatron.config import ModelConfig
 from minimegatron.launch import spawn
 from minimegatron.testing import rank_failures, run_named_checks
@@ -68,11 +68,14 @@ def check_shards_come_from_the_single_device_initial_values(rank, G):
     full = initial_value(f"{name}.weight", (8, 6), cfg)
     for tp, group in G["tps"]:
         r = dist.get_rank(group)
-        col = ColumnParallelLinear(6, 8, group, init_name=name, config=cfg)
+        # apply_tensor_parallel's way: a layer of this rank's shapes, loaded from the full tensor
+        col = ColumnParallelLinear(6, 8, group, bias=False, params_dtype=cfg.dtype)
+        col.load_full(full)
         assert col.weight.dtype == torch.float64
         torch.testing.assert_close(col.weight, full[r * 8 // tp:(r + 1) * 8 // tp], rtol=0, atol=0)
-        row = RowParallelLinear(8, 6, group, init_name="x.linear_fc2", config=cfg)
+        row = RowParallelLinear(8, 6, group, bias=False, params_dtype=cfg.dtype)
         full2 = initial_value("x.linear_fc2.weight", (6, 8), cfg)
+        row.load_full(full2)
         torch.testing.assert_close(row.weight, full2[:, r * 8 // tp:(r + 1) * 8 // tp], rtol=0, atol=0)
         # reassembled shards are the full tensor, for rows, columns and strided rows
         torch.testing.assert_close(gather_shards(shard_rows(full, group), group, 0), full, rtol=0, atol=0)
@@ -81,8 +84,9 @@ def check_shards_come_from_the_single_device_initial_values(rank, G):
         gate, up = full.chunk(2)
         want = torch.cat([torch.cat([gate.chunk(tp)[i], up.chunk(tp)[i]]) for i in range(tp)])
         torch.testing.assert_close(strided, want, rtol=0, atol=0)
-        emb = VocabParallelEmbedding(257, 4, group, init_name="embedding.word_embeddings", config=cfg)
+        emb = VocabParallelEmbedding(257, 4, group, params_dtype=cfg.dtype)
         full_e = initial_value("embedding.word_embeddings.weight", (257, 4), cfg)
+        emb.load_full(full_e)
         got = gather_shards(emb.weight.detach(), group, 0)
         assert got.shape == (pad_vocab_size(257, tp), 4)
         torch.testing.assert_close(got[:257], full_e, rtol=0, atol=0)
@@ -292,7 +296,7 @@ def check_cross_entropy_of_a_tied_vocab_parallel_output_layer(rank, G):
         emb = VocabParallelEmbedding(vocab, h, group).double()
         emb.load_full(table)
         hidden = emb(tokens)                                              # [b, s, h]
-        logits = copy_to_region(hidden, group) @ emb.weight.t()            # [b, s, Vp/tp]
+        logits = copy_to_tensor_model_parallel_region(hidden, group) @ emb.weight.t()     # [b, s, Vp/tp]
         loss = vocab_parallel_cross_entropy(logits, labels, group, vocab_size=vocab)
         loss.sum().backward()
         torch.testing.assert_close(loss.view(4), ref.detach(), **F64)

@@ -1,12 +1,14 @@
-"""Tests for minimegatron.tp.model: the tensor-parallel GPT against the single-device GPTModel.
+"""Tests for minimegatron.tp.parallel: the one GPTModel cut by tp.apply_tensor_parallel, against
+the single-device GPTModel.
 
 ONE spawned world of 4 ranks: TP 2 on [0, 1] and [2, 3] (Megatron's contiguous TP groups),
 TP 4 on the world. float64, vocabulary 257 (divisible by neither 2 nor 4), GPT-2 style (tied,
 learned positions, biases, GELU, LayerNorm) and LLaMA style (untied, RoPE, GQA, SwiGLU,
 RMSNorm, no biases). Each rank trains the TP model for 3 AdamW steps over its LOCAL shards
-(AdamW is elementwise, so sharded AdamW is the full one; clipping is off because the global
-norm of sharded gradients would need an all-reduce) and compares losses, first-step gradients
-and final parameters, reassembled under single-device names, with testing.single_device_run.
+with the training loop's step (train.train_step; AdamW is elementwise, so sharded AdamW is
+the full one; clipping is off here: tests/test_train_tp.py and the chapter's graders clip) and
+compares losses, first-step gradients and final parameters, reassembled under single-device
+names, with testing.single_device_run.
 """
 
 
@@ -18,12 +20,14 @@ from minimegatron.analysis import tensor_parallel_parameters
 from minimegatron.comm import record_communication
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
-from minimegatron.testing import rank_failures, run_named_checks
 from minimegatron.model import GPTModel
-from minimegatron.testing import RunRecord, assert_equivalent, make_batches, single_device_run
-from minimegatron.tp.model import TensorParallelGPTModel, full_gradients, full_parameters
+from minimegatron.optim import Optimizer, learning_rate
+from minimegatron.parallel_state import Layout
+from minimegatron.testing import (RunRecord, assert_equivalent, make_batches, rank_failures, run_named_checks,
+                                  single_device_run)
+from minimegatron.tp import apply_tensor_parallel, full_gradients, full_parameters, pad_vocab_size
 from minimegatron.tp.random import model_parallel_manual_seed
-from minimegatron.train import build_optimizer, forward_backward, learning_rate, optimizer_step
+from minimegatron.train import train_step
 
 WORLD = 4
 CHECKS = []
@@ -49,6 +53,16 @@ def llama(tp, **kw):
                              max_position_embeddings=S, params_dtype="float64", **kw)
 
 
+def tp_model(cfg, group):
+    """The one model, cut over `group`: GPTModel(cfg), then apply_tensor_parallel."""
+    return apply_tensor_parallel(GPTModel(cfg), group)
+
+
+def is_split(p) -> bool:
+    """Megatron's attribute: set on every parameter cut over the TP group."""
+    return getattr(p, "tensor_model_parallel", False)
+
+
 def plain_gather(t, group):
     """Every rank's copy of t (plain torch.distributed: not the code under test, not counted)."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -57,21 +71,28 @@ def plain_gather(t, group):
 
 
 def tp_run(cfg, group, batches, train_cfg):
-    """The same loop as single_device_run, on a TensorParallelGPTModel; returns its RunRecord."""
-    model = TensorParallelGPTModel(cfg, group)
-    optimizer = build_optimizer(model, train_cfg)            # over this rank's shards only
-    layout = model.shard_layout()
+    """The same loop as single_device_run (train.train_step) on the TP model; its RunRecord."""
+    model = tp_model(cfg, group)
+    tp_rank = dist.get_rank(group)
+    optimizer = Optimizer(model.parameters(), train_cfg, tp_rank, [group])   # this rank's shards only
+    layout = Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=dist.get_world_size(group),
+                    tp_rank=tp_rank, tp_group=group)
     losses, first_grads = [], {}
+
+    def on_grads():
+        if first_grads:
+            return
+        first_grads.update(full_gradients(model, group))
+        # replicated parameters: identical gradients on every TP rank, with no all-reduce
+        for name, p in model.named_parameters():
+            if not is_split(p):
+                for other in plain_gather(p.grad, group):
+                    assert torch.equal(other, p.grad), f"{name}: gradient differs across TP ranks"
+
     for step, batch in enumerate(batches):
-        losses.append(forward_backward(model, [batch]))
-        if step == 0:
-            first_grads = full_gradients(model, group)
-            # replicated parameters: identical gradients on every TP rank, with no all-reduce
-            for name, p in model.named_parameters():
-                if layout[name][1] == "replicated":
-                    for other in plain_gather(p.grad, group):
-                        assert torch.equal(other, p.grad), f"{name}: gradient differs across TP ranks"
-        optimizer_step(model, optimizer, learning_rate(step, train_cfg), clip_grad=0.0)
+        loss, _ = train_step([model], optimizer, [batch], layout, learning_rate(step, train_cfg),
+                             train_cfg.clip_grad, on_grads=on_grads)
+        losses.append(loss)
     return RunRecord(losses, first_grads, full_parameters(model, group))
 
 
@@ -100,13 +121,13 @@ def check_initial_parameters_and_logits_equal_single_device(rank, G):
     for tp, group in G["tps"]:
         for cfg in (gpt2(), llama(tp)):
             ref = GPTModel(cfg)
-            model = TensorParallelGPTModel(cfg, group)
+            model = tp_model(cfg, group)
             full = full_parameters(model, group)
             assert set(full) == {n for n, _ in ref.named_parameters()}
             for name, p in ref.named_parameters():
                 assert torch.equal(full[name], p.detach()), name   # cut, not re-drawn
             shard = model(tokens)                                  # [b, s, Vp/tp]
-            assert shard.shape == (B, S, model.padded_vocab_size // tp)
+            assert shard.shape == (B, S, model.embedding.word_embeddings.padded_vocab_size // tp)
             logits = torch.cat(plain_gather(shard.detach(), group), dim=-1)[..., :cfg.vocab_size]
             torch.testing.assert_close(logits, ref(tokens).detach(), rtol=1e-12, atol=1e-12)
 
@@ -116,16 +137,15 @@ def check_parameters_per_rank_equal_the_formula(rank, G):
     """analysis.tensor_parallel_parameters (from the config alone) against the real shards."""
     for tp, group in G["tps"]:
         for cfg in (gpt2(), llama(tp), gpt2(make_vocab_size_divisible_by=128)):
-            model = TensorParallelGPTModel(cfg, group)
-            layout = model.shard_layout()
+            model = tp_model(cfg, group)
             counts = {"split": 0, "replicated": 0}
             for name, p in model.named_parameters():
-                counts["replicated" if layout[name][1] == "replicated" else "split"] += p.numel()
+                counts["split" if is_split(p) else "replicated"] += p.numel()
             formula = tensor_parallel_parameters(cfg, tp)
             assert (counts["split"], counts["replicated"]) == (formula["split"], formula["replicated"]), \
                 (tp, cfg.normalization, cfg.make_vocab_size_divisible_by, counts, formula)
             assert formula["per_rank"] == sum(counts.values())
-            padded_rows = model.padded_vocab_size - cfg.vocab_size
+            padded_rows = pad_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by) - cfg.vocab_size
             matrices = 2 if cfg.untie_embeddings_and_output_weights else 1
             assert formula["padding"] == matrices * padded_rows * cfg.hidden_size // tp
 
@@ -137,7 +157,7 @@ def check_two_all_reduces_per_layer_forward_and_backward(rank, G):
     for tp, group in G["tps"]:
         cfg = gpt2()
         h, L = cfg.hidden_size, cfg.num_layers
-        model = TensorParallelGPTModel(cfg, group)
+        model = tp_model(cfg, group)
         bsh = B * S * h
         x = torch.randn(B, S, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         x.requires_grad_()
@@ -181,7 +201,7 @@ def check_dropout_masks_shared_on_replicated_and_per_rank_on_split_activations(r
     ref = GPTModel(cfg).train()
     torch.manual_seed(11)
     expected = ref(batch["tokens"], labels=batch["labels"]).detach()
-    model = TensorParallelGPTModel(cfg, group).train()
+    model = tp_model(cfg, group).train()
     model_parallel_manual_seed(11, tp_rank=dist.get_rank(group))
     got = model(batch["tokens"], labels=batch["labels"]).detach()
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
@@ -190,7 +210,7 @@ def check_dropout_masks_shared_on_replicated_and_per_rank_on_split_activations(r
     # rows twice), so that without dropout their heads compute identical outputs; with it,
     # the per-rank stream must cut different masks. The residual stream stays replicated.
     cfg = gpt2(attention_dropout=0.3, hidden_dropout=0.3)
-    model = TensorParallelGPTModel(cfg, group)
+    model = tp_model(cfg, group)
     qkv = model.decoder.layers["0"].self_attention.linear_qkv
     with torch.no_grad():
         first = plain_gather(qkv.weight.detach(), group)[0]
@@ -219,10 +239,10 @@ def check_config_errors_name_the_numbers(rank, G):
     world = G["tps"][-1][1]
     with pytest.raises(ConfigError, match="num_query_groups=2 is not divisible by the "
                                           "tensor-parallel size tp=4"):
-        TensorParallelGPTModel(llama(2), world)
+        tp_model(llama(2), world)
     with pytest.raises(ConfigError, match="num_attention_heads=2 is not divisible by the "
                                           "tensor-parallel size tp=4"):
-        TensorParallelGPTModel(gpt2(num_attention_heads=2), world)
+        tp_model(gpt2(num_attention_heads=2), world)
 
 
 # ---------------------------------------------------------------------- the spawned world

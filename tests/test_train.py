@@ -11,8 +11,9 @@ import torch
 
 from minimegatron.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.optim import learning_rate
 from minimegatron.testing import compare_runs, assert_equivalent, make_batches, single_device_run
-from minimegatron.train import learning_rate, main, train
+from minimegatron.train import main, train
 
 TINY = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
                          max_position_embeddings=32)
@@ -51,6 +52,52 @@ def test_gradient_accumulation_equals_one_large_batch():
     wrong = single_device_run(cfg, batches[:1], grad_accum_steps=4)
     wrong.grads = {k: v * 4 for k, v in wrong.grads.items()}
     assert not compare_runs(single_device_run(cfg, batches[:1]), wrong, torch.float64).ok
+
+
+def test_train_step_on_one_device_is_adamw_with_torch_clipping():
+    """train.train_step on Layout() (the step of every layout, here all sizes 1) against the
+    step written with torch alone: micro-batch losses / M, backward, torch's
+    clip_grad_norm_, AdamW with decay on matrices only. Clipping is active (max norm far
+    below the gradient norm), float64, three steps with the warm-up and cosine schedule."""
+    from minimegatron.model import GPTModel
+    from minimegatron.optim import Optimizer
+    from minimegatron.parallel_state import Layout
+    from minimegatron.testing import TOLERANCES, split_microbatches
+    from minimegatron.train import train_step
+
+    cfg = ModelConfig(**{**TINY.__dict__, "params_dtype": "float64"})
+    tcfg = TrainConfig(train_iters=3, lr_warmup_iters=1, clip_grad=0.05, lr=1e-2, min_lr=1e-3)
+    batches = make_batches(cfg, steps=3, batch_size=4, seq_length=16)
+
+    ours = GPTModel(cfg)
+    optimizer = Optimizer(ours.parameters(), tcfg)
+    ref = GPTModel(cfg)
+    params = list(ref.parameters())
+    ref_opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tcfg.weight_decay},
+                                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_eps)
+    for step, batch in enumerate(batches):
+        lr = learning_rate(step, tcfg)
+        microbatches = split_microbatches(batch, 2)
+        loss, norm = train_step([ours], optimizer, microbatches, Layout(), lr, tcfg.clip_grad)
+
+        ref_loss = 0.0
+        for mb in microbatches:
+            part = ref(mb["tokens"], labels=mb["labels"]).mean() / len(microbatches)
+            part.backward()
+            ref_loss += part.item()
+        ref_norm = torch.nn.utils.clip_grad_norm_(params, tcfg.clip_grad).item()
+        for group in ref_opt.param_groups:
+            group["lr"] = lr
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        assert ref_norm > 10 * tcfg.clip_grad                           # clipping does something
+        assert loss == pytest.approx(ref_loss, rel=0, abs=TOLERANCES[torch.float64].loss)
+        assert norm == pytest.approx(ref_norm, rel=1e-12)
+    tol = TOLERANCES[torch.float64]
+    for (name, a), b in zip(ours.named_parameters(), params):
+        torch.testing.assert_close(a, b, rtol=tol.rtol, atol=tol.atol, msg=name)
 
 
 def test_loss_goes_down_on_the_embedded_corpus(tmp_path):

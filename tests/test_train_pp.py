@@ -9,6 +9,7 @@ import torch
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
+from minimegatron.parallelize import validate_layout
 from minimegatron.train import train
 
 MODEL = ModelConfig.gpt2(hidden_size=32, num_layers=4, num_attention_heads=4, max_position_embeddings=16,
@@ -67,12 +68,15 @@ def test_pipeline_training_loop_matches_one_device_and_resumes_exactly(tmp_path)
 
 
 def test_bad_pipeline_configs_are_refused_before_training():
+    """parallelize.validate_layout, which train() runs before any process group exists."""
     with pytest.raises(ConfigError, match="num_layers=4 is not divisible by pipeline_model_parallel_size=3"):
-        TrainConfig(pipeline_model_parallel_size=3, grad_accum_steps=3).validate(MODEL)
+        validate_layout(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=3, grad_accum_steps=3), 3)
     with pytest.raises(ConfigError, match="grad_accum_steps=3 micro-batches: .*multiple of pp_size=2"):
-        TrainConfig(pipeline_model_parallel_size=2, pipeline_schedule="interleaved", grad_accum_steps=3,
-                    num_virtual_stages_per_pipeline_rank=2).validate(MODEL)
+        validate_layout(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2,
+                                           pipeline_schedule="interleaved", grad_accum_steps=3,
+                                           num_virtual_stages_per_pipeline_rank=2), 2)
     with pytest.raises(ConfigError, match="zero_stage=1 with pipeline_model_parallel_size=2"):
-        TrainConfig(pipeline_model_parallel_size=2, zero_stage=1).validate(MODEL)
+        validate_layout(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2, zero_stage=1), 2)
     with pytest.raises(ConfigError, match="world size 1 is not divisible by .*pipeline_model_parallel_size=2"):
-        train(MODEL, TrainConfig(pipeline_model_parallel_size=2, train_iters=1, progress=False))
+        train(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2, train_iters=1, lr_warmup_iters=0,
+                                 progress=False))

@@ -11,6 +11,7 @@ import torch
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
+from minimegatron.parallelize import validate_layout
 from minimegatron.train import train
 
 # 4 heads in 4 groups (splits over tp 4); the vocabulary of 256 byte ids splits too
@@ -114,8 +115,9 @@ def test_tensor_x_data_parallel_trains_like_one_device_and_resumes_exactly(tmp_p
 
 def test_bad_tensor_parallel_configs_are_refused_before_training():
     with pytest.raises(ConfigError, match="zero_stage=3 with tensor_model_parallel_size=2"):
-        TrainConfig(tensor_model_parallel_size=2, zero_stage=3).validate(MODEL)
+        validate_layout(MODEL, TrainConfig(seq_length=16, tensor_model_parallel_size=2, zero_stage=3), 2)
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=0"):
         TrainConfig(tensor_model_parallel_size=0).validate()
     with pytest.raises(ConfigError, match="world size 1 is not divisible by tensor_model_parallel_size=2"):
-        train(MODEL, TrainConfig(tensor_model_parallel_size=2, train_iters=1, progress=False))
+        train(MODEL, TrainConfig(seq_length=16, tensor_model_parallel_size=2, train_iters=1, lr_warmup_iters=0,
+                                 progress=False))

@@ -1,9 +1,10 @@
 """The figures of chapter 01, from real multi-rank runs, and the tables the chapter quotes.
 
     python chapters/01_dp/make_figures.py          # about 30 s on 2 cores; writes figures/*.png
+    python chapters/01_dp/make_figures.py --out /tmp/figs      # somewhere else
 
-Two spawned gloo worlds (minimegatron.launch.spawn; the rank functions below are imported by
-the new processes from this file):
+Two spawned gloo worlds (minimegatron.launch.spawn), each step the training loop's
+(`train.train_step`, or the chapter demo's written-out step with the same optimizer half):
 
   2 ranks   the benchmark's model (LLaMA style, h=256, L=4, 2.9M parameters, s=128, b=4 per
             rank) under DistributedDataParallel, buckets of 500,000 elements, 2 warm-up and 7
@@ -14,11 +15,14 @@ the new processes from this file):
   4 ranks   the tests' tiny LLaMA (h=32, L=2, 39,648 parameters, float32), one training step
             (b=2 per rank, s=16) with each variant of the chapter: naive DP, DDP (one bucket,
             Megatron's default size; and buckets of 4,000 elements), ZeRO-1, ZeRO-2 (also with
-            buckets of 4,000 elements), ZeRO-3 (M=1 and M=2 micro-batches). It prints
+            buckets of 4,000 elements), ZeRO-3 (M=1 and M=2 micro-batches), run and judged by
+            the chapter's demo (chapters/01_dp/demo.py: run_variants, expected_ledger,
+            expected_memory). It prints
               * the communication ledger of the step next to the chapter's formula (and stops
                 with an error if they differ), with the ring-algorithm bytes each rank sends;
               * the bytes each rank holds for parameters, gradients and optimizer state,
-                measured on the real tensors, next to analysis.memory.training_memory;
+                measured on the real tensors (and stops unless they equal the layout's), next
+                to analysis.memory.training_memory;
             and draws
               zero_memory.png              those bytes per ZeRO stage, and the same formula
                                            for a 7B model on 64 ranks (bf16 + fp32 master)
@@ -31,7 +35,7 @@ ledger and the memory bytes do not.
 
 from __future__ import annotations
 
-import math
+import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -39,22 +43,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minimegatron import comm
 from minimegatron.analysis import GiB, real_model_config, training_memory
+from minimegatron.comm import CommRecord, ring_traffic
 from minimegatron.config import ModelConfig, TrainConfig
-from minimegatron.dp import (DistributedDataParallel, FullyShardedDataParallel, NaiveDataParallel,
-                             ReplicatedOptimizer, build_zero, measure_memory, plot_bucket_timeline,
-                             plot_memory_profile)
-from minimegatron.dp._workers_zero import tiny_config
+from minimegatron.dp import DistributedDataParallel
+from minimegatron.dp.fsdp import MemoryEvent
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
-from minimegatron.testing import make_batches
-from minimegatron.train import build_optimizer, forward_backward, optimizer_step
+from minimegatron.optim import Optimizer
+from minimegatron.parallel_state import Layout
+from minimegatron.testing import import_chapter_demo
+from minimegatron.train import train_step
+from minimegatron.viz import plot_bucket_timeline, plot_memory_profile
+
+ch01 = import_chapter_demo("01")      # the chapter's experiment: variants, runs, formulas
 
 OUT = Path(__file__).resolve().parent / "figures"
 
 # ---------------------------------------------------------------------------------------
-# the runs (rank functions: spawn imports them from this file)
+# the runs
 # ---------------------------------------------------------------------------------------
 TIMELINE_MODEL = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2,
                       max_position_embeddings=128, params_dtype="float32")
@@ -66,8 +73,10 @@ VARIANTS = ["naive", "ddp", "ddp-4k", "zero1", "zero2", "zero2-4k", "zero3", "ze
 
 
 def timeline_rank() -> dict:
-    """DDP with overlap, then without: the timelines of TIMELINE_STEPS steps of each."""
-    rank = dist.get_rank()
+    """DDP with overlap, then without: the timelines of TIMELINE_STEPS steps of each (spawn
+    target: the new processes import it from this file)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = Layout(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=dist.group.WORLD)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randint(0, 257, (TIMELINE_B, TIMELINE_S + 1), generator=g)
     batch = {"tokens": x[:, :-1], "labels": x[:, 1:]}
@@ -75,12 +84,11 @@ def timeline_rank() -> dict:
     out = {}
     for overlap in (True, False):
         model = GPTModel(ModelConfig.llama(**TIMELINE_MODEL))
-        ddp = DistributedDataParallel(model, None, bucket_size_bytes=4 * TIMELINE_BUCKET, overlap=overlap)
-        opt = ReplicatedOptimizer(build_optimizer(model, cfg), ddp)
+        ddp = DistributedDataParallel(model, layout.dp_group, bucket_size_bytes=4 * TIMELINE_BUCKET, overlap=overlap)
+        opt = Optimizer(model.parameters(), cfg)
         recorded = []
         for step in range(2 + TIMELINE_STEPS):   # the first 2 warm up the allocator and AdamW
-            forward_backward(ddp, [batch])
-            optimizer_step(ddp, opt, 1e-4, 1.0)
+            train_step([ddp], opt, [batch], layout, 1e-4, 1.0)
             if step >= 2:
                 recorded.append(ddp.timeline)
         names = {p: n for n, p in model.named_parameters()}
@@ -89,112 +97,25 @@ def timeline_rank() -> dict:
     return out
 
 
-def _build(variant: str, model: GPTModel, group, cfg: TrainConfig):
-    if variant == "naive":
-        wrapper = NaiveDataParallel(model, group)
-        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper)
-    if variant in ("ddp", "ddp-4k"):
-        size = None if variant == "ddp" else 4 * SMALL_BUCKET          # bytes (float32)
-        wrapper = DistributedDataParallel(model, group, bucket_size_bytes=size)
-        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper)
-    stage = int(variant[4])
-    return build_zero(model, group, stage, cfg, bucket_size=SMALL_BUCKET if variant.endswith("-4k") else None)
+def tiny_variant(name: str):
+    """One step of `name` (VARIANTS) on the tiny LLaMA in float32, as a chapter-demo Variant:
+    "-4k" buckets of SMALL_BUCKET elements (else Megatron's default for DDP, one bucket per
+    weight-decay group for ZeRO), "-M2" two micro-batches."""
+    kind = name.split("-")[0]
+    return ch01.make_variant(kind, ch01.tiny_model("llama", "float32"), name=name, steps=1,
+                             micro_batches=2 if name.endswith("-M2") else 1, micro_batch_size=TINY_B,
+                             seq_length=TINY_S, bucket_size=SMALL_BUCKET if name.endswith("-4k") else None,
+                             clip_grad=1.0)
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(seen.values())
+def step_ledger(record: dict) -> list[tuple[str, int, str]]:
+    """The (op, bytes, tag) of every collective of the record's first step, all phases."""
+    return [call for phase in record["ledger"][0] for call in phase]
 
 
-def _memory(variant: str, wrapper, optimizer, model) -> dict | None:
-    """Bytes held by this rank after the step, measured on the real tensors (storages counted
-    once). None for naive DP: its gradients exist only between backward and zero_grad."""
-    if variant == "naive":
-        return None
-    if variant.startswith("zero"):
-        m = measure_memory(wrapper, optimizer)
-        return {k: m[k] for k in ("params", "grads", "optimizer")}
-    state = optimizer.inner.state.values()
-    grads = [wrapper.grad_buffer]                     # DDP: the persistent flat buffer
-    return {"params": _storage_bytes(model.parameters()), "grads": _storage_bytes(grads),
-            "optimizer": _storage_bytes(s["exp_avg"] for s in state) + _storage_bytes(s["exp_avg_sq"] for s in state)}
-
-
-def ledger_rank() -> dict:
-    """One training step of every variant on this rank of the world (the data-parallel group)."""
-    group = dist.group.WORLD
-    dp, rank = dist.get_world_size(), dist.get_rank()
-    cfg_model = tiny_config("llama", "float32")
-    out = {}
-    for variant in VARIANTS:
-        M = 2 if variant.endswith("-M2") else 1
-        cfg = TrainConfig(seq_length=TINY_S, micro_batch_size=TINY_B, grad_accum_steps=M, lr=1e-3,
-                          lr_warmup_iters=0, train_iters=1, clip_grad=1.0, progress=False)
-        batch = make_batches(cfg_model, 1, TINY_B * M * dp, TINY_S, seed=0)[0]
-        micro = [{k: v[(m * dp + rank) * TINY_B:(m * dp + rank + 1) * TINY_B] for k, v in batch.items()}
-                 for m in range(M)]
-        model = GPTModel(cfg_model)
-        wrapper, optimizer = _build(variant, model, group, cfg)
-        profile_ctx = wrapper.memory_profile() if isinstance(wrapper, FullyShardedDataParallel) else None
-        with comm.record_communication() as ledger:
-            if profile_ctx is not None:
-                with profile_ctx as events:
-                    loss = forward_backward(wrapper, micro)
-                    optimizer_step(wrapper, optimizer, cfg.lr, cfg.clip_grad)
-                profile = [(e.label, e.sharded, e.gathered) for e in events]
-                grad_peak = None
-            else:
-                loss = forward_backward(wrapper, micro)
-                grad_peak = getattr(wrapper, "grad_bytes_peak", None)   # zero_grad resets it
-                optimizer_step(wrapper, optimizer, cfg.lr, cfg.clip_grad)
-                profile = None
-        out[variant] = {"ledger": [(r.op, r.nbytes, r.tag, r.group_size) for r in ledger],
-                        "ring_bytes": ledger.ring_bytes(),
-                        "memory": _memory(variant, wrapper, optimizer, model),
-                        "grad_peak": grad_peak,
-                        "profile": profile, "loss": loss,
-                        "buckets": len(wrapper.buckets) if hasattr(wrapper, "buckets") else None}
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# the chapter's formulas, from the parameter shapes alone
-# ---------------------------------------------------------------------------------------
-def expected_ledger(variant: str, model: GPTModel, dp: int, e: int) -> list[tuple[str, int, str]]:
-    """Per step, the multiset of (op, bytes, tag) the chapter's formulas give."""
-    named = list(model.named_parameters())
-    if variant == "naive":
-        return [("all_reduce", p.numel() * e, "grads") for _, p in named]
-    if variant.startswith("ddp"):
-        from minimegatron.dp import assign_buckets
-        order = [p.numel() for _, p in named][::-1]
-        size = 40_000_000 if variant == "ddp" else SMALL_BUCKET     # Megatron's default: max(40M, 1M dp)
-        return [("all_reduce", sum(order[i] for i in b) * e, "grads") for b in assign_buckets(order, size)]
-    norm = [("all_reduce", e, "grad-norm")]
-    if variant.startswith(("zero1", "zero2")):
-        size = SMALL_BUCKET if variant.endswith("-4k") else None
-        S = []
-        for decay in (True, False):            # reverse order, split by weight decay, then by size
-            chunk = 0
-            members = [p.numel() for _, p in named[::-1] if (p.dim() >= 2) == decay]
-            for i, n in enumerate(members):
-                chunk += n
-                if i == len(members) - 1 or (size and chunk >= size):
-                    S.append(math.ceil(chunk / dp))
-                    chunk = 0
-        return ([("reduce_scatter", dp * s * e, "grads") for s in S] + norm
-                + [("all_gather", s * e, "params") for s in S])
-    M = 2 if variant.endswith("-M2") else 1
-    units = {"embedding": "embedding."}
-    units.update({f"decoder.layers.{i}": f"decoder.layers.{i}." for i in range(model.config.num_layers)})
-    units["head"] = ("decoder.final_layernorm.", "output_layer.")
-    S = {u: math.ceil(sum(p.numel() for n, p in named if n.startswith(pre)) / dp) for u, pre in units.items()}
-    rows = []
-    for _ in range(M):
-        rows += [("all_gather", S[u] * e, "fwd") for u in S]
-        rows += [("all_gather", S[u] * e, "bwd") for u in S if u != "embedding"]  # a lookup needs no weight
-    rows += [("reduce_scatter", dp * S[u] * e, "grads") for u in S]
-    return rows + norm
+def ring_bytes(calls, dp: int) -> float:
+    """Bytes one rank sends for these calls with ring algorithms (comm.ring_traffic)."""
+    return sum(ring_traffic(CommRecord(op, tuple(range(dp)), nbytes, None, ())) for op, nbytes, _ in calls)
 
 
 def summarize(rows) -> dict[tuple[str, str], list[int]]:
@@ -212,7 +133,7 @@ def summarize(rows) -> dict[tuple[str, str], list[int]]:
 COLORS = {"params": "#4C72B0", "grads": "#55A868", "optimizer": "#C44E52", "master": "#8172B2"}
 
 
-def plot_zero_memory(measured: dict[int, dict], formula: dict[int, dict], n_tiny: int, dp: int) -> None:
+def plot_zero_memory(measured: dict[int, dict], formula: dict[int, dict], n_tiny: int, dp: int, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -260,7 +181,7 @@ def plot_zero_memory(measured: dict[int, dict], formula: dict[int, dict], n_tiny
     right.legend(fontsize=7, loc="upper right")
     fig.suptitle("Model state per data-parallel rank, ZeRO stages 0-3", fontsize=10)
     fig.tight_layout()
-    fig.savefig(OUT / "zero_memory.png", dpi=100)
+    fig.savefig(out / "zero_memory.png", dpi=100)
     plt.close(fig)
 
 
@@ -271,8 +192,11 @@ def fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def main() -> int:
-    OUT.mkdir(parents=True, exist_ok=True)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Chapter 01's figures and tables, from real multi-rank runs.")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"where to write the figures (default {OUT})")
+    out = parser.parse_args(argv).out
+    out.mkdir(parents=True, exist_ok=True)
 
     # ---- 1. the DDP timeline, 2 ranks -------------------------------------------------
     timelines = spawn(timeline_rank, 2, timeout=300)
@@ -293,60 +217,65 @@ def main() -> int:
               f"launched during backward: {len(tl.launched_during_backward())} of {len(tl.buckets)}")
         title = (f"DDP on 2 ranks, {len(tl.buckets)} buckets of >= {TIMELINE_BUCKET // 1000}k elements: "
                  + ("overlapped" if overlap else "after backward"))
-        plot_bucket_timeline(tl, OUT / name, title=title)
+        plot_bucket_timeline(tl, out / name, title=title)
 
     # ---- 2. one step of every variant, 4 ranks ----------------------------------------
     dp = 4
-    per_rank = spawn(ledger_rank, dp, timeout=300)
-    cfg = tiny_config("llama", "float32")
+    variants = {name: tiny_variant(name) for name in VARIANTS}
+    per_rank = spawn(ch01.run_variants, dp, [(dp, v) for v in variants.values()], timeout=300)
+    cfg = ch01.tiny_model("llama", "float32")
     model = GPTModel(cfg)
     e = 4
     N = sum(p.numel() for p in model.parameters())
     print(f"\n== tiny LLaMA ({N:,} parameters, {len(list(model.parameters()))} tensors, float32), "
           f"dp={dp}, one step, b={TINY_B} s={TINY_S} per rank; ledger of rank 0 (bytes handed in)")
     print(f"{'variant':<10}{'op':<16}{'tag':<11}{'calls':>6}{'bytes':>10}{'formula':>10}")
-    for variant in VARIANTS:
-        expected = expected_ledger(variant, model, dp, e)
+    for name, v in variants.items():
+        expected = [call for phase in ch01.expected_ledger(v, dp) for call in phase]
         for r, result in enumerate(per_rank):
-            got = sorted((op, nb, tag) for op, nb, tag, _ in result[variant]["ledger"])
-            if got != sorted(expected):
-                print(f"MISMATCH rank {r} {variant}:\n got {got}\n expected {sorted(expected)}", file=sys.stderr)
+            got = step_ledger(result[name])
+            if sorted(got) != sorted(expected):
+                print(f"MISMATCH rank {r} {name}:\n got {sorted(got)}\n expected {sorted(expected)}", file=sys.stderr)
                 return 1
-        got_sum, exp_sum = summarize(per_rank[0][variant]["ledger"]), summarize(expected)
+            layout = ch01.expected_memory(v, dp, r)
+            if any(result[name]["memory"][k] != layout[k] for k in layout):
+                print(f"MISMATCH rank {r} {name}: memory {result[name]['memory']}, layout {layout}", file=sys.stderr)
+                return 1
+        got = step_ledger(per_rank[0][name])
+        got_sum, exp_sum = summarize(got), summarize(expected)
         for (op, tag), (calls, nbytes) in got_sum.items():
-            print(f"{variant:<10}{op:<16}{tag:<11}{calls:>6}{fmt(nbytes):>10}{fmt(exp_sum[(op, tag)][1]):>10}")
-        print(f"{'':<10}ring bytes sent per rank: {fmt(per_rank[0][variant]['ring_bytes'])} "
-              f"({per_rank[0][variant]['ring_bytes'] / (N * e):.3f} x N e)")
+            print(f"{name:<10}{op:<16}{tag:<11}{calls:>6}{fmt(nbytes):>10}{fmt(exp_sum[(op, tag)][1]):>10}")
+        ring = ring_bytes(got, dp)
+        print(f"{'':<10}ring bytes sent per rank: {fmt(ring)} ({ring / (N * e):.3f} x N e)")
     print("ledger == formula on every rank, for every variant")
 
     print(f"\n== bytes per rank, measured (min..max over ranks) vs training_memory(cfg, zero_stage, dp={dp})")
     measured, formula = {}, {}
-    for s, variant in enumerate(["ddp", "zero1", "zero2", "zero3"]):
+    for s, name in enumerate(["ddp", "zero1", "zero2", "zero3"]):
         formula[s] = training_memory(cfg, zero_stage=s, dp=dp)
-        measured[s] = per_rank[0][variant]["memory"]
+        measured[s] = {k: per_rank[0][name]["memory"][k] for k in ("params", "grads", "optimizer")}
         cells = []
         for kind in ("params", "grads", "optimizer"):
-            vals = [r[variant]["memory"][kind] for r in per_rank]
+            vals = [r[name]["memory"][kind] for r in per_rank]
             cells.append(f"{kind} {fmt(min(vals))}..{fmt(max(vals))} ({fmt(formula[s][kind])})")
-        print(f"stage {s} ({variant:<5}): " + "; ".join(cells)
+        print(f"stage {s} ({name:<5}): " + "; ".join(cells)
               + f"; total {fmt(sum(measured[s].values()))} ({fmt(formula[s]['total'])})")
-    for variant in ("zero2", "zero2-4k"):
-        peaks = [r[variant]["grad_peak"] for r in per_rank]
-        print(f"{variant}: most full-gradient bytes held during backward {fmt(max(peaks))} "
-              f"(one full gradient: {fmt(N * e)}; buckets: {per_rank[0][variant]['buckets']})")
-    plot_zero_memory(measured, formula, N, dp)
+    for name in ("zero2", "zero2-4k"):
+        peaks = [r[name]["grad_peak"] for r in per_rank]
+        buckets = len(ch01.zero_bucket_numels(model, variants[name].train.ddp_bucket_size))
+        print(f"{name}: most full-gradient bytes held during backward {fmt(max(peaks))} "
+              f"(one full gradient: {fmt(N * e)}; buckets: {buckets})")
+    plot_zero_memory(measured, formula, N, dp, out)
 
     # ---- 3. ZeRO-3's parameter memory over one step -------------------------------------
-    profile = per_rank[0]["zero3"]["profile"]
-    from minimegatron.dp.fsdp import MemoryEvent
-    events = [MemoryEvent(*x) for x in profile]
+    events = [MemoryEvent(*x) for x in per_rank[0]["zero3"]["profile"]]
     print("\n== ZeRO-3 parameter bytes on rank 0 over one step (own shards + gathered units)")
     for ev in events:
         print(f"  {ev.label:<28}{fmt(ev.sharded):>8} + {fmt(ev.gathered):>7} = {fmt(ev.sharded + ev.gathered):>7}")
-    plot_memory_profile(events, OUT / "zero3_memory_profile.png", unsharded_bytes=N * e,
+    plot_memory_profile(events, out / "zero3_memory_profile.png", unsharded_bytes=N * e,
                         title=f"ZeRO-3, dp={dp}: rank 0's parameter memory, one step")
 
-    for path in sorted(OUT.glob("*.png")):
+    for path in sorted(out.glob("*.png")):
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB")
     return 0
 

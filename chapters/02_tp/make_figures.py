@@ -14,11 +14,12 @@ Three diagrams, drawn from the shapes (no run):
 One spawned gloo world of 4 ranks (minimegatron.launch.spawn), tiny GPT-2 style (tied,
 learned positions, biases, GELU) and LLaMA style (untied, RoPE, GQA, SwiGLU, no biases)
 models, float32, V = 257 (divisible by neither 2 nor 4). It prints
-  * the ledger of one forward and one backward of TensorParallelGPTModel at tp=2 (groups
-    [0, 1], [2, 3]) and tp=4 (the world), next to the chapter's formula; it stops with an
-    error if they differ on any rank;
-  * every collective of one training step of TP=2 x DP=2 (train's own pieces: groups from
-    parallel_state, DistributedDataParallel over the DP group, the TP-aware clipping);
+  * the ledger of one forward and one backward of the GPTModel cut by
+    tp.apply_tensor_parallel at tp=2 (groups [0, 1], [2, 3]) and tp=4 (the world), next to
+    the chapter's formula; it stops with an error if they differ on any rank;
+  * every collective of one training step of TP=2 x DP=2 (the training loop's own pieces:
+    train.initialize_layout, parallelize.build_model and build_optimizer, train.train_step:
+    bucketed DDP over the DP group, the global norm's one all-reduce over the TP group);
   * each rank's parameter count (split and replicated) next to the formula, and the
     activation bytes autograd saves per rank at tp = 1, 2, 4 (saved-tensor hooks);
 and draws
@@ -48,12 +49,12 @@ from minimegatron.analysis import (GiB, count_parameters, measure_saved_activati
                                    real_model_config, tensor_parallel_parameters)
 from minimegatron.comm import record_communication  # noqa: E402
 from minimegatron.config import ModelConfig, TrainConfig  # noqa: E402
-from minimegatron.dp import build_data_parallel  # noqa: E402
 from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.model import GPTModel  # noqa: E402
+from minimegatron.parallelize import build_model, build_optimizer, unwrap  # noqa: E402
 from minimegatron.testing import make_batches  # noqa: E402
-from minimegatron.tp import TensorParallelGPTModel, pad_vocab_size  # noqa: E402
-from minimegatron.train import forward_backward, optimizer_step  # noqa: E402
+from minimegatron.tp import apply_tensor_parallel, pad_vocab_size  # noqa: E402
+from minimegatron.train import initialize_layout, train_step  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "figures"
 
@@ -111,39 +112,34 @@ def tp_rank() -> dict:
     for tp, group in groups.items():
         for style, make in STYLES.items():
             cfg = make()
-            model = TensorParallelGPTModel(cfg, group)
+            model = apply_tensor_parallel(GPTModel(cfg), group)
             batch = make_batches(cfg, 1, B, S, seed=0)[0]
             with record_communication() as fwd:
                 losses = model(batch["tokens"], labels=batch["labels"])
             with record_communication() as bwd:
                 losses.mean().backward()
-            layout = model.shard_layout()
-            split = sum(p.numel() for n, p in model.named_parameters() if layout[n][1] != "replicated")
+            # Megatron's attribute marks what apply_tensor_parallel split; the rest is replicated
+            split = sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
             out["ledger"][(tp, style)] = {"fwd": _records(fwd), "bwd": _records(bwd),
                                           "loss": losses.detach().mean().item()}
             out["params"][(tp, style)] = (split, sum(p.numel() for p in model.parameters()) - split)
             act = make_batches(cfg, 1, ACT_B, ACT_S, seed=1)[0]
             out["acts"][(tp, style)] = measure_saved_activation_bytes(model, act["tokens"], act["labels"])
 
-    # one training step of TP=2 x DP=2, with the groups the training loop uses
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    dp_group = parallel_state.get_data_parallel_group()
-    dp_rank = parallel_state.get_data_parallel_rank()
+    # one training step of TP=2 x DP=2, built and run as the training loop does
     cfg = STYLES["llama"]()
     train_cfg = TrainConfig(seq_length=S, micro_batch_size=B, lr=1e-3, lr_warmup_iters=0, train_iters=1,
                             clip_grad=1.0, tensor_model_parallel_size=2, progress=False)
-    model = TensorParallelGPTModel(cfg, tp_group)
-    # tensor_parallel=model, as train.train does: the optimizer's norm then sums over the TP group
-    engine, optimizer = build_data_parallel(model, train_cfg, dp_group, tensor_parallel=model)
+    layout = initialize_layout(train_cfg)                             # tp [0, 1], [2, 3]; dp [0, 2], [1, 3]
+    chunks = build_model(cfg, train_cfg, layout)                      # GPTModel -> TP -> DDP
+    optimizer = build_optimizer(chunks, train_cfg, layout)            # its norm sums over the TP group
     batch = make_batches(cfg, 1, 2 * B, S, seed=2)[0]                  # the global batch
-    mine = {k: v[dp_rank * B:(dp_rank + 1) * B] for k, v in batch.items()}
+    mine = {k: v[layout.dp_rank * B:(layout.dp_rank + 1) * B] for k, v in batch.items()}
     with record_communication() as step:
-        forward_backward(engine, [mine])
-        optimizer_step(engine, optimizer, train_cfg.lr, train_cfg.clip_grad, tensor_parallel=model)
+        train_step(chunks, optimizer, [mine], layout, train_cfg.lr, train_cfg.clip_grad)
     out["step"] = [(r.op, r.tag, r.nbytes, r.group_ranks) for r in step]
     out["step_groups"] = {"tp": parallel_state.get_group_ranks("tp"), "dp": parallel_state.get_group_ranks("dp")}
-    out["step_params"] = sum(p.numel() for p in model.parameters())
+    out["step_params"] = sum(p.numel() for p in unwrap(chunks[0]).parameters())
     parallel_state.destroy_model_parallel()
     return out
 
@@ -408,7 +404,7 @@ def main() -> int:
     per_rank = spawn(tp_rank, 4, timeout=300)
 
     # ---- 1. the ledger of one forward + backward vs the formula -------------------------
-    print(f"\n== one forward + backward of TensorParallelGPTModel, b={B} s={S}, float32 "
+    print(f"\n== one forward + backward of the TP model (apply_tensor_parallel), b={B} s={S}, float32 "
           "(every rank; bytes handed to the collectives)")
     print(f"{'tp':>3} {'style':<6}{'dir':<5}{'all-reduces':>12}{'bytes':>9}{'formula':>9}"
           f"{'ring bytes/rank':>17}   shapes")

@@ -7,19 +7,35 @@
     python chapters/03_pp/demo.py                     # no torchrun: spawns the ranks (pp 4, 1f1b) itself
     python chapters/03_pp/demo.py --quick --pp 2      # a few seconds
 
-Every rank builds its stage(s) of the same tiny model (layers cut from the single-device
-initial values, pp.stages), on a grid of tp x dp x pp ranks (Megatron's order: tp fastest,
-pp slowest), and trains `--steps` AdamW steps of `--micro-batches` micro-batches each with the
-schedule `--schedule` (pp.schedules), exactly as `python -m minimegatron.train
---pipeline-model-parallel-size` does. Rank 0 (or the parent, without torchrun) prints:
+This file is the chapter's experiment and its command line. The tests, the graders, the
+notebook and make_figures.py run the same experiment from Python:
+
+    from minimegatron.launch import spawn
+    from minimegatron.testing import import_chapter_demo
+    ch03 = import_chapter_demo("03")              # this file, as chapters.03_pp.demo
+    run = ch03.make_run(ch03.tiny_model("gpt2"), pp=4, kind="1f1b", micro_batches=8)
+    per_rank = spawn(ch03.train_run, 4, run)
+    report = ch03.check_run(run, per_rank)        # equivalence, p2p ledger, in-flight micro-batches
+
+A `PPRun` trains one model on tp x pp x dp ranks (Megatron's order: tp fastest, pp slowest).
+Every rank builds its chunks as the training loop does (parallelize.build_model: the layers
+cut from the single-device model, pp.stage_layers -> tensor parallel -> chapter 01's bucketed
+DDP), and runs `--steps` AdamW steps of train.train_step's pieces: the schedule `--schedule`
+over `--micro-batches` micro-batches (pp.forward_backward_pipelining), train.finalize_model_grads
+(the DP sync, the tied embedding's sum), the global gradient norm and clipping (optim), the
+update. `train_run` trains it on every rank; `check_run` judges it, in the parent (or on rank 0
+under torchrun), against independent references:
 
   [1/4] equivalence: losses, first-step gradients and final parameters, gathered from the
-        stages under single-device names, against `testing.single_device_run`;
+        stages under single-device names (parallelize.full_model_tensors), against
+        `testing.single_device_run` on the same global batches;
   [2/4] the bubble: the textbook idle fraction, the unit-cost simulation of the same
         schedules, and the wall clock of the last real step, per stage;
-  [3/4] activations held at once: the peak number of micro-batches in flight on each stage,
-        measured, against the schedule's, and the bytes saved for backward at the peak;
-  [4/4] the p2p ledger of a step against the formula;
+  [3/4] activations held at once: the peak number of micro-batch-chunks in flight on each
+        stage, measured, against pp.timeline.peak_in_flight of the schedule, and the bytes
+        saved for backward at the peak;
+  [4/4] the p2p ledger of a step against the formula: per boundary between virtual stages,
+        one activation forward and one gradient backward per micro-batch, b s h e bytes each;
 
 draws the last step's timeline next to the simulated one (--figure, default
 runs/ch03_timeline.png), and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
@@ -31,17 +47,338 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+import minimegatron.pp as pipeline
+from minimegatron import comm
 from minimegatron.analysis import count_parameters
-from minimegatron.config import ConfigError
-from minimegatron.demos import verdict_under_torchrun
-from minimegatron.demos import ch03
-from minimegatron.pp import KINDS, plot_timeline, simulate
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.dp import apply_data_parallel
+from minimegatron.model import GPTModel
+from minimegatron.optim import clip_grad_norm, learning_rate, param_is_not_shared, set_learning_rate
+from minimegatron.parallel_state import Layout
+from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
+from minimegatron.pp import (KINDS, Interval, PipelineComm, bubble_fraction, check_schedule_args, idle_fraction,
+                             peak_in_flight, simulate)
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch,
+                                  single_device_run, verdict_under_torchrun)
+from minimegatron.tp import apply_tensor_parallel, full_parameters
+from minimegatron.train import finalize_model_grads, initialize_layout
+from minimegatron.viz import plot_timeline
+
+# A rank calls exercise 3.2 (stage_layers) as pipeline.stage_layers, an attribute of the
+# package minimegatron.pp: a grader's plug (booktools.exercises) swaps it there.
 
 
+def tiny_model(style: str = "gpt2", dtype: str = "float64", **overrides) -> ModelConfig:
+    """h = 32, 4 layers (so 4 stages, or 2 stages x 2 chunks, each get one), a = 4 heads
+    (LLaMA: g = 2 key/value groups), sequences up to 16, V = 257, in `dtype`. GPT-2 style ties
+    the embeddings: the first and last stage both hold the matrix."""
+    base = {"hidden_size": 32, "num_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 16,
+            "params_dtype": dtype}
+    if style == "gpt2":
+        return ModelConfig.gpt2(**{**base, **overrides}).validate()
+    return ModelConfig.llama(**{**base, "num_query_groups": 2, **overrides}).validate()
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PPRun:
+    """One run: `model` on tp x pp x dp ranks, as `train` says (its tensor_model_parallel_size,
+    pipeline_model_parallel_size, pipeline_schedule and num_virtual_stages_per_pipeline_rank:
+    the training loop's own fields; grad_accum_steps = M micro-batches of micro_batch_size = b
+    rows per step and pipeline; train_iters steps), `dp` data-parallel pipelines, optional
+    uneven layers_per_stage; seed: the batches."""
+    model: ModelConfig
+    train: TrainConfig
+    dp: int
+    layers_per_stage: tuple[int, ...] | None = None
+    seed: int = 0
+
+    @property
+    def tp(self) -> int:
+        return self.train.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.train.pipeline_model_parallel_size
+
+    @property
+    def kind(self) -> str:
+        return self.train.pipeline_schedule
+
+    @property
+    def num_chunks(self) -> int:
+        return self.train.num_virtual_stages_per_pipeline_rank
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def micro_batches(self) -> int:
+        return self.train.grad_accum_steps
+
+    def global_batches(self) -> list[dict[str, torch.Tensor]]:
+        return global_batches(self.model, self.train, self.dp, self.seed)
+
+    def local_microbatches(self, batch: dict, dp_rank: int) -> list[dict]:
+        """This data-parallel rank's M micro-batches (every stage of its pipeline reads them)."""
+        return [local_microbatch(batch, self.train, m, dp_rank, self.dp) for m in range(self.micro_batches)]
+
+
+def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *, num_chunks: int = 1,
+             micro_batches: int = 4, micro_batch_size: int = 2, steps: int = 2, clip_grad: float = 0.05,
+             layers_per_stage: list[int] | None = None, seed: int = 0, tp: int = 1) -> PPRun:
+    """A validated PPRun: ValueError / ConfigError naming the numbers for a schedule or a
+    partition that cannot work (checked before any process starts; parallelize.validate_layout
+    for even splits, as train.py). clip_grad 0.05 is below the tiny model's gradient norm: every
+    step clips, so the norm summed over the stages (tied embedding counted once) is checked too."""
+    check_schedule_args(kind, pp, 0, micro_batches, num_chunks)
+    for r in range(pp):
+        for c in range(num_chunks):
+            pipeline.stage_layers(model.num_layers, pp, r, num_chunks, c, layers_per_stage)
+    train = TrainConfig(seq_length=model.max_position_embeddings, micro_batch_size=micro_batch_size,
+                        grad_accum_steps=micro_batches, train_iters=steps, lr_warmup_iters=0, clip_grad=clip_grad,
+                        adam_eps=1e-5 if model.params_dtype == "float32" else 1e-8, progress=False,
+                        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_schedule=kind,
+                        num_virtual_stages_per_pipeline_rank=num_chunks, eval_interval=0)
+    if layers_per_stage is None:
+        validate_layout(model, train, tp * pp * dp)
+    else:                                                # build_model cuts evenly only: see build_chunks
+        train.validate(model.validate())
+    return PPRun(model, train, dp, None if layers_per_stage is None else tuple(layers_per_stage), seed)
+
+
+# ---------------------------------------------------------------------------------------
+# on every rank
+# ---------------------------------------------------------------------------------------
+def build_chunks(run: PPRun, layout: Layout) -> list[torch.nn.Module]:
+    """This rank's model chunks. Even splits: parallelize.build_model, as train.py builds them.
+    Uneven (run.layers_per_stage): build_model cuts evenly only, so its three steps by hand:
+    GPTModel with the virtual stage's layers (pp.stage_layers with the counts), then
+    tp.apply_tensor_parallel, then dp.apply_data_parallel."""
+    if run.layers_per_stage is None:
+        return build_model(run.model, run.train, layout)
+    chunks, last = [], layout.pp * run.num_chunks - 1
+    for c in range(run.num_chunks):
+        stage = pipeline.virtual_stage(layout.pp, layout.pp_rank, c)
+        layers = pipeline.stage_layers(run.model.num_layers, layout.pp, layout.pp_rank, run.num_chunks, c,
+                                       list(run.layers_per_stage))
+        model = GPTModel(run.model, pre_process=stage == 0, post_process=stage == last, layer_numbers=layers)
+        model = apply_tensor_parallel(model, layout.tp_group)
+        chunks.append(apply_data_parallel(model, run.train, layout.dp_group))
+    return chunks
+
+
+def train_run(run: PPRun) -> dict:
+    """Spawn (or torchrun) target on each of run.world ranks. Returns {"pp_rank", "dp_rank",
+    "tp_rank", "losses" (per step: this pipeline's mean loss, the same on every stage),
+    "grads" (first step) and "params" (final): the whole single-device model of this rank's
+    pipeline, by single-device name and full shape (parallelize.full_model_tensors; the last
+    stage's copy of a tied embedding left out), "names" (the parameters this rank holds, its
+    tied copy left out), "numel" (elements of every parameter this rank holds, its copy
+    included), "ledger" [step] -> [(op, bytes, tag)] (the schedule, finalize_model_grads and
+    the norm; no inspection gathers), "peak_in_flight", "peak_bytes", "saved_bytes" (per
+    micro-batch-chunk, first step), "intervals" and "t0" (last step), "layers" (per chunk),
+    "tied_copy" (the last stage's output layer, when tied)}.
+
+    One step is train.train_step written out, to keep forward_backward_pipelining's
+    StepRecord (the timings and the saved bytes) and to read the gradients between
+    finalize_model_grads and clipping outside the ledger."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() != run.world:
+        raise ValueError(f"this run needs tp x pp x dp = {run.tp} x {run.pp} x {run.dp} = {run.world} ranks, "
+                         f"the world has {dist.get_world_size()}")
+    t = run.train
+    layout = initialize_layout(t)
+    chunks = build_chunks(run, layout)
+    optimizer = build_optimizer(chunks, t, layout)
+    p2p = PipelineComm(layout.pp_ranks, layout.pp_rank, run.num_chunks,
+                       (t.micro_batch_size, t.seq_length, run.model.hidden_size), run.model.dtype)
+    models = [unwrap(c) for c in chunks]
+    out = {"pp_rank": layout.pp_rank, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank,
+           "losses": [], "ledger": [], "peak_in_flight": 0, "peak_bytes": 0,
+           "layers": [m.layer_numbers for m in models],
+           "names": [n for m in models for n, p in m.named_parameters() if param_is_not_shared(p)],
+           "numel": sum(p.numel() for m in models for p in m.parameters())}
+    for step, batch in enumerate(run.global_batches()):
+        with comm.record_communication() as ledger:     # the schedule, the DP and embedding syncs
+            loss, rec = pipeline.forward_backward_pipelining(chunks, run.local_microbatches(batch, layout.dp_rank),
+                                                             p2p, run.kind, layout.pp_group)
+            finalize_model_grads(chunks, layout)
+        if step == 0:
+            out["grads"] = full_model_tensors(chunks, layout, grads=True)   # (outside the ledger)
+            out["saved_bytes"] = dict(rec.saved_bytes)
+        with comm.record_communication() as ledger_step:          # the norm
+            clip_grad_norm(optimizer, t.clip_grad)
+            set_learning_rate(optimizer, learning_rate(step, t))
+            optimizer.step()
+            optimizer.zero_grad()
+        out["losses"].append(loss)
+        out["ledger"].append([(r.op, r.nbytes, r.tag) for r in [*ledger, *ledger_step]])
+        out["peak_in_flight"] = max(out["peak_in_flight"], rec.peak_in_flight)
+        out["peak_bytes"] = max(out["peak_bytes"], rec.peak_bytes)
+        out["intervals"], out["t0"] = rec.intervals, rec.t0
+    out["params"] = full_model_tensors(chunks, layout)
+    for model in models:                           # the last stage's copy of a tied embedding
+        if model.post_process and not model.pre_process and not run.model.untie_embeddings_and_output_weights:
+            out["tied_copy"] = full_parameters(model, layout.tp_group)["output_layer.weight"]
+    return out
+
+
+def train_runs(runs: list[PPRun]) -> list[dict]:
+    """train_run for each of `runs` in turn, in one world (each run's tp x pp x dp must be the
+    world size): starting ranks costs seconds, a tiny run a fraction of one."""
+    return [train_run(run) for run in runs]
+
+
+# ---------------------------------------------------------------------------------------
+# the formulas and the verdict
+# ---------------------------------------------------------------------------------------
+def expected_p2p_ledger(run: PPRun, pp_rank: int) -> list[tuple[str, int, str]]:
+    """The p2p calls of one step on stage `pp_rank`, as (op, bytes, tag): for each of its
+    virtual stages k and each micro-batch, a receive of the activation (k > 0) and a send of
+    it (k < last), forward ("pp-fwd"); a receive of the gradient (k < last) and a send of it
+    (k > 0), backward ("pp-bwd"); b s h e bytes each."""
+    t, cfg = run.train, run.model
+    nbytes = t.micro_batch_size * t.seq_length * cfg.hidden_size * torch.empty((), dtype=cfg.dtype).element_size()
+    last = run.pp * run.num_chunks - 1
+    calls = []
+    for c in range(run.num_chunks):
+        k = c * run.pp + pp_rank
+        per_mb = ([("recv", nbytes, "pp-fwd"), ("send", nbytes, "pp-bwd")] if k > 0 else []) + \
+                 ([("send", nbytes, "pp-fwd"), ("recv", nbytes, "pp-bwd")] if k < last else [])
+        calls += per_mb * run.micro_batches
+    return calls
+
+
+def measured_timeline(per_rank: list[dict]) -> list[Interval]:
+    """The last step of pipeline 0 (dp rank 0, tp rank 0 of each stage) on one time axis:
+    each stage's intervals shifted by its step start minus the earliest (perf_counter is one
+    clock for the whole machine); Interval.rank is the pipeline stage."""
+    stages = {r["pp_rank"]: r for r in per_rank if r["dp_rank"] == 0 and r["tp_rank"] == 0}
+    origin = min(r["t0"] for r in stages.values())
+    return sorted((Interval(stage, i.op, i.microbatch, i.chunk, i.start + r["t0"] - origin, i.end + r["t0"] - origin)
+                   for stage, r in stages.items() for i in r["intervals"]), key=lambda i: (i.rank, i.start))
+
+
+@dataclass
+class RunReport:
+    run: PPRun
+    equivalence: EquivalenceReport
+    peaks: list[tuple[int, int, int]]          # per stage (pipeline 0): measured, schedule's, bytes
+    p2p: list[tuple[int, int, int]]            # per stage (pipeline 0): calls, bytes measured, bytes formula
+    measured_idle: list[float]                 # per stage, the last step's wall clock
+    simulated_idle: list[float]                # per stage, unit costs t_f = 1, t_b = 2
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.equivalence.ok and not self.problems
+
+    @property
+    def formula(self) -> dict[str, float]:
+        r = self.run
+        return bubble_fraction(r.kind, r.pp, r.micro_batches, r.num_chunks)
+
+    def __str__(self) -> str:
+        r, t = self.run, self.run.train
+        layout = (f"tp={r.tp} x " if r.tp > 1 else "") + f"pp={r.pp} x dp={r.dp}"
+        lines = [f"=== {r.kind}" + (f" with {r.num_chunks} chunks per rank" if r.num_chunks > 1 else "")
+                 + f", {layout} ({r.world} ranks), m={r.micro_batches} micro-batches of {t.micro_batch_size} x "
+                 f"{t.seq_length} tokens, {t.train_iters} steps, {r.model.params_dtype}, clip_grad {t.clip_grad}",
+                 f"[1/4] equivalence with the single-device run on the same global batch "
+                 f"({t.micro_batch_size * r.micro_batches * r.dp} sequences per step):"]
+        lines += ["      " + x for x in str(self.equivalence).splitlines()[:7]]
+        f = self.formula
+        lines.append(f"[2/4] the bubble: formula (p-1)/(v m + p-1) = {r.pp - 1}/({r.num_chunks} x {r.micro_batches} "
+                     f"+ {r.pp - 1}) = {f['idle']:.3f} of the step idle on every stage (bubble/ideal "
+                     f"(p-1)/(v m) = {f['bubble_over_ideal']:.3f})")
+        lines.append("      stage:              " + " ".join(f"{s:>6}" for s in range(r.pp)))
+        lines.append("      simulated (1, 2):   " + " ".join(f"{x:6.3f}" for x in self.simulated_idle))
+        lines.append("      measured, last step:" + " ".join(f"{x:6.3f}" for x in self.measured_idle)
+                     + "   (wall clock; ranks share this machine's cores)")
+        lines.append("[3/4] activations held at once (micro-batch-chunks), measured vs the schedule's peak:")
+        for stage, (got, want, nbytes) in enumerate(self.peaks):
+            lines.append(f"      stage {stage}: {got} (schedule: {want}), {nbytes:,} bytes saved for backward at the peak"
+                         + (": OK" if got == want else ": DIFFERENT"))
+        lines.append("[4/4] p2p per step (ledger vs formula: one b s h e activation forward and one gradient "
+                     "backward per micro-batch and stage boundary):")
+        for stage, (calls, got, want) in enumerate(self.p2p):
+            lines.append(f"      stage {stage}: {calls} sends+receives, {got:,} bytes / formula {want:,}: "
+                         + ("OK" if got == want else "DIFFERENT"))
+        lines += [f"      problem: {p}" for p in self.problems[:6]]
+        if len(self.problems) > 6:
+            lines.append(f"      ... and {len(self.problems) - 6} more problems")
+        return "\n".join(lines)
+
+
+def summary_line(reports: list[RunReport]) -> str:
+    """The demo's last line: MATCH ... or MISMATCH ..."""
+    worst = {k: max(getattr(r.equivalence, k) for r in reports)
+             for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
+    tol = reports[0].equivalence.tolerance
+    diffs = (f"max |dloss| {worst['max_loss_diff']:.1e} (tol {tol.loss:.0e}), max |dgrad| {worst['max_grad_diff']:.1e}, "
+             f"max |dparam| {worst['max_param_diff']:.1e} (rtol {tol.rtol:.0e}, atol {tol.atol:.0e})")
+    names = ", ".join(f"{r.run.kind} " + (f"tp={r.run.tp} x " if r.run.tp > 1 else "") + f"pp={r.run.pp} x dp={r.run.dp}"
+                      for r in reports)
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        return ("MISMATCH: " + "; ".join(f"{r.run.kind} pp={r.run.pp}: " + (r.problems[0] if r.problems else
+                                                                           "differs from the single-device run")
+                                         for r in bad) + f"; {diffs}")
+    return f"MATCH: {names} equal the single-device run: {diffs}; in-flight counts and p2p bytes equal the formulas"
+
+
+def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
+    """Judge a run (per_rank: every rank's train_run record, in rank order)."""
+    problems = []
+    reference = single_device_run(run.model, run.global_batches(), run.train, grad_accum_steps=run.micro_batches)
+    pipelines: dict[int, dict[int, dict]] = {}
+    for r in per_rank:
+        if r["tp_rank"] == 0:                      # one rank of each TP group speaks for it
+            pipelines.setdefault(r["dp_rank"], {})[r["pp_rank"]] = r
+    first = pipelines[0]
+    dp_losses = [pipelines[d][run.pp - 1]["losses"] for d in sorted(pipelines)]
+    losses = [sum(step) / len(dp_losses) for step in zip(*dp_losses)]
+    holders = Counter(name for stage in range(run.pp) for name in first[stage]["names"])
+    problems += [f"{name} is held by {n} stages" for name, n in holders.items() if n > 1]
+    equivalence = compare_runs(reference, RunRecord(losses, first[0]["grads"], first[0]["params"]), run.model.dtype)
+    peaks = []
+    for stage in range(run.pp):
+        rec = first[stage]
+        want = peak_in_flight(pipeline.schedule(run.kind, run.pp, stage, run.micro_batches, run.num_chunks))
+        peaks.append((rec["peak_in_flight"], want, rec["peak_bytes"]))
+        if rec["peak_in_flight"] != want:
+            problems.append(f"stage {stage}: {rec['peak_in_flight']} micro-batch-chunks held at once, "
+                            f"the schedule's peak is {want}")
+    for rank, rec in enumerate(per_rank):
+        want = Counter(expected_p2p_ledger(run, rec["pp_rank"]))
+        for step, calls in enumerate(rec["ledger"]):
+            got = Counter(c for c in calls if c[2] in ("pp-fwd", "pp-bwd"))
+            if got != want:
+                problems.append(f"p2p ledger, rank {rank}, step {step}: measured {dict(got)}, formula {dict(want)}")
+    p2p = []
+    for stage in range(run.pp):
+        calls = [c for c in first[stage]["ledger"][0] if c[2] in ("pp-fwd", "pp-bwd")]
+        p2p.append((len(calls), sum(n for _, n, _ in calls), sum(n for _, n, _ in expected_p2p_ledger(run, stage))))
+    timeline = measured_timeline(per_rank)
+    simulated = simulate(run.kind, run.pp, run.micro_batches, run.num_chunks)
+    return RunReport(run, equivalence, peaks, p2p, [idle_fraction(timeline, s) for s in range(run.pp)],
+                     [idle_fraction(simulated, s) for s in range(run.pp)], problems)
+
+
+# ---------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="chapters/03_pp/demo.py",
@@ -75,18 +412,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_run(args: argparse.Namespace, dp: int) -> ch03.PPRun:
+def build_run(args: argparse.Namespace, dp: int) -> PPRun:
     """The run every rank trains; ConfigError / ValueError naming the numbers if it cannot."""
     layers = args.pp * args.chunks * (1 if args.quick else 2)
     sizes = {} if args.quick else dict(hidden_size=64, max_position_embeddings=32)
     extra = {"num_query_groups": args.tp} if args.style == "llama" else {}
-    model = ch03.tiny_model(args.style, args.dtype, num_layers=layers, **sizes, **extra)
-    return ch03.make_run(model, pp=args.pp, dp=dp, tp=args.tp, kind=args.schedule, num_chunks=args.chunks,
-                         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                         steps=args.steps or (2 if args.quick else 3))
+    model = tiny_model(args.style, args.dtype, num_layers=layers, **sizes, **extra)
+    return make_run(model, pp=args.pp, dp=dp, tp=args.tp, kind=args.schedule, num_chunks=args.chunks,
+                    micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
+                    steps=args.steps or (2 if args.quick else 3))
 
 
-def draw(run: ch03.PPRun, per_rank: list[dict], path: str) -> None:
+def draw(run: PPRun, per_rank: list[dict], path: str) -> None:
     """The last real step's timeline above the unit-cost simulation of the same schedules."""
     import matplotlib
     matplotlib.use("Agg")
@@ -94,7 +431,7 @@ def draw(run: ch03.PPRun, per_rank: list[dict], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     title = f"{run.kind}, pp={run.pp}, m={run.micro_batches}" + (f", v={run.num_chunks}" if run.num_chunks > 1 else "")
     fig, (real, sim) = plt.subplots(2, 1, figsize=(11, 1.1 * run.pp + 2.5))
-    plot_timeline(ch03.measured_timeline(per_rank), f"measured, last step (grey: waiting for a receive): {title}",
+    plot_timeline(measured_timeline(per_rank), f"measured, last step (grey: waiting for a receive): {title}",
                   unit="seconds", ax=real)
     plot_timeline(simulate(run.kind, run.pp, run.micro_batches, run.num_chunks),
                   f"simulated with t_f = 1, t_b = 2: {title}", unit="time units", ax=sim)
@@ -103,7 +440,7 @@ def draw(run: ch03.PPRun, per_rank: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def report(args, run: ch03.PPRun, per_rank: list[dict], how: str, seconds: float) -> int:
+def report(args, run: PPRun, per_rank: list[dict], how: str, seconds: float) -> int:
     cfg = run.model
     print("Chapter 03: pipeline parallelism on " + (f"tp={run.tp} x " if run.tp > 1 else "")
           + f"pp={run.pp} x dp={run.dp} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
@@ -112,13 +449,13 @@ def report(args, run: ch03.PPRun, per_rank: list[dict], how: str, seconds: float
           f"{count_parameters(cfg)['total']:,} parameters, {cfg.params_dtype}"
           + ("" if cfg.untie_embeddings_and_output_weights else ", tied embeddings"))
     print()
-    result = ch03.check_run(run, per_rank)
+    result = check_run(run, per_rank)
     print(result)
     if args.figure:
         draw(run, per_rank, args.figure)
         print(f"      timelines: {args.figure}")
     print()
-    line = ch03.summary_line([result])
+    line = summary_line([result])
     print(line)
     return 0 if line.startswith("MATCH") else 1
 
@@ -138,7 +475,7 @@ def main_torchrun(args) -> int:
         return 2
     run = build_run(args, world // model_parallel)
     start = time.perf_counter()
-    return verdict_under_torchrun(ch03.train_run(run),
+    return verdict_under_torchrun(train_run(run),
                                   lambda per_rank: report(args, run, per_rank, "torchrun", time.perf_counter() - start))
 
 
@@ -147,7 +484,7 @@ def main_spawn(args) -> int:
 
     run = build_run(args, 1 if args.dp is None else args.dp)     # errors before any process starts
     start = time.perf_counter()
-    per_rank = spawn(ch03.train_run, run.world, run, timeout=600)
+    per_rank = spawn(train_run, run.world, run, timeout=600)
     return report(args, run, per_rank, "spawned by this script; torchrun works too", time.perf_counter() - start)
 
 

@@ -7,18 +7,20 @@ From the schedules alone (pp.schedules, pp.timeline; no process started):
                          for pp = 4 stages and m = 8 micro-batches, t_f = 1, t_b = 2
   bubble_vs_m.png        the idle fraction (p - 1) / (v m + p - 1) against m, for pp = 4 and 8
                          and v = 1, 2, 4: the formula as lines, the simulation as markers
-  rank_grid_3d.png       16 ranks as tp = 2 x dp = 2 x pp = 4 (parallel_state.draw_rank_grid):
+  rank_grid_3d.png       16 ranks as tp = 2 x dp = 2 x pp = 4 (viz.draw_rank_grid):
                          the TP, DP, pipeline and embedding groups
 It prints the warm-up counts and orders of every stage, and stops with an error if any
 simulated idle fraction differs from the formula or any schedule's peak of micro-batches in
 flight differs from its closed form.
 
 One spawned gloo world of 4 ranks (minimegatron.launch.spawn) trains, with the training
-loop's own PipelineEngine (demos.ch03.train_runs), the demo's tiny GPT-2 style model (tied
-embeddings, h = 64, L = 8, V = 257, b = 2, s = 32, float64, 3 AdamW steps, clipping on):
+loop's own pieces (train_runs of chapters/03_pp/demo.py: parallelize.build_model,
+pp.forward_backward_pipelining, train.finalize_model_grads, optim.clip_grad_norm), the demo's
+tiny GPT-2 style model (tied embeddings, h = 64, L = 8, V = 257, b = 2, s = 32, float64, 3
+AdamW steps, clipping on):
   * gpipe, 1f1b and interleaved (v = 2) on pp = 4, m = 8;
   * interleaved (v = 2) on pp = 2 x dp = 2, m = 4 (the data-parallel sync of each chunk).
-Each run is judged by demos.ch03.check_run (equivalence with one device, p2p ledger, in-flight
+Each run is judged by the demo's check_run (equivalence with one device, p2p ledger, in-flight
 counts); on top of that this script checks the p2p bytes, the peak counts and the peak bytes
 against the chapter's formulas and the ledger of the pp x dp step (one DP all-reduce per chunk
 per step, one tied-embedding all-reduce, one norm), and stops with an error on a difference.
@@ -44,10 +46,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minimegatron import parallel_state  # noqa: E402
-from minimegatron.demos import ch03  # noqa: E402
 from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.pp import (bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
-                             peak_in_flight, plot_timeline, schedule, simulate)
+                             peak_in_flight, schedule, simulate)
+from minimegatron.testing import import_chapter_demo  # noqa: E402
+from minimegatron.viz import draw_rank_grid, plot_timeline  # noqa: E402
+
+ch03 = import_chapter_demo("03")        # chapters/03_pp/demo.py: the runs and their checks
 
 OUT = Path(__file__).resolve().parent / "figures"
 P, M, V = 4, 8, 2                       # the chapter's pipeline: 4 stages, 8 micro-batches, 2 chunks
@@ -181,7 +186,7 @@ def rank_grid_section() -> None:
               f"rank = tp_rank + {tp} dp_rank + {tp * dp} pp_rank")
         for key in ("tp", "dp", "pp", "embedding", "tp-pp"):
             print(f"  {key:<10}{groups[key]}")
-    parallel_state.draw_rank_grid(16, tp=2, pp=4, keys=("tp", "dp", "pp", "embedding"), path=OUT / "rank_grid_3d.png")
+    draw_rank_grid(16, tp=2, pp=4, keys=("tp", "dp", "pp", "embedding"), path=OUT / "rank_grid_3d.png")
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,7 +272,7 @@ def ledger_section(run: ch03.PPRun, per_rank: list[dict]) -> None:
         print(f"  rank {rank} (stage {rec['pp_rank']}, dp rank {rec['dp_rank']}, layers {rec['layers']}): "
               + "; ".join(f"{op} {tag} x{n} {b:,} B" for (op, tag), (n, b) in sorted(calls.items())))
         grads, grad_bytes = calls.get(("all_reduce", "grads"), [0, 0])
-        held = sum(t.numel() for t in rec["params"].values()) + (rec["tied_copy"].numel() if "tied_copy" in rec else 0)
+        held = rec["numel"]                    # every parameter this rank holds, a tied copy included
         if grads != run.num_chunks or grad_bytes != 8 * held:
             fail(f"rank {rank}: {grads} data-parallel all-reduces of {grad_bytes} bytes per step, expected one per "
                  f"chunk ({run.num_chunks}) of all {held} parameters held, 8 bytes each")

@@ -11,8 +11,9 @@ One concept per file:
   activations.py   activation_memory,                  what autograd saves for backward, op by
                    measure_saved_activation_bytes,     op, and its measurement; Korthikanti et
                    korthikanti_activation_memory       al.'s 16-bit formula
-  report.py        memory_report, does_it_fit,         the table, the figure, and why one device
-                   plot_memory_breakdown               stops being enough
+  report.py        memory_report, does_it_fit          the table, and why one device stops
+                                                       being enough (viz.plot_memory_breakdown
+                                                       draws the table)
 
 Every formula here is tested against a measurement of the real model (numel of parameters,
 FlopCounterMode, torch.optim.AdamW's state, saved_tensors_hooks), never against itself.
@@ -24,7 +25,7 @@ from .flops import flops_per_token_6n, megatron_flops_per_iteration, training_fl
 from .memory import adam_bytes_per_parameter, as_dtype, bytes_per_element, training_memory
 from .params import count_parameters, tensor_parallel_parameters
 from .report import (GiB, REAL_MODELS, does_it_fit, format_bytes, format_memory_report,
-                     memory_report, plot_memory_breakdown, real_model_config)
+                     memory_report, real_model_config)
 
 __all__ = [
     "count_parameters", "tensor_parallel_parameters",
@@ -33,5 +34,5 @@ __all__ = [
     "activation_memory", "korthikanti_activation_memory", "measure_saved_activation_bytes",
     "attention_operands_share_qkv_output", "INDEX_BYTES",
     "memory_report", "format_memory_report", "format_bytes", "does_it_fit",
-    "plot_memory_breakdown", "real_model_config", "REAL_MODELS", "GiB",
+    "real_model_config", "REAL_MODELS", "GiB",
 ]

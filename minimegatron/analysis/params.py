@@ -111,7 +111,7 @@ def tensor_parallel_parameters(config: ModelConfig, tp: int) -> dict:
     share tends to the replicated part, which is O(L h), not zero. ConfigError (naming the
     numbers) when the layout cannot exist, e.g. 12 heads over tp = 8.
     """
-    from ..tp.model import check_tensor_parallel_config     # heads, KV groups, ffn by tp
+    from ..tp import check_tensor_parallel_config           # heads, KV groups, ffn by tp
     check_tensor_parallel_config(config, tp)                # ConfigError for a layout that cannot exist
     c = count_parameters(config)
     layer = c["per_layer"]

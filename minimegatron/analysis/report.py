@@ -1,4 +1,5 @@
-"""Putting the numbers together: a memory table, a bar chart, and real model sizes.
+"""Putting the numbers together: a memory table and real model sizes (viz.plot_memory_breakdown
+draws the table as a bar chart).
 
 `memory_report` adds the four things one training step keeps in memory on one device:
 
@@ -147,52 +148,5 @@ def does_it_fit(name: str = "gpt3-175b", *, device_memory_gib: float = 80, batch
     return report
 
 
-def plot_memory_breakdown(reports: dict[str, dict] | dict, path: str | None = None, *,
-                          device_memory_gib: float | None = None, title: str | None = None,
-                          unit: str = "auto"):
-    """A stacked bar chart of params / grads / optimizer / activations.
-
-    reports: one `memory_report`, or {label: memory_report} for several bars (e.g. the ZeRO
-      stages of chapter 01, or several micro-batch sizes).
-    path: save a PNG there. device_memory_gib: draw a dashed line at one device's memory.
-    unit: "KiB", "MiB", "GiB", "TiB", or "auto" (the largest unit in which the tallest bar
-      is at least 1).
-    Returns the matplotlib Figure (built on the Agg canvas, so it works without a display
-    and does not change the pyplot backend).
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    if "total" in reports:                         # a single report
-        reports = {reports.get("model", "model"): reports}
-    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-    if unit == "auto":
-        tallest = max(report["total"] for report in reports.values())
-        unit = next((u for u in reversed(units) if tallest >= units[u]), "KiB")
-    scale = units[unit]
-
-    parts = ("params", "grads", "optimizer", "activations")
-    colors = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
-    fig = Figure(figsize=(3.0 + 1.2 * len(reports), 4.2))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    labels = list(reports)
-    bottoms = [0.0] * len(labels)
-    for part, color in zip(parts, colors):
-        heights = [reports[label][part] / scale for label in labels]
-        ax.bar(labels, heights, bottom=bottoms, color=color, label=part, width=0.6)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    if device_memory_gib is not None:
-        line = device_memory_gib * GiB / scale
-        ax.axhline(line, color="black", linestyle="--", linewidth=1, label=f"one device ({device_memory_gib:g} GiB)")
-    ax.set_ylabel(unit)
-    ax.set_title(title or "training memory per device", fontsize="medium")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
-
-
 __all__ = ["REAL_MODELS", "GiB", "real_model_config", "memory_report", "format_bytes",
-           "format_memory_report", "does_it_fit", "plot_memory_breakdown"]
+           "format_memory_report", "does_it_fit"]

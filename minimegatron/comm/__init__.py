@@ -50,13 +50,16 @@ from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce,
                           recv, reduce_scatter, reduce_scatter_tensor, send)
 from .ledger import (CommRecord, Ledger, OpSummary, group_rank, group_ranks, group_size,
                      record_communication, ring_traffic)
-from .regions import (all_to_all_region, copy_to_region, gather_from_region, gather_to_region,
-                      reduce_from_region, reduce_scatter_to_region, scatter_to_region)
+from .regions import (all_to_all_region, copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                      gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+                      reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+
 
 __all__ = ["CommRecord", "Ledger", "OpSummary", "record_communication", "ring_traffic",
            "group_ranks", "group_size", "group_rank",
            "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
            "reduce_scatter_tensor", "broadcast", "send", "recv", "isend", "irecv", "P2POp",
            "batch_isend_irecv", "all_to_all_single", "all_to_all", "barrier",
-           "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
-           "reduce_scatter_to_region", "gather_to_region", "all_to_all_region"]
+           "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+           "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+           "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region", "all_to_all_region"]

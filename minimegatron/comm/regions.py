@@ -17,27 +17,23 @@ from .collectives import all_gather, all_reduce, all_to_all, group_rank, group_s
 # into one replicated tensor (g) is a fan-in whose transpose hands the one gradient to every
 # member unchanged (identity). Hence the pairs
 #
-#     operator                   forward          backward
-#     copy_to_region             identity         all-reduce (sum)
-#     reduce_from_region         all-reduce       identity
-#     scatter_to_region          split            all-gather
-#     gather_from_region         all-gather       split
-#     reduce_scatter_to_region   reduce-scatter   all-gather
-#     gather_to_region           all-gather       reduce-scatter
-#     all_to_all_region          all-to-all       the inverse all-to-all
+#     operator (Megatron's names, tensor_parallel/mappings.py)    forward          backward
+#     copy_to_tensor_model_parallel_region          (f)           identity         all-reduce (sum)
+#     reduce_from_tensor_model_parallel_region      (g)           all-reduce       identity
+#     scatter_to_tensor_model_parallel_region                     split            all-gather
+#     gather_from_tensor_model_parallel_region                    all-gather       split
+#     reduce_scatter_to_sequence_parallel_region                  reduce-scatter   all-gather
+#     gather_from_sequence_parallel_region                        all-gather       reduce-scatter
+#     all_to_all_region                                           all-to-all       the inverse all-to-all
 #
 # Forward calls are recorded with tag "fwd", backward calls with tag "bwd".
-
-def _identity(x, group, tag):
-    return x
-
 
 def _sum(x, group, tag):
     # all_reduce works in place: never overwrite a tensor that autograd or the caller holds
     return all_reduce(x.clone(memory_format=torch.contiguous_format), group, tag=tag)
 
 
-def _split(x, group, dim, tag):
+def _split(x, group, dim):
     """This member's chunk of ``x`` along ``dim`` (no communication)."""
     n = group_size(group)
     if n == 1:
@@ -47,89 +43,139 @@ def _split(x, group, dim, tag):
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def _gather(x, group, dim, tag):
-    return all_gather(x, group, dim, tag=tag)
+class _CopyToTensorModelParallelRegion(torch.autograd.Function):
+    """f: forward identity, backward all-reduce (sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum(grad, ctx.group, "bwd"), None
 
 
-def _reduce_scatter(x, group, dim, tag):
-    return reduce_scatter(x, group, dim, tag=tag)
+class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
+    """g: forward all-reduce (sum), backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _sum(x, group, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
-def _all_to_all(x, group, scatter_dim, gather_dim, tag):
-    return all_to_all(x, group, scatter_dim, gather_dim, tag=tag)
+class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
+    """Forward split along dim (no communication), backward all-gather along dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim, tag="bwd"), None, None
 
 
-def _inverse_all_to_all(x, group, scatter_dim, gather_dim, tag):
-    return all_to_all(x, group, gather_dim, scatter_dim, tag=tag)
+class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
+    """Forward all-gather along dim, backward split (this member's chunk of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim, tag="fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.group, ctx.dim), None, None
 
 
-def _region(name, forward, backward):
-    """An autograd Function computing ``forward(x, group, *dims)``; its backward computes
-    ``backward(grad, group, *dims)``."""
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward reduce-scatter along dim, backward all-gather along dim."""
 
-    def fwd(ctx, x, group, *dims):
-        ctx.group, ctx.dims = group, dims
-        return forward(x, group, *dims, tag="fwd")
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim, tag="fwd")
 
-    def bwd(ctx, grad):
-        # one gradient per forward input: x, then None for the group and for each dim
-        return (backward(grad, ctx.group, *ctx.dims, tag="bwd"), None) + (None,) * len(ctx.dims)
-
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim, tag="bwd"), None, None
 
 
-_CopyToRegion = _region("_CopyToRegion", _identity, _sum)
-_ReduceFromRegion = _region("_ReduceFromRegion", _sum, _identity)
-_ScatterToRegion = _region("_ScatterToRegion", _split, _gather)
-_GatherFromRegion = _region("_GatherFromRegion", _gather, _split)
-_ReduceScatterToRegion = _region("_ReduceScatterToRegion", _reduce_scatter, _gather)
-_GatherToRegion = _region("_GatherToRegion", _gather, _reduce_scatter)
-_AllToAllRegion = _region("_AllToAllRegion", _all_to_all, _inverse_all_to_all)
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Forward all-gather along dim, backward reduce-scatter along dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim, tag="fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, ctx.dim, tag="bwd"), None, None
 
 
-def copy_to_region(x, group):
+class _AllToAll(torch.autograd.Function):
+    """Forward all-to-all (scatter scatter_dim, gather gather_dim), backward the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return all_to_all(x, group, scatter_dim, gather_dim, tag="fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all(grad, ctx.group, gather_dim, scatter_dim, tag="bwd"), None, None, None
+
+
+def copy_to_tensor_model_parallel_region(x, group):
     """Megatron's f: forward identity; backward all-reduce (sum) of the gradient.
 
     Enters a region where each member uses the same ``x`` for a different part of the work
     (a column-parallel linear): ``x``'s gradient is the sum of every member's contribution.
     """
-    return _CopyToRegion.apply(x, group)
+    return _CopyToTensorModelParallelRegion.apply(x, group)
 
 
-def reduce_from_region(x, group):
+def reduce_from_tensor_model_parallel_region(x, group):
     """Megatron's g: forward all-reduce (sum) of the members' partial results; backward
     identity. Leaves a region whose members each hold a partial sum (a row-parallel linear)."""
-    return _ReduceFromRegion.apply(x, group)
+    return _ReduceFromTensorModelParallelRegion.apply(x, group)
 
 
-def scatter_to_region(x, group, dim=-1):
+def scatter_to_tensor_model_parallel_region(x, group, dim=-1):
     """Forward: keep this member's chunk of ``x`` along ``dim`` (no communication);
     backward: all-gather the chunks' gradients along ``dim``."""
-    return _ScatterToRegion.apply(x, group, dim)
+    return _ScatterToTensorModelParallelRegion.apply(x, group, dim)
 
 
-def gather_from_region(x, group, dim=-1):
+def gather_from_tensor_model_parallel_region(x, group, dim=-1):
     """Forward: all-gather along ``dim``; backward: keep this member's chunk of the gradient.
     For an output every member then uses identically (each holds the full gradient)."""
-    return _GatherFromRegion.apply(x, group, dim)
+    return _GatherFromTensorModelParallelRegion.apply(x, group, dim)
 
 
-def reduce_scatter_to_region(x, group, dim=0):
+def reduce_scatter_to_sequence_parallel_region(x, group, dim=0):
     """Sequence parallelism, leaving a tensor-parallel region: forward reduce-scatter
     along ``dim`` (the sequence); backward all-gather of the gradient along ``dim``."""
-    return _ReduceScatterToRegion.apply(x, group, dim)
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group, dim)
 
 
-def gather_to_region(x, group, dim=0):
+def gather_from_sequence_parallel_region(x, group, dim=0):
     """Sequence parallelism, entering a tensor-parallel region: forward all-gather along
     ``dim``; backward reduce-scatter, because each member's gradient for the full tensor
     is only a partial sum (each member computed with its own shard of the weights)."""
-    return _GatherToRegion.apply(x, group, dim)
+    return _GatherFromSequenceParallelRegion.apply(x, group, dim)
 
 
 def all_to_all_region(x, group, scatter_dim, gather_dim):
     """Forward :func:`all_to_all` (scatter ``scatter_dim``, gather ``gather_dim``); backward
     the inverse all-to-all (scatter ``gather_dim``, gather ``scatter_dim``). Ulysses swaps
     sequence shards for head shards this way; MoE sends tokens to their experts."""
-    return _AllToAllRegion.apply(x, group, scatter_dim, gather_dim)
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)

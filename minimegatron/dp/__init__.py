@@ -15,91 +15,62 @@ Every wrapper has the same interface, which is all the training loop uses:
     wrapper(tokens, labels=labels)              the model's forward
     with wrapper.no_sync(): loss.backward()     accumulate a micro-batch, no communication
     loss.backward(); wrapper.finish_grad_sync() the last micro-batch: gradients reduced
-    optimizer.clip_grad_norm(max_norm)          the global norm (clipped in place)
+    optim.clip_grad_norm(optimizer, max_norm)   the global norm (clipped in place)
     optimizer.step(); optimizer.zero_grad()
 
-`build_data_parallel` picks the variant from a TrainConfig (zero_stage, ddp_impl,
+`apply_data_parallel` picks the variant from a TrainConfig (zero_stage, ddp_impl,
 ddp_bucket_size).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from .. import comm
 from ..config import TrainConfig
 from .ddp import DistributedDataParallel, assign_buckets
-from .naive import HookedDataParallel, NaiveDataParallel, allreduce_gradients, broadcast_parameters
-from .timeline import BucketTimeline, plot_bucket_timeline
-from .fsdp import FullyShardedDataParallel, plot_memory_profile
-from .zero import DistributedOptimizer, ZeroDataParallel, build_zero, measure_memory, shard_range, zero1_step
+from .naive import (DataParallel, HookedDataParallel, NaiveDataParallel, allreduce_gradients, broadcast_parameters,
+                    finish_grad_sync, no_sync)
+from .timeline import BucketTimeline
+from .fsdp import FullyShardedDataParallel
+from .zero import DistributedOptimizer, ZeroDataParallel, measure_memory, reduce_scatter_gradients, shard_range
 
 
-class ReplicatedOptimizer:
-    """torch AdamW for wrappers that keep full, identical gradients on every rank
-    (naive DP and DDP): the local gradient norm already is the global one. With
-    `tensor_parallel` (the TensorParallelGPTModel inside the wrapper), the norm sums over its
-    TP group instead, counting the replicated parameters once."""
-
-    def __init__(self, inner: torch.optim.Optimizer, wrapper: nn.Module, tensor_parallel=None):
-        self.inner, self.wrapper, self.tensor_parallel = inner, wrapper, tensor_parallel
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        if self.tensor_parallel is not None:
-            from ..tp.model import clip_tensor_parallel_grad_norm
-            return float(clip_tensor_parallel_grad_norm(self.tensor_parallel, max_norm))
-        params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
-
-    def step(self) -> None:
-        self.inner.step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+def build_zero(model: nn.Module, group, stage: int, cfg: TrainConfig, bucket_size: int | None = None,
+               tp_rank: int = 0, model_groups=()) -> tuple[nn.Module, DistributedOptimizer]:
+    """(wrapper, optimizer) for ZeRO stage 1, 2 or 3 of `model` over `group`; tp_rank and
+    model_groups (the groups that split the model, e.g. [tp group]) as DistributedOptimizer."""
+    if stage == 3:
+        wrapper = FullyShardedDataParallel(model, group)
+    else:
+        wrapper = ZeroDataParallel(model, group, stage=stage, bucket_size=bucket_size)
+    return wrapper, DistributedOptimizer(wrapper, cfg, tp_rank, model_groups)
 
 
-def build_data_parallel(model: nn.Module, cfg: TrainConfig, group,
-                        tensor_parallel=None) -> tuple[nn.Module, object]:
-    """(wrapper, optimizer) for `model` over the data-parallel `group`, as `cfg` asks:
+def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group) -> nn.Module:
+    """Wrap `model` for data parallelism over `group`, as `cfg` asks; the model itself when
+    the group has one rank (nothing to average or to shard):
 
     zero_stage 0: `ddp_impl` "naive" (NaiveDataParallel) or "bucketed"
-                  (DistributedDataParallel, buckets of `ddp_bucket_size` elements), with
-                  AdamW on the full replicated parameters;
-    zero_stage 1, 2: ZeroDataParallel + DistributedOptimizer (sharded AdamW state; stage 2
-                  also shards the gradients);
-    zero_stage 3: FullyShardedDataParallel + DistributedOptimizer (parameters sharded too).
-    `tensor_parallel`: pass `model` itself when it is a TensorParallelGPTModel (each DP rank is
-    a TP group, chapter 02): the optimizer's gradient norm then also sums over the TP group.
-    Stages 0, 1 and 2 only.
+                  (DistributedDataParallel, buckets of `ddp_bucket_size` elements);
+    zero_stage 1, 2: ZeroDataParallel (pair it with a DistributedOptimizer);
+    zero_stage 3: FullyShardedDataParallel (the same).
     """
-    from ..train import build_optimizer
+    if comm.group_size(group) == 1:
+        return model
+    if cfg.zero_stage == 3:
+        return FullyShardedDataParallel(model, group)
+    if cfg.zero_stage in (1, 2):                        # pair it with a DistributedOptimizer
+        return ZeroDataParallel(model, group, stage=cfg.zero_stage, bucket_size=cfg.ddp_bucket_size)
+    if cfg.ddp_impl == "naive":
+        return NaiveDataParallel(model, group)
+    element_size = next(model.parameters()).element_size()
+    bucket_bytes = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
+    return DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes)
 
-    if cfg.zero_stage == 0:
-        if cfg.ddp_impl == "naive":
-            wrapper = NaiveDataParallel(model, group)
-        else:
-            element_size = next(model.parameters()).element_size()
-            bucket_bytes = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
-            wrapper = DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes)
-        return wrapper, ReplicatedOptimizer(build_optimizer(model, cfg), wrapper, tensor_parallel)
-    return build_zero(model, group, cfg.zero_stage, cfg, bucket_size=cfg.ddp_bucket_size,
-                      tensor_parallel=tensor_parallel)
 
-
-__all__ = ["NaiveDataParallel", "HookedDataParallel", "DistributedDataParallel", "ZeroDataParallel",
-           "DistributedOptimizer", "ReplicatedOptimizer", "broadcast_parameters", "allreduce_gradients",
-           "assign_buckets", "shard_range", "build_zero", "build_data_parallel", "measure_memory",
-           "BucketTimeline", "plot_bucket_timeline", "FullyShardedDataParallel", "plot_memory_profile",
-           "zero1_step"]
+__all__ = ["DataParallel", "no_sync", "finish_grad_sync", "NaiveDataParallel", "HookedDataParallel",
+           "DistributedDataParallel", "ZeroDataParallel", "DistributedOptimizer", "broadcast_parameters",
+           "allreduce_gradients", "assign_buckets", "shard_range", "build_zero", "apply_data_parallel", "measure_memory",
+           "BucketTimeline", "FullyShardedDataParallel",
+           "reduce_scatter_gradients"]

@@ -42,7 +42,7 @@ bytes as naive DP in fewer calls. None inside no_sync(). With overlap=False the 
 all-reduces are issued, in bucket order, inside finish_grad_sync().
 
 Timeline: each step's launches and completions are recorded in `self.timeline`
-(timeline.BucketTimeline); timeline.plot_bucket_timeline draws it.
+(timeline.BucketTimeline); viz.plot_bucket_timeline draws it.
 
 Requirements (as in Megatron): all parameters have one dtype, and every parameter that
 requires grad receives a gradient in the last micro-batch's backward (a bucket that never
@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -66,7 +65,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from .naive import broadcast_parameters
+from .naive import DataParallel, broadcast_parameters
 from .timeline import BucketEvent, BucketTimeline
 
 
@@ -126,7 +125,7 @@ class Bucket:
     event: BucketEvent | None = None    # its timeline entry
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(DataParallel):
     """Bucketed, overlapped data parallelism (see the module docstring).
 
     DistributedDataParallel(module, group, bucket_size_bytes=None, overlap=True)
@@ -151,9 +150,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group, bucket_size_bytes: int | None = None,
                  overlap: bool = True):
-        super().__init__()
-        self.module, self.group, self.overlap = module, group, overlap
-        self.dp_size = comm.group_size(group)
+        super().__init__(module, group)
+        self.overlap = overlap
         params = [p for p in module.parameters() if p.requires_grad]
         dtypes = sorted({str(p.dtype) for p in params})
         if len(dtypes) != 1:
@@ -174,7 +172,7 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"assign_buckets returned {groups}: expected non-empty lists of "
                              f"consecutive indices covering 0..{len(order) - 1} in order")
 
-        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
         self.main_grad: dict[nn.Parameter, torch.Tensor] = {}
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self.buckets: list[Bucket] = []
@@ -189,7 +187,6 @@ class DistributedDataParallel(nn.Module):
                 offset += p.numel()
             self.buckets.append(bucket)
 
-        self._sync = True                   # False inside no_sync()
         self._synced = False                # finish_grad_sync done: the next forward starts a step
         self._backward_start: float | None = None
         self._last_grad_time = 0.0
@@ -224,7 +221,7 @@ class DistributedDataParallel(nn.Module):
         view.add_(param.grad)               # accumulate over micro-batches, in the buffer
         param.grad = None                   # the buffer holds it now; free autograd's copy
         self._last_grad_time = time.perf_counter()
-        if not self._sync:
+        if not self.syncing:
             return                          # no_sync: accumulate, never launch
         bucket.ready.add(id(param))
         if self.overlap and len(bucket.ready) == len(bucket.params):
@@ -247,21 +244,11 @@ class DistributedDataParallel(nn.Module):
             event.completed = launched
 
     # ------------------------------------------------------------------ the interface
-    @contextmanager
-    def no_sync(self):
-        """Backward inside accumulates gradients into the buffer without communicating."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def finish_grad_sync(self) -> None:
         """Launch any bucket not launched yet (in bucket order), wait for all of them, and
-        point every p.grad at its buffer view, which now holds the DP-averaged gradient."""
-        if not self._sync:
-            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
-                               "micro-batch's backward outside it, then sync")
+        point every p.grad at its buffer view, which now holds the DP-averaged gradient.
+        (no_sync, from DataParallel: backward accumulates into the buffer, launches nothing.)"""
+        self.check_can_sync()
         sync_start = time.perf_counter()
         for bucket in self.buckets:
             if bucket.work is None:         # overlap=False, or a bucket that never completed

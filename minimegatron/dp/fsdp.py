@@ -48,16 +48,16 @@ torch/distributed/fsdp/_flat_param.py (FlatParamHandle: flat parameters, unshard
 
 from __future__ import annotations
 
-import os
-import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..comm import all_gather_into_tensor, group_rank, group_size, reduce_scatter_tensor
+from .naive import DataParallel
 from .zero import shard_range
 
 
@@ -110,7 +110,7 @@ def gpt_unit_plan(model: nn.Module) -> list[UnitPlan]:
     for i, layer in model.decoder.layers.items():
         plan.append(UnitPlan(f"decoder.layers.{i}", (f"decoder.layers.{i}.",), layer))
     if model.decoder.final_layernorm is not None:
-        tied = model.output_layer is None
+        tied = model.output_layer.weight is None
         plan.append(UnitPlan("head", ("decoder.final_layernorm.", "output_layer."), model.decoder.final_layernorm,
                              free_at_end=True, borrows=("embedding",) if tied else ()))
     return plan
@@ -123,7 +123,7 @@ def _build_unit(name: str, members: list[tuple[str, nn.Parameter]], model: nn.Mo
     offsets = [sum(numels[:i]) for i in range(len(numels))]
     numel = sum(numels)
     start, end = shard_range(numel, dp, rank)
-    flat = torch.zeros(dp * (end - start), dtype=members[0][1].dtype)
+    flat = torch.zeros(dp * (end - start), dtype=members[0][1].dtype, device=members[0][1].device)
     slots = []
     for (pname, p), off in zip(members, offsets):
         flat[off:off + p.numel()] = p.detach().reshape(-1)
@@ -206,12 +206,13 @@ class _GatherUnit(torch.autograd.Function):
 
 @dataclass
 class MemoryEvent:
+    """One point of FullyShardedDataParallel.memory_profile (viz.plot_memory_profile draws them)."""
     label: str          # e.g. "fwd gather decoder.layers.0"
     sharded: int        # bytes of this rank's parameter shards
     gathered: int       # bytes of gathered unit buffers alive at this moment
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(DataParallel):
     """ZeRO-3: parameters, gradients and optimizer state sharded over `group`.
 
     Same use as zero.ZeroDataParallel (forward, no_sync, finish_grad_sync) with a
@@ -221,8 +222,7 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group, plan: list[UnitPlan] | None = None):
-        super().__init__()
-        self.module, self.group = module, group
+        super().__init__(module, group)
         self.dp, self.rank = group_size(group), group_rank(group)
         plan = gpt_unit_plan(module) if plan is None else plan
         named = list(module.named_parameters())
@@ -239,8 +239,8 @@ class FullyShardedDataParallel(nn.Module):
         self._live: dict[int, tuple[_UnitUse, int]] = {}  # storage address -> (use, output index)
         self._gathered: list[weakref.ref] = []           # gathered buffers, for the profile
         self._in_backward: list[_UnitUse] = []           # uses gathered again for backward
-        self._sync = True
-        self.profile: list[MemoryEvent] | None = None
+        self.profile: list[MemoryEvent] | None = None   # recording (memory_profile)
+        self._settle = None
         for p in plan:
             if p.name in self.units:
                 p.trigger.register_forward_pre_hook(lambda m, a, p=p: self._gather_for(p))
@@ -309,7 +309,7 @@ class FullyShardedDataParallel(nn.Module):
         for g, off, n in zip(grads, unit.offsets, unit.numels):
             if g is not None:
                 flat[off:off + n] = g.reshape(-1)
-        if not self._sync:
+        if not self.syncing:
             unit.pending = flat if unit.pending is None else unit.pending.add_(flat)
             return
         self._reduce(unit, flat)
@@ -322,20 +322,9 @@ class FullyShardedDataParallel(nn.Module):
         reduce_scatter_tensor(mine, flat, self.group, op="avg", tag="grads")
         unit.main_grad.add_(mine)
 
-    @contextmanager
-    def no_sync(self):
-        """Backward inside this block accumulates each unit's local gradient in unit.pending."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def finish_grad_sync(self) -> None:
         """Gradients were reduce-scattered during backward; reduce what no_sync left pending."""
-        if not self._sync:
-            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
-                               "micro-batch's backward outside it, then sync")
+        self.check_can_sync()
         for unit in self.units.values():
             if unit.pending is not None:
                 self._reduce(unit, torch.zeros_like(unit.pending))
@@ -350,6 +339,12 @@ class FullyShardedDataParallel(nn.Module):
                 if a < b:
                     segments.append((u.shard.detach()[a:b], u.main_grad[a:b], decay))
         return segments
+
+    def grad_shard_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(owner, piece) pairs of this rank's gradient shards for optim.grads_for_norm: the
+        model's parameters are gone, so each unit's shard stands for them (ZeRO-3 is not
+        combined with tensor parallelism here: nothing in it is a TP duplicate)."""
+        return [(u.shard, u.main_grad[:max(0, min(u.end, u.numel) - u.start)]) for u in self.units.values()]
 
     def after_optimizer_step(self) -> None:
         """Nothing: the parameters stay sharded; the next forward gathers them."""
@@ -383,16 +378,24 @@ class FullyShardedDataParallel(nn.Module):
                 "grads": [u.main_grad for u in self.units.values()]
                 + [u.pending for u in self.units.values() if u.pending is not None]}
 
-    # ---- the memory profile ------------------------------------------------------------------
+    # ---- the memory profile: a record at every gather and free ------------------------------
     @contextmanager
-    def memory_profile(self):
+    def memory_profile(self, settle: Callable[[Callable[[], bool]], object] | None = None):
         """`with wrapper.memory_profile() as events:` records a MemoryEvent at every gather
-        and free; gathered bytes are measured: buffers that are still referenced anywhere."""
-        self.profile = []
+        and free; gathered bytes are measured: buffers that are still referenced anywhere.
+
+        Measuring does not wait. gloo's worker thread lets go of a finished collective's
+        tensors a moment after wait() returns, so a buffer released just now may still count;
+        `settle(released)`, if given, is called before each measurement and may wait until
+        `released()` (self.released: nothing this wrapper let go of is alive any more), e.g.
+        viz.wait_until, which gives it up to 0.5 s: a real leak survives and shows.
+        viz.plot_memory_profile draws the events.
+        """
+        self.profile, self._settle = [], settle
         try:
             yield self.profile
         finally:
-            self.profile = None
+            self.profile, self._settle = None, None
 
     def _track(self, tensors) -> None:
         self._gathered = [r for r in self._gathered if r() is not None]
@@ -405,53 +408,30 @@ class FullyShardedDataParallel(nn.Module):
         views += [t for u in self._in_backward for t in u.bwd]
         return {t.untyped_storage().data_ptr() for t in views}
 
+    def _alive(self) -> dict[int, int]:
+        """Storage address -> bytes of every gathered buffer still referenced anywhere."""
+        self._gathered = [r for r in self._gathered if r() is not None]
+        live = {}
+        for r in self._gathered:
+            t = r()
+            if t is not None:                  # (it may die between the two lines)
+                s = t.untyped_storage()
+                live[s.data_ptr()] = s.nbytes()
+        return live
+
+    def released(self) -> bool:
+        """True when every gathered buffer still alive is one this wrapper still uses."""
+        return set(self._alive()) <= self._held()
+
     def _event(self, label: str) -> None:
         if self.profile is None:
             return
-        # gloo's worker thread lets go of a finished collective's tensors a moment after wait()
-        # returns: give a released buffer up to 0.5 s to die. A real leak survives and shows.
-        deadline = time.monotonic() + 0.5
-        while True:
-            self._gathered = [r for r in self._gathered if r() is not None]
-            live = {}
-            for r in self._gathered:
-                s = r().untyped_storage()
-                live[s.data_ptr()] = s.nbytes()
-            if set(live) <= self._held() or time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
+        if self._settle is not None:
+            self._settle(self.released)
+        live = self._alive()
         sharded = sum(u.shard.untyped_storage().nbytes() for u in self.units.values())
         self.profile.append(MemoryEvent(label, sharded, sum(live.values())))
 
 
-def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike | None = None,
-                        unsharded_bytes: int | None = None, title: str = "ZeRO-3 parameter memory over one step"):
-    """A step chart of the parameter bytes one rank holds at each event; returns the Figure
-    (its own Agg canvas, no pyplot: a notebook's backend is left alone) and saves it to `path`."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    x = range(len(profile))
-    sharded = [e.sharded / 1024 for e in profile]
-    total = [(e.sharded + e.gathered) / 1024 for e in profile]
-    fig = Figure(figsize=(max(6.0, 0.35 * len(profile)), 4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.fill_between(x, 0, sharded, step="post", color="tab:blue", alpha=0.6, label="own shards")
-    ax.fill_between(x, sharded, total, step="post", color="tab:orange", alpha=0.6, label="gathered units")
-    if unsharded_bytes:
-        ax.axhline(unsharded_bytes / 1024, color="k", ls="--", lw=1, label="full parameters (ZeRO-0/1/2)")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels([e.label for e in profile], rotation=75, ha="right", fontsize=7)
-    ax.set_ylabel("parameter memory per rank (KiB)")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
-
-
 __all__ = ["Unit", "UnitPlan", "gpt_unit_plan", "gather_unit_parameters", "install_unit_parameters",
-           "free_unit_parameters", "FullyShardedDataParallel", "MemoryEvent", "plot_memory_profile"]
+           "free_unit_parameters", "FullyShardedDataParallel", "MemoryEvent"]

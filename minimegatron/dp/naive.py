@@ -45,13 +45,62 @@ whatever M is.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
 from torch import nn
 
 from .. import comm
+
+
+class DataParallel(nn.Module):
+    """What every data-parallel wrapper of the book shares (naive, hooked, bucketed DDP, ZeRO
+    1/2, ZeRO-3): `module` (this rank's model), `group` (the data-parallel group), the
+    module's forward, and the switch the training step uses for gradient accumulation:
+
+        with wrapper.no_sync(): ...backward...    micro-batches 0 .. M-2: no communication
+        ...backward...; wrapper.finish_grad_sync()  the last one: gradients reduced
+
+    Subclasses say what "reduced" means (finish_grad_sync) and read `self.syncing` (False
+    inside no_sync) in their hooks."""
+
+    def __init__(self, module: nn.Module, group):
+        super().__init__()
+        self.module, self.group = module, group
+        self.dp_size = comm.group_size(group)
+        self.syncing = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward inside this block only accumulates local gradients: no communication."""
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
+
+    def check_can_sync(self) -> None:
+        if not self.syncing:
+            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
+                               "micro-batch's backward outside it, then sync")
+
+    def finish_grad_sync(self) -> None:
+        raise NotImplementedError
+
+
+def no_sync(model: nn.Module):
+    """model.no_sync() for a data-parallel wrapper; nothing to hold back for a bare model."""
+    return model.no_sync() if isinstance(model, DataParallel) else nullcontext()
+
+
+def finish_grad_sync(model: nn.Module) -> None:
+    """model.finish_grad_sync() for a data-parallel wrapper; nothing for a bare model."""
+    if isinstance(model, DataParallel):
+        model.finish_grad_sync()
 
 
 def broadcast_parameters(model: nn.Module, group, tag: str = "params") -> None:
@@ -138,7 +187,7 @@ def average_gradient_hook(param: nn.Parameter, group, sync: bool) -> None:
     # END EXERCISE
 
 
-class NaiveDataParallel(nn.Module):
+class NaiveDataParallel(DataParallel):
     """Data parallelism in its simplest form: all-reduce every gradient after backward.
 
     NaiveDataParallel(module, group): `module` is this rank's full model copy (wrapper.module);
@@ -152,28 +201,8 @@ class NaiveDataParallel(nn.Module):
     broadcast_params(): copy the group's first rank's parameters to all ranks.
     """
 
-    def __init__(self, module: nn.Module, group):
-        super().__init__()
-        self.module = module
-        self.group = group
-        self.dp_size = comm.group_size(group)
-        self._sync = True               # False inside no_sync()
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def finish_grad_sync(self) -> None:
-        if not self._sync:
-            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
-                               "micro-batch's backward outside it, then sync")
+        self.check_can_sync()
         allreduce_gradients(self.module, self.group)   # module-level name: exercise 1.1 plugs in here
 
     def broadcast_params(self) -> None:
@@ -205,14 +234,12 @@ class HookedDataParallel(NaiveDataParallel):
         # Looked up at call time, not bound at construction, so that a grader's plug("1.5")
         # reaches the hook of a model that was already wrapped.
         hook = self._hook or average_gradient_hook
-        hook(param, self.group, self._sync)
-        if self._sync:
+        hook(param, self.group, self.syncing)
+        if self.syncing:
             self._synced.add(id(param))
 
     def finish_grad_sync(self) -> None:
-        if not self._sync:
-            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
-                               "micro-batch's backward outside it, then sync")
+        self.check_can_sync()
         names = {id(p): n for n, p in self.module.named_parameters()}
         missing = [names[id(p)] for p in self._params if id(p) not in self._synced]
         self._synced.clear()

@@ -1,4 +1,5 @@
-"""When did each bucket's all-reduce run, relative to backward? The record and its picture.
+"""When did each bucket's all-reduce run, relative to backward? The record (viz.plot_bucket_timeline
+draws it).
 
 `DistributedDataParallel` (ddp.py) fills one `BucketTimeline` per optimizer step, for the
 backward of the last micro-batch (the one that communicates). All times are seconds after
@@ -27,7 +28,6 @@ benchmark under benchmarks/ reports the measured speed honestly.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 
@@ -74,47 +74,3 @@ class BucketTimeline:
 
     __str__ = table
 
-
-def plot_bucket_timeline(timeline: BucketTimeline, path: str | os.PathLike | None = None,
-                         title: str | None = None):
-    """Draw backward and each bucket's all-reduce as bars on one time axis (milliseconds).
-
-    Row "backward": 0 .. backward_end. Row "sync": finish_grad_sync. One row per bucket, in
-    launch order: a bar from launch to completion (hatched where finish_grad_sync waited for
-    it). Saves a PNG to `path` if given; returns the matplotlib Figure (Agg backend).
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    events = timeline.buckets
-    rows = ["backward", "finish_grad_sync"] + [f"bucket {e.bucket}" for e in events]
-    fig = Figure(figsize=(7.5, 1.3 + 0.38 * len(rows)), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    ms = 1e3
-    span = max(timeline.sync_end, timeline.backward_end, 1e-9)
-    y = {name: len(rows) - 1 - i for i, name in enumerate(rows)}      # first row on top
-    ax.barh(y["backward"], timeline.backward_end * ms, left=0, height=0.6, color="tab:blue",
-            label="backward (gradient computation)")
-    ax.barh(y["finish_grad_sync"], (timeline.sync_end - timeline.sync_start) * ms,
-            left=timeline.sync_start * ms, height=0.6, color="tab:gray", label="finish_grad_sync")
-    hatched = False
-    for e in events:
-        end = e.completed if e.completed is not None else timeline.sync_end
-        ax.barh(y[f"bucket {e.bucket}"], max(end - e.launched, 1e-6) * ms, left=e.launched * ms,
-                height=0.6, color="tab:orange",
-                label="all-reduce (launch .. done)" if e is events[0] else None)
-        if e.waited > 0.01 * span and e.wait_start is not None:   # communication the step waited for
-            ax.barh(y[f"bucket {e.bucket}"], e.waited * ms, left=e.wait_start * ms, height=0.6,
-                    fill=False, hatch="///", edgecolor="black", linewidth=0,
-                    label=None if hatched else "waited for in finish_grad_sync")
-            hatched = True
-    ax.axvline(timeline.backward_end * ms, color="tab:blue", linestyle=":", linewidth=1)
-    ax.set_yticks([y[r] for r in rows], rows)
-    ax.set_xlabel("milliseconds after backward started")
-    ax.set_title(title or f"DDP bucket all-reduces ({'overlapped with' if timeline.overlap else 'after'} backward)")
-    ax.grid(axis="x", alpha=0.3)
-    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig

@@ -9,7 +9,7 @@ gradients and the optimizer state. ZeRO (Rajbhandari et al. 2020) removes the co
 
 The layout (Megatron's param-and-grad buffer). The parameters are packed, in reverse order
 (backward produces gradients from the output back), into flat *buckets*: one per weight-decay
-group (matrices decay; biases and norm weights do not, as train.build_optimizer), or several
+group (matrices decay; biases and norm weights do not, as optim.param_groups), or several
 of about `bucket_size` elements. A bucket of n elements is padded with zeros to dp * S
 elements, S = ceil(n / dp), and rank r owns the elements [r S, (r+1) S) (`shard_range`):
 
@@ -26,13 +26,14 @@ One step, per bucket (Megatron: DistributedDataParallel + DistributedOptimizer):
     all-gather            every rank receives every rank's updated S elements -> param_data
 
 Stage 1 keeps grad_data (dp*S) for the whole step and reduce-scatters in place, into its own
-slice, in `finish_grad_sync`. Stage 2 has no persistent grad_data: autograd writes each
-parameter's .grad as usual; the moment the last gradient of a bucket is accumulated (a
-post-accumulate-grad hook) the bucket is packed into a temporary flat buffer, reduce-scattered
-into the bucket's own S-element main_grad and every .grad of the bucket is freed. So a rank
-never holds the full gradient of more than the buckets still being produced (measured:
-`ZeroDataParallel.grad_bytes_peak`). With gradient accumulation (`no_sync`) the .grad of the
-earlier micro-batches stay full-size until the last micro-batch's backward reduces them.
+slice, in `finish_grad_sync` (`reduce_scatter_gradients`, exercise 1.3). Stage 2 has no
+persistent grad_data: autograd writes each parameter's .grad as usual; the moment the last
+gradient of a bucket is accumulated (a post-accumulate-grad hook) the bucket is packed into a
+temporary flat buffer, reduce-scattered into the bucket's own S-element main_grad and every
+.grad of the bucket is freed. So a rank never holds the full gradient of more than the
+buckets still being produced (measured: `ZeroDataParallel.grad_bytes_peak`). With gradient
+accumulation (`no_sync`) the .grad of the earlier micro-batches stay full-size until the last
+micro-batch's backward reduces them.
 
 Communication per optimizer step (e = bytes per element, ledger bytes; one call per bucket):
 
@@ -56,14 +57,16 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..comm import all_gather_into_tensor, all_reduce, group_rank, group_size, reduce_scatter_tensor
+from ..comm import all_gather_into_tensor, group_rank, group_size, reduce_scatter_tensor
 from ..config import TrainConfig
+from ..optim import Optimizer, grads_for_norm
+from .ddp import assign_buckets
+from .naive import DataParallel
 
 
 def shard_range(numel: int, dp: int, rank: int) -> tuple[int, int]:
@@ -131,13 +134,9 @@ def build_buckets(model: nn.Module, dp: int, rank: int, bucket_size: int | None 
         raise ValueError(f"build_buckets: one dtype per model expected, got {sorted(map(str, dtypes))}")
     buckets = []
     for decay in (True, False):
-        chunk: list[tuple[str, nn.Parameter]] = []
         members = [(n, p) for n, p in named if (p.dim() >= 2) == decay]
-        for i, (name, p) in enumerate(members):
-            chunk.append((name, p))
-            if i == len(members) - 1 or (bucket_size and sum(q.numel() for _, q in chunk) >= bucket_size):
-                buckets.append(_make_bucket(chunk, decay, dp, rank, grad_buffer))
-                chunk = []
+        for indices in assign_buckets([p.numel() for _, p in members], bucket_size):   # DDP's rule
+            buckets.append(_make_bucket([members[i] for i in indices], decay, dp, rank, grad_buffer))
     return buckets
 
 
@@ -148,7 +147,7 @@ def _make_bucket(members, decay: bool, dp: int, rank: int, grad_buffer: bool) ->
         numel += p.numel()
     start, end = shard_range(numel, dp, rank)
     dtype = members[0][1].dtype
-    param_data = torch.zeros(dp * (end - start), dtype=dtype)   # zeros: the padding stays 0
+    param_data = torch.zeros(dp * (end - start), dtype=dtype, device=members[0][1].device)   # padding stays 0
     grad_data = torch.zeros_like(param_data) if grad_buffer else None
     with torch.no_grad():
         for (_, p), off in zip(members, offsets):
@@ -157,39 +156,39 @@ def _make_bucket(members, decay: bool, dp: int, rank: int, grad_buffer: bool) ->
             p.data = view                          # the model now reads its weights from the bucket
             if grad_data is not None:
                 p.grad = grad_data[off:off + p.numel()].view_as(p)
-    main_grad = grad_data[start:end] if grad_data is not None else torch.zeros(end - start, dtype=dtype)
+    main_grad = grad_data[start:end] if grad_data is not None else torch.zeros(end - start, dtype=dtype, device=param_data.device)
     return Bucket([p for _, p in members], [n for n, _ in members], offsets, numel, len(param_data),
                   end - start, decay, start, end, param_data, grad_data, main_grad)
 
 
-def zero1_step(buckets: list[Bucket], optimizer: torch.optim.Optimizer, group) -> None:
-    """The whole ZeRO-1 step, from every rank's unreduced local gradients in `bucket.grad_data`.
+def reduce_scatter_gradients(buckets: list[Bucket], group) -> None:
+    """ZeRO-1's gradient sync (what ZeroDataParallel.finish_grad_sync runs at stage 1): from
+    every rank's local gradients to this rank's shard of their average, bucket by bucket.
 
-    For each bucket b (see `Bucket`; this rank owns b.param_data[b.start:b.end], S elements):
-      1. reduce-scatter with op "avg" of b.grad_data [dp*S] into b.main_grad [S] (= the view
-         b.grad_data[b.start:b.end]): this rank's shard of the gradient averaged over `group`;
-         one comm.reduce_scatter_tensor call per bucket, tag "grads".
-      2. after ALL buckets are reduced: optimizer.step() once. `optimizer` (a torch optimizer,
-         e.g. DistributedOptimizer.inner) updates this rank's shard only: its tensors are views
-         of b.param_data[b.start:b.start + b.real] whose .grad are views of b.main_grad.
-      3. then all-gather each bucket's updated shard b.shard_param [S] into b.param_data
-         [dp*S]: every rank has the full updated parameters again; one
-         comm.all_gather_into_tensor call per bucket, tag "params".
-    Ledger: len(buckets) reduce_scatter records of dp*S*e bytes, then len(buckets) all_gather
-    records of S*e bytes. No clipping here: DistributedOptimizer does the same in three calls
-    (ZeroDataParallel.finish_grad_sync, clip_grad_norm, step) so that clipping fits between.
+    For each bucket b of `buckets`, in list order (see `Bucket`; S = b.shard_numel, dp = the
+    size of `group`, this rank owns the elements [b.start, b.end) of the bucket):
+      before: b.grad_data [dp*S] holds this rank's local gradient of the whole bucket,
+              accumulated by backward (the model's .grad are views of it; the padding is 0);
+      after:  b.main_grad [S] holds the average over the ranks of `group` of their
+              b.grad_data[b.start:b.end]: the gradient shard the DistributedOptimizer clips
+              and steps with. main_grad IS the view b.grad_data[b.start:b.end], so the
+              result lands in place, in the bucket's own buffer (as Megatron's distributed
+              optimizer does); the rest of grad_data is not read again before zero_grad.
+    Collectives: exactly one comm.reduce_scatter_tensor per bucket, over `group`, op "avg",
+    tag "grads", in bucket order (every rank issues the same calls in the same order).
+    Ledger: len(buckets) reduce_scatter records of dp*S*e bytes each (e bytes per element).
+    An all-reduce of grad_data would leave the same numbers in main_grad, but it moves twice
+    the bytes of a reduce-scatter (all-reduce = reduce-scatter + all-gather) to give every
+    rank the parts of the average that only other ranks step with.
     """
-    # BEGIN EXERCISE 1.3: the ZeRO-1 step | hint: three phases in this order: a reduce-scatter per bucket (its output is a view of its own input), ONE optimizer.step(), an all-gather per bucket (its input is this rank's slice of its output)
+    # BEGIN EXERCISE 1.3: ZeRO-1's gradient reduce-scatter | hint: one comm.reduce_scatter_tensor(out, t, group, op=..., tag=...) per bucket; its output is this rank's own slice of its input, and that slice is b.main_grad
     for b in buckets:
         # in place: the output is this rank's own slice of the input (as Megatron does)
         reduce_scatter_tensor(b.main_grad, b.grad_data, group, op="avg", tag="grads")
-    optimizer.step()
-    for b in buckets:
-        all_gather_into_tensor(b.param_data, b.shard_param, group, tag="params")
     # END EXERCISE
 
 
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(DataParallel):
     """Data parallelism with ZeRO stage 1 (optimizer state sharded) or 2 (and gradients).
 
     Wraps `module` (replicated on every rank of `group`, same initial weights); step with a
@@ -198,7 +197,7 @@ class ZeroDataParallel(nn.Module):
         loss = wrapper(tokens, labels=labels).mean() / M      # forward = the module's
         with wrapper.no_sync(): loss.backward()               # micro-batches 0..M-2
         loss.backward(); wrapper.finish_grad_sync()           # the last one, then reduce
-        optimizer.clip_grad_norm(max_norm); optimizer.step(); optimizer.zero_grad()
+        optim.clip_grad_norm(optimizer, max_norm); optimizer.step(); optimizer.zero_grad()
 
     bucket_size: elements per bucket (None: one bucket per weight-decay group). Stage 2
     reduce-scatters each bucket during the backward of the last micro-batch, as soon as the
@@ -206,13 +205,12 @@ class ZeroDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group, stage: int = 1, bucket_size: int | None = None):
-        super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel: stage={stage} must be 1 or 2 (stage 3: FullyShardedDataParallel)")
-        self.module, self.group, self.stage = module, group, stage
+        super().__init__(module, group)
+        self.stage = stage
         self.dp, self.rank = group_size(group), group_rank(group)
         self.buckets = build_buckets(module, self.dp, self.rank, bucket_size, grad_buffer=stage == 1)
-        self._sync = True              # False inside no_sync()
         self._reduced: set[int] = set()  # buckets reduced since the last finish_grad_sync
         self._ready: dict[int, set[int]] = {}
         self.grad_bytes_peak = 0         # stage 2: most full-gradient bytes held during backward
@@ -230,19 +228,10 @@ class ZeroDataParallel(nn.Module):
                         p.grad = b.grad_data[off:off + p.numel()].view_as(p)
         return self.module(*args, **kwargs)
 
-    @contextmanager
-    def no_sync(self):
-        """Backward inside this block only accumulates local gradients: no communication."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     # ---- stage 2: reduce a bucket as soon as its last gradient is accumulated ------------
     def _grad_ready(self, param: nn.Parameter) -> None:
         self.grad_bytes_peak = max(self.grad_bytes_peak, self._full_grad_bytes())
-        if not self._sync:
+        if not self.syncing:
             return
         i = self._where[id(param)]
         ready = self._ready.setdefault(i, set())
@@ -274,14 +263,13 @@ class ZeroDataParallel(nn.Module):
         """After the last micro-batch's backward: every bucket's main_grad holds this rank's
         shard of the gradient averaged over the group (stage 1: one in-place reduce-scatter
         per bucket now; stage 2: the buckets the backward did not complete are reduced now)."""
-        if not self._sync:
-            raise RuntimeError("finish_grad_sync() was called inside no_sync(): run the last "
-                               "micro-batch's backward outside it, then sync")
-        for i, b in enumerate(self.buckets):
-            if self.stage == 1:
-                reduce_scatter_tensor(b.main_grad, b.grad_data, self.group, op="avg", tag="grads")
-            elif i not in self._reduced:
-                self._reduce_bucket(i)
+        self.check_can_sync()
+        if self.stage == 1:
+            reduce_scatter_gradients(self.buckets, self.group)     # exercise 1.3
+        else:
+            for i in range(len(self.buckets)):
+                if i not in self._reduced:
+                    self._reduce_bucket(i)
         self._reduced.clear()
         self._ready.clear()
 
@@ -317,16 +305,16 @@ class ZeroDataParallel(nn.Module):
                 out[name] = full[off:off + p.numel()].view_as(p).clone()
         return out
 
-    def grad_shard_pieces(self) -> list[tuple[str, torch.Tensor]]:
-        """(parameter name, the part of its averaged gradient in this rank's shard) for every
-        parameter that overlaps the shard (views of main_grad; padding excluded). Under tensor
-        parallelism the norm needs to know which elements belong to replicated parameters."""
+    def grad_shard_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, the part of its averaged gradient in this rank's shard) for every
+        parameter that overlaps the shard (views of main_grad; padding excluded): the norm
+        reads the parameter's attributes to count each element once (optim.grads_for_norm)."""
         pieces = []
         for b in self.buckets:
-            for name, p, off in zip(b.names, b.params, b.offsets):
+            for p, off in zip(b.params, b.offsets):
                 lo, hi = max(off, b.start), min(off + p.numel(), b.end)
                 if lo < hi:
-                    pieces.append((name, b.main_grad[lo - b.start:hi - b.start]))
+                    pieces.append((p, b.main_grad[lo - b.start:hi - b.start]))
         return pieces
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -336,83 +324,46 @@ class ZeroDataParallel(nn.Module):
         return {"params": [b.param_data for b in self.buckets], "grads": grads}
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(Optimizer):
     """AdamW on this rank's shards, for every ZeRO stage (Megatron's DistributedOptimizer).
 
     `wrapper` (ZeroDataParallel or FullyShardedDataParallel) lists this rank's shards as
-    (parameter view, gradient view, decay) segments; they become the tensors of one
-    torch.optim.AdamW with two groups: decay (weight_decay = cfg.weight_decay) and no decay.
-    AdamW is elementwise, so stepping a shard does to each element exactly what the single-device
-    AdamW does to it. After the step the wrapper restores full parameters where its stage keeps
-    them (stages 1 and 2: all-gather; stage 3: nothing, the next forward gathers).
+    (parameter view, gradient view, decay) segments; they become the tensors of optim.Optimizer
+    (torch AdamW with the decay and no-decay groups). AdamW is elementwise, so stepping a shard
+    does to each element exactly what the single-device AdamW does to it. After the step the
+    wrapper restores full parameters where its stage keeps them (stages 1 and 2: all-gather;
+    stage 3: nothing, the next forward gathers).
 
-    `tensor_parallel`: the TensorParallelGPTModel the wrapper holds, when the data-parallel
-    ranks are themselves tensor-parallel groups (chapter 02; stages 1 and 2). The gradient
-    norm then sums over both groups and counts the TP-replicated parameters once.
+    The gradient norm (optim.clip_grad_norm) counts this rank's shard of the averaged
+    gradient, filtered like any gradient by the attributes of the parameter each piece
+    belongs to (tensor-parallel duplicates on TP rank 0 only), and sums over the model's
+    groups and the data-parallel group: grad_stats_groups = model_groups + [dp group].
     """
 
-    def __init__(self, wrapper: nn.Module, cfg: TrainConfig, tensor_parallel=None):
-        self.wrapper, self.group = wrapper, wrapper.group
-        self.tensor_parallel = tensor_parallel
-        if tensor_parallel is not None and not hasattr(wrapper, "grad_shard_pieces"):
-            raise ValueError(f"{type(wrapper).__name__} cannot combine with tensor parallelism here "
-                             "(ZeRO stages 1 and 2 can)")
+    def __init__(self, wrapper: nn.Module, cfg: TrainConfig, tp_rank: int = 0, model_groups=()):
         segments = wrapper.optimizer_segments()
-        groups = [{"params": [], "weight_decay": cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
-        for param, grad, decay in segments:
+        decay = {id(param) for param, _, d in segments if d}
+        super().__init__([param for param, _, _ in segments], cfg, tp_rank,
+                         [*model_groups, wrapper.group], decay=lambda p: id(p) in decay)
+        self.wrapper = wrapper
+        for param, grad, _ in segments:
             param.grad = grad                    # a view of the wrapper's main_grad: set once
-            groups[0 if decay else 1]["params"].append(param)
-        self._layout = [(p.numel(), decay) for p, _, decay in segments]
-        self._dtype = wrapper.memory_tensors()["params"][0].dtype
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                       eps=cfg.adam_eps)
+        self._layout = [(p.numel(), d) for p, _, d in segments]
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.inner.param_groups:
-            g["lr"] = lr
-
-    def _shard_params(self) -> list[torch.Tensor]:
-        return [p for g in self.inner.param_groups for p in g["params"]]
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """The global gradient norm before clipping; if max_norm > 0, scale the shards' gradients
-        by min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s rule).
-        Communication: one all_reduce (sum) of one element, tag "grad-norm"; with
-        tensor_parallel one more before it, over the TP group (see
-        tp.model.tensor_parallel_grad_norm_squared)."""
-        grads = [p.grad for p in self._shard_params()]
-        if self.tensor_parallel is not None:
-            from ..tp.model import replicated_names, tensor_parallel_grad_norm_squared
-            sq = tensor_parallel_grad_norm_squared(self.wrapper.grad_shard_pieces(),
-                                                   replicated_names(self.tensor_parallel),
-                                                   self.tensor_parallel.group)
-        else:
-            sq = torch.zeros(1, dtype=self._dtype)
-            for g in grads:
-                sq += g.pow(2).sum()
-        all_reduce(sq, self.group, op="sum", tag="grad-norm")
-        norm = sq.sqrt()[0]
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
-        return float(norm)
+    def grads_for_norm(self) -> list[torch.Tensor]:
+        return grads_for_norm(self.wrapper.grad_shard_pieces(), self.tp_rank)
 
     def step(self) -> None:
-        self.inner.step()
+        super().step()
         self.wrapper.after_optimizer_step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapper.zero_grad_buffers()
 
     def state_dict(self) -> dict:
         """THIS rank's shard of the optimizer state (a copy) and the layout it belongs to."""
         return {"dp": self.wrapper.dp, "rank": self.wrapper.rank, "segments": list(self._layout),
-                "optimizer": copy.deepcopy(self.inner.state_dict())}
+                "optimizer": copy.deepcopy(super().state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         mine = {"dp": self.wrapper.dp, "rank": self.wrapper.rank, "segments": list(self._layout)}
@@ -421,7 +372,7 @@ class DistributedOptimizer:
             raise ValueError(f"optimizer state of another layout: saved dp={theirs['dp']} rank={theirs['rank']} "
                              f"with {len(theirs['segments'])} segments, this is dp={mine['dp']} "
                              f"rank={mine['rank']} with {len(mine['segments'])}")
-        self.inner.load_state_dict(copy.deepcopy(state["optimizer"]))
+        super().load_state_dict(copy.deepcopy(state["optimizer"]))
 
 
 def storage_bytes(tensors) -> int:
@@ -438,7 +389,7 @@ def measure_memory(wrapper: nn.Module, optimizer: DistributedOptimizer) -> dict:
     {"params", "grads", "exp_avg", "exp_avg_sq", "optimizer" (= exp_avg + exp_avg_sq),
      "step_counters" (AdamW's scalar step tensors, outside the ZeRO paper's accounting)}."""
     held = wrapper.memory_tensors()
-    state = [optimizer.inner.state[p] for p in optimizer._shard_params() if p in optimizer.inner.state]
+    state = [optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state]
     out = {"params": storage_bytes(held["params"]), "grads": storage_bytes(held["grads"]),
            "exp_avg": storage_bytes(s["exp_avg"] for s in state),
            "exp_avg_sq": storage_bytes(s["exp_avg_sq"] for s in state),
@@ -447,17 +398,6 @@ def measure_memory(wrapper: nn.Module, optimizer: DistributedOptimizer) -> dict:
     return out
 
 
-def build_zero(model: nn.Module, group, stage: int, cfg: TrainConfig, bucket_size: int | None = None,
-               tensor_parallel=None):
-    """(wrapper, optimizer) for ZeRO stage 1, 2 or 3 of `model` over `group` (stages 1 and 2
-    also with `tensor_parallel`, see DistributedOptimizer)."""
-    if stage == 3:
-        from .fsdp import FullyShardedDataParallel
-        wrapper = FullyShardedDataParallel(model, group)
-    else:
-        wrapper = ZeroDataParallel(model, group, stage=stage, bucket_size=bucket_size)
-    return wrapper, DistributedOptimizer(wrapper, cfg, tensor_parallel=tensor_parallel)
+__all__ = ["shard_range", "Bucket", "build_buckets", "reduce_scatter_gradients", "ZeroDataParallel",
+           "DistributedOptimizer", "storage_bytes", "measure_memory"]
 
-
-__all__ = ["shard_range", "Bucket", "build_buckets", "zero1_step", "ZeroDataParallel",
-           "DistributedOptimizer", "storage_bytes", "measure_memory", "build_zero"]

@@ -1,11 +1,12 @@
-"""The baseline model: a GPT-2 / LLaMA style decoder-only transformer (see gpt.py)."""
+"""The one model of the book: a GPT-2 / LLaMA style decoder-only transformer (see gpt.py).
+Every parallelism transforms it (minimegatron/parallelize.py); none forks it."""
 
 from .attention import SelfAttention, causal_attention, sdpa_attention
-from .gpt import MLP, Embedding, GPTModel, TransformerLayer, language_model_loss
+from .gpt import MLP, Embedding, GPTModel, LanguageModelLoss, TransformerLayer, language_model_loss
 from .init import init_parameters, initial_value, parameter_seed
 from .linear import LayerNorm, Linear, RMSNorm
 from .rope import apply_rotary_pos_emb, rope_cos_sin, rotate_half
 
 __all__ = ["GPTModel", "TransformerLayer", "MLP", "Embedding", "SelfAttention", "causal_attention",
-           "sdpa_attention", "language_model_loss", "init_parameters", "initial_value", "parameter_seed",
+           "sdpa_attention", "LanguageModelLoss", "language_model_loss", "init_parameters", "initial_value", "parameter_seed",
            "Linear", "LayerNorm", "RMSNorm", "apply_rotary_pos_emb", "rope_cos_sin", "rotate_half"]

@@ -16,6 +16,7 @@ or value head that lives on another rank.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,14 @@ class SelfAttention(nn.Module):
     Parameters (Megatron-core names):
       linear_qkv:  weight [(a + 2g) d, h], grouped layout above; bias if add_bias_linear.
       linear_proj: weight [h, a d]; bias if add_bias_linear.
+
+    The number of heads this module runs is read from its projection: linear_qkv's output
+    rows hold whole groups of (a/g + 2) d rows, so a tensor-parallel linear_qkv holding
+    [(a + 2g) d / tp, h] makes this module run g/tp groups, a/tp query heads (chapter 02).
+
+    dropout_rng: a context-manager factory the attention dropout draws inside (None: torch's
+    default generator). Tensor parallelism sets it to the per-rank stream, because the
+    probabilities of this rank's heads are a shard of the full [b, a, s, s] (tp/random.py).
     """
 
     def __init__(self, config: ModelConfig):
@@ -70,17 +79,20 @@ class SelfAttention(nn.Module):
         a, g, d, h = config.num_attention_heads, config.query_groups, config.kv_channels, config.hidden_size
         self.linear_qkv = Linear(h, (a + 2 * g) * d, bias=config.add_bias_linear)
         self.linear_proj = Linear(a * d, h, bias=config.add_bias_linear)
+        self.dropout_rng = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         cfg = self.config
         b, s, _ = x.shape
-        a, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.kv_channels
-        heads_per_group = a // g
+        d = cfg.kv_channels
+        heads_per_group = cfg.num_attention_heads // cfg.query_groups                # a/g on any layout
+        groups = self.linear_qkv.weight.shape[0] // ((heads_per_group + 2) * d)    # g (or g/tp)
+        heads = groups * heads_per_group                                           # a (or a/tp)
 
         mixed = self.linear_qkv(x)                                        # [b, s, (a+2g) d]
-        mixed = mixed.view(b, s, g, (heads_per_group + 2) * d)            # [b, s, g, (a/g+2) d]
+        mixed = mixed.view(b, s, groups, (heads_per_group + 2) * d)       # [b, s, g, (a/g+2) d]
         q, k, v = mixed.split([heads_per_group * d, d, d], dim=-1)
-        q = q.reshape(b, s, a, d).transpose(1, 2)                         # [b, a, s, d]
+        q = q.reshape(b, s, heads, d).transpose(1, 2)                     # [b, a, s, d]
         k = k.transpose(1, 2)                                             # [b, g, s, d]
         v = v.transpose(1, 2)                                             # [b, g, s, d]
 
@@ -94,6 +106,9 @@ class SelfAttention(nn.Module):
             v = v.repeat_interleave(heads_per_group, dim=1)               # [b, a, s, d]
 
         attend = causal_attention if cfg.attention_backend == "naive" else sdpa_attention
-        out = attend(q, k, v, dropout_p=cfg.attention_dropout, training=self.training)  # [b, a, s, d]
-        out = out.transpose(1, 2).reshape(b, s, a * d)                    # [b, s, a d]
+        p = cfg.attention_dropout
+        rng = self.dropout_rng() if self.dropout_rng is not None and self.training and p > 0 else nullcontext()
+        with rng:
+            out = attend(q, k, v, dropout_p=p, training=self.training)    # [b, a, s, d]
+        out = out.transpose(1, 2).reshape(b, s, heads * d)                # [b, s, a d]
         return self.linear_proj(out)                                      # [b, s, h]

@@ -114,6 +114,11 @@ class GPTModel(nn.Module):
       returns, on the last stage, per-token losses [b, s] (float32, or float64 for a float64
       model) when labels [b, s] are given, otherwise logits [b, s, V]; on other stages the
       hidden states [b, s, h].
+
+    This is the only model of the book. Each parallelism transforms it in place
+    (parallelize.build_model): tensor parallelism swaps its linear layers, embedding, output
+    layer and loss for their parallel forms (tp.apply_tensor_parallel); pipeline parallelism
+    builds one per stage (pre_process, post_process, layer_numbers); data parallelism wraps it.
     """
 
     def __init__(self, config: ModelConfig, pre_process: bool = True, post_process: bool = True,
@@ -128,18 +133,26 @@ class GPTModel(nn.Module):
         self.decoder.layers = nn.ModuleDict({str(i): TransformerLayer(config) for i in self.layer_numbers})
         self.decoder.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
                                         if post_process else None)
-        # The output layer: its own matrix when untied, or when this stage does not hold the
-        # embedding (a pipeline's last stage keeps a copy that is kept in sync).
-        self.output_layer = None
-        if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
-            self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The output layer. Tied on the stage that holds the embedding: no weight of its own,
+        # forward reads the word embedding. Tied on a pipeline's last stage without the
+        # embedding: its own copy, marked `shared` (Megatron's name): it starts equal to the
+        # embedding, its gradient is summed with the embedding's (finalize_model_grads), and
+        # the gradient norm counts it once (optim.grads_for_norm).
+        self.output_layer, self.loss = None, None
+        if post_process:
+            tied = not config.untie_embeddings_and_output_weights
+            self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False,
+                                       skip_weight_param_allocation=tied and pre_process)
+            self.loss = LanguageModelLoss()
 
         init_parameters(self, config)
         self.to(config.dtype)
+        if post_process and self.output_layer.weight is not None and not config.untie_embeddings_and_output_weights:
+            self.output_layer.weight.shared = True
 
     def output_weight(self) -> torch.Tensor:
-        """[V, h]: the matrix that turns hidden states into logits."""
-        if self.output_layer is not None:
+        """[V, h] (or this rank's [Vp/tp, h]): the matrix that turns hidden states into logits."""
+        if self.output_layer.weight is not None:
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
@@ -167,10 +180,18 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)                                 # [b, s, h]
-        logits = x @ self.output_weight().t()                               # [b, s, V]
+        logits = self.output_layer(x, weight=self.output_weight())          # [b, s, V]
         if labels is None:
             return logits
-        return language_model_loss(logits, labels)                          # [b, s]
+        return self.loss(logits, labels)                                    # [b, s]
+
+
+class LanguageModelLoss(nn.Module):
+    """Per-token cross-entropy, logits [b, s, V] and labels [b, s] -> losses [b, s]
+    (tensor parallelism swaps it for tp.VocabParallelCrossEntropy)."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return language_model_loss(logits, labels)
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

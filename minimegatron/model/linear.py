@@ -17,15 +17,21 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W: [out_features, in_features] (the layout Megatron stores)."""
+    """y = x W^T + b with W: [out_features, in_features] (the layout Megatron stores).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+    skip_weight_param_allocation: hold no weight of its own; forward is then given one (a
+    tied output layer reads the word embedding, as Megatron's ColumnParallelLinear does).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 skip_weight_param_allocation: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)                 # [.., in] -> [.., out]
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        return F.linear(x, weight, self.bias)                      # [.., in] -> [.., out]
 
 
 class LayerNorm(nn.Module):

@@ -9,16 +9,20 @@ Read in this order:
   stages.py     which layers each rank (and each of its chunks) holds
   p2p.py        activations forward and gradients backward between stages, through the ledger
   executor.py   one training step of a schedule on real ranks: forwards, backwards, p2p, the
-                data-parallel sync after the last backward, the tied embedding's gradients
+                data-parallel sync after the last backward; the tied embedding's gradients
+
+parallelize.build_model cuts the one model into this rank's chunks (stage_layers), and
+train.train_step runs forward_backward_pipelining when pp > 1.
 """
 
-from .executor import finish_pipeline_grads, pipeline_grad_norm_squared, run_pipeline_step
+from .executor import (allreduce_tied_embedding_grads, evaluate_pipelining, forward_backward_pipelining,
+                       run_pipeline_step)
 from .p2p import PipelineComm
 from .schedules import KINDS, check_schedule_args, interleaved_order, num_warmup_microbatches, schedule
-from .stages import build_stage_chunks, stage_layers, virtual_stage
-from .timeline import Interval, bubble_fraction, idle_fraction, peak_in_flight, plot_timeline, simulate
+from .stages import stage_layers, virtual_stage
+from .timeline import Interval, bubble_fraction, idle_fraction, peak_in_flight, simulate
 
 __all__ = ["KINDS", "schedule", "check_schedule_args", "interleaved_order", "num_warmup_microbatches",
-           "stage_layers", "build_stage_chunks", "virtual_stage", "PipelineComm", "run_pipeline_step",
-           "finish_pipeline_grads", "pipeline_grad_norm_squared", "Interval", "simulate", "bubble_fraction",
-           "idle_fraction", "peak_in_flight", "plot_timeline"]
+           "stage_layers", "virtual_stage", "PipelineComm", "run_pipeline_step", "forward_backward_pipelining",
+           "evaluate_pipelining", "allreduce_tied_embedding_grads", "Interval", "simulate", "bubble_fraction",
+           "idle_fraction", "peak_in_flight"]

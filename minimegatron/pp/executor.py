@@ -5,16 +5,16 @@ schedules.schedule) for one global batch of M micro-batches:
 
   F(mb, c)  input: the micro-batch's tokens (virtual stage 0) or the previous stage's hidden
             states [b, s, h] (p2p.recv_forward); run chunk c; on the last virtual stage the
-            loss of the micro-batch, losses.mean() / M (the same scaling as train.forward_backward),
-            else send the output [b, s, h] on (p2p.send_forward). Keep what the backward needs.
+            loss of the micro-batch, losses.mean() / M (the scaling of
+            train.forward_backward_no_pipelining), else send the output [b, s, h] on (p2p.send_forward). Keep what the backward needs.
   B(mb, c)  the output's gradient: from the loss (last stage) or received (p2p.recv_backward);
             backpropagate through chunk c; send the input's gradient back (unless stage 0).
 
 Gradients accumulate in p.grad over the micro-batches. With data parallelism each chunk is
 wrapped in a chapter-01 wrapper and every backward but the chunk's LAST one runs inside
 no_sync(): the data-parallel all-reduce happens once per step, during (bucketed DDP) or after
-(finish_grad_sync) the last backward, as Megatron does. Then `finish_pipeline_grads` makes the
-tied embedding's two copies agree: the first stage's word embedding and the last stage's output
+(finish_grad_sync) the last backward, as Megatron does. Then train.finalize_model_grads makes
+the tied embedding's two copies agree (allreduce_tied_embedding_grads): the first stage's word embedding and the last stage's output
 layer are one parameter of the single-device model, so their gradients are all-reduced over
 the embedding group (first and last stage of the pipeline; Megatron's
 _allreduce_word_embedding_grads in megatron/core/distributed/finalize_model_grads.py).
@@ -34,10 +34,13 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..dp import no_sync
 from .p2p import PipelineComm
+from .schedules import schedule
 from .timeline import Interval
 
-__all__ = ["run_pipeline_step", "finish_pipeline_grads", "allreduce_tied_embedding_grads", "pipeline_grad_norm_squared", "StepRecord"]
+__all__ = ["run_pipeline_step", "forward_backward_pipelining", "evaluate_pipelining", "allreduce_tied_embedding_grads",
+           "StepRecord"]
 
 
 class StepRecord:
@@ -72,7 +75,7 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
     """Run `ops` (this rank's schedule) over `microbatches` (M dicts {"tokens", "labels"}, the
     same on every stage of the pipeline). engines[c] is chunk c: a GPTModel stage or a
     data-parallel wrapper of one (then its gradient sync runs with the last backward of the
-    chunk; call finish_grad_sync / finish_pipeline_grads after). Returns the StepRecord;
+    chunk; call train.finalize_model_grads after). Returns the StepRecord;
     gradients are left accumulated in the parameters (DP-synced where wrapped)."""
     M, rec = len(microbatches), StepRecord()
     last_backward = {c: max(i for i, (op, _, ch) in enumerate(ops) if op == "B" and ch == c)
@@ -116,8 +119,7 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
                 grad = p2p.recv_backward(mb, c)                               # [b, s, h]
                 rec.intervals.append(Interval(rank, "recv wait", mb, c, start, now()))
             start = now()
-            sync = i == last_backward[c] or not hasattr(engine, "no_sync")
-            with nullcontext() if sync else engine.no_sync():
+            with nullcontext() if i == last_backward[c] else no_sync(engine):   # DP: sync on the last
                 torch.autograd.backward(out, grad)
             rec.intervals.append(Interval(rank, "B", mb, c, start, now()))
             if x is not None:
@@ -129,7 +131,7 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
     return rec
 
 
-def allreduce_tied_embedding_grads(chunks: list[nn.Module], p2p: PipelineComm, embedding_group) -> None:
+def allreduce_tied_embedding_grads(chunks: list[nn.Module], embedding_group) -> None:
     """Make the two copies of a tied embedding get the single-device gradient.
 
     With tied embeddings the single-device model has ONE matrix E [V, h] used twice: by the
@@ -139,6 +141,9 @@ def allreduce_tied_embedding_grads(chunks: list[nn.Module], p2p: PipelineComm, e
     chunk.embedding.word_embeddings.weight.grad = dE_lookup, the last stage's
     chunk.output_layer.weight.grad = dE_logits. The single-device gradient is their sum.
 
+    chunks: this rank's model chunks (GPTModel stages, not wrapped); a chunk's pre_process
+    says it is the first virtual stage, its post_process that it is the last.
+
     The spec. On the chunk that is the first virtual stage (and not the last) and on the chunk
     that is the last virtual stage (and not the first), exactly one comm.all_reduce (sum) of
     that copy's gradient over `embedding_group` (the two ranks), tag "embedding-grads"; both
@@ -147,10 +152,10 @@ def allreduce_tied_embedding_grads(chunks: list[nn.Module], p2p: PipelineComm, e
 
     A first version ran without an error:
 
-        for c, chunk in enumerate(chunks):
-            if p2p.is_first(c):
+        for chunk in chunks:
+            if chunk.pre_process:
                 comm.all_reduce(chunk.embedding.word_embeddings.weight.grad, embedding_group, op="avg")
-            if p2p.is_last(c):
+            if chunk.post_process:
                 comm.all_reduce(chunk.output_layer.weight.grad, embedding_group, op="avg")
 
     Checked against the single-device run with tied embeddings (GPT-2 style), it showed:
@@ -161,51 +166,50 @@ def allreduce_tied_embedding_grads(chunks: list[nn.Module], p2p: PipelineComm, e
     Find the bugs, and write a body that meets the spec.
     """
     # BEGIN EXERCISE 3.4: spot the bug in the tied-embedding gradient sync | hint: each copy holds the gradient of one use; the single-device gradient is the sum of the two. Which chunks hold a copy, and which hold both uses?
-    for c, chunk in enumerate(chunks):
-        if chunk.config.untie_embeddings_and_output_weights or p2p.is_first(c) == p2p.is_last(c):
+    for chunk in chunks:
+        if chunk.config.untie_embeddings_and_output_weights or chunk.pre_process == chunk.post_process:
             continue                        # untied, a middle chunk, or one chunk with both uses
-        copy = chunk.embedding.word_embeddings.weight if p2p.is_first(c) else chunk.output_layer.weight
+        copy = chunk.embedding.word_embeddings.weight if chunk.pre_process else chunk.output_layer.weight
         comm.all_reduce(copy.grad, embedding_group, op="sum", tag="embedding-grads")
     # END EXERCISE
 
 
-def finish_pipeline_grads(engines: list[nn.Module], chunks: list[nn.Module], p2p: PipelineComm,
-                          embedding_group) -> None:
-    """After run_pipeline_step: finish every data-parallel gradient sync, wait for the sends,
-    then sum the tied embedding's two gradients over `embedding_group`
-    (allreduce_tied_embedding_grads; Megatron's _allreduce_word_embedding_grads)."""
-    for engine in engines:
-        if hasattr(engine, "finish_grad_sync"):
-            engine.finish_grad_sync()
+def forward_backward_pipelining(chunks: list[nn.Module], microbatches: list[dict], p2p: PipelineComm,
+                                kind: str, pp_group) -> tuple[float, StepRecord]:
+    """One step's forwards and backwards on this rank's model chunks (chunks[c] = chunk c,
+    each a GPTModel stage or a data-parallel wrapper of one), in the order of
+    schedules.schedule(kind, ...) over the M micro-batches; then waits for its sends.
+    Returns (the mean loss of this pipeline's micro-batches, the same on every stage: the
+    last stage's, all-reduced over `pp_group`, tag "loss"; the StepRecord). Gradients are
+    left accumulated, DP-synced where wrapped; the tied embedding's are finished by
+    train.finalize_model_grads."""
+    ops = schedule(kind, p2p.pp_size, p2p.pp_rank, len(microbatches), len(chunks))
+    rec = run_pipeline_step(chunks, ops, microbatches, p2p, p2p.pp_rank)
     p2p.wait_sends()
-    allreduce_tied_embedding_grads(chunks, p2p, embedding_group)
+    loss = torch.tensor([sum(rec.losses.values()) if rec.losses else 0.0], dtype=torch.float64, device=p2p.device)
+    comm.all_reduce(loss, pp_group, op="sum", tag="loss")             # only the last stage has it
+    return loss.item(), rec
 
 
-def pipeline_grad_norm_squared(chunks: list[nn.Module], p2p: PipelineComm, pp_group, tp_group=None) -> torch.Tensor:
-    """Sum of squares of the single-device model's gradient, over the whole pipeline: every
-    stage's gradients, the tied embedding counted once (the last stage's copy of it left out),
-    summed over `pp_group` (one all-reduce, tag "grad-norm"). With `tp_group` (3D) the chunks
-    are tensor-parallel and tp.model.tensor_parallel_grad_norm_squared sums over the TP group
-    first (its replicated parameters counted once). Returns a [1] tensor, the same on every
-    rank of the model-parallel group. (Megatron: get_grad_norm_fp32 over the model-parallel
-    group, skipping shared embedding copies and TP duplicates.)"""
-    grads, replicated = [], set()
+@torch.no_grad()
+def evaluate_pipelining(chunks: list[nn.Module], microbatch: dict, p2p: PipelineComm, pp_group,
+                        index: int = 0) -> float:
+    """The mean token loss of one micro-batch, forward only through every virtual stage in
+    order; the same on every stage (all-reduced over `pp_group`, tag "loss")."""
+    loss = 0.0
     for c, chunk in enumerate(chunks):
-        tied_copy_here = (p2p.is_last(c) and not p2p.is_first(c)
-                          and not chunk.config.untie_embeddings_and_output_weights)
-        if tp_group is not None:
-            from ..tp.model import replicated_names
-            replicated |= replicated_names(chunk)
-        grads += [(name, p.grad) for name, p in chunk.named_parameters()
-                  if p.grad is not None and not (tied_copy_here and name == "output_layer.weight")]
-    if not grads:                      # a stage without parameters still joins the all-reduces
-        grads = [("(no parameters)", torch.zeros(1, dtype=p2p.dtype))]
-    if tp_group is not None:
-        from ..tp.model import tensor_parallel_grad_norm_squared
-        squares = tensor_parallel_grad_norm_squared(grads, replicated, tp_group)
-    else:
-        squares = torch.zeros(1, dtype=grads[0][1].dtype)
-        for _, g in grads:
-            squares += g.pow(2).sum()
-    comm.all_reduce(squares, pp_group, op="sum", tag="grad-norm")
-    return squares
+        chunk.eval()
+        labels = microbatch["labels"] if p2p.is_last(c) else None
+        if p2p.is_first(c):
+            out = chunk(microbatch["tokens"], labels=labels)
+        else:
+            out = chunk(hidden_states=p2p.recv_forward(index, c), labels=labels)
+        if p2p.is_last(c):
+            loss = out.mean().item()
+        else:
+            p2p.send_forward(out, index, c)
+        chunk.train()
+    p2p.wait_sends()
+    total = torch.tensor([loss], dtype=torch.float64, device=p2p.device)
+    comm.all_reduce(total, pp_group, op="sum", tag="loss")
+    return total.item()

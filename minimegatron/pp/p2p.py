@@ -39,14 +39,15 @@ class PipelineComm:
 
     ranks: the global ranks of this pipeline group, in stage order (ranks[i] = stage i).
     pp_rank: this rank's stage. num_chunks: model chunks per rank (v). shape, dtype: of the
-    hidden states every message carries ([b, s, h], the model's dtype).
+    hidden states every message carries ([b, s, h], the model's dtype); device: where the
+    received buffers live (the model's device).
     """
 
     def __init__(self, ranks: list[int], pp_rank: int, num_chunks: int, shape: tuple[int, ...],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.ranks, self.pp_rank, self.num_chunks = list(ranks), pp_rank, num_chunks
         self.pp_size = len(ranks)
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.last_stage = self.pp_size * num_chunks - 1
         self._pending: list = []          # (handle, tensor) of sends not yet waited for
 
@@ -78,7 +79,7 @@ class PipelineComm:
     def recv_forward(self, microbatch: int, chunk: int) -> torch.Tensor:
         """The previous virtual stage's output for `microbatch`: [b, s, h], requires grad."""
         me = self.stage(chunk)
-        t = torch.empty(self.shape, dtype=self.dtype)
+        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         comm.irecv(t, self._rank_of(me - 1), tag="pp-fwd", p2p_tag=self._tag(0, microbatch, me)).wait()
         return t.requires_grad_()
 
@@ -93,7 +94,7 @@ class PipelineComm:
     def recv_backward(self, microbatch: int, chunk: int) -> torch.Tensor:
         """The gradient of this chunk's output for `microbatch`, from the next virtual stage."""
         me = self.stage(chunk)
-        t = torch.empty(self.shape, dtype=self.dtype)
+        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         comm.irecv(t, self._rank_of(me + 1), tag="pp-bwd", p2p_tag=self._tag(1, microbatch, me)).wait()
         return t
 

@@ -23,12 +23,9 @@ exactly a piece of the single-device model.
 
 from __future__ import annotations
 
-from torch import nn
+from ..config import ConfigError
 
-from ..config import ConfigError, ModelConfig
-from ..model import GPTModel
-
-__all__ = ["stage_layers", "build_stage_chunks", "virtual_stage"]
+__all__ = ["stage_layers", "virtual_stage"]
 
 
 def virtual_stage(pp_size: int, pp_rank: int, chunk: int) -> int:
@@ -62,26 +59,3 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 
     start = sum(layers_per_stage[:k])
     return list(range(start, start + layers_per_stage[k]))
     # END EXERCISE
-
-
-def build_stage_chunks(config: ModelConfig, pp_size: int, pp_rank: int, num_chunks: int = 1,
-                       layers_per_stage: list[int] | None = None, tp_group=None) -> list[nn.Module]:
-    """The num_chunks GPTModel pieces rank `pp_rank` holds, chunk 0 first. Chunk c holds
-    stage_layers(..., chunk=c); the embedding if it is virtual stage 0, the head (final norm,
-    output layer, loss) if it is the last virtual stage. With tied embeddings the last stage
-    gets its own output_layer initialised to the embedding's initial value (GPTModel does that
-    when post_process and not pre_process); the two copies are kept equal by all-reducing their
-    gradients over the embedding group (executor.finish_pipeline_grads). With `tp_group` (3D
-    parallelism) each chunk is a tp.TensorParallelGPTModel stage split over that group."""
-    last = pp_size * num_chunks - 1
-    chunks = []
-    for c in range(num_chunks):
-        k = virtual_stage(pp_size, pp_rank, c)
-        layers = stage_layers(config.num_layers, pp_size, pp_rank, num_chunks, c, layers_per_stage)
-        if tp_group is None:
-            chunks.append(GPTModel(config, pre_process=k == 0, post_process=k == last, layer_numbers=layers))
-        else:
-            from ..tp import TensorParallelGPTModel
-            chunks.append(TensorParallelGPTModel(config, tp_group, pre_process=k == 0, post_process=k == last,
-                                                 layer_numbers=layers))
-    return chunks

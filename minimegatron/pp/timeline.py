@@ -1,4 +1,5 @@
-"""The pipeline bubble: simulated from a schedule with unit costs, by formula, and drawn.
+"""The pipeline bubble: simulated from a schedule with unit costs, and by formula (viz.plot_timeline
+draws the intervals).
 
 A pipeline of p stages runs m micro-batches; on each stage a forward costs t_f and a backward
 t_b (with v chunks per rank, each chunk's F costs t_f / v and B t_b / v: the rank's layers are
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from .schedules import schedule
 
-__all__ = ["Interval", "simulate", "bubble_fraction", "idle_fraction", "peak_in_flight", "plot_timeline"]
+__all__ = ["Interval", "simulate", "bubble_fraction", "idle_fraction", "peak_in_flight"]
 
 
 @dataclass(frozen=True)
@@ -113,33 +114,3 @@ def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
         peak = max(peak, alive)
     return peak
 
-
-def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: str = "time", ax=None):
-    """Draw one row per rank (rank 0 on top), F boxes light, B boxes dark, each labelled with
-    its micro-batch (and chunk when there are several); waiting for a receive grey, handing
-    an output to a send orange, idle white.
-    Draws into `ax` if given, else a new Figure (saved to `path` if given); returns the Figure."""
-    import matplotlib.pyplot as plt      # (no backend switch: the caller's, or matplotlib's default)
-
-    ranks = sorted({i.rank for i in intervals})
-    chunks = max(i.chunk for i in intervals) + 1
-    colors = {"F": ["#9ecae1", "#c6dbef", "#deebf7"], "B": ["#3182bd", "#6baed6", "#08519c"]}
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 0.55 * len(ranks) + 1.2))
-    else:
-        fig = ax.figure
-    for i in intervals:
-        color = colors[i.op][i.chunk % 3] if i.op in colors else "#fdae6b" if i.op == "send" else "#d9d9d9"
-        y = len(ranks) - 1 - ranks.index(i.rank)
-        ax.barh(y, i.end - i.start, left=i.start, height=0.8, color=color, edgecolor="black", linewidth=0.4)
-        if i.op in ("F", "B"):
-            label = f"{i.microbatch}" + (f".{i.chunk}" if chunks > 1 else "")
-            ax.text((i.start + i.end) / 2, y, label, ha="center", va="center", fontsize=7,
-                    color="white" if i.op == "B" else "black")
-    ax.set_yticks(range(len(ranks)), [f"stage {r}" for r in reversed(ranks)])
-    ax.set_xlabel(unit)
-    ax.set_title(title)
-    if path is not None:
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    return fig

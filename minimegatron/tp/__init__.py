@@ -3,31 +3,30 @@
 Read in this order:
 
   layers.py         cutting a weight matrix by columns (ColumnParallelLinear) and by rows
-                    (RowParallelLinear), the vocabulary-split embedding, and the helpers
-                    that cut a shard from the single-device initial value
+                    (RowParallelLinear), the vocabulary-split embedding, the shard helpers
+                    and Megatron's attributes on split parameters
   cross_entropy.py  the loss over a split vocabulary with three all-reduces of [b, s]
                     numbers instead of gathering the [b, s, V] logits
-  model.py          the whole GPT split over a tensor-parallel group: attention by heads,
-                    the MLP by its inner dimension, the vocabulary by rows; and the helpers
-                    that reassemble full parameters and gradients under single-device names
   random.py         two random streams: one shared by the tensor-parallel group (dropout on
                     replicated activations), one per rank (dropout inside split regions)
+  parallel.py       apply_tensor_parallel: the one model, its layers swapped by a plan; and
+                    the helpers that reassemble full parameters and gradients
 
 The communication operators they use (Megatron's f and g, split and gather) live in
 minimegatron/comm/regions.py, with every call recorded in the ledger.
 """
 
-from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide,
-                     pad_vocab_size, shard_cols, shard_rows, vocab_range)
-from .model import (ParallelMLP, ParallelSelfAttention, ParallelTransformerLayer, TensorParallelGPTModel,
-                    check_tensor_parallel_config, clip_tensor_parallel_grad_norm, full_gradients,
-                    full_parameters)
+from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide, pad_vocab_size,
+                     set_tensor_model_parallel_attributes, shard_cols,
+                     shard_rows, vocab_range)
+from .parallel import (TENSOR_PARALLEL_PLAN, apply_tensor_parallel, check_tensor_parallel_config, full_gradients,
+                       full_parameters, gather_full_tensors)
 from .random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "divide",
-           "pad_vocab_size", "vocab_range", "RNGStatesTracker", "get_rng_tracker",
-           "model_parallel_manual_seed", "TensorParallelGPTModel", "ParallelSelfAttention", "ParallelMLP",
-           "ParallelTransformerLayer", "check_tensor_parallel_config", "full_parameters", "full_gradients",
-           "clip_tensor_parallel_grad_norm"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
+           "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range",
+           "set_tensor_model_parallel_attributes",
+           "RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "TENSOR_PARALLEL_PLAN",
+           "apply_tensor_parallel", "check_tensor_parallel_config", "gather_full_tensors",
+           "full_parameters", "full_gradients"]

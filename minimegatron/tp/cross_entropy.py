@@ -150,3 +150,16 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tenso
     backward none.
     """
     return _VocabParallelCrossEntropy.apply(logits_shard, labels, group, vocab_size)
+
+
+class VocabParallelCrossEntropy(torch.nn.Module):
+    """The loss module of a tensor-parallel GPTModel (tp.apply_tensor_parallel puts it in
+    place of model.LanguageModelLoss): forward(logits_shard, labels) =
+    vocab_parallel_cross_entropy(logits_shard, labels, group, vocab_size)."""
+
+    def __init__(self, group, vocab_size: int):
+        super().__init__()
+        self.group, self.vocab_size = group, vocab_size
+
+    def forward(self, logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_shard, labels, self.group, vocab_size=self.vocab_size)

@@ -24,9 +24,12 @@ between them stays split: nothing is gathered.
 VocabParallelEmbedding cuts the embedding table [V, h] by rows (vocabulary ranges); each
 rank looks up the ids it owns, writes zeros for the others, and one all-reduce (g) sums.
 
-Initialisation (the book's rule 2): every shard is cut from ``initial_value(name,
-full_shape, config)`` of the *single-device* parameter name, so any TP layout starts from
-exactly the single-device weights. Nothing here draws random numbers per rank.
+Initialisation (the book's rule 3): a layer is built with zeros of its shard's shape and set
+from the full single-device tensor with ``load_full`` (apply_tensor_parallel passes the
+weights the single-device model was initialised with), so any TP layout starts from exactly
+the single-device weights. Nothing here draws random numbers per rank. Split parameters carry
+Megatron's attributes (set_tensor_model_parallel_attributes), which the gradient norm and the
+gathering of full tensors read.
 
 Megatron-LM: megatron/core/tensor_parallel/layers.py (ColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding, _initialize_affine_weight_cpu) and
@@ -41,11 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import (all_reduce, gather_from_region, group_rank, group_size, reduce_from_region,
-                    scatter_to_region)
-from ..model.init import initial_value
+from ..comm import (all_reduce, gather_from_tensor_model_parallel_region, group_rank, group_size, reduce_from_tensor_model_parallel_region,
+                    scatter_to_tensor_model_parallel_region)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
+__all__ = ["set_tensor_model_parallel_attributes", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
            "column_parallel_linear_backward", "row_parallel_linear_forward",
            "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range"]
 
@@ -145,7 +147,7 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
 
 class LinearWithGradAllReduce(torch.autograd.Function):
     """y = x W^T + b forward (no communication); backward column_parallel_linear_backward,
-    whose dx is all-reduced over ``group``. The same as ``F.linear(copy_to_region(x, group),
+    whose dx is all-reduced over ``group``. The same as ``F.linear(copy_to_tensor_model_parallel_region(x, group),
     W, b)``, with the backward in view (Megatron fuses it for the overlap)."""
 
     @staticmethod
@@ -171,38 +173,44 @@ def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: tor
     replicated) or None.
     Returns y [..., out], the same on every rank: the single-device x W^T + b.
     Communication: ONE all-reduce (sum) of the [..., out] partial sums through
-    comm.reduce_from_region (Megatron's g: identity backward, so every rank's x_r gets the
+    comm.reduce_from_tensor_model_parallel_region (Megatron's g: identity backward, so every rank's x_r gets the
     full dy), and nothing else. The bias is added after the all-reduce; added before, it
     would be summed tp times.
     """
-    # BEGIN EXERCISE 2.2: the row-parallel linear's forward | hint: partial = F.linear(x, weight) with NO bias; y = reduce_from_region(partial, group); add the bias (if any) after
+    # BEGIN EXERCISE 2.2: the row-parallel linear's forward | hint: partial = F.linear(x, weight) with NO bias; y = reduce_from_tensor_model_parallel_region(partial, group); add the bias (if any) after
     partial = F.linear(x, weight)                    # [..., out], a partial sum
-    y = reduce_from_region(partial, group)           # g: all-reduce now, identity later
+    y = reduce_from_tensor_model_parallel_region(partial, group)           # g: all-reduce now, identity later
     return y + bias if bias is not None else y
     # END EXERCISE
 
 
-class _ParallelLinear(nn.Module):
-    """Shared set-up: parameters created from the single-device initial values
-    (left zero when ``init_name`` is None: set them with ``load_full``)."""
+def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1,
+                                         unpadded_size: int | None = None) -> None:
+    """Mark `param` as split over the tensor-parallel group, with Megatron's attribute names:
+    tensor_model_parallel=True, partition_dim (the dimension cut), partition_stride (the
+    number of stacked blocks each cut separately, see shard_rows). unpadded_size: the size of
+    that dimension on one device, when the split tensor was padded first (the vocabulary).
+    Gathering full tensors, the gradient norm's duplicate filter and the checkpoints read
+    these attributes; a parameter without them is replicated on every rank of the group."""
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, stride
+    if unpadded_size is not None:
+        param.unpadded_size = unpadded_size
 
-    def _create(self, weight_shape, bias_shape, init_name, config):
-        dtype = config.dtype if config is not None else torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.zeros(weight_shape, dtype=dtype))
+
+class _ParallelLinear(nn.Module):
+    """Shared set-up: zero parameters of this rank's shapes; set them from the full
+    single-device tensors with ``load_full``."""
+
+    def _create(self, weight_shape, bias_shape, params_dtype, skip_weight_param_allocation=False):
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.zeros(weight_shape, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(bias_shape, dtype=dtype)) if bias_shape else None
-        if init_name is not None:
-            if config is None:
-                raise ValueError(f"init_name={init_name!r} needs a config (seed, dtype, std)")
-            w = initial_value(f"{init_name}.weight", (self.out_features, self.in_features),
-                              config)
-            b = (initial_value(f"{init_name}.bias", (self.out_features,), config)
-                 if self.bias is not None else None)
-            self.load_full(w, b)
 
     @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_full(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
         """Set this rank's shard from the full single-device weight [out, in] (and bias [out])."""
-        self.weight.copy_(self.shard_weight(weight))
+        if self.weight is not None:
+            self.weight.copy_(self.shard_weight(weight))
         if self.bias is not None:
             if bias is None:
                 raise ValueError("this layer has a bias: pass the full bias too")
@@ -223,8 +231,8 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 gather_output: bool = False, init_name: str | None = None, config=None,
-                 stride: int = 1):
+                 gather_output: bool = False, stride: int = 1, params_dtype: torch.dtype | None = None,
+                 skip_weight_param_allocation: bool = False, unpadded_size: int | None = None):
         super().__init__()
         self.group, self.tp = group, group_size(group)
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
@@ -232,7 +240,10 @@ class ColumnParallelLinear(_ParallelLinear):
         self.output_size_per_partition = out_features // self.tp
         self.gather_output = gather_output
         self._create((self.output_size_per_partition, in_features),
-                     (self.output_size_per_partition,) if bias else None, init_name, config)
+                     (self.output_size_per_partition,) if bias else None, params_dtype, skip_weight_param_allocation)
+        for p in (self.weight, self.bias):
+            if p is not None:
+                set_tensor_model_parallel_attributes(p, 0, stride, unpadded_size)
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         return shard_rows(full, self.group, self.stride)
@@ -240,15 +251,17 @@ class ColumnParallelLinear(_ParallelLinear):
     def shard_bias(self, full: torch.Tensor) -> torch.Tensor:
         return shard_rows(full, self.group, self.stride)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = LinearWithGradAllReduce.apply(x, self.weight, self.bias, self.group)   # [..., out/tp]
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """weight: use this [out/tp, in] instead of self.weight (a tied output layer)."""
+        weight = self.weight if weight is None else weight
+        y = LinearWithGradAllReduce.apply(x, weight, self.bias, self.group)        # [..., out/tp]
         if self.gather_output:
             # only for a consumer that needs every feature (rare: it costs an all-gather
             # and every rank then holds the whole activation); stride must be 1 for the
             # gathered features to come out in the single-device order.
             if self.stride != 1:
                 raise ValueError("gather_output with stride > 1 would interleave the blocks")
-            y = gather_from_region(y, self.group, dim=-1)  # [..., out]
+            y = gather_from_tensor_model_parallel_region(y, self.group, dim=-1)  # [..., out]
         return y
 
 
@@ -268,7 +281,7 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 input_is_parallel: bool = True, init_name: str | None = None, config=None):
+                 input_is_parallel: bool = True, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.group, self.tp = group, group_size(group)
         self.in_features, self.out_features = in_features, out_features
@@ -276,7 +289,8 @@ class RowParallelLinear(_ParallelLinear):
                                                "RowParallelLinear: in_features")
         self.input_is_parallel = input_is_parallel
         self._create((out_features, self.input_size_per_partition),
-                     (out_features,) if bias else None, init_name, config)
+                     (out_features,) if bias else None, params_dtype)
+        set_tensor_model_parallel_attributes(self.weight, 1)      # the bias is replicated
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         return shard_cols(full, self.group)
@@ -286,7 +300,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_region(x, self.group, dim=-1)  # [..., in/tp]; dx all-gathered later
+            x = scatter_to_tensor_model_parallel_region(x, self.group, dim=-1)  # [..., in/tp]; dx all-gathered later
         return row_parallel_linear_forward(x, self.weight, self.bias, self.group)
 
 
@@ -299,7 +313,7 @@ class VocabParallelEmbedding(nn.Module):
 
     The vocabulary is padded to Vp = pad_vocab_size(V, tp, make_vocab_size_divisible_by);
     rank r owns ids [start, end) = vocab_range(Vp, r, tp) and holds weight [Vp/tp, h].
-    Rows of real ids are cut from initial_value(init_name + ".weight", (V, h)); the padding
+    Rows of real ids are cut from the full table given to load_full; the padding
     rows [V, Vp) are initialised to ZERO. They can never matter: no valid token id is >= V
     (the forward rejects one), so the embedding never reads them and they get no gradient;
     a tied output layer produces logits for them, but vocab_parallel_cross_entropy(...,
@@ -309,22 +323,16 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group,
-                 init_name: str | None = None, config=None,
-                 make_vocab_size_divisible_by: int = 1):
+                 make_vocab_size_divisible_by: int = 1, params_dtype: torch.dtype | None = None):
         super().__init__()
         self.group = group
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         tp, r = group_size(group), group_rank(group)
         self.padded_vocab_size = pad_vocab_size(num_embeddings, tp, make_vocab_size_divisible_by)
         self.vocab_start_index, self.vocab_end_index = vocab_range(self.padded_vocab_size, r, tp)
-        dtype = config.dtype if config is not None else torch.get_default_dtype()
         self.weight = nn.Parameter(torch.zeros(self.padded_vocab_size // tp, embedding_dim,
-                                               dtype=dtype))
-        if init_name is not None:
-            if config is None:
-                raise ValueError(f"init_name={init_name!r} needs a config (seed, dtype, std)")
-            self.load_full(initial_value(f"{init_name}.weight",
-                                         (num_embeddings, embedding_dim), config))
+                                               dtype=params_dtype or torch.get_default_dtype()))
+        set_tensor_model_parallel_attributes(self.weight, 0, unpadded_size=num_embeddings)
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         """The full table [V, h] with zero padding rows appended: [Vp, h]."""
@@ -351,4 +359,4 @@ class VocabParallelEmbedding(nn.Module):
         # ids owned by another rank read row 0 above: zero them, so the sum over ranks
         # holds exactly one (the owner's) row per token, and row 0 gets no stray gradient
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_region(partial, self.group)                         # [b, s, h]
+        return reduce_from_tensor_model_parallel_region(partial, self.group)                         # [b, s, h]

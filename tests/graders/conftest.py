@@ -2,7 +2,7 @@
 
 Every test in tests/graders/ is a grader: marked `@pytest.mark.exercise("<id>")`, exactly
 once, with an id that exists in the reference code. It reaches the graded code only through
-`minimegatron.exercises.implementation(id)` / `plug(id)`.
+`booktools.exercises.implementation(id)` / `plug(id)`.
 
 Options (the Makefile's grade targets use them):
 
@@ -21,15 +21,20 @@ an explanation. At the end a table gives each exercise's verdict.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from minimegatron.exercises import (IMPL_ENV, IMPLEMENTATIONS, CatalogError, MarkerError, current_impl,
+from booktools.exercises import (IMPL_ENV, IMPLEMENTATIONS, CatalogError, MarkerError, current_impl,
                                     default_catalog)
-from minimegatron.exercises.grading import FAIL, PASS, SKIP, TODO, exercise_verdict, outcome
+from booktools.exercises.grading import FAIL, PASS, SKIP, TODO, exercise_verdict, outcome
 
 GRADERS_DIR = Path(__file__).resolve().parent
+# The graders' spawn targets live in tests/workers/ (`from workers import dp_zero`): put tests/
+# on sys.path, as pytest does for the test files directly in tests/ (spawned ranks inherit it).
+if str(GRADERS_DIR.parent) not in sys.path:
+    sys.path.insert(0, str(GRADERS_DIR.parent))
 _RESULTS = pytest.StashKey[dict]()      # nodeid -> (exercise id, outcome)
 _PROVED_IN_SETUP = pytest.StashKey[bool]()
 

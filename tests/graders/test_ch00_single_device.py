@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from minimegatron.analysis.memory import training_memory
 from minimegatron.config import ModelConfig, TrainConfig
-from minimegatron.exercises import implementation, plug
+from booktools.exercises import implementation, plug
 from minimegatron.model import GPTModel
 from minimegatron.testing import assert_equivalent, make_batches, single_device_run
 

@@ -3,7 +3,7 @@ and the spot-the-bug gradient hook (1.5).
 
 Each grader reaches the graded function through `implementation(id)`, or runs the book's
 data-parallel wrappers with it plugged into every spawned rank (`spawn(plugged(worker, id))`,
-workers in minimegatron/dp/_workers_ddp.py). The oracles, strongest first: the data-parallel
+workers in tests/workers/dp_ddp.py). The oracles, strongest first: the data-parallel
 run with your function inside trains exactly like the single-device run (float64, AdamW, two
 steps); the communication it issues equals the formula (the ledger: numbers alone cannot tell
 one all-reduce per gradient from one per micro-batch); your function equals the book's on
@@ -18,11 +18,10 @@ import random
 import pytest
 import torch
 
-from minimegatron.dp._workers_ddp import (DPCase, check_replicas, check_run, grade_allreduce_gradients,
-                                          run_world)
-from minimegatron.exercises import implementation, plugged
+from booktools.exercises import implementation, plugged
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
+from workers.dp_ddp import DPCase, check_replicas, check_run, grade_allreduce_gradients, run_world
 
 
 # --------------------------------------------------------------------------------------

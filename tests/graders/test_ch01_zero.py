@@ -1,13 +1,15 @@
-"""Graders of chapter 01's ZeRO exercises: the ZeRO-1 step (1.3) and the ZeRO-3 gather of a
-unit (1.4).
+"""Graders of chapter 01's ZeRO exercises: ZeRO-1's gradient reduce-scatter (1.3) and the
+ZeRO-3 gather of a unit (1.4).
 
 Both run in spawned ranks with the learner's function plugged into the book's code
-(`spawn(plugged(worker, id), n)`; the workers are in minimegatron/dp/_workers_zero.py). The
-oracles, strongest first: training with the learner's function equals the single-device run
-on the same global batches (float64); the collectives it issued, read from the ledger, are
-exactly the ones the spec names (a correct-looking answer that all-reduces instead of
-reduce-scattering moves dp times the bytes); the memory it holds is freed (1.4). DP size 3
-makes the buckets and units need padding.
+(`spawn(plugged(worker, id), n)`; the workers are in tests/workers/dp_zero.py), which trains
+with the training loop's own step (`train.train_step`): for 1.3, ZeroDataParallel's
+finish_grad_sync calls the learner's reduce_scatter_gradients. The oracles, strongest first:
+training with the learner's function equals the single-device run on the same global
+batches (float64); the collectives it issued, read from the ledger, are exactly the ones the
+spec names (a correct-looking answer that all-reduces instead of reduce-scattering leaves the
+same numbers in this rank's shard, but the ledger names the op, and a ring sends twice the
+bytes); the memory it holds is freed (1.4). DP size 3 makes the buckets and units need padding.
 """
 
 from __future__ import annotations
@@ -18,11 +20,10 @@ import math
 import pytest
 import torch
 
-from minimegatron.dp._workers_zero import (case_batches, fsdp_gather_worker, tiny_config, train_config,
-                                           zero1_step_worker)
-from minimegatron.exercises import plugged
+from booktools.exercises import plugged
 from minimegatron.launch import spawn
 from minimegatron.testing import RunRecord, assert_equivalent, single_device_run
+from workers.dp_zero import case_batches, fsdp_gather_worker, tiny_config, train_config, zero1_training_worker
 
 DP, STEPS = 3, 2
 
@@ -38,20 +39,20 @@ def _as_record(ranks: list[dict]) -> RunRecord:
 
 
 # --------------------------------------------------------------------------------------
-# 1.3 the ZeRO-1 step
+# 1.3 ZeRO-1's gradient reduce-scatter, inside the ZeRO-1 training step
 # --------------------------------------------------------------------------------------
 
 @functools.cache
 def _zero1_world():
-    return spawn(plugged(zero1_step_worker, "1.3"), DP, "llama", STEPS, timeout=180)
+    return spawn(plugged(zero1_training_worker, "1.3"), DP, "llama", STEPS, timeout=180)
 
 
 @pytest.mark.exercise("1.3")
-def test_zero1_step_trains_like_one_device():
+def test_zero1_with_your_reduce_scatter_trains_like_one_device():
     ranks = _zero1_world()
     assert_equivalent(_reference("llama", 1), _as_record(ranks), torch.float64)
     assert all(r["params_equal_on_ranks"] for r in ranks), \
-        "after your step the ranks hold different parameters: did every rank get every shard back?"
+        "after the step the ranks hold different parameters: did every rank get its own shard's average?"
 
 
 @pytest.mark.exercise("1.3")
@@ -59,12 +60,13 @@ def test_zero1_step_issues_exactly_the_zero1_collectives():
     ranks = _zero1_world()
     for rank, r in enumerate(ranks):
         expected = ([("reduce_scatter", padded * 8, "grads") for _, padded, _ in r["buckets"]]
+                    + [("all_reduce", 8, "grad-norm")]
                     + [("all_gather", shard * 8, "params") for _, _, shard in r["buckets"]])
         for step, got in enumerate(r["ledger"]):
             assert got == expected, (
-                f"rank {rank}, step {step}: your step issued\n  {got}\nthe ZeRO-1 step is one reduce-scatter "
-                f"(avg, the padded bucket) per bucket, then one all-gather (this rank's padded shard) per "
-                f"bucket:\n  {expected}")
+                f"rank {rank}, step {step}: the ZeRO-1 step with your function issued\n  {got}\nit must be one "
+                f"reduce-scatter (avg, the whole padded bucket) per bucket from your function, then the norm's "
+                f"all-reduce and one all-gather (this rank's padded shard) per bucket:\n  {expected}")
     assert any(numel % DP for numel, _, _ in ranks[0]["buckets"]), "the grader must exercise padding"
 
 

@@ -1,14 +1,15 @@
 """Graders of chapter 02, tensor parallelism: the column-parallel backward (2.1), the
 row-parallel forward (2.2), the vocab-parallel cross-entropy (2.3) and the spot-the-bug
-tensor-parallel gradient norm (2.4).
+filter of the global gradient norm (2.4).
 
 Each exercise runs in one spawned world of 4 ranks with your function plugged into every rank
-(`spawn(plugged(worker, id))`, workers in minimegatron/tp/_workers.py). The oracles, strongest
-first: the whole tensor-parallel model (TP 2 x DP 2) with your function inside trains exactly
-like the single-device run (float64, AdamW, gradient clipping active; `demos.ch02.check_run`);
-your layer's outputs and gradients on every rank equal the single-device computation on full
-tensors, here, with torch's autograd; and the communication it issues equals the formula (the
-ledger: numbers alone cannot tell an all-reduce in the forward from one in the backward).
+(`spawn(plugged(worker, id))`, workers in tests/workers/tp.py). The oracles, strongest first:
+the whole tensor-parallel model (TP 2 x DP 2) with your function inside trains exactly like
+the single-device run (float64, AdamW, gradient clipping active; `check_run` of
+chapters/02_tp/demo.py); your layer's outputs and gradients on every rank equal the
+single-device computation on full tensors, here, with torch's autograd; and the communication
+it issues equals the formula (the ledger: numbers alone cannot tell an all-reduce in the
+forward from one in the backward).
 """
 
 from __future__ import annotations
@@ -17,21 +18,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minimegatron.demos import ch02
-from minimegatron.exercises import plugged
+from booktools.exercises import plugged
 from minimegatron.launch import spawn
-from minimegatron.tp import _workers as W
+from minimegatron.testing import import_chapter_demo
+from workers import tp as W                          # tests/workers/tp.py
+
+demo = import_chapter_demo("02")                     # chapters/02_tp/demo.py
 
 WORLD = 4
 
 
-def _run(style: str, zero_stage: int = 0) -> ch02.TPRun:
-    return ch02.make_run(ch02.tiny_model(style), tp=2, dp=2, zero_stage=zero_stage, steps=2)
+def _run(style: str, zero_stage: int = 0):
+    return demo.make_run(demo.tiny_model(style), tp=2, dp=2, zero_stage=zero_stage, steps=2)
 
 
 def _check_runs(runs, results) -> None:
     for i, run in enumerate(runs):
-        report = ch02.check_run(run, [r["runs"][i] for r in results])
+        report = demo.check_run(run, [r["runs"][i] for r in results])
         assert report.ok, f"the TP model with your function inside does not train like one device:\n{report}"
 
 
@@ -126,7 +129,7 @@ def test_row_forward_all_reduces_once_and_backward_not_at_all(row_world):
     for rank, r in enumerate(row_world):
         assert r["row"]["fwd"] == [("all_reduce", (W.B, W.S, W.IN), "fwd")], (
             f"rank {rank}: the forward issued {r['row']['fwd']}; expected one all-reduce of the partial sums "
-            f"[{W.B}, {W.S}, {W.IN}] (comm.reduce_from_region)")
+            f"[{W.B}, {W.S}, {W.IN}] (comm.reduce_from_tensor_model_parallel_region)")
         assert r["row"]["bwd"] == [], f"rank {rank}: the backward communicated {r['row']['bwd']} (g is the identity)"
 
 
@@ -179,9 +182,10 @@ def test_tp_model_with_your_loss_trains_like_one_device(loss_world):
 
 
 # --------------------------------------------------------------------------------------
-# 2.4 spot the bug: the tensor-parallel gradient norm
+# 2.4 spot the bug: the filter of the global gradient norm
 # --------------------------------------------------------------------------------------
-NORM_RUNS = [_run("gpt2", zero_stage=0), _run("gpt2", zero_stage=1)]   # DDP and ZeRO-1 both use it
+# GPT-2 style (tied; replicated position table, biases and norms); DDP and ZeRO-1 both use it
+NORM_RUNS = [_run("gpt2", zero_stage=0), _run("gpt2", zero_stage=1)]
 
 
 @pytest.fixture(scope="module")
@@ -190,18 +194,19 @@ def norm_world():
 
 
 @pytest.mark.exercise("2.4")
-def test_replicated_gradients_count_once(norm_world):
-    # the replicated [3, 4] once (25), plus every rank's shard [k, 2k], k = rank + 1: 5 k^2
+def test_replicated_gradients_count_once_and_a_shared_copy_not_at_all(norm_world):
+    # the replicated [3, 4] once (25), plus every rank's shard [k, 2k], k = rank + 1: 5 k^2;
+    # the pipeline's shared copy [10, 10] (200 per rank) not at all
     expected = 25.0 + sum(5.0 * (rank + 1) ** 2 for rank in range(WORLD))
     for rank, r in enumerate(norm_world):
-        assert r["squares"].shape == (1,), f"rank {rank}: returned shape {tuple(r['squares'].shape)}, expected (1,)"
-        assert r["squares"].item() == pytest.approx(expected, rel=1e-12), (
-            f"rank {rank}: squared norm {r['squares'].item()}, expected {expected} (the replicated gradient "
-            f"counted {(r['squares'].item() - expected) / 25.0 + 1:.0f} times)")
+        got = r["squares"]
+        assert got == pytest.approx(expected, rel=1e-12), (
+            f"rank {rank}: squared norm {got}, expected {expected}: the replicated [3, 4] counted once (25), "
+            f"every rank's split shard [k, 2k] (5 k^2 each), the pipeline's shared copy [10, 10] not at all")
         assert r["ledger"] == [("all_reduce", (1,), "grad-norm")], \
             f"rank {rank}: issued {r['ledger']}; expected one all-reduce of one element, tag 'grad-norm'"
 
 
 @pytest.mark.exercise("2.4")
-def test_tp_model_with_your_norm_clips_like_one_device(norm_world):
+def test_tp_model_with_your_filter_clips_like_one_device(norm_world):
     _check_runs(NORM_RUNS, norm_world)

@@ -3,7 +3,7 @@ the bubble formula (3.3) and the spot-the-bug tied-embedding gradient sync (3.4)
 
 Oracles, strongest first: a real pipeline on 4 spawned ranks running with your function
 inside (`spawn(plugged(ch03.train_runs, id))`) trains exactly like the single-device run
-(float64, AdamW, clipping active; `demos.ch03.check_run`); orders written by hand from
+(float64, AdamW, clipping active; `check_run` of chapters/03_pp/demo.py); orders written by hand from
 Megatron-LM's documented rules; the unit-cost simulation of the schedules (pp/timeline.py),
 which does not use the formula; your function equals the book's on many random inputs; and the
 ledger (which collectives ran, over which group).
@@ -15,11 +15,15 @@ import random
 
 import pytest
 
+from minimegatron.comm import record_communication
 from minimegatron.config import ConfigError
-from minimegatron.demos import ch03
-from minimegatron.exercises import implementation, plugged
+from booktools.exercises import implementation, plugged
 from minimegatron.launch import spawn
+from minimegatron.model import GPTModel
 from minimegatron.pp.timeline import idle_fraction, simulate
+from minimegatron.testing import import_chapter_demo
+
+ch03 = import_chapter_demo("03")          # chapters/03_pp/demo.py: the chapter's runs and their checks
 
 WORLD = 4
 
@@ -129,13 +133,9 @@ def test_bubble_formula_equals_the_simulated_idle_time(kind, pp, m, v):
 def test_one_stage_holds_both_uses_and_syncs_nothing():
     """pp = 1: one chunk is the first and the last stage; a tied model has no output layer there."""
     sync = implementation("3.4")
-    from minimegatron.pp import PipelineComm, build_stage_chunks
-    cfg = ch03.tiny_model("gpt2")
-    chunks = build_stage_chunks(cfg, 1, 0)
-    p2p = PipelineComm([0], 0, 1, (2, 16, cfg.hidden_size), cfg.dtype)
-    from minimegatron.comm import record_communication
+    chunks = [GPTModel(ch03.tiny_model("gpt2"))]          # pre_process and post_process: both uses
     with record_communication() as ledger:
-        sync(chunks, p2p, None)
+        sync(chunks, None)
     assert ledger.count() == 0, f"pp=1 communicated: {ledger.records}"
 
 

@@ -1,8 +1,9 @@
-"""Rank functions and checks for the tests and graders of naive DP and bucketed DDP.
+"""Rank functions and checks for the tests and graders of naive DP and bucketed DDP
+(tests/test_dp_ddp.py, tests/graders/test_ch01_ddp.py).
 
-`launch.spawn` runs functions that a new process imports by name, so what the ranks run
-lives here, in the package; the checks live next to them so that a test and a grader judge a
-run by exactly the same rules. Nothing here is part of the book's API.
+`launch.spawn` runs functions that a new process imports by name (spawned ranks inherit
+sys.path, so `from workers import dp_ddp` works in them too); the checks live next to them so
+that a test and a grader judge a run by exactly the same rules.
 
 A `DPCase` describes one data-parallel training run; `run_world(cases)` runs many of them
 in one spawned world (starting ranks costs seconds, a tiny run milliseconds) and returns
@@ -18,14 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..config import ModelConfig, TrainConfig
-from ..model import GPTModel
-from ..testing import RunRecord, assert_equivalent, make_batches, single_device_run
-from ..train import build_optimizer, learning_rate, optimizer_step
-from . import naive
-from .ddp import DistributedDataParallel
-from .naive import HookedDataParallel, NaiveDataParallel
+from minimegatron import comm
+from minimegatron.config import ModelConfig, TrainConfig
+from minimegatron.dp import naive
+from minimegatron.dp.ddp import DistributedDataParallel
+from minimegatron.dp.naive import HookedDataParallel, NaiveDataParallel
+from minimegatron.model import GPTModel
+from minimegatron.optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
+from minimegatron.testing import RunRecord, assert_equivalent, local_microbatch, make_batches, single_device_run
 
 
 def tiny_config(style: str, dtype: str = "float64") -> ModelConfig:
@@ -56,20 +57,14 @@ class DPCase:
         return tiny_config(self.style, self.dtype)
 
     def train_config(self) -> TrainConfig:
-        return TrainConfig(train_iters=self.steps, lr_warmup_iters=0, clip_grad=self.clip_grad)
+        return TrainConfig(train_iters=self.steps, lr_warmup_iters=0, clip_grad=self.clip_grad,
+                           seq_length=self.seq_length, micro_batch_size=self.micro_batch,
+                           grad_accum_steps=self.grad_accum)
 
     def global_batches(self, dp: int) -> list[dict[str, torch.Tensor]]:
         """One global batch of b * M * dp rows per step, the same on every rank."""
         rows = self.micro_batch * self.grad_accum * dp
         return make_batches(self.model_config(), self.steps, rows, self.seq_length, seed=7)
-
-
-def local_microbatch(batch: dict, case: DPCase, dp: int, dp_rank: int, m: int) -> dict:
-    """Rank r's micro-batch m: rows [(m*dp + r)*b, (m*dp + r + 1)*b) of the global batch
-    (as data.gpt_dataset.global_sample_indices); the union over ranks of micro-batch m is
-    the single-device run's micro-batch m."""
-    start = (m * dp + dp_rank) * case.micro_batch
-    return {k: v[start:start + case.micro_batch] for k, v in batch.items()}
 
 
 def build_wrapper(case: DPCase, model, group):
@@ -96,7 +91,7 @@ def train_data_parallel(case: DPCase, group) -> dict:
     cfg, train_cfg = case.model_config(), case.train_config()
     model = GPTModel(cfg)
     wrapper = build_wrapper(case, model, group)
-    optimizer = build_optimizer(wrapper.module, train_cfg)
+    optimizer = Optimizer(model.parameters(), train_cfg)
     names = {p: n for n, p in model.named_parameters()}
     out = {"losses": [], "ledger": [], "timelines": [], "num_params": len(names),
            "grad_bytes": sum(p.numel() * p.element_size() for p in names),
@@ -108,7 +103,7 @@ def train_data_parallel(case: DPCase, group) -> dict:
         loss, per_microbatch = 0.0, []
         for m in range(case.grad_accum):
             last = m == case.grad_accum - 1
-            mb = local_microbatch(batch, case, dp, rank, m)
+            mb = local_microbatch(batch, train_cfg, m, rank, dp)   # the training loop's rows
             with comm.record_communication() as ledger, (nullcontext() if last else wrapper.no_sync()):
                 local = wrapper(mb["tokens"], labels=mb["labels"]).mean() / case.grad_accum
                 local.backward()
@@ -121,7 +116,11 @@ def train_data_parallel(case: DPCase, group) -> dict:
             out["timelines"].append(wrapper.timeline)
         if step == 0:
             out["grads"] = {names[p]: p.grad.detach().clone() for p in names}
-        optimizer_step(wrapper.module, optimizer, learning_rate(step, train_cfg), train_cfg.clip_grad)
+        # the rest of train.train_step, as it runs it
+        clip_grad_norm(optimizer, train_cfg.clip_grad)
+        set_learning_rate(optimizer, learning_rate(step, train_cfg))
+        optimizer.step()
+        optimizer.zero_grad()
         out["losses"].append(loss)
     out["params"] = {n: p.detach().clone() for p, n in names.items()}
     return out

@@ -1,23 +1,27 @@
-"""Rank functions for the graders of chapter 02 (tensor parallelism).
+"""Rank functions for the graders of chapter 02 (tensor parallelism), tests/graders/test_ch02_tp.py.
 
-`launch.spawn` runs functions that a new process imports by name, so what the ranks run lives
-here, in the package. Each function runs on every rank of a world whose WHOLE world is one
-tensor-parallel group (tp = world size), except the training runs, which build their own grid
-(`demos.ch02.train_run`). They return plain data (tensors, ledger calls); the graders compare
-it in the parent with an independent oracle: the same computation done on full tensors with
-torch's autograd on one device. Nothing here is part of the book's API.
+`launch.spawn` runs functions that a new process imports by name (spawned ranks inherit
+sys.path, so `from workers import tp` works in them too). Each function runs on every rank of
+a world whose WHOLE world is one tensor-parallel group (tp = world size), except the training
+runs, which build their own tp x dp grid (`train_run` of chapters/02_tp/demo.py). They return
+plain data (tensors, ledger calls); the graders compare it in the parent with an independent
+oracle: the same computation done on full tensors with torch's autograd on one device.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .. import comm
-from ..demos.ch02 import train_run
-from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, pad_vocab_size
-from .model import tensor_parallel_grad_norm_squared
+from minimegatron import comm
+from minimegatron.config import TrainConfig
+from minimegatron.optim import Optimizer, clip_grad_norm
+from minimegatron.testing import import_chapter_demo
+from minimegatron.tp import (ColumnParallelLinear, RowParallelLinear, pad_vocab_size,
+                             set_tensor_model_parallel_attributes, vocab_parallel_cross_entropy)
+
+train_run = import_chapter_demo("02").train_run
 
 B, S, IN, OUT = 2, 3, 8, 12           # tiny layer shapes; tp 2, 3, 4 divide OUT (and 2, 4 IN)
 
@@ -44,14 +48,14 @@ def grade_linear_layers(runs=()) -> dict:
     """On every rank (tp = world): a ColumnParallelLinear (with and without bias) and a
     RowParallelLinear (input already split), loaded with this rank's shards of layer_inputs(),
     forward and backward with this rank's slice of the output gradient; then `runs`, a list
-    of demos.ch02 TPRun, trained with train_run. Returns {"column": {bias: {...}}, "row": {...},
+    of the demo's TPRun, trained with train_run. Returns {"column": {bias: {...}}, "row": {...},
     "runs": [train_run records]}: outputs, input and parameter gradients and the ledger of
     the forward and of the backward, each as (op, shape, tag)."""
     group, full = dist.group.WORLD, layer_inputs()
     tp, rank = dist.get_world_size(), dist.get_rank()
     out = {"column": {}, "runs": []}
     for bias in (True, False):
-        layer = ColumnParallelLinear(IN, OUT, group, bias=bias).double()
+        layer = ColumnParallelLinear(IN, OUT, group, bias=bias, params_dtype=torch.float64)
         layer.load_full(full["w_col"], full["b_col"] if bias else None)
         x = full["x"].clone().requires_grad_()
         with comm.record_communication() as fwd:
@@ -61,7 +65,7 @@ def grade_linear_layers(runs=()) -> dict:
         out["column"][bias] = {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad,
                                "db": None if layer.bias is None else layer.bias.grad,
                                "fwd": _calls(fwd), "bwd": _calls(bwd)}
-    layer = RowParallelLinear(OUT, IN, group, bias=True).double()
+    layer = RowParallelLinear(OUT, IN, group, bias=True, params_dtype=torch.float64)
     layer.load_full(full["w_row"], full["b_row"])
     x_shard = row_input().chunk(tp, dim=-1)[rank].clone().requires_grad_()    # [B, S, OUT/tp]
     with comm.record_communication() as fwd:
@@ -107,18 +111,33 @@ def grade_vocab_parallel_loss(runs=()) -> dict:
             "bwd": _calls(bwd), "runs": [train_run(run) for run in runs]}
 
 
-def grad_norm_inputs(rank: int) -> list[tuple[str, torch.Tensor]]:
-    """Hand-made gradients of a rank: a replicated "norm.weight" [3., 4.] (the same on every
-    rank: squares 25) and this rank's shard of a split "w": [rank + 1, 2 (rank + 1)]."""
+def grad_norm_parameters(rank: int) -> list[nn.Parameter]:
+    """Hand-made parameters of a rank, their gradients set, as a TP model would hold them:
+      norm.weight   replicated (no TP attributes), grad [3., 4.] on every rank: squares 25;
+      w             split (tensor_model_parallel), this rank's shard of the gradient:
+                    [k, 2k], k = rank + 1: squares 5 k^2;
+      output copy   a pipeline's last-stage copy of a tied embedding (`shared`), split too,
+                    grad [10., 10.] on every rank: the embedding's gradient again, so it
+                    must not count at all."""
     k = float(rank + 1)
-    return [("norm.weight", torch.tensor([3.0, 4.0], dtype=torch.float64)),
-            ("w", torch.tensor([k, 2 * k], dtype=torch.float64))]
+    norm, w, copy = (nn.Parameter(torch.zeros(2, dtype=torch.float64)) for _ in range(3))
+    for p in (w, copy):
+        set_tensor_model_parallel_attributes(p, 0)
+    copy.shared = True
+    for p, grad in ((norm, [3.0, 4.0]), (w, [k, 2 * k]), (copy, [10.0, 10.0])):
+        p.grad = torch.tensor(grad, dtype=torch.float64)
+    return [norm, w, copy]
 
 
 def grade_grad_norm(runs=()) -> dict:
-    """On every rank (tp = world): tensor_parallel_grad_norm_squared of grad_norm_inputs(rank)
-    with "norm.weight" replicated, and its ledger; then `runs` (train_run)."""
+    """On every rank (tp = world): the global gradient norm of grad_norm_parameters(rank),
+    through the library's path: optim.Optimizer over them (tp_rank = this rank, statistics
+    over the TP group) and optim.clip_grad_norm (clipping off), whose filter is
+    optim.grads_for_norm (exercise 2.4): its square and the ledger of the call; then `runs`
+    (train_run)."""
     rank = dist.get_rank()
+    params = grad_norm_parameters(rank)
+    optimizer = Optimizer(params, TrainConfig(), tp_rank=rank, grad_stats_groups=[dist.group.WORLD])
     with comm.record_communication() as ledger:
-        squares = tensor_parallel_grad_norm_squared(grad_norm_inputs(rank), {"norm.weight"}, dist.group.WORLD)
-    return {"squares": squares.clone(), "ledger": _calls(ledger), "runs": [train_run(run) for run in runs]}
+        norm = clip_grad_norm(optimizer, 0.0)
+    return {"squares": norm ** 2, "ledger": _calls(ledger), "runs": [train_run(run) for run in runs]}

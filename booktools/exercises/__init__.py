@@ -6,7 +6,7 @@ adapter through which the same grader grades the reference or the learner's code
   stubs.py     write the stub files; check that the committed ones did not drift
   adapter.py   implementation(id), plug(...), plugged(...): what a grader calls
   grading.py   what a grader's outcome means (pass / todo / fail), the inverted proof
-  __main__.py  the command line: python -m minimegatron.exercises {list,generate,check}
+  __main__.py  the command line: python -m booktools.exercises {list,generate,check}
 
 A learner never imports this package: they edit chapters/NN_*/exercises/*.py and run
 `make grade CH=NN`. A chapter author marks a region (see markers.py), runs `make exercises`

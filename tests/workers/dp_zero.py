@@ -1,32 +1,39 @@
-"""Rank functions for the ZeRO tests and graders (spawn imports them by name).
+"""Rank functions for the ZeRO tests and graders (tests/test_dp_zero.py, tests/graders/test_ch01_zero.py).
 
-Each worker trains on this rank's rows of the same global batches that the test gives
-`testing.single_device_run`, and returns what the test compares: losses (this rank's
-local share; the test averages over ranks), the first step's full gradients and the final
-full parameters (rank 0 only), the ledger of every step, the measured memory.
+Each worker trains with the training loop's own step (`train.train_step`) on this rank's
+micro-batches of the same global batches that the test gives `testing.single_device_run`,
+and returns what the test compares: losses (this rank's local share; the test averages over
+ranks), the global gradient norms, the first step's full gradients and the final full
+parameters (rank 0 only), the ledger of every step, the measured memory.
 
-The data split: with dp ranks, M micro-batches of b rows and a global batch of b*M*dp rows,
-micro-batch m of rank r is the rows [(m*dp + r)*b, (m*dp + r + 1)*b); the single-device
-run's micro-batch m (testing.split_microbatches) is the union over r of them.
+The data split is the training loop's (`testing.local_microbatch`): with dp ranks and M
+micro-batches of b rows, micro-batch m of rank r is the rows [(m*dp + r)*b, (m*dp + r + 1)*b)
+of the global batch; the single-device run's micro-batch m (testing.split_microbatches) is
+the union over r of them.
+
+The data-parallel group is passed as dist.group.WORLD, not as None (which comm reads as the
+world too): optim.Optimizer skips None groups when it sums the gradient norm.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import time
 import weakref
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from ..comm import record_communication
-from ..config import ModelConfig, TrainConfig
-from ..model import GPTModel
-from ..testing import make_batches
-from ..train import learning_rate
-from .fsdp import FullyShardedDataParallel, gather_unit_parameters
-from .zero import DistributedOptimizer, ZeroDataParallel, build_zero, measure_memory, zero1_step
+from minimegatron.comm import record_communication
+from minimegatron.config import ModelConfig, TrainConfig
+from minimegatron.dp import FullyShardedDataParallel, build_zero, measure_memory
+from minimegatron.dp.fsdp import gather_unit_parameters
+from minimegatron.model import GPTModel
+from minimegatron.optim import learning_rate
+from minimegatron.parallel_state import Layout
+from minimegatron.testing import local_microbatch, make_batches
+from minimegatron.train import train_step
+from minimegatron.viz import wait_until
 
 SEQ = 16
 
@@ -38,8 +45,14 @@ def tiny_config(style: str, dtype: str = "float64") -> ModelConfig:
                 params_dtype=dtype)
 
 
-def train_config(steps: int, clip: float, adam_eps: float = 1e-8) -> TrainConfig:
-    return TrainConfig(train_iters=steps, lr_warmup_iters=0, clip_grad=clip, adam_eps=adam_eps, progress=False)
+def train_config(steps: int, clip: float, adam_eps: float = 1e-8, mbs: int = 1, M: int = 1) -> TrainConfig:
+    """AdamW, no warm-up; mbs (b) and M say how a rank cuts its rows of the global batch."""
+    return TrainConfig(train_iters=steps, lr_warmup_iters=0, clip_grad=clip, adam_eps=adam_eps, progress=False,
+                       seq_length=SEQ, micro_batch_size=mbs, grad_accum_steps=M)
+
+
+def case_train_config(case: dict) -> TrainConfig:
+    return train_config(case["steps"], case["clip"], case.get("adam_eps", 1e-8), case["mbs"], case["M"])
 
 
 def case_batches(case: dict, dp: int) -> list[dict[str, torch.Tensor]]:
@@ -47,21 +60,10 @@ def case_batches(case: dict, dp: int) -> list[dict[str, torch.Tensor]]:
     return make_batches(cfg, case["steps"], case["mbs"] * case["M"] * dp, SEQ, seed=case.get("seed", 0))
 
 
-def local_microbatch(batch: dict, m: int, b: int, dp: int, rank: int) -> dict:
-    lo = (m * dp + rank) * b
-    return {k: v[lo:lo + b] for k, v in batch.items()}
-
-
-def _forward_backward(wrapper, batch, case, dp, rank) -> float:
-    """This rank's micro-batches; gradients sync on the last one only. Returns the local loss."""
-    total, M = 0.0, case["M"]
-    for m in range(M):
-        mb = local_microbatch(batch, m, case["mbs"], dp, rank)
-        with wrapper.no_sync() if m < M - 1 else contextlib.nullcontext():
-            loss = wrapper(mb["tokens"], labels=mb["labels"]).mean() / M
-            loss.backward()
-        total += loss.item()
-    return total
+def dp_layout() -> Layout:
+    """The layout of a pure data-parallel world: every rank one data-parallel rank."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    return Layout(world=dp, rank=rank, dp=dp, dp_rank=rank, dp_group=dist.group.WORLD)
 
 
 def _full_params(wrapper) -> dict[str, torch.Tensor]:
@@ -81,34 +83,38 @@ def _ledger_rows(ledger) -> list[tuple[str, int, str | None]]:
 
 
 def _train(case: dict, batches, start: int = 0, stop: int | None = None, state: dict | None = None):
-    """Train steps [start, stop) of `case`; `state` resumes from a checkpoint of this rank."""
-    dp, rank = dist.get_world_size(), dist.get_rank()
+    """Train steps [start, stop) of `case` with train.train_step; `state` resumes from a
+    checkpoint of this rank."""
+    layout = dp_layout()
     cfg = tiny_config(case["style"], case.get("dtype", "float64"))
-    tcfg = train_config(case["steps"], case["clip"], case.get("adam_eps", 1e-8))
+    tcfg = case_train_config(case)
     model = GPTModel(cfg)
-    wrapper, opt = build_zero(model, None, case["stage"], tcfg, bucket_size=case.get("bucket_size"))
+    wrapper, opt = build_zero(model, layout.dp_group, case["stage"], tcfg, bucket_size=case.get("bucket_size"))
     if state is not None:
         (wrapper if case["stage"] == 3 else model).load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-    out = {"losses": [], "norms": [], "ledger": [], "grads": {}, "synced_grads_freed": True}
+    out = {"losses": [], "norms": [], "ledger": [], "grads": {}, "synced_grads_freed": True,
+           "buckets": [(b.numel, b.padded_numel, b.shard_numel) for b in getattr(wrapper, "buckets", [])]}
     for step in range(start, len(batches) if stop is None else stop):
-        profile_ctx = (wrapper.memory_profile() if case["stage"] == 3 and step == start
-                       else contextlib.nullcontext())
-        with record_communication() as ledger, profile_ctx as events:
-            loss = _forward_backward(wrapper, batches[step], case, dp, rank)
-            wrapper.finish_grad_sync()
+
+        def on_grads(step=step):
+            """The gradients are final (finish_grad_sync ran), not yet clipped."""
             if case["stage"] == 2:
                 out["synced_grads_freed"] &= all(p.grad is None for p in model.parameters())
             if step == 0:
-                out["grads"] = wrapper.gather_gradients()
-            out["norms"].append(opt.clip_grad_norm(tcfg.clip_grad))
-            opt.set_lr(learning_rate(step, tcfg))
-            opt.step()
-            out["grad_peak"] = getattr(wrapper, "grad_bytes_peak", None)
-            opt.zero_grad()
+                out["grads"] = wrapper.gather_gradients()         # tag "inspect": not in the ledger rows
+            out["grad_peak"] = getattr(wrapper, "grad_bytes_peak", None)   # zero_grad resets it
+
+        microbatches = [local_microbatch(batches[step], tcfg, m, layout.dp_rank, layout.dp) for m in range(case["M"])]
+        profile_ctx = (wrapper.memory_profile(settle=wait_until) if case["stage"] == 3 and step == start
+                       else nullcontext())
+        with record_communication() as ledger, profile_ctx as events:
+            loss, norm = train_step([wrapper], opt, microbatches, layout, learning_rate(step, tcfg), tcfg.clip_grad,
+                                    on_grads=on_grads)
         if events is not None:
             out["profile"] = [(e.label, e.sharded, e.gathered) for e in events]
         out["losses"].append(loss)
+        out["norms"].append(norm)
         out["ledger"].append(_ledger_rows(ledger))
     out["params"] = _full_params(wrapper)
     out["memory"] = measure_memory(wrapper, opt)
@@ -142,30 +148,15 @@ def run_zero_cases(cases: list[dict]) -> list[dict]:
 # graders
 # --------------------------------------------------------------------------------------
 
-def zero1_step_worker(style: str, steps: int) -> dict:
-    """Train with `zero1_step` (exercise 1.3) instead of finish_grad_sync + step; M = 1, no clip."""
-    dp, rank = dist.get_world_size(), dist.get_rank()
-    case = {"style": style, "steps": steps, "mbs": 1, "M": 1, "clip": 0.0}
-    batches = case_batches(case, dp)
-    tcfg = train_config(steps, 0.0)
-    model = GPTModel(tiny_config(style))
-    wrapper = ZeroDataParallel(model, None, stage=1)
-    opt = DistributedOptimizer(wrapper, tcfg)
-    out = {"losses": [], "ledger": [], "grads": {},
-           "buckets": [(b.numel, b.padded_numel, b.shard_numel) for b in wrapper.buckets]}
-    for step, batch in enumerate(batches):
-        with record_communication() as ledger:
-            loss = _forward_backward(wrapper, batch, case, dp, rank)
-            opt.set_lr(learning_rate(step, tcfg))
-            zero1_step(wrapper.buckets, opt.inner, None)
-        if step == 0:
-            out["grads"] = wrapper.gather_gradients()    # main_grad still holds the reduced shard
-        opt.zero_grad()
-        out["losses"].append(loss)
-        out["ledger"].append(_ledger_rows(ledger))
-    out["params"] = _full_params(wrapper)
+def zero1_training_worker(style: str, steps: int) -> dict:
+    """Exercise 1.3: ZeRO-1 trained by the training loop's step, whose finish_grad_sync runs
+    the (plugged-in) reduce_scatter_gradients; M = 1, no clipping. Also whether the ranks
+    end with equal parameters (the buckets' sizes come with every _train record)."""
+    case = {"style": style, "steps": steps, "mbs": 1, "M": 1, "clip": 0.0, "stage": 1}
+    out = _train(case, case_batches(case, dist.get_world_size()))
+    out.pop("state")
     out["params_equal_on_ranks"] = _same_on_all_ranks(out["params"])
-    if rank != 0:
+    if dist.get_rank() != 0:
         out["grads"], out["params"] = {}, {}
     return out
 
@@ -181,23 +172,19 @@ def _same_on_all_ranks(tensors: dict[str, torch.Tensor]) -> bool:
 def _dies(ref: weakref.ref, timeout: float = 0.5) -> bool:
     """True once nothing references the object any more. gloo's worker thread lets go of a
     finished collective's tensors a moment after wait() returns, so give it a little time."""
-    deadline = time.monotonic() + timeout
-    while ref() is not None and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return ref() is None
+    return wait_until(lambda: ref() is None, timeout)
 
 
 def fsdp_gather_worker(style: str, steps: int) -> dict:
     """Exercise 1.4: gather every unit directly (values, ledger, memory), then train ZeRO-3
     with the gather plugged in and record the memory profile of the first step."""
-    dp, rank = dist.get_world_size(), dist.get_rank()
     cfg = tiny_config(style)
     expected = {n: p.detach().clone() for n, p in GPTModel(cfg).named_parameters()}
-    wrapper = FullyShardedDataParallel(GPTModel(cfg), None)
+    wrapper = FullyShardedDataParallel(GPTModel(cfg), dist.group.WORLD)
     direct = []
     for unit in wrapper.units.values():
         with record_communication() as ledger:
-            got = gather_unit_parameters(unit, None, "probe")
+            got = gather_unit_parameters(unit, dist.group.WORLD, "probe")
         bases = {t.untyped_storage().data_ptr() for t in got}
         storage_bytes = got[0].untyped_storage().nbytes() if got else 0
         ref = weakref.ref(got[0]._base if got[0]._base is not None else got[0])
@@ -210,9 +197,9 @@ def fsdp_gather_worker(style: str, steps: int) -> dict:
                        "shard_bytes": unit.shard_numel * unit.shard.element_size(),
                        "padded_bytes": unit.padded_numel * unit.shard.element_size()})
     case = {"style": style, "steps": steps, "mbs": 1, "M": 2, "clip": 0.0, "stage": 3}
-    out = _train(case, case_batches(case, dp))
+    out = _train(case, case_batches(case, dist.get_world_size()))
     out.pop("state")
     out["direct"] = direct
-    if rank != 0:
+    if dist.get_rank() != 0:
         out["grads"], out["params"] = {}, {}
     return out

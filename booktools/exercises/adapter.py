@@ -1,6 +1,6 @@
 """How a grader reaches the code it grades: the reference, the learner's, or the bare stub.
 
-    from minimegatron.exercises import implementation, plug, plugged
+    from booktools.exercises import implementation, plug, plugged
 
     causal_attention = implementation("0.1")      # the function to grade
     with plug("0.1"):                              # the whole reference model, with the

@@ -1,4 +1,4 @@
-"""python -m minimegatron.exercises {list,generate,check}
+"""python -m booktools.exercises {list,generate,check}
 
   list                    the exercises found in the reference code
   generate [--chapter N] [--force] [--dry-run]
@@ -27,7 +27,7 @@ def _chapter(text: str) -> int:
 
 
 def main(argv: list[str] | None = None, catalog: Catalog | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minimegatron.exercises",
+    parser = argparse.ArgumentParser(prog="python -m booktools.exercises",
                                      description="Generate and check the exercise stubs.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the exercises")

@@ -1,7 +1,9 @@
-"""Rank functions for the tests of ``minimegatron.launch``.
+"""Rank functions for the tests of ``minimegatron.launch`` (tests/test_launch.py).
 
 ``spawn`` can only run functions that a new process can import by name, so the small
-functions the launcher's tests run on every rank live here, in the package.
+functions the launcher's tests run on every rank live in a module, not in the test file:
+here, imported as ``from workers import launch_workers`` (pytest puts tests/ on sys.path,
+and the spawned processes inherit it).
 """
 
 import builtins

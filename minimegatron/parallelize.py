@@ -1,0 +1,145 @@
+"""How the parallelisms are applied to the one model, in one order a reader can recite:
+
+    cut into pipeline chunks (03) -> tensor parallel (02) -> [sequence/context parallel (04),
+    experts (05), FP8 (06)] -> data-parallel wrapper (01)
+
+`build_model` is that order, in one function; each `apply_*` is a no-op when its size is 1,
+so the single device is the same code with every size 1. A new chapter adds one `apply_*`,
+one line in `build_model`, its checks in `validate_layout`, and its gradient hooks in
+train.finalize_model_grads (CONTRIBUTING.md).
+
+    validate_layout(model_cfg, train_cfg, world_size)   every impossible layout, named, before
+                                                          any process group exists
+    chunks = build_model(model_cfg, train_cfg, layout)  this rank's model chunks
+    optimizer = build_optimizer(chunks, train_cfg, layout)
+    full = full_model_tensors(chunks, layout)           the single-device state dict (collective)
+
+Megatron-LM: megatron/training/training.py (get_model, setup_model_and_optimizer), where
+the layer classes are chosen by a spec at construction; here the single-device model is
+built and then transformed, so a reader sees what each parallelism changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ConfigError, ModelConfig, TrainConfig
+from .dp import DataParallel, DistributedOptimizer, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel
+from .model import GPTModel
+from .optim import Optimizer
+from .parallel_state import Layout
+from .pp import check_schedule_args, stage_layers, virtual_stage
+from .tp import (apply_tensor_parallel, check_tensor_parallel_config, full_gradients, full_parameters,
+                 gather_full_tensors)
+
+__all__ = ["validate_layout", "build_model", "build_optimizer", "layout_device", "unwrap", "full_model_tensors"]
+
+
+def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -> None:
+    """ConfigError naming the fields and the numbers for any layout that cannot run: the world
+    not divisible by tp x pp, heads / groups / MLP by tp, layers by pp x chunks, the pipeline
+    schedule's arguments, ZeRO combined with what it does not support here."""
+    model_cfg.validate()
+    cfg.validate(model_cfg)
+    tp, pp, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank
+    if world_size % (tp * pp):
+        hint = (f"; start {tp * pp} (or a multiple of {tp * pp}) ranks with torchrun, e.g. `torchrun "
+                f"--nproc_per_node={tp * pp} -m minimegatron.train --tensor-model-parallel-size {tp} "
+                f"--pipeline-model-parallel-size {pp}`" if world_size == 1 else "")
+        raise ConfigError(f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
+                          f"pipeline_model_parallel_size={pp}{hint}")
+    if tp > 1:
+        check_tensor_parallel_config(model_cfg, tp)                     # heads, groups, ffn by tp
+    if tp > 1 and cfg.zero_stage == 3:
+        raise ConfigError(f"zero_stage=3 with tensor_model_parallel_size={tp}: parameter sharding (ZeRO-3) is not "
+                          f"combined with tensor parallelism here (Megatron's distributed optimizer is ZeRO-1/2); "
+                          f"use zero_stage 0, 1 or 2")
+    if pp > 1 and cfg.zero_stage:
+        raise ConfigError(f"zero_stage={cfg.zero_stage} with pipeline_model_parallel_size={pp}: ZeRO is not combined "
+                          f"with pipeline parallelism here; use zero_stage 0 (bucketed DDP per stage)")
+    if pp > 1 or v > 1:
+        try:
+            check_schedule_args(cfg.pipeline_schedule, pp, 0, cfg.grad_accum_steps, v)
+        except ValueError as exc:
+            raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule!r} with grad_accum_steps="
+                              f"{cfg.grad_accum_steps} micro-batches: {exc}") from None
+        stage_layers(model_cfg.num_layers, pp, 0, v)                     # layers by pp x chunks
+
+
+def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
+                load: list[dict] | None = None) -> list[nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage it holds; one without
+    interleaving), each the one GPTModel transformed in the book's order. Every chunk starts
+    from exactly the single-device weights of its layers (model/init.py), or from `load`
+    (a resume: each chunk's saved state dict, loaded before the data-parallel wrapper
+    takes the parameters)."""
+    validate_layout(model_cfg, cfg, layout.world)
+    if dist.is_initialized() and dist.get_world_size() != layout.world:
+        raise ValueError(f"layout.world={layout.world} but torch.distributed has {dist.get_world_size()} ranks: "
+                         "build the layout with parallel_state.get_layout() (Layout() is one process)")
+    v = cfg.num_virtual_stages_per_pipeline_rank
+    last = layout.pp * v - 1
+    chunks = []
+    for c in range(v):
+        # 1. pipeline (chapter 03): this chunk's layers; the embedding on virtual stage 0,
+        #    the final norm, output layer and loss on the last one
+        stage = virtual_stage(layout.pp, layout.pp_rank, c)
+        layers = stage_layers(model_cfg.num_layers, layout.pp, layout.pp_rank, v, c)
+        model = GPTModel(model_cfg, pre_process=stage == 0, post_process=stage == last,
+                         layer_numbers=layers).to(layout_device(cfg))
+        # 2. tensor parallel (chapter 02): every matrix cut over the TP group
+        model = apply_tensor_parallel(model, layout.tp_group)
+        if load is not None:
+            model.load_state_dict(load[c])
+        # 3. data parallel (chapter 01): gradients averaged, or sharded with ZeRO
+        model = apply_data_parallel(model, cfg, layout.dp_group)
+        chunks.append(model)
+    return chunks
+
+
+def layout_device(cfg: TrainConfig) -> torch.device:
+    """Where this rank's model lives: the CPU, or with device="cuda" the GPU this rank
+    selected (launch.init_from_torchrun: LOCAL_RANK), one per rank."""
+    return torch.device("cpu") if cfg.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+
+
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The GPTModel inside a data-parallel wrapper (or the chunk itself)."""
+    return chunk.module if isinstance(chunk, DataParallel) else chunk
+
+
+def build_optimizer(chunks: list[nn.Module], cfg: TrainConfig, layout: Layout) -> Optimizer:
+    """AdamW over this rank's chunks; its gradient norm sums over the groups that split the
+    model (tp, pp). Under ZeRO the DistributedOptimizer over the wrapper's shards, whose norm
+    also sums over the data-parallel group."""
+    model_groups = [layout.tp_group, layout.pp_group]
+    if isinstance(chunks[0], (ZeroDataParallel, FullyShardedDataParallel)):       # ZeRO: pp == 1
+        return DistributedOptimizer(chunks[0], cfg, layout.tp_rank, model_groups)
+    return Optimizer([p for chunk in chunks for p in chunk.parameters()], cfg, layout.tp_rank, model_groups)
+
+
+def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The single-device model's parameters (or gradients, after finalize_model_grads), by
+    single-device name and full shape, on every rank: TP shards all-gathered (tag "full"),
+    ZeRO shards gathered (tag "inspect"), the pipeline's stages exchanged
+    (torch.distributed.all_gather_object over the pipeline group: checkpoint plumbing, in no
+    ledger), a pipeline's copy of a tied embedding left out. Collective over every rank."""
+    mine: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if isinstance(chunk, (ZeroDataParallel, FullyShardedDataParallel)) and grads:
+            # this rank's TP shards of the DP-averaged gradients, then gathered over TP
+            full = gather_full_tensors(chunk.gather_gradients(), dict(model.named_parameters()), layout.tp_group)
+        elif isinstance(chunk, FullyShardedDataParallel):
+            full = chunk.gather_parameters()
+        else:
+            full = (full_gradients if grads else full_parameters)(model, layout.tp_group)
+        shared = {n for n, p in model.named_parameters() if getattr(p, "shared", False)}
+        mine.update({n: t for n, t in full.items() if n not in shared})
+    if layout.pp == 1:
+        return mine
+    parts = [None] * layout.pp
+    dist.all_gather_object(parts, mine, group=layout.pp_group)
+    return {name: t for part in parts for name, t in part.items()}

@@ -1,0 +1,187 @@
+"""Tensor parallelism as a transformation of the one model: `apply_tensor_parallel`.
+
+Shape legend as in model/gpt.py, plus tp (the group's size) and Vp (the vocabulary padded to
+a multiple of config.make_vocab_size_divisible_by x tp, see layers.pad_vocab_size).
+`apply_tensor_parallel(model, tp_group)` takes a GPTModel (or one pipeline stage of it) that
+holds the single-device weights and swaps, in place, each module of the plan for its
+parallel form, keeping this rank's slice of the weights it already holds:
+
+  embedding.word_embeddings       -> VocabParallelEmbedding   [Vp/tp, h] rows (vocab ids)
+  decoder.layers.{i}
+    self_attention.linear_qkv     -> ColumnParallelLinear     [(a+2g) d / tp, h]: g/tp whole
+                                                              groups [q (a/g heads) | k | v]
+    self_attention.linear_proj    -> RowParallelLinear        [h, a d / tp] (bias replicated)
+    mlp.linear_fc1                -> ColumnParallelLinear     [f/tp, h], SwiGLU [2f/tp, h] with
+                                                              stride 2: [gate slice; up slice]
+    mlp.linear_fc2                -> RowParallelLinear        [h, f/tp] (bias replicated)
+  output_layer                    -> ColumnParallelLinear     [Vp/tp, h] (tied: reads the
+                                                              embedding's rows)
+  loss                            -> VocabParallelCrossEntropy
+  norms, position embeddings      unchanged: replicated
+
+Nothing else changes: SelfAttention reads its head count from linear_qkv (a/tp heads), the MLP
+chunks its [gate; up] shard the same way, and every module keeps its name, so a state dict of
+a rank reads like the single-device one with smaller tensors. Like Megatron's
+_initialize_affine_weight_cpu, each shard is cut from the full initial value; so any tp starts
+from exactly the single-device weights (and, for a model too big to build whole, one would
+build it on the meta device instead: not needed at this book's sizes).
+
+Communication of one forward (all through minimegatron.comm, in the TP group, tag "fwd"):
+  embedding       1 all-reduce of [b, s, h]   (each rank looks up only the ids it owns)
+  each layer      2 all-reduces of [b, s, h]  (after linear_proj and after linear_fc2)
+  output layer    nothing (its input's gradient is all-reduced in backward)
+  loss            3 all-reduces of [b, s]     (vocab_parallel_cross_entropy; no logits gathered)
+and of one backward (tag "bwd"): 2 all-reduces of [b, s, h] per layer (before linear_qkv and
+before linear_fc1) plus 1 for the output layer's input; the embedding and the loss need none.
+That is Megatron's "two all-reduces per layer forward, two backward".
+
+Why the replicated parameters need no all-reduce of their gradients: a norm or the position
+embedding sees the same input on every rank (the hidden states after a row-parallel layer are
+identical) and receives the same output gradient, so each rank computes the same gradient;
+their AdamW steps are then identical too.
+
+Dropout (tp/random.py): the embedding's and the residual branches' dropout act on replicated
+tensors and draw from torch's default generator, which every rank of the group seeds alike, so
+their masks are the single-device model's. The attention dropout acts on this rank's heads
+only: apply_tensor_parallel points SelfAttention.dropout_rng at the per-rank tracker stream.
+
+Megatron-LM: megatron/core/transformer/attention.py (SelfAttention), transformer/mlp.py (MLP),
+models/gpt/gpt_model.py (GPTModel, output_layer, compute_language_model_loss); there the
+parallel layers are chosen by a layer spec when the model is built, here they are swapped in
+afterwards, so the reader sees the single-device model first and the cut second.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import all_gather, group_size
+from ..config import ConfigError, ModelConfig
+from .cross_entropy import VocabParallelCrossEntropy
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
+from .random import get_rng_tracker
+
+__all__ = ["TENSOR_PARALLEL_PLAN", "apply_tensor_parallel", "check_tensor_parallel_config",
+           "gather_full_tensors", "full_parameters", "full_gradients"]
+
+# Inside every transformer layer: which linear is cut by its output rows ("column") and which
+# by its input columns ("row"). A column-parallel layer followed by a row-parallel one needs
+# one all-reduce forward and one backward, and nothing is gathered in between.
+TENSOR_PARALLEL_PLAN = {
+    "self_attention.linear_qkv": "column",
+    "self_attention.linear_proj": "row",
+    "mlp.linear_fc1": "column",
+    "mlp.linear_fc2": "row",
+}
+
+
+def check_tensor_parallel_config(config: ModelConfig, tp: int) -> None:
+    """ConfigError (a ValueError) naming the field and the numbers when ``config`` cannot be
+    split over ``tp`` ranks. Heads: a rank needs whole query heads AND whole key/value groups
+    (a query head must find its group's k and v on its own rank; Megatron can also split a
+    key/value group over ranks, the book does not); the MLP needs f / tp.
+    (The vocabulary need not divide: it is padded, see layers.pad_vocab_size.)"""
+    config.validate()
+    for field, value in (("num_attention_heads", config.num_attention_heads),
+                         ("num_query_groups", config.query_groups),
+                         ("ffn_hidden_size", config.ffn_size)):
+        if value % tp:
+            raise ConfigError(f"{field}={value} is not divisible by the tensor-parallel size "
+                              f"tp={tp}")
+
+
+def _parallel_linear(full: nn.Module, style: str, tp_group, stride: int = 1) -> nn.Module:
+    """The column- or row-parallel form of the Linear `full`, holding this rank's slice of it."""
+    out_features, in_features = full.weight.shape
+    cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+    kwargs = {"stride": stride} if style == "column" else {}
+    layer = cls(in_features, out_features, tp_group, bias=full.bias is not None,
+                params_dtype=full.weight.dtype, **kwargs).to(full.weight.device)
+    layer.load_full(full.weight, full.bias)
+    return layer
+
+
+def _pad_rows(full: torch.Tensor, padded: int) -> torch.Tensor:
+    return torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+
+
+@torch.no_grad()
+def apply_tensor_parallel(model: nn.Module, tp_group) -> nn.Module:
+    """Cut `model` (a GPTModel or pipeline stage holding single-device weights) over the
+    tensor-parallel group `tp_group`, in place (see the module docstring); returns it.
+    A no-op when the group has one rank. ConfigError before anything changes when the
+    model does not split over the group's size."""
+    tp, cfg = group_size(tp_group), model.config
+    if tp == 1:
+        return model
+    check_tensor_parallel_config(cfg, tp)
+    Vp = pad_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
+
+    if model.embedding is not None:
+        table = model.embedding.word_embeddings.weight                       # [V, h]
+        embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
+                                           cfg.make_vocab_size_divisible_by, params_dtype=table.dtype).to(table.device)
+        embedding.load_full(table)
+        model.embedding.word_embeddings = embedding
+    for layer in model.decoder.layers.values():
+        for path, style in TENSOR_PARALLEL_PLAN.items():
+            parent, name = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
+            stride = 2 if name == "linear_fc1" and cfg.activation == "swiglu" else 1   # [gate; up]
+            setattr(parent, name, _parallel_linear(getattr(parent, name), style, tp_group, stride))
+        layer.self_attention.dropout_rng = get_rng_tracker().fork      # this rank's heads only
+    if model.post_process:
+        full = model.output_layer.weight                                     # [V, h] or None (tied)
+        output_layer = ColumnParallelLinear(cfg.hidden_size, Vp, tp_group, bias=False,
+                                            params_dtype=cfg.dtype, skip_weight_param_allocation=full is None,
+                                            unpadded_size=cfg.vocab_size).to(model.decoder.final_layernorm.weight.device)
+        if full is not None:
+            output_layer.load_full(_pad_rows(full, Vp))
+            if getattr(full, "shared", False):
+                output_layer.weight.shared = True          # a pipeline's copy of the embedding
+        model.output_layer = output_layer
+        model.loss = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)
+    return model
+
+
+# ---- the single-device view ---------------------------------------------------------------
+def gather_full_tensors(named: dict[str, torch.Tensor], params: dict[str, nn.Parameter], tp_group,
+                        tag: str = "full") -> dict[str, torch.Tensor]:
+    """{name: full single-device tensor} from this rank's tensors `named` (parameters or their
+    gradients), using each parameter's attributes (`params[name]`): a split one is
+    all-gathered along partition_dim over `tp_group` (one all-gather each, ledger tag `tag`),
+    its stride blocks put back in order and its padding (unpadded_size) cut off; a replicated
+    one is copied. Collective: every rank of the group must call it."""
+    tp, out = group_size(tp_group), {}
+    for name, t in named.items():
+        t = t.detach()
+        if tp == 1 or not getattr(params[name], "tensor_model_parallel", False):
+            out[name] = t.clone()
+            continue
+        p = params[name]
+        dim, stride = p.partition_dim, p.partition_stride
+        gathered = all_gather(t.contiguous(), tp_group, dim=dim, tag=tag)
+        if stride > 1:
+            # rank-major [r0: b0 b1 | r1: b0 b1 ...] -> block-major [b0: r0 r1 | b1: r0 r1]
+            per_rank = [chunk.chunk(stride, dim) for chunk in gathered.chunk(tp, dim)]
+            gathered = torch.cat([torch.cat([pr[k] for pr in per_rank], dim) for k in range(stride)], dim)
+        if getattr(p, "unpadded_size", None) is not None:
+            gathered = gathered.narrow(dim, 0, p.unpadded_size)
+        out[name] = gathered.contiguous()
+    return out
+
+
+def full_parameters(model: nn.Module, tp_group) -> dict[str, torch.Tensor]:
+    """{single-device name: full tensor}, as the unsplit GPTModel's named_parameters would give.
+    One all-gather (tag "full") per split parameter; collective over `tp_group`."""
+    params = dict(model.named_parameters())
+    return gather_full_tensors(params, params, tp_group)
+
+
+def full_gradients(model: nn.Module, tp_group) -> dict[str, torch.Tensor]:
+    """{single-device name: full gradient}: the gradients the unsplit model would hold after
+    the same backward (replicated ones from this rank: they are identical on every rank).
+    Collective, as full_parameters."""
+    params = dict(model.named_parameters())
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+    return gather_full_tensors(grads, params, tp_group)
