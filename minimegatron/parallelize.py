@@ -91,6 +91,7 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
                          layer_numbers=layers).to(layout_device(cfg))
         # 2. tensor parallel (chapter 02): every matrix cut over the TP group
         model = apply_tensor_parallel(model, layout.tp_group)
+        # (chapter 04: apply_context_parallel, 05: apply_expert_parallel, 06: apply_fp8, here)
         if load is not None:
             model.load_state_dict(load[c])
         # 3. data parallel (chapter 01): gradients averaged, or sharded with ZeRO

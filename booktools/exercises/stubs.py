@@ -163,6 +163,13 @@ def render_chapter_readme(chapter: int, files: dict[Path, list[Exercise]]) -> st
             rows.append((ex.sort_key, f"| {ex.id} | {ex.title} | `{path.name}` :: `{ex.function}()` "
                                       f"| `make grade EX={ex.id}` |"))
     table = "\n".join(row for _, row in sorted(rows))
+    # the spot-the-bug stories (a first version and its symptoms) are hand-written beside the
+    # stubs, not in the book's docstrings: spot_the_bug.md
+    spot = [ex.id for exs in files.values() for ex in exs if ex.title.startswith("spot the bug")]
+    folder = next(iter(files)).parent
+    stories = (f"Spot the bug ({', '.join(sorted(spot))}): each starts from a first version that ran, and what it\n"
+               "did when checked against the single-device run: [`spot_the_bug.md`](spot_the_bug.md).\n\n"
+               if spot and (folder / "spot_the_bug.md").is_file() else "")
     return (f"# Chapter {chapter:02d} exercises\n\n"
             f"<!-- {GENERATED_BY}; do not edit. -->\n\n"
             "Each exercise is a function of the book's code with its body taken out. Its docstring\n"
@@ -170,6 +177,7 @@ def render_chapter_readme(chapter: int, files: dict[Path, list[Exercise]]) -> st
             "body between the `BEGIN EXERCISE` and `END EXERCISE` markers, in place, then grade it.\n\n"
             "| exercise | what | where | grade |\n|---|---|---|---|\n"
             f"{table}\n\n"
+            f"{stories}"
             f"Grade all of them: `make grade CH={chapter:02d}`. A grader runs your function next to the\n"
             "book's (and, where it can, inside the whole model) and reports `pass`, `todo` (still the\n"
             "stub) or `FAIL` with the difference it found. Start over: "

@@ -41,7 +41,8 @@ in the order the buckets complete; together sum_p numel(p) * element_size bytes,
 bytes as naive DP in fewer calls. None inside no_sync(). With overlap=False the same
 all-reduces are issued, in bucket order, inside finish_grad_sync().
 
-Timeline: each step's launches and completions are recorded in `self.timeline`
+Timeline: each step's launches and completions are timed by a timeline.TimelineRecorder (the
+algorithm calls it at five points and holds no clock) into `self.timeline`
 (timeline.BucketTimeline); viz.plot_bucket_timeline draws it.
 
 Requirements (as in Megatron): all parameters have one dtype, and every parameter that
@@ -57,7 +58,6 @@ scaled all-reduce of a bucket, start_grad_sync / finish_grad_sync).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -66,7 +66,7 @@ from torch import nn
 
 from .. import comm
 from .naive import DataParallel, broadcast_parameters
-from .timeline import BucketEvent, BucketTimeline
+from .timeline import BucketTimeline, TimelineRecorder
 
 
 def assign_buckets(numels: Sequence[int], bucket_size: int | None) -> list[list[int]]:
@@ -121,8 +121,6 @@ class Bucket:
     grad_data: torch.Tensor             # [numel], a view of DistributedDataParallel.grad_buffer
     ready: set[int] = field(default_factory=set)   # ids of params whose gradient has arrived
     work: object | None = None          # the async all-reduce in flight, if any
-    stamped: object | None = None       # its future's completion callback (timeline)
-    event: BucketEvent | None = None    # its timeline entry
 
 
 class DistributedDataParallel(DataParallel):
@@ -188,8 +186,7 @@ class DistributedDataParallel(DataParallel):
             self.buckets.append(bucket)
 
         self._synced = False                # finish_grad_sync done: the next forward starts a step
-        self._backward_start: float | None = None
-        self._last_grad_time = 0.0
+        self.recorder = TimelineRecorder(overlap)   # the times of the timeline (timeline.py)
         self.timeline: BucketTimeline | None = None
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -200,12 +197,9 @@ class DistributedDataParallel(DataParallel):
             self.zero_grad_buffer()         # the first forward of a new step
         out = self.module(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(self._backward_started)
+            # the output's gradient is the first thing backward computes: time 0 of the timeline
+            out.register_hook(lambda grad: self.recorder.backward_started())
         return out
-
-    def _backward_started(self, grad: torch.Tensor) -> None:
-        # The output's gradient is the first thing backward computes: time 0 of the timeline.
-        self._backward_start = time.perf_counter()
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: move param.grad into the buffer; launch a full bucket."""
@@ -220,7 +214,7 @@ class DistributedDataParallel(DataParallel):
                                "zero_grad_buffer()")
         view.add_(param.grad)               # accumulate over micro-batches, in the buffer
         param.grad = None                   # the buffer holds it now; free autograd's copy
-        self._last_grad_time = time.perf_counter()
+        self.recorder.grad_arrived()
         if not self.syncing:
             return                          # no_sync: accumulate, never launch
         bucket.ready.add(id(param))
@@ -230,18 +224,9 @@ class DistributedDataParallel(DataParallel):
     def _start_grad_sync(self, bucket: Bucket) -> None:
         """Scale the bucket by 1/dp and launch its asynchronous all-reduce (sum)."""
         bucket.grad_data.mul_(1.0 / self.dp_size)
-        launched = time.perf_counter()
         bucket.work = comm.all_reduce(bucket.grad_data, self.group, op="sum", tag="grads", async_op=True)
-        nbytes = bucket.grad_data.numel() * bucket.grad_data.element_size()
-        event = BucketEvent(bucket.index, bucket.grad_data.numel(), nbytes, launched)
-        bucket.event = event
-        if hasattr(bucket.work, "get_future"):
-            def completed(future, event=event):   # runs in gloo's thread when the all-reduce is done
-                event.completed = time.perf_counter()
-                return future.value()
-            bucket.stamped = bucket.work.get_future().then(completed)
-        else:                                      # a one-rank group: nothing was sent
-            event.completed = launched
+        self.recorder.launched(bucket.index, bucket.work, bucket.grad_data.numel(),
+                               bucket.grad_data.numel() * bucket.grad_data.element_size())
 
     # ------------------------------------------------------------------ the interface
     def finish_grad_sync(self) -> None:
@@ -249,22 +234,19 @@ class DistributedDataParallel(DataParallel):
         point every p.grad at its buffer view, which now holds the DP-averaged gradient.
         (no_sync, from DataParallel: backward accumulates into the buffer, launches nothing.)"""
         self.check_can_sync()
-        sync_start = time.perf_counter()
+        self.recorder.sync_started()
         for bucket in self.buckets:
             if bucket.work is None:         # overlap=False, or a bucket that never completed
                 self._start_grad_sync(bucket)
         for bucket in self.buckets:
-            bucket.event.wait_start = time.perf_counter()
-            bucket.work.wait()
-            bucket.event.waited = time.perf_counter() - bucket.event.wait_start
-            if bucket.stamped is not None:
-                bucket.stamped.wait()       # the completion time has been written
-            bucket.work = bucket.stamped = None
+            with self.recorder.waiting(bucket.index):
+                bucket.work.wait()
+            bucket.work = None
             bucket.ready.clear()
         for p, view in self.main_grad.items():
             p.grad = view
         self._synced = True
-        self.timeline = self._make_timeline(sync_start, time.perf_counter())
+        self.timeline = self.recorder.finish()
 
     def zero_grad_buffer(self) -> None:
         """Start a new step: zero the buffer, drop every p.grad (Megatron's zero_grad_buffer)."""
@@ -281,14 +263,3 @@ class DistributedDataParallel(DataParallel):
     def broadcast_params(self) -> None:
         """Copy the group's first rank's parameters to every rank (naive.broadcast_parameters)."""
         broadcast_parameters(self.module, self.group)
-
-    # ------------------------------------------------------------------ the timeline
-    def _make_timeline(self, sync_start: float, sync_end: float) -> BucketTimeline:
-        """This step's events, in seconds after the syncing backward started."""
-        events = sorted((b.event for b in self.buckets), key=lambda e: e.launched)
-        t0 = self._backward_start if self._backward_start is not None else events[0].launched
-        shifted = [BucketEvent(e.bucket, e.numel, e.nbytes, e.launched - t0,
-                               None if e.completed is None else e.completed - t0,
-                               e.wait_start - t0, e.waited) for e in events]
-        return BucketTimeline(self.overlap, self._last_grad_time - t0, sync_start - t0,
-                              sync_end - t0, shifted)

@@ -28,6 +28,8 @@ benchmark under benchmarks/ reports the measured speed honestly.
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -74,3 +76,59 @@ class BucketTimeline:
 
     __str__ = table
 
+
+class TimelineRecorder:
+    """The clock of a BucketTimeline. DistributedDataParallel calls it at the moments the
+    module docstring names (backward started, a gradient arrived, a bucket launched, waiting
+    for a bucket, the sync started and ended); it keeps the times, so the algorithm in
+    ddp.py holds none. time.perf_counter(), seconds; the finished timeline is shifted so that
+    backward starts at 0."""
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._backward_start: float | None = None
+        self._last_grad = self._sync_start = 0.0
+        self._events: dict[int, BucketEvent] = {}
+        self._stamps: dict[int, object] = {}          # bucket -> its completion callback's future
+
+    def backward_started(self) -> None:
+        self._backward_start = time.perf_counter()
+
+    def grad_arrived(self) -> None:
+        self._last_grad = time.perf_counter()
+
+    def launched(self, bucket: int, work, numel: int, nbytes: int) -> None:
+        """A bucket's asynchronous all-reduce `work` was just handed to the backend."""
+        event = self._events[bucket] = BucketEvent(bucket, numel, nbytes, time.perf_counter())
+        if hasattr(work, "get_future"):
+            def completed(future):                     # runs in gloo's thread when it is done
+                event.completed = time.perf_counter()
+                return future.value()
+            self._stamps[bucket] = work.get_future().then(completed)
+        else:                                          # a one-rank group: nothing was sent
+            event.completed = event.launched
+
+    def sync_started(self) -> None:
+        self._sync_start = time.perf_counter()
+
+    @contextmanager
+    def waiting(self, bucket: int):
+        """Around finish_grad_sync's wait for `bucket`: the time the step was blocked."""
+        event = self._events[bucket]
+        event.wait_start = time.perf_counter()
+        yield
+        event.waited = time.perf_counter() - event.wait_start
+        stamp = self._stamps.pop(bucket, None)
+        if stamp is not None:
+            stamp.wait()                               # the completion time has been written
+
+    def finish(self) -> BucketTimeline:
+        """This step's timeline, in seconds after the syncing backward started."""
+        end = time.perf_counter()
+        events = sorted(self._events.values(), key=lambda e: e.launched)
+        t0 = self._backward_start if self._backward_start is not None else events[0].launched
+        shifted = [BucketEvent(e.bucket, e.numel, e.nbytes, e.launched - t0,
+                               None if e.completed is None else e.completed - t0,
+                               e.wait_start - t0, e.waited) for e in events]
+        self._events.clear()
+        return BucketTimeline(self.overlap, self._last_grad - t0, self._sync_start - t0, end - t0, shifted)

@@ -19,15 +19,14 @@ layer are one parameter of the single-device model, so their gradients are all-r
 the embedding group (first and last stage of the pipeline; Megatron's
 _allreduce_word_embedding_grads in megatron/core/distributed/finalize_model_grads.py).
 
-Measured on the way (for the chapter's figures and checks): the intervals of every op and of
-every wait for a receive (perf_counter, relative to the step's start), and the activation
-bytes each forward saves for its backward (saved_tensors_hooks; parameters excluded), from
-which the peak number and bytes of micro-batches held at once follow.
+Measured on the way (for the chapter's figures and checks), by timeline.StepRecord, which the
+loop calls around each op (the clock and the saved-tensor hooks live there): the intervals of
+every op and of every wait for a receive, and the activation bytes each forward saves for
+its backward, from which the peak number and bytes of micro-batches held at once follow.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -37,37 +36,9 @@ from .. import comm
 from ..dp import no_sync
 from .p2p import PipelineComm
 from .schedules import schedule
-from .timeline import Interval
+from .timeline import StepRecord
 
-__all__ = ["run_pipeline_step", "forward_backward_pipelining", "evaluate_pipelining", "allreduce_tied_embedding_grads",
-           "StepRecord"]
-
-
-class StepRecord:
-    """What one step measured on this rank: losses (per micro-batch, last stage only),
-    intervals (list[Interval]: "F", "B", "recv wait" (blocked until an input arrived), "send"
-    (handing an output to the asynchronous send), in seconds from t0), t0 (the step's
-    start, time.perf_counter(): one clock for every process of the machine, so ranks' runs
-    can be drawn on one axis), activation bytes saved by each (microbatch, chunk) forward,
-    and the peak count and bytes alive at once."""
-
-    def __init__(self):
-        self.t0 = 0.0
-        self.losses: dict[int, float] = {}
-        self.intervals: list[Interval] = []
-        self.saved_bytes: dict[tuple[int, int], int] = {}
-        self.peak_in_flight = 0
-        self.peak_bytes = 0
-
-
-def _saved_bytes_hooks(params: set[int], into: dict[int, int]):
-    """saved_tensors_hooks that record the storages a forward saves (parameters excluded)."""
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            into[ptr] = t.untyped_storage().nbytes()
-        return t
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+__all__ = ["run_pipeline_step", "forward_backward_pipelining", "evaluate_pipelining", "allreduce_tied_embedding_grads"]
 
 
 def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]], microbatches: list[dict],
@@ -77,55 +48,43 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
     data-parallel wrapper of one (then its gradient sync runs with the last backward of the
     chunk; call train.finalize_model_grads after). Returns the StepRecord;
     gradients are left accumulated in the parameters (DP-synced where wrapped)."""
-    M, rec = len(microbatches), StepRecord()
+    M = len(microbatches)
+    rec = StepRecord(rank, params={p.untyped_storage().data_ptr() for e in engines for p in e.parameters()})
     last_backward = {c: max(i for i, (op, _, ch) in enumerate(ops) if op == "B" and ch == c)
                      for c in range(len(engines))}
-    params = {p.untyped_storage().data_ptr() for e in engines for p in e.parameters()}
     held: dict[tuple[int, int], tuple] = {}              # (mb, chunk) -> (input, output or loss)
-    t0 = rec.t0 = time.perf_counter()
-    now = lambda: time.perf_counter() - t0               # noqa: E731
 
     for i, (op, mb, c) in enumerate(ops):
         engine, data = engines[c], microbatches[mb]
         if op == "F":
             x = None
             if not p2p.is_first(c):
-                start = now()
-                x = p2p.recv_forward(mb, c)                                   # [b, s, h]
-                rec.intervals.append(Interval(rank, "recv wait", mb, c, start, now()))
-            start, saved = now(), {}
-            with _saved_bytes_hooks(params, saved):
-                if x is None:
-                    out = engine(data["tokens"], labels=data["labels"] if p2p.is_last(c) else None)
-                else:
-                    out = engine(hidden_states=x, labels=data["labels"] if p2p.is_last(c) else None)
-            if p2p.is_last(c):
-                out = out.mean() / M                      # the micro-batch's share of the step loss
-                rec.losses[mb] = out.item()
-            rec.intervals.append(Interval(rank, "F", mb, c, start, now()))
+                with rec.span("recv wait", mb, c):
+                    x = p2p.recv_forward(mb, c)                               # [b, s, h]
+            labels = data["labels"] if p2p.is_last(c) else None
+            with rec.span("F", mb, c):
+                with rec.saving(mb, c):
+                    out = engine(data["tokens"], labels=labels) if x is None else engine(hidden_states=x, labels=labels)
+                if p2p.is_last(c):
+                    out = out.mean() / M                  # the micro-batch's share of the step loss
+                    rec.losses[mb] = out.item()
             if not p2p.is_last(c):
-                start = now()
-                p2p.send_forward(out, mb, c)                                  # [b, s, h], asynchronous
-                rec.intervals.append(Interval(rank, "send", mb, c, start, now()))
+                with rec.span("send", mb, c):
+                    p2p.send_forward(out, mb, c)                              # [b, s, h], asynchronous
             held[(mb, c)] = (x, out)
-            rec.saved_bytes[(mb, c)] = sum(saved.values())
-            rec.peak_in_flight = max(rec.peak_in_flight, len(held))
-            rec.peak_bytes = max(rec.peak_bytes, sum(rec.saved_bytes[k] for k in held))
+            rec.in_flight(held)
         else:
             x, out = held.pop((mb, c))
             grad = None
             if not p2p.is_last(c):
-                start = now()
-                grad = p2p.recv_backward(mb, c)                               # [b, s, h]
-                rec.intervals.append(Interval(rank, "recv wait", mb, c, start, now()))
-            start = now()
-            with nullcontext() if i == last_backward[c] else no_sync(engine):   # DP: sync on the last
-                torch.autograd.backward(out, grad)
-            rec.intervals.append(Interval(rank, "B", mb, c, start, now()))
+                with rec.span("recv wait", mb, c):
+                    grad = p2p.recv_backward(mb, c)                           # [b, s, h]
+            with rec.span("B", mb, c):
+                with nullcontext() if i == last_backward[c] else no_sync(engine):   # DP: sync on the last
+                    torch.autograd.backward(out, grad)
             if x is not None:
-                start = now()
-                p2p.send_backward(x.grad, mb, c)                              # asynchronous
-                rec.intervals.append(Interval(rank, "send", mb, c, start, now()))
+                with rec.span("send", mb, c):
+                    p2p.send_backward(x.grad, mb, c)                          # asynchronous
     if held:
         raise RuntimeError(f"the schedule left forwards without a backward: {sorted(held)}")
     return rec
@@ -150,20 +109,8 @@ def allreduce_tied_embedding_grads(chunks: list[nn.Module], embedding_group) -> 
     copies then hold dE_lookup + dE_logits (in their tensor-parallel shards, under 3D). Nothing
     for untied embeddings, when one chunk is both first and last, or on the other chunks.
 
-    A first version ran without an error:
-
-        for chunk in chunks:
-            if chunk.pre_process:
-                comm.all_reduce(chunk.embedding.word_embeddings.weight.grad, embedding_group, op="avg")
-            if chunk.post_process:
-                comm.all_reduce(chunk.output_layer.weight.grad, embedding_group, op="avg")
-
-    Checked against the single-device run with tied embeddings (GPT-2 style), it showed:
-      * on a 2-stage pipeline the first step's embedding gradient differs from the
-        single-device one, by exactly half of it, while every other gradient matches;
-      * untied models (LLaMA style) trained exactly like one device, but a tied model on ONE
-        stage (pp = 1) stopped with an error.
-    Find the bugs, and write a body that meets the spec.
+    Spot the bug (exercise 3.4): a first version of this body, and what it did when checked
+    against the single-device run, are in chapters/03_pp/exercises/spot_the_bug.md.
     """
     # BEGIN EXERCISE 3.4: spot the bug in the tied-embedding gradient sync | hint: each copy holds the gradient of one use; the single-device gradient is the sum of the two. Which chunks hold a copy, and which hold both uses?
     for chunk in chunks:

@@ -23,15 +23,22 @@ whatever t_f and t_b are; 1F1B does not shrink the bubble, it bounds the activat
 Narayanan et al. 2021 (Megatron-LM, "Efficient Large-Scale Language Model Training on GPU
 Clusters", Section 2.2) state the same as bubble time over ideal time: (p - 1) / m, and
 (p - 1) / (v m) interleaved; bubble_fraction returns that ratio too.
+
+StepRecord is the measured side: what one real step on one rank took, op by op
+(executor.run_pipeline_step fills it); viz.plot_timeline draws both.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from .schedules import schedule
 
-__all__ = ["Interval", "simulate", "bubble_fraction", "idle_fraction", "peak_in_flight"]
+__all__ = ["Interval", "simulate", "bubble_fraction", "idle_fraction", "peak_in_flight", "StepRecord"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +121,47 @@ def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
         peak = max(peak, alive)
     return peak
 
+
+class StepRecord:
+    """What one pipeline step measured on this rank (run_pipeline_step fills it; the executor
+    calls its span / saving / in_flight and holds no clock): losses (per micro-batch, last
+    stage only), intervals (list[Interval]: "F", "B", "recv wait" (blocked until an input
+    arrived), "send" (handing an output to the asynchronous send), in seconds from t0), t0
+    (the step's start, time.perf_counter(): one clock for every process of the machine, so
+    ranks' runs can be drawn on one axis), activation bytes saved by each (microbatch, chunk)
+    forward (saved_tensors_hooks; parameters, whose storages are `params`, excluded), and the
+    peak count and bytes of micro-batches alive at once."""
+
+    def __init__(self, rank: int = 0, params: set[int] = frozenset()):
+        self.rank, self.params = rank, params
+        self.t0 = time.perf_counter()
+        self.losses: dict[int, float] = {}
+        self.intervals: list[Interval] = []
+        self.saved_bytes: dict[tuple[int, int], int] = {}
+        self.peak_in_flight = 0
+        self.peak_bytes = 0
+
+    @contextmanager
+    def span(self, kind: str, microbatch: int, chunk: int):
+        start = time.perf_counter() - self.t0
+        yield
+        self.intervals.append(Interval(self.rank, kind, microbatch, chunk, start, time.perf_counter() - self.t0))
+
+    @contextmanager
+    def saving(self, microbatch: int, chunk: int):
+        """Count the bytes of the storages the forward inside saves for its backward."""
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.params:
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.saved_bytes[(microbatch, chunk)] = sum(storages.values())
+
+    def in_flight(self, held) -> None:
+        """`held`: the (microbatch, chunk) keys whose backward has not run yet."""
+        self.peak_in_flight = max(self.peak_in_flight, len(held))
+        self.peak_bytes = max(self.peak_bytes, sum(self.saved_bytes[k] for k in held))

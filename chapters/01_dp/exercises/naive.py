@@ -65,17 +65,8 @@ def average_gradient_hook(param: nn.Parameter, group, sync: bool) -> None:
     of p.grad per parameter per optimizer step (none while sync is False, tag "grads").
     The parameter itself is not changed.
 
-    A first version trained without an error, and its loss went down:
-
-        def average_gradient_hook(param, group, sync):
-            param.data.mul_(1.0 / comm.group_size(group))
-            comm.all_reduce(param.data, group, tag="grads")
-
-    Checked against the single-device run (2 ranks, 2 micro-batches per step), it showed:
-      * the first step's gradients differ from the single-device gradients, on every rank;
-      * after the first optimizer step the ranks' parameters no longer agree;
-      * the ledger counts 2 x P all-reduces per step (P parameters): twice the formula.
-    Find the bugs, and write a body that meets the spec.
+    Spot the bug (exercise 1.5): a first version of this body, and what it did when checked
+    against the single-device run, are in chapters/01_dp/exercises/spot_the_bug.md.
     """
     # BEGIN EXERCISE 1.5: spot the bug in a gradient-averaging hook
     # hint: which tensor holds the gradient, and which micro-batches must not communicate?

@@ -27,16 +27,8 @@ def grads_for_norm(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], tp_rank:
     the model, every element of the single-device gradient is counted exactly once:
     parameters that pass param_is_not_shared AND param_is_not_tensor_parallel_duplicate.
 
-    A first version trained without an error, and its loss went down:
-
-        return [grad for param, grad in pieces]
-
-    Checked against the single-device run with clipping active (clip_grad=1.0), it showed:
-      * with clipping off, losses, gradients and parameters all matched;
-      * with clipping on, under tensor parallelism the updated parameters drifted from the
-        single-device ones, and the printed gradient norm was LARGER than the single-device
-        norm, by more at tp 4 than at tp 2.
-    Find the bug, and write a body that meets the spec.
+    Spot the bug (exercise 2.4): a first version of this body, and what it did when checked
+    against the single-device run, are in chapters/02_tp/exercises/spot_the_bug.md.
     """
     # BEGIN EXERCISE 2.4: spot the bug in the gradient norm's filter
     # hint: every rank of a TP group holds a full copy of each replicated gradient; how many times does the all-reduce over the group count it? (and a pipeline's tied copy?)

@@ -35,20 +35,8 @@ def allreduce_tied_embedding_grads(chunks: list[nn.Module], embedding_group) -> 
     copies then hold dE_lookup + dE_logits (in their tensor-parallel shards, under 3D). Nothing
     for untied embeddings, when one chunk is both first and last, or on the other chunks.
 
-    A first version ran without an error:
-
-        for chunk in chunks:
-            if chunk.pre_process:
-                comm.all_reduce(chunk.embedding.word_embeddings.weight.grad, embedding_group, op="avg")
-            if chunk.post_process:
-                comm.all_reduce(chunk.output_layer.weight.grad, embedding_group, op="avg")
-
-    Checked against the single-device run with tied embeddings (GPT-2 style), it showed:
-      * on a 2-stage pipeline the first step's embedding gradient differs from the
-        single-device one, by exactly half of it, while every other gradient matches;
-      * untied models (LLaMA style) trained exactly like one device, but a tied model on ONE
-        stage (pp = 1) stopped with an error.
-    Find the bugs, and write a body that meets the spec.
+    Spot the bug (exercise 3.4): a first version of this body, and what it did when checked
+    against the single-device run, are in chapters/03_pp/exercises/spot_the_bug.md.
     """
     # BEGIN EXERCISE 3.4: spot the bug in the tied-embedding gradient sync
     # hint: each copy holds the gradient of one use; the single-device gradient is the sum of the two. Which chunks hold a copy, and which hold both uses?
