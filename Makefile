@@ -35,6 +35,14 @@ demo: $(STAMP)
 		--grad-accum-steps 4 --micro-batch-size $$((2 * $(DEMO_TP) * $(DEMO_PP) / $(DEMO_RANKS))) \
 		--out-dir runs/demo
 
+# Every torchrun entry N times (chapters 01-03's demos and minimegatron.train, 4 ranks each),
+# two runs at a time; prints per job how many runs exited non-zero after printing MATCH (the
+# failure of issue 11) and the total. Logs in runs/stress/. About N x 1 minute on 2 cores.
+N ?= 10
+.PHONY: stress
+stress: $(STAMP)
+	$(PY) benchmarks/stress_demos.py --runs $(N) --torchrun "$(TORCHRUN)"
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/graders
 	$(PY) -m booktools.exercises check

@@ -10,7 +10,8 @@ gradient clipping, AdamW step, zero_grad. Three implementations of the same netw
 
   ours/naive   minimegatron's GPTModel, attention written out (the [b, a, s, s] score matrix
                is materialized, masked, soft-maxed and kept for the backward pass)
-  ours/sdpa    the same model with attention_backend="sdpa" (PyTorch's fused kernel)
+  ours/sdpa    the same model with attention_backend="sdpa" (PyTorch's fused kernel; the default
+               since issue 11, what `minimegatron.train` runs)
   reference    the model written the obvious way in plain PyTorch: nn.MultiheadAttention (GPT-2)
                or F.scaled_dot_product_attention with enable_gqa (LLaMA), nn.LayerNorm /
                nn.RMSNorm, nn.Linear, GELU / SwiGLU

@@ -19,7 +19,12 @@ the same number of ranks (resharding a checkpoint is the capstone's subject).
 
 Safety rules:
   - written to a temporary name and renamed: a crash while saving never destroys the
-    previous checkpoint (rename is atomic on POSIX filesystems);
+    previous checkpoint (rename is atomic on POSIX filesystems); the `*.tmp` files a killed
+    save leaves behind are removed by the next save_checkpoint in that directory;
+  - resuming from a directory that holds no checkpoint (missing, a file, or no `latest`)
+    warns and trains from scratch, as Megatron's `--load` does ("could not find the metadata
+    file ... will start from random"); a `latest` that is empty or names a missing file is
+    an error;
   - loaded with `torch.load(weights_only=True)`: tensors, numbers, strings and containers
     only, never code from a pickle.
 """
@@ -27,10 +32,12 @@ Safety rules:
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 FORMAT = "minimegatron-checkpoint-v1"
 
@@ -45,10 +52,25 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the `*.tmp` files that saves killed half-way left in `directory`; returns them.
+
+    Only safe while nothing else writes to the directory: train calls save_checkpoint on
+    rank 0 after the barrier that follows every rank's own file, so no save is in flight."""
+    stale = sorted(Path(directory).glob("*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:
-    """Write `state` (plus the step and format tag) as iter_{step}.pt and point `latest` at it."""
+    """Write `state` (plus the step and format tag) as iter_{step}.pt and point `latest` at it.
+
+    First removes the `*.tmp` files earlier saves left when they were killed (see
+    remove_stale_temporaries: no other save may be writing to the directory)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory)
     path = directory / f"iter_{step:07d}.pt"
     payload = {"format": FORMAT, "step": step, **state}
     _atomic_write(path, lambda tmp: torch.save(payload, tmp))
@@ -56,14 +78,30 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, An
     return path
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The file `latest` points at, or None when the directory holds no checkpoint."""
-    pointer = Path(directory) / "latest"
-    if not pointer.exists():
+def latest_checkpoint(directory: str | os.PathLike, *, warn: bool = True) -> Path | None:
+    """The file `latest` points at, or None when the directory holds no checkpoint.
+
+    With `warn` (the default, how a run's --load-dir is read), None comes with a
+    UserWarning saying why (no such directory, a file, no `latest`) and that the run starts
+    from scratch, printed by rank 0 only. CheckpointError when `latest` is empty or names a
+    file that does not exist."""
+    directory = Path(directory)
+    pointer = directory / "latest"
+    if not pointer.is_file():
+        if warn and (not dist.is_initialized() or dist.get_rank() == 0):
+            why = ("does not exist" if not directory.exists() else
+                   "is a file, not a checkpoint directory (give the directory that holds `latest`)"
+                   if not directory.is_dir() else "holds no `latest` file")
+            warnings.warn(f"load_dir {directory} {why}: no checkpoint loaded, training starts from scratch",
+                          UserWarning, stacklevel=2)
         return None
-    path = Path(directory) / pointer.read_text().strip()
-    if not path.exists():
-        raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
+    name = pointer.read_text().strip()
+    if not name:
+        raise CheckpointError(f"{pointer} is empty: it should name the newest checkpoint file of {directory} "
+                              f"(e.g. iter_0000008.pt); a save was interrupted or the file was edited")
+    path = directory / name
+    if not path.is_file():
+        raise CheckpointError(f"{pointer} names {name}, which does not exist in {directory}")
     return path
 
 
@@ -75,7 +113,7 @@ def load_checkpoint(path: str | os.PathLike, *, model_config: dict[str, Any] | N
     """
     path = Path(path)
     if path.is_dir():
-        found = latest_checkpoint(path)
+        found = latest_checkpoint(path, warn=False)
         if found is None:
             raise CheckpointError(f"no checkpoint in {path} (no 'latest' file)")
         path = found

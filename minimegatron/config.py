@@ -15,6 +15,7 @@ Validation runs before any process is spawned or any tensor allocated.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0           # dropout on the residual branches
     attention_dropout: float = 0.0        # dropout on the attention probabilities
-    attention_backend: str = "naive"      # "naive" (explicit softmax, the book's) | "sdpa"
+    attention_backend: str = "sdpa"       # "sdpa" (fused exact kernel) | "naive" (written out: exercise 0.1)
     seed: int = 1234                      # initial weights depend on (seed, parameter name) only
     params_dtype: str = "float32"         # "float32" | "float64" | "bfloat16"
 
@@ -119,6 +120,9 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        need(self.num_query_groups is None or self.num_query_groups > 0,
+             f"num_query_groups={self.num_query_groups} must be positive (leave it unset for "
+             f"multi-head attention, num_query_groups = num_attention_heads)")
         need(self.hidden_size % self.num_attention_heads == 0,
              f"hidden_size={self.hidden_size} is not divisible by "
              f"num_attention_heads={self.num_attention_heads}")
@@ -137,6 +141,12 @@ class ModelConfig:
              f"(hidden_size={self.hidden_size} / num_attention_heads={self.num_attention_heads})")
         need(self.attention_backend in ("naive", "sdpa"),
              f"attention_backend={self.attention_backend!r} is not 'naive' or 'sdpa'")
+        # positive and finite: with a negative epsilon the variance plus epsilon can reach 0
+        # or below, a rotary base of 0 makes the frequencies infinite (both train to NaN),
+        # and a negative std is no standard deviation (it used to be taken silently)
+        for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
+            value = getattr(self, name)
+            need(value > 0 and math.isfinite(value), f"{name}={value} must be positive")
         for name in ("hidden_dropout", "attention_dropout"):
             need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
         need(self.ffn_size > 0, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
@@ -150,7 +160,8 @@ class TrainConfig:
 
     global_batch_size = micro_batch_size * grad_accum_steps * data_parallel_size
 
-    so adding data-parallel ranks at a fixed micro-batch size grows the global batch.
+    so adding data-parallel ranks at a fixed micro-batch size grows the global batch. (On the
+    command line, Megatron's --global-batch-size sets grad_accum_steps from the other two.)
     """
 
     data_path: str | None = None          # prefix of a .bin/.idx pair; None = embedded corpus
@@ -200,6 +211,13 @@ class TrainConfig:
         need(0 <= self.lr_warmup_iters <= self.train_iters,
              f"lr_warmup_iters={self.lr_warmup_iters} must be in [0, train_iters={self.train_iters}]")
         need(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
+        need(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):      # torch.optim.AdamW's own ranges
+            need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
+        need(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
+        need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no "
+                                  f"negative seed)")
+        need(self.save_interval >= 0, f"save_interval={self.save_interval} must be >= 0 (0: save at the end only)")
         need(self.eval_interval >= 0 and self.eval_iters >= 0,
              f"eval_interval={self.eval_interval} and eval_iters={self.eval_iters} must be >= 0")
         need(self.device in ("cpu", "cuda"), f"device={self.device!r} is not 'cpu' or 'cuda'")

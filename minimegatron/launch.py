@@ -15,6 +15,11 @@ thing on a laptop, from inside Python, many times per test run. Two entry points
     the first line of a ``torchrun`` demo: reads the rank from the environment and joins the
     gloo process group. Without ``torchrun`` it makes a one-process world.
 
+``finish_torchrun(status)``
+    the last line of every ``torchrun`` entry (the chapter demos, through
+    ``testing.verdict_under_torchrun``, and ``minimegatron.train.main``): leaves the job so that
+    the process exits with ``status``, never with a crash while Python shuts down.
+
 How the ranks find each other (rendezvous). The parent hosts a ``torch.distributed.TCPStore``
 on port 0, so the operating system picks a free port while the socket is already bound: there
 is no window in which another program could take the port (the race of "find a free port,
@@ -26,6 +31,7 @@ ports the operating system chooses, on the loopback interface.
 from __future__ import annotations
 
 import builtins
+import gc
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -42,7 +48,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "spawn", "init_from_torchrun", "free_port"]
+__all__ = ["RankError", "spawn", "init_from_torchrun", "finish_torchrun", "gloo_threads",
+           "free_port"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -353,3 +360,78 @@ def init_from_torchrun(timeout: float = 60.0, device: str = "cpu") -> tuple[int,
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=td)
     return dist.get_rank(), dist.get_world_size()
+
+
+def gloo_threads() -> int:
+    """How many threads of this process belong to gloo: each live gloo ProcessGroup runs
+    worker threads ("pt_gloo_runloop", two by default) and its device's event loop
+    ("gloo_tcp_loop"). Read from the thread names in /proc/self/task (Linux); -1 where that
+    is not available (then nothing is known)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return -1
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:                                  # the thread ended meanwhile
+            continue
+        count += name.startswith(("gloo", "pt_gloo"))
+    return count
+
+
+def finish_torchrun(status: int = 0) -> int:
+    """The end of a ``torchrun`` entry, on every rank: leave the job; return ``status``.
+
+    Call it last, on every rank, once the run's result is decided, and exit with what it
+    returns (``sys.exit(main())``). Safe without a process group (it then only forgets the
+    model-parallel groups).
+
+    Why it exists (issue 11). A gloo ProcessGroup owns threads: two workers that run its
+    collectives and the event loop of its network device. They stop only when the
+    ProcessGroup object is freed, and ``torch.distributed.destroy_process_group()`` does not
+    free it: it only unregisters the groups, and every group that Python still references
+    (``parallel_state``'s module-level table, a DDP wrapper caught in a reference cycle of
+    autograd hooks, a demo's dict of groups) stays alive, with its threads, until the
+    interpreter shuts down. Python then frees them in no particular order, releasing the
+    GIL while each one is destroyed; a gloo thread that takes the GIL at that moment (to
+    release a Python callback of ``Future.then``, as dp/timeline.py registers, or a tensor
+    owned by a finished collective) is ended by Python with ``pthread_exit``, which unwinds
+    through a C++ destructor: ``std::terminate``, "terminate called without an active
+    exception", SIGABRT, and torchrun reports the whole job as failed after it printed
+    MATCH. torch's own ``destroy_process_group`` says the same of completion hooks.
+
+    What it does, in order:
+      1. ``parallel_state.destroy_model_parallel()``: forget the model-parallel groups;
+      2. a barrier on the world group, so that no peer still talks to us (a barrier that
+         fails, e.g. a peer died, is printed and the status becomes 1 if it was 0);
+      3. ``torch.distributed.destroy_process_group()``;
+      4. ``gc.collect()``: free the groups that only reference cycles still held; each freed
+         group joins its threads here, while the interpreter is whole;
+      5. if there was a process group and gloo threads are still alive (someone still holds
+         a group, or step 2 failed), no normal exit is safe: flush stdout and stderr and end
+         the process with ``os._exit(status)``, which skips the interpreter's shutdown (and
+         its atexit handlers). Otherwise return ``status`` and let Python exit normally.
+    """
+    from . import parallel_state                        # here: parallel_state does not need us
+
+    parallel_state.destroy_model_parallel()
+    had_group = dist.is_initialized()
+    if had_group:
+        try:
+            if dist.get_world_size() > 1:
+                dist.barrier()
+        except Exception as exc:                         # noqa: BLE001 - report, then leave
+            print(f"rank {dist.get_rank()}: the final barrier failed ({type(exc).__name__}: "
+                  f"{exc}); leaving without tearing the job down", file=sys.stderr)
+            status = status or 1
+        else:
+            dist.destroy_process_group()
+    gc.collect()
+    if had_group and gloo_threads() > 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

@@ -20,7 +20,8 @@ layout. A rank holds only part of it, and some of what it holds is held by other
 So: sum the squares of the counted gradients, all-reduce the one number over each group that
 splits the model (`grad_stats_groups`: tp, then pp, then dp under ZeRO), and take the root.
 Megatron-LM: megatron/core/optimizer/clip_grads.py (get_grad_norm_fp32, clip_grad_by_total_norm_fp32),
-optimizer.py (MegatronOptimizer.get_main_grads_for_grad_norm) and tensor_parallel/layers.py
+optimizer.py (MegatronOptimizer.get_grads_for_grad_norm, _filter_grads_for_norm) and
+tensor_parallel/layers.py
 (param_is_not_tensor_parallel_duplicate); its filters have the same names.
 """
 

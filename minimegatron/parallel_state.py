@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")
@@ -192,7 +193,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
     Call on every rank, after torch.distributed.init_process_group. Each rank keeps
     the groups that contain it; the getters below return them. `timeout` is in
-    seconds (or a timedelta) and applies to collectives on the new groups.
+    seconds (or a timedelta) and applies to collectives on the new groups; None (the
+    default) gives every group the world group's own timeout (60 s from
+    launch.init_from_torchrun, `collective_timeout` from launch.spawn), so a hung rank ends
+    the job with a "timed out" error on whatever group it hangs (torch would otherwise give
+    new groups its default of 30 minutes; Megatron passes --distributed-timeout-minutes).
     """
     global _STATE
     if not dist.is_initialized():
@@ -206,6 +211,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                          pp=pipeline_model_parallel_size, cp=context_parallel_size,
                          ep=expert_model_parallel_size, etp=expert_tensor_parallel_size,
                          order=order)
+    if timeout is None:
+        timeout = world_group_timeout()
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
 
@@ -227,10 +234,27 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     _STATE = state
 
 
+def world_group_timeout() -> timedelta:
+    """The timeout the world group was created with (init_process_group's `timeout`).
+
+    torch has no public getter: this reads the backend's options (`options._timeout`, present
+    in torch 2.x for gloo and NCCL); should that ever disappear, 60 s, the book's default."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except Exception:                                   # a torch without that attribute
+        return timedelta(seconds=60)
+
+
 def destroy_model_parallel() -> None:
     """Forget the groups (Megatron's name). Safe to call when nothing is initialized.
 
-    The ProcessGroups themselves go away with torch.distributed.destroy_process_group.
+    A gloo ProcessGroup, and the threads it runs, lives as long as something references it:
+    torch.distributed.destroy_process_group() unregisters the groups but does not free the
+    ones this module still holds. Dropping them here lets them go (at the next garbage
+    collection at the latest) while the interpreter is whole; launch.finish_torchrun, the
+    end of every torchrun entry, calls this first.
     """
     global _STATE
     _STATE = None

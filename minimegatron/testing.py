@@ -182,25 +182,6 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
     return RunRecord(losses, first_grads, params)
 
 
-def run_named_checks(checks, *args) -> dict[str, str | None]:
-    """Run every check(*args) and record None (passed) or its traceback, so that one failing
-    check in a spawned world does not hide the others. Used inside ranks; see `rank_failures`."""
-    import traceback
-
-    results: dict[str, str | None] = {}
-    for check in checks:
-        try:
-            check(*args)
-            results[check.__name__] = None
-        except Exception:
-            results[check.__name__] = traceback.format_exc()
-    return results
-
-
-def rank_failures(per_rank: list[dict[str, str | None]], name: str) -> str:
-    """The tracebacks of check `name` on every rank where it failed ("" when it passed everywhere)."""
-    return "\n".join(f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(per_rank) if res[name] is not None)
-
 
 # --------------------------------------------------------------------------------------
 # Shared demo helpers: the chapter demos (chapters/NN_x/demo.py) and their readers
@@ -211,12 +192,15 @@ def verdict_under_torchrun(result, report) -> int:
     on rank 0 (torch.distributed.gather_object: plumbing for the report, in no ledger), call
     `report(per_rank)` there (it prints, and returns the exit status; a report that raises
     prints its traceback and counts as MISMATCH, 1), broadcast rank 0's status to every rank,
-    destroy the process group, and return the status: every rank exits with rank 0's verdict."""
+    leave the job with launch.finish_torchrun (the one teardown of every torchrun entry: it
+    frees every process group and its gloo threads before Python shuts down) and return the
+    status: every rank exits with rank 0's verdict."""
     import traceback
 
     import torch.distributed as dist
 
     from . import comm
+    from .launch import finish_torchrun
 
     rank = dist.get_rank()
     gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -231,8 +215,7 @@ def verdict_under_torchrun(result, report) -> int:
             code = 1
     verdict = torch.tensor([code])
     comm.broadcast(verdict, 0, None, tag="verdict")
-    dist.destroy_process_group()
-    return int(verdict.item())
+    return finish_torchrun(int(verdict.item()))
 
 
 def import_chapter_demo(number: str):

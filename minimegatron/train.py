@@ -1,14 +1,21 @@
 """The training loop: one step and one loop that every chapter's parallelism plugs into.
 
+    python -m minimegatron.train --help                            # the flags (arguments.py)
     python -m minimegatron.train --preset demo                     # the embedded corpus
     python -m minimegatron.train --preset tiny --train-iters 50 --hidden-size 32
     python -m minimegatron.train --data-path build/mydata/corpus --tokenizer tok.json ...
-    python -m minimegatron.train --preset tiny --save-dir runs/ckpt --save-interval 10
-    python -m minimegatron.train --preset tiny --load-dir runs/ckpt  # exact resume
+    python -m minimegatron.train --preset tiny --save runs/ckpt --save-interval 10
+    python -m minimegatron.train --preset tiny --load runs/ckpt       # exact resume
+    python -m minimegatron.train --help                               # every flag, by group
     torchrun --standalone --nproc_per_node=2 -m minimegatron.train --zero-stage 1   # chapter 01
     torchrun --standalone --nproc_per_node=4 -m minimegatron.train --tensor-model-parallel-size 2  # 02
     torchrun --standalone --nproc_per_node=8 -m minimegatron.train --tensor-model-parallel-size 2 \
-        --pipeline-model-parallel-size 2 --grad-accum-steps 4                                       # 03: 3D
+        --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8   # 03: 3D, dp 2, 4 micro-batches
+
+The flags are Megatron-LM's where the book implements what they do (--global-batch-size with
+--micro-batch-size, switches such as --untie-embeddings-and-output-weights, --disable-bias-linear,
+--swiglu); Megatron flags for what the book does not implement are refused, saying which chapter
+adds them.
 
 One step (`train_step`, Megatron's train_step), the same code on every layout:
 
@@ -24,15 +31,13 @@ losses bit for bit.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -46,27 +51,13 @@ from .config import ConfigError, ModelConfig, TrainConfig, to_dict
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
 from .dp import finish_grad_sync, no_sync
-from .launch import init_from_torchrun
+from .arguments import parse_command_line
+from .launch import finish_torchrun, init_from_torchrun
 from .optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
 from .pp import PipelineComm, allreduce_tied_embedding_grads, evaluate_pipelining, forward_backward_pipelining
 from .tp import get_rng_tracker, model_parallel_manual_seed
-
-# ---------------------------------------------------------------------------------------
-# presets: sizes that train in seconds to a minute on a laptop CPU
-# ---------------------------------------------------------------------------------------
-PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    # (model overrides, train overrides); the model style is LLaMA unless --style gpt2
-    "tiny": (dict(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=32),
-             dict(seq_length=32, micro_batch_size=4, train_iters=40, eval_interval=20, lr_warmup_iters=4)),
-    "demo": (dict(hidden_size=96, num_layers=3, num_attention_heads=6, num_query_groups=2,
-                  max_position_embeddings=64),
-             dict(seq_length=64, micro_batch_size=8, train_iters=300, eval_interval=50, lr_warmup_iters=30,
-                  out_dir="runs/demo")),
-}
-
-
 
 # ---------------------------------------------------------------------------------------
 # one step
@@ -160,7 +151,7 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has vocab_size={tokenizer.vocab_size} > "
                           f"model vocab_size={model_cfg.vocab_size}")
     prefix = cfg.data_path or build_default_corpus()
-    indexed = IndexedDataset(prefix)
+    indexed = IndexedDataset(prefix, vocab_size=model_cfg.vocab_size)   # every id has an embedding row
     train_docs, valid_docs = train_valid_split(indexed, valid_fraction=0.1)
     train = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=train_docs)
     valid = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=valid_docs)
@@ -312,57 +303,28 @@ def write_history(result: TrainResult, cfg: TrainConfig) -> None:
     plot_losses(result.losses, result.eval_losses, out / "loss.png")
 
 
-# ---------------------------------------------------------------------------------------
-# command line: every config field is a flag (--hidden-size, --train-iters, ...)
-# ---------------------------------------------------------------------------------------
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str, "bool": None}.get(
-            str(f.type).replace(" | None", "").strip("'"), str)
-        if kind is None:
-            parser.add_argument(flag, dest=f.name, type=lambda v: v.lower() in ("1", "true", "yes"), default=None)
-        else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=None)
-
-
-def configs_from_args(argv: Iterable[str] | None = None) -> tuple[ModelConfig, TrainConfig]:
-    parser = argparse.ArgumentParser(prog="python -m minimegatron.train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--style", choices=["llama", "gpt2"], default="llama")
-    _add_dataclass_flags(parser, ModelConfig)
-    _add_dataclass_flags(parser, TrainConfig)
-    args = vars(parser.parse_args(None if argv is None else list(argv)))
-    model_over, train_over = PRESETS[args.pop("preset")]
-    style = args.pop("style")
-    model_names = {f.name for f in dataclasses.fields(ModelConfig)}
-    given = {k: v for k, v in args.items() if v is not None}
-    model_cfg = getattr(ModelConfig, style)(**{**model_over, **{k: v for k, v in given.items() if k in model_names}})
-    train_cfg = TrainConfig(**{**train_over, **{k: v for k, v in given.items() if k not in model_names}})
-    return model_cfg, train_cfg
-
-
 def main(argv: Iterable[str] | None = None) -> int:
     """The command line. Under `torchrun --nproc_per_node=n` every rank runs this; rank 0 prints."""
     try:
-        model_cfg, cfg = configs_from_args(argv)
-        validate_layout(model_cfg, cfg, int(os.environ.get("WORLD_SIZE", "1")))   # before any process group
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        model_cfg, cfg, cli = parse_command_line(argv, world)
+        validate_layout(model_cfg, cfg, world)                  # before any process group
         rank = 0
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            rank, _ = init_from_torchrun(device=cfg.device)
+        if world > 1:                                           # every group gets this timeout
+            rank, _ = init_from_torchrun(timeout=60.0 * cli["distributed_timeout_minutes"], device=cfg.device)
+        if rank == 0:
+            dp = world // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
+            print(f"global batch {cfg.micro_batch_size * cfg.grad_accum_steps * dp} sequences = micro_batch_size "
+                  f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} micro-batches x data-parallel size {dp}")
         result = train(model_cfg, cfg)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return finish_torchrun(2)
     if rank == 0:
         final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
         print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
         print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
-    if dist.is_initialized():
-        parallel_state.destroy_model_parallel()       # drop the subgroups before the world group
-        dist.destroy_process_group()
-    return 0
+    return finish_torchrun(0)      # frees every group and its gloo threads before Python exits
 
 
 if __name__ == "__main__":

@@ -15,15 +15,17 @@ from torch.utils.flop_counter import FlopCounterMode
 from minimegatron.analysis import (REAL_MODELS, activation_memory, adam_bytes_per_parameter,
                                    count_parameters, does_it_fit, flops_per_token_6n,
                                    format_memory_report, korthikanti_activation_memory,
-                                   measure_saved_activation_bytes, megatron_flops_per_iteration,
+                                   measure_saved_activation_bytes, narayanan2021_flops_per_iteration,
                                    memory_report, real_model_config, training_flops,
                                    training_memory)
 from minimegatron.config import ModelConfig
 from minimegatron.model import GPTModel
 from minimegatron.viz import plot_memory_breakdown
 
+# The formulas count the written-out ("naive") attention, whose matmuls FlopCounterMode and the
+# saved-tensor hooks see one by one; cases that need the fused kernel say attention_backend="sdpa".
 SMALL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=16,
-             vocab_size=61)
+             vocab_size=61, attention_backend="naive")
 CONFIGS = {
     "gpt2": ModelConfig.gpt2(**SMALL),
     "gpt2-untied-nobias": ModelConfig.gpt2(**SMALL, untie_embeddings_and_output_weights=True,
@@ -163,7 +165,7 @@ def _forward_with_full_recompute(model, tokens, labels):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def test_megatron_formula_matches_measurement_with_and_without_recompute():
+def test_narayanan2021_formula_matches_measurement_with_and_without_recompute():
     """Narayanan et al. 2021: 72 (no recompute) and 96 (full recompute) B s L h^2 (...)."""
     cfg = CONFIGS["gpt2"]                       # the paper's model: g = a, f = 4h
     b, s = 2, 16
@@ -171,11 +173,11 @@ def test_megatron_formula_matches_measurement_with_and_without_recompute():
     model = GPTModel(cfg)
     forward, backward = _measure_flops(model, tokens, labels)
     plain = forward.get_total_flops() + backward.get_total_flops()
-    assert plain == megatron_flops_per_iteration(cfg, b, s, recompute=False)
+    assert plain == narayanan2021_flops_per_iteration(cfg, b, s, recompute=False)
 
     with FlopCounterMode(display=False) as counter:
         _forward_with_full_recompute(model, tokens, labels).backward()
-    assert counter.get_total_flops() == megatron_flops_per_iteration(cfg, b, s, recompute=True)
+    assert counter.get_total_flops() == narayanan2021_flops_per_iteration(cfg, b, s, recompute=True)
     h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
     assert counter.get_total_flops() == pytest.approx(96 * b * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)))
 

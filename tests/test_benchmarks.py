@@ -20,3 +20,14 @@ def test_benchmark_runs(script, args):
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "tokens/s" in proc.stdout
+
+
+def test_bench_vs_hf_runs():
+    """The comparison with Hugging Face transformers (an optional benchmark dependency)."""
+    pytest.importorskip("transformers", reason="bench_vs_hf.py needs transformers: "
+                                               "pip install -r requirements-bench.txt")
+    proc = subprocess.run([sys.executable, "benchmarks/bench_vs_hf.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tokens/s" in proc.stdout and "ratio minimegatron / transformers" in proc.stdout
+    assert "attn_implementation='sdpa'" in proc.stdout     # each library as shipped

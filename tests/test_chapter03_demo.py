@@ -28,7 +28,7 @@ def test_spawned_1f1b_matches_and_reports_the_bubble(tmp_path):
     assert out.strip().splitlines()[-1].startswith("MATCH")
     # the formula line, independently: (p - 1) / (m + p - 1) = 1/5 with p = 2, m = 4
     assert "= 0.200 of the step idle" in out
-    assert re.search(r"simulated \(1, 2\):\s+0\.200\s+0\.200", out), out
+    assert re.search(r"simulated, t_b=2t_f:\s+0\.200\s+0\.200", out), out
     assert "stage 0: 2 (schedule: 2)" in out and "stage 1: 1 (schedule: 1)" in out   # in flight: pp - rank
     assert figure.stat().st_size > 10_000
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from minimegatron import comm
 from minimegatron.comm import CommRecord, Ledger, record_communication, ring_traffic
 from minimegatron.launch import spawn
-from minimegatron.testing import rank_failures, run_named_checks
+from workers.checks import rank_failures, run_named_checks
 
 WORLD = 4
 CHECKS = []

@@ -8,6 +8,7 @@ Megatron's sampler arithmetic worked out by hand.
 import json
 import os
 import pickle
+from pathlib import Path
 import struct
 
 import numpy as np
@@ -19,11 +20,23 @@ from minimegatron.data import (BPETokenizer, ByteTokenizer, DataError, GPTDatase
                                build_default_corpus, build_tokenizer, global_sample_indices,
                                preprocess_jsonl, train_valid_split)
 from minimegatron.data import corpus as corpus_module
-from minimegatron.data import preprocess as preprocess_module
 
 TEXT = "Grüße, 世界! naïve café — emoji 🙂 and tabs\tand\nnewlines <eod> literal"
 
 # ----------------------------------------------------------------------------- tokenizers
+
+
+def _load_tool():
+    """tools/preprocess_data.py, the command line (not a package module: loaded by path)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "tools" / "preprocess_data.py"
+    spec = importlib.util.spec_from_file_location("preprocess_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+preprocess_data = _load_tool()
 
 
 def test_byte_tokenizer_is_utf8_plus_eod():
@@ -143,6 +156,22 @@ def small_pair(tmp_path):
     return write_dataset(tmp_path / "ds", [[1, 2, 3], [4, 5], [6, 7, 8, 9]], np.uint16)
 
 
+def test_token_ids_beyond_the_vocabulary_are_refused_when_the_dataset_is_opened(tmp_path):
+    """A .bin tokenized with a larger vocabulary than the model's: refused at open, naming the
+    file, the id, its document and the vocabulary (the embedding would raise IndexError later)."""
+    prefix = tmp_path / "big"
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        builder.add_document([1, 2, 256])            # fits a byte-level vocabulary of 257
+        builder.add_document([])                     # an empty document does not shift the count
+        builder.add_document([5, 300, 7])            # 300 does not
+    with pytest.raises(DataError, match=r"big\.bin: token id 300 \(document 2\) is outside the model's "
+                                        r"vocabulary \[0, 257\)") as info:
+        IndexedDataset(prefix, vocab_size=257)
+    assert "vocab_size >= 301" in str(info.value)
+    assert IndexedDataset(prefix, vocab_size=301).num_tokens == 6     # 301 rows hold id 300
+    assert IndexedDataset(prefix).num_tokens == 6                     # no vocabulary: no check
+
+
 def test_missing_files(small_pair):
     for ext in ("bin", "idx"):
         os.rename(f"{small_pair}.{ext}", f"{small_pair}.{ext}.away")
@@ -225,13 +254,13 @@ def test_preprocess_cli_with_bpe_training(tmp_path, capsys):
     tok_path, prefix = tmp_path / "bpe.json", tmp_path / "out" / "c"
     argv = ["--input", str(src), "--output-prefix", str(prefix), "--tokenizer", str(tok_path),
             "--train-bpe", "300", "--append-eod", "--no-progress"]
-    assert preprocess_module.main(argv) == 0
+    assert preprocess_data.main(argv) == 0
     assert "30 documents" in capsys.readouterr().out
     tok = BPETokenizer.load(tok_path)
     ds = IndexedDataset(prefix)
     assert tok.decode(ds[7].tolist()) == "document 7: the cat sat on the mat. " * 3 + "<eod>"
     bad = write_jsonl(tmp_path / "bad.jsonl", ['{"text": "a"}', "{oops"])
-    assert preprocess_module.main(["--input", str(bad), "--output-prefix", str(prefix),
+    assert preprocess_data.main(["--input", str(bad), "--output-prefix", str(prefix),
                                    "--no-progress"]) == 1
     assert "bad.jsonl:2" in capsys.readouterr().err
 

@@ -36,6 +36,7 @@ LAYERS: list[list[str]] = [
     ["analysis"],
     ["parallelize"],
     ["viz"],                                        # every figure (the loop draws its loss curve)
+    ["arguments"],                                  # the loop's command line
     ["train"],
     ["testing"],                                    # the harness (it runs train_step)
 ]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from minimegatron.config import ConfigError, ModelConfig
-from minimegatron.model import GPTModel, apply_rotary_pos_emb, causal_attention, initial_value, rope_cos_sin
+from minimegatron.model import (GPTModel, apply_rotary_pos_emb, causal_attention, initial_value, rope_cos_sin,
+                                 sdpa_attention)
 
 STYLES = {
     "gpt2": ModelConfig.gpt2(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=16),
@@ -80,6 +81,58 @@ def test_naive_attention_equals_pytorch_sdpa():
     q, k, v = (torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(causal_attention(q, k, v), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 1), (4, 4)])
+def test_sdpa_with_shared_kv_heads_equals_naive_on_repeated_heads(heads, kv_heads):
+    """sdpa_attention takes k, v with g heads (no copies); the oracle is the written-out
+    attention on k, v repeated to a heads. Outputs and all three gradients, float64."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, 13, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 13, 8, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    n = heads // kv_heads
+    fast = sdpa_attention(q, k, v)
+    oracle = causal_attention(q, k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1))
+    torch.testing.assert_close(fast, oracle, rtol=1e-12, atol=1e-12)
+    grad_out = torch.randn(fast.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(fast, (q, k, v), grad_out)
+    expected = torch.autograd.grad(oracle, (q, k, v), grad_out)
+    for name, x, y in zip("qkv", got, expected):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_default_sdpa_backend_trains_like_the_naive_one(style):
+    """The default backend (sdpa) and the book's written-out one compute the same model: equal
+    losses and gradients in float64, for MHA, GQA and MQA."""
+    assert ModelConfig().attention_backend == "sdpa"
+    cfg = _with(STYLES[style], params_dtype="float64")
+    fast, naive = GPTModel(cfg), GPTModel(_with(cfg, attention_backend="naive"))
+    tokens, labels = _tokens(), _tokens(seed=1)
+    losses = {}
+    for name, model in (("sdpa", fast), ("naive", naive)):
+        losses[name] = model(tokens, labels=labels).mean()
+        losses[name].backward()
+    torch.testing.assert_close(losses["sdpa"], losses["naive"], rtol=1e-12, atol=1e-12)
+    grads = dict(naive.named_parameters())
+    for name, p in fast.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_sdpa_backend_does_not_copy_kv_heads():
+    """Grouped-query attention on the default path reads each k, v head in place: no
+    repeat_interleave (the naive path, the oracle, does copy them)."""
+    cfg = _with(STYLES["llama"], params_dtype="float64")
+    assert cfg.query_groups < cfg.num_attention_heads
+    ops = {}
+    for backend in ("sdpa", "naive"):
+        model = GPTModel(_with(cfg, attention_backend=backend))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(_tokens(), labels=_tokens(seed=1)).mean().backward()
+        ops[backend] = {e.name for e in prof.events()}
+    assert "aten::repeat_interleave" in ops["naive"]      # the check can see a copy
+    assert "aten::repeat_interleave" not in ops["sdpa"], sorted(o for o in ops["sdpa"] if "attention" in o)
 
 
 def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():

@@ -44,8 +44,24 @@ def test_interleaved_order_by_hand():
         "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0")
     assert compact(schedule("interleaved", 2, 1, 4, 2)) == (
         "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0")
-    # m == pp: everything is warm-up (Megatron's all-warm-up case)
-    assert compact(schedule("interleaved", 2, 1, 2, 2)) == "F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0"
+    # m == pp has no special case (Megatron-Core since November 2024): the warm-up is the formula,
+    # cut at v m. pp 2, m 2, v 2: rank 0 warms up min(2 + 2, 4) = 4 = everything; rank 1 only
+    # min(0 + 2, 4) = 2, then the pairs (F0.1, B0.1), (F1.1, B1.1), then B0.0 B1.0.
+    assert compact(schedule("interleaved", 2, 0, 2, 2)) == "F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0"
+    assert compact(schedule("interleaved", 2, 1, 2, 2)) == "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 B0.0 B1.0"
+    # pp 4, m 4, v 2, last rank: warm-up 0 + (2 - 1) 4 = 4 < 8, the whole first chunk
+    assert compact(schedule("interleaved", 4, 3, 4, 2)) == (
+        "F0.0 F1.0 F2.0 F3.0 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3.1 B3.1 B0.0 B1.0 B2.0 B3.0")
+
+
+def test_interleaved_warmup_follows_megatron_core():
+    from minimegatron.pp import num_warmup_microbatches
+    # 2 (pp - r - 1) + (v - 1) pp, at most v m, written out for pp 4, v 2:
+    # r = 0: 6 + 4 = 10 -> 8 (m 4) or 10 (m 8); r = 1: 8; r = 2: 6; r = 3: 4
+    assert [num_warmup_microbatches("interleaved", 4, r, 4, 2) for r in range(4)] == [8, 8, 6, 4]
+    assert [num_warmup_microbatches("interleaved", 4, r, 8, 2) for r in range(4)] == [10, 8, 6, 4]
+    # v 3, pp 2, m 2: r = 0: 2 + 4 = 6 = v m; r = 1: 0 + 4 = 4
+    assert [num_warmup_microbatches("interleaved", 2, r, 2, 3) for r in range(2)] == [6, 4]
 
 
 @pytest.mark.parametrize("kind,pp,m,v", [("gpipe", 4, 5, 1), ("1f1b", 4, 7, 1), ("1f1b", 3, 2, 1),
@@ -67,6 +83,8 @@ def test_in_flight_microbatches():
     # interleaved holds more micro-batch-CHUNKS (each 1/v of a micro-batch's activations):
     # the warm-up count + 1 = 2 (pp - r - 1) + (v - 1) pp + 1
     assert [peak_in_flight(schedule("interleaved", pp, r, m, 2)) for r in range(pp)] == [11, 9, 7, 5]
+    # m == pp: the same formula, cut at v m = 8 (no all-warm-up special case): 8, 8, 7, 5
+    assert [peak_in_flight(schedule("interleaved", pp, r, 4, 2)) for r in range(pp)] == [8, 8, 7, 5]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -87,7 +105,8 @@ def test_impossible_schedules_name_the_numbers(args, message):
 
 @pytest.mark.parametrize("kind,pp,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 3, 1),
                                          ("1f1b", 2, 1, 1), ("interleaved", 4, 8, 2),
-                                         ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 3)])
+                                         ("interleaved", 2, 4, 2), ("interleaved", 4, 4, 3),
+                                         ("interleaved", 4, 4, 2), ("interleaved", 2, 2, 2)])
 @pytest.mark.parametrize("t_f,t_b", [(1.0, 2.0), (1.0, 1.0), (0.5, 1.7)])
 def test_simulated_bubble_equals_the_formula(kind, pp, m, v, t_f, t_b):
     intervals = simulate(kind, pp, m, v, t_f, t_b)

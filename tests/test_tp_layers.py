@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from minimegatron.comm import copy_to_tensor_model_parallel_region, record_communication
 from minimegatron.config import ModelConfig
 from minimegatron.launch import spawn
-from minimegatron.testing import rank_failures, run_named_checks
+from workers.checks import rank_failures, run_named_checks
 from minimegatron.model.init import initial_value
 from minimegatron.model.linear import Linear
 from minimegatron.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,

@@ -23,8 +23,8 @@ from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.optim import Optimizer, learning_rate
 from minimegatron.parallel_state import Layout
-from minimegatron.testing import (RunRecord, assert_equivalent, make_batches, rank_failures, run_named_checks,
-                                  single_device_run)
+from minimegatron.testing import RunRecord, assert_equivalent, make_batches, single_device_run
+from workers.checks import rank_failures, run_named_checks
 from minimegatron.tp import apply_tensor_parallel, full_gradients, full_parameters, pad_vocab_size
 from minimegatron.tp.random import model_parallel_manual_seed
 from minimegatron.train import train_step

@@ -162,6 +162,54 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
     assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(3))
 
 
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path, monkeypatch):
+    """A save killed between writing its temporary file and renaming it leaves *.tmp behind;
+    the next save in that directory removes it (and keeps the checkpoints)."""
+    save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+
+    def killed(obj, f, *a, **k):
+        Path(f).write_bytes(b"half a file")
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, {"model": {"w": torch.zeros(3)}})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.glob("*.tmp")) == ["iter_0000002.pt.tmp"]
+    save_checkpoint(tmp_path, 3, {"model": {"w": torch.full((3,), 3.0)}})
+    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001.pt", "iter_0000003.pt", "latest"]
+    assert load_checkpoint(tmp_path)["step"] == 3
+
+
+@pytest.mark.parametrize("kind, words", [("missing", "does not exist"), ("file", "is a file"),
+                                         ("empty dir", "holds no `latest` file")])
+def test_a_load_dir_without_a_checkpoint_warns_and_trains_from_scratch(tmp_path, kind, words):
+    """As Megatron's --load ("could not find the metadata file ... will start from random"):
+    a visible warning, then the run of a fresh start."""
+    load = tmp_path / "ckpt"
+    if kind == "file":
+        load.write_text("not a directory")
+    elif kind == "empty dir":
+        load.mkdir()
+    with pytest.warns(UserWarning, match=f"load_dir {load} {words}.*training starts from scratch"):
+        resumed = train(TINY, _train_cfg(tmp_path / "a", train_iters=2, eval_interval=0, load_dir=str(load)))
+    fresh = train(TINY, _train_cfg(tmp_path / "b", train_iters=2, eval_interval=0))
+    assert resumed.losses == fresh.losses
+
+
+def test_an_empty_latest_file_is_a_clear_error(tmp_path):
+    save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(CheckpointError, match=r"latest is empty: it should name the newest checkpoint file"):
+        train(TINY, _train_cfg(tmp_path / "run", train_iters=2, load_dir=str(tmp_path)))
+    with pytest.raises(CheckpointError, match=r"latest is empty"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "latest").write_text("iter_0000009.pt\n")
+    with pytest.raises(CheckpointError, match=r"names iter_0000009.pt, which does not exist"):
+        load_checkpoint(tmp_path)
+
+
 def test_checkpoints_load_without_pickled_code(tmp_path):
     """A file that would run code when unpickled is refused, not executed."""
     class Evil:
@@ -196,3 +244,36 @@ def test_command_line_run_writes_the_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "final train loss" in proc.stdout
     assert (out / "loss.png").exists()
+
+
+# ---------------------------------------------------------------------- a hung rank
+def _one_rank_hangs_before_a_tp_all_reduce(hang_s: float) -> None:
+    """Rank 1 sleeps (a hung rank) while rank 0 enters an all-reduce on the TP subgroup."""
+    import time
+
+    import torch.distributed as dist
+
+    from minimegatron import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)      # as train does: no timeout given
+    if dist.get_rank() == 1:
+        time.sleep(hang_s)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=parallel_state.get_tensor_model_parallel_group())
+    except RuntimeError as exc:          # say how long rank 0 waited (start-up time not counted)
+        raise RuntimeError(f"waited {time.monotonic() - start:.1f} s: {exc}") from None
+
+
+def test_a_hung_rank_ends_the_job_with_a_timed_out_error_within_the_world_timeout():
+    """Every subgroup gets the world group's timeout (here 3 s), not torch's 30 minutes: rank
+    0 waits 3 s for rank 1 (asleep for 90 s) and fails with a "timed out" error. Were the TP
+    group on torch's default, rank 0 would wait for rank 1 and the job would end after 90 s
+    without an error. Rank 0 reports how long it waited, which excludes the start-up time of
+    two Pythons on a loaded machine."""
+    import re
+
+    from minimegatron.launch import spawn
+    with pytest.raises(Exception, match="(?i)timed out") as info:
+        spawn(_one_rank_hangs_before_a_tp_all_reduce, 2, 90.0, timeout=120.0, collective_timeout=3.0)
+    waited = float(re.search(r"waited ([0-9.]+) s", str(info.value)).group(1))
+    assert 2.5 < waited < 20.0, f"rank 0 waited {waited} s for a collective with a 3 s timeout: {info.value}"

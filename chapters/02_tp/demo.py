@@ -411,7 +411,11 @@ def main_torchrun(args) -> int:
     rank, world = init_from_torchrun()
     if world % args.tp or (args.dp is not None and args.tp * args.dp != world):
         if rank == 0:
-            print(f"error: world size {world} is not tp x dp = {args.tp} x {args.dp or '?'}", file=sys.stderr)
+            if args.dp is None:
+                need = f"--tp {args.tp} must divide the number of ranks {world} (dp = ranks / tp)"
+            else:
+                need = f"--tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} must equal the number of ranks {world}"
+            print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     run = build_run(args, world // args.tp)

@@ -6,7 +6,8 @@ Three diagrams, drawn from the shapes (no run):
   column_row_split.png   Y = X A cut two ways: A's columns (column-parallel, no communication)
                          and A's rows (row-parallel, partial sums and one all-reduce)
   tp_layer.png           one transformer layer on 2 TP ranks: what is split, what is
-                         replicated, and where Megatron's f and g sit
+                         replicated, and where Megatron's copy and reduce operators sit
+                         (the 2019 paper's f and g; the book keeps f and g for sizes)
   tp_dp_grid.png         16 ranks on 2 nodes of 8, tp=4 x dp=4: the TP and DP groups of
                          parallel_state.rank_groups (tp fastest), and the same world with
                          tp slowest, where every TP group straddles the two nodes
@@ -234,7 +235,7 @@ def plot_tp_layer() -> None:
     def fg(x, name, fwd, bwd, side):
         ax.add_patch(FancyBboxPatch((x - 0.45, mid - 0.45), 0.9, 0.9, boxstyle="circle,pad=0.05",
                                     fc="#FFE9A8", ec="black", lw=1.0))
-        ax.text(x, mid, name, ha="center", va="center", fontsize=11, fontweight="bold")
+        ax.text(x, mid, name, ha="center", va="center", fontsize=7.5 if len(name) <= 4 else 6.3, fontweight="bold")
         dx = -0.2 if side == "left" else 0.2
         ax.text(x + dx, mid - 0.7, f"fwd: {fwd}\nbwd: {bwd}", ha="right" if side == "left" else "left",
                 va="top", fontsize=6.5)
@@ -248,7 +249,7 @@ def plot_tp_layer() -> None:
     _arrow(ax, 0.1, mid, 1.0, mid)
     op(1.0, mid, 1.6, "input_\nlayernorm", REPL)
     _arrow(ax, 2.6, mid, 3.15, mid)
-    fg(3.6, "f", "identity", "all-reduce dx", "left")
+    fg(3.6, "copy", "identity", "all-reduce dx", "left")
     for lane, y in ((0, up), (1, dn)):                       # attention, one lane per rank
         c = RANK_COLORS[lane]
         _arrow(ax, 4.05, mid, 4.6, y)
@@ -258,14 +259,14 @@ def plot_tp_layer() -> None:
         _arrow(ax, 9.8, y, 10.1, y)
         op(10.1, y, 2.2, "linear_proj (row)\nW [h, ad/tp]", c)
         _arrow(ax, 12.3, y, 12.85, mid)
-    fg(13.3, "g", "all-reduce", "identity", "right")
+    fg(13.3, "reduce", "all-reduce", "identity", "right")
     _arrow(ax, 13.75, mid, 14.2, mid)
     op(14.2, mid, 1.1, "+ bias\n+ x", REPL)
     residual(0.45, 14.75, mid - 0.65)
     _arrow(ax, 15.3, mid, 15.7, mid)
     op(15.7, mid, 1.6, "pre_mlp_\nlayernorm", REPL)
     _arrow(ax, 17.3, mid, 17.85, mid)
-    fg(18.3, "f", "identity", "all-reduce dx", "left")
+    fg(18.3, "copy", "identity", "all-reduce dx", "left")
     for lane, y in ((0, up), (1, dn)):                       # MLP
         c = RANK_COLORS[lane]
         _arrow(ax, 18.75, mid, 19.3, y)
@@ -275,7 +276,7 @@ def plot_tp_layer() -> None:
         _arrow(ax, 22.8, y, 23.1, y)
         op(23.1, y, 2.0, "linear_fc2 (row)\nW [h, f/tp]", c)
         _arrow(ax, 25.1, y, 25.55, mid)
-    fg(26.0, "g", "all-reduce", "identity", "right")
+    fg(26.0, "reduce", "all-reduce", "identity", "right")
     _arrow(ax, 26.45, mid, 26.9, mid)
     op(26.9, mid, 1.1, "+ bias\n+ x", REPL)
     residual(15.45, 27.45, mid - 0.65)
@@ -292,9 +293,12 @@ def plot_tp_layer() -> None:
             fontsize=7, ha="center", va="center")
     ax.text(14.2, 0.75, "dotted: the residual connections (replicated, no communication)", fontsize=7, ha="center")
     ax.text(0.1, 0.1, "grey = replicated on every TP rank (norms, row-parallel biases, the residual stream);  "
-                      "blue / orange = rank 0 / rank 1.   Per layer: 2 all-reduces of [b, s, h] forward (g, g), "
-                      "2 backward (f, f).", fontsize=8)
-    ax.set_title("One transformer layer under tensor parallelism (tp = 2): Megatron's f and g", fontsize=10)
+                      "blue / orange = rank 0 / rank 1.   Per layer: 2 all-reduces of [b, s, h] forward "
+                      "(reduce, reduce), 2 backward (copy, copy).\n"
+                      "Sizes: f = MLP inner size, g = key/value heads (as in chapter 00); "
+                      "copy and reduce are the paper's f and g operators.", fontsize=8)
+    ax.set_title("One transformer layer under tensor parallelism (tp = 2): Megatron's copy and reduce operators",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(OUT / "tp_layer.png", dpi=100)
     plt.close(fig)

@@ -30,7 +30,9 @@ under torchrun), against independent references:
         stages under single-device names (parallelize.full_model_tensors), against
         `testing.single_device_run` on the same global batches;
   [2/4] the bubble: the textbook idle fraction, the unit-cost simulation of the same
-        schedules, and the wall clock of the last real step, per stage;
+        schedules (the line "simulated, t_b=2t_f": a forward costs 1, a backward 2, per
+        micro-batch and stage, communication free), and the wall clock of the last real step,
+        per stage;
   [3/4] activations held at once: the peak number of micro-batch-chunks in flight on each
         stage, measured, against pp.timeline.peak_in_flight of the schedule, and the bytes
         saved for backward at the peak;
@@ -303,7 +305,8 @@ class RunReport:
                      f"+ {r.pp - 1}) = {f['idle']:.3f} of the step idle on every stage (bubble/ideal "
                      f"(p-1)/(v m) = {f['bubble_over_ideal']:.3f})")
         lines.append("      stage:              " + " ".join(f"{s:>6}" for s in range(r.pp)))
-        lines.append("      simulated (1, 2):   " + " ".join(f"{x:6.3f}" for x in self.simulated_idle))
+        lines.append("      simulated, t_b=2t_f:" + " ".join(f"{x:6.3f}" for x in self.simulated_idle)
+                     + "   (timeline.simulate, t_f = 1 and t_b = 2 per micro-batch, free p2p)")
         lines.append("      measured, last step:" + " ".join(f"{x:6.3f}" for x in self.measured_idle)
                      + "   (wall clock; ranks share this machine's cores)")
         lines.append("[3/4] activations held at once (micro-batch-chunks), measured vs the schedule's peak:")
@@ -358,8 +361,9 @@ def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
         want = peak_in_flight(pipeline.schedule(run.kind, run.pp, stage, run.micro_batches, run.num_chunks))
         peaks.append((rec["peak_in_flight"], want, rec["peak_bytes"]))
         if rec["peak_in_flight"] != want:
-            problems.append(f"stage {stage}: {rec['peak_in_flight']} micro-batch-chunks held at once, "
-                            f"the schedule's peak is {want}")
+            more = "more" if rec["peak_in_flight"] > want else "fewer"
+            problems.append(f"stage {stage}: {rec['peak_in_flight']} micro-batch-chunks held at once, {more} than "
+                            f"the schedule's peak of {want} (the warm-up count decides it)")
     for rank, rec in enumerate(per_rank):
         want = Counter(expected_p2p_ledger(run, rec["pp_rank"]))
         for step, calls in enumerate(rec["ledger"]):
@@ -469,8 +473,13 @@ def main_torchrun(args) -> int:
     model_parallel = args.tp * args.pp
     if world % model_parallel or (args.dp is not None and model_parallel * args.dp != world):
         if rank == 0:
-            print(f"error: world size {world} is not tp x pp x dp = {args.tp} x {args.pp} x {args.dp or '?'}",
-                  file=sys.stderr)
+            if args.dp is None:
+                need = (f"--tp {args.tp} x --pp {args.pp} = {model_parallel} must divide the number of ranks {world} "
+                        f"(dp = ranks / (tp x pp))")
+            else:
+                need = (f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {model_parallel * args.dp} must equal "
+                        f"the number of ranks {world}")
+            print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     run = build_run(args, world // model_parallel)

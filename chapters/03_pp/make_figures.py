@@ -1,6 +1,7 @@
 """The figures of chapter 03 and the tables the chapter quotes.
 
     python chapters/03_pp/make_figures.py          # about a minute on 2 cores; writes figures/*.png
+    python chapters/03_pp/make_figures.py --simulated-only   # seconds: the first three figures only
 
 From the schedules alone (pp.schedules, pp.timeline; no process started):
   schedules.png          the simulated timelines of GPipe, 1F1B and interleaved 1F1B (v = 2)
@@ -10,8 +11,9 @@ From the schedules alone (pp.schedules, pp.timeline; no process started):
   rank_grid_3d.png       16 ranks as tp = 2 x dp = 2 x pp = 4 (viz.draw_rank_grid):
                          the TP, DP, pipeline and embedding groups
 It prints the warm-up counts and orders of every stage, and stops with an error if any
-simulated idle fraction differs from the formula or any schedule's peak of micro-batches in
-flight differs from its closed form.
+simulated idle fraction differs from the formula or any schedule's warm-up or peak of
+micro-batches in flight differs from its closed form (pp = 2, 3, 4, 8, every m up to 4 pp,
+v = 2, 3, 4 for interleaving, m == pp included).
 
 One spawned gloo world of 4 ranks (minimegatron.launch.spawn) trains, with the training
 loop's own pieces (train_runs of chapters/03_pp/demo.py: parallelize.build_model,
@@ -43,6 +45,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.patches  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minimegatron import parallel_state  # noqa: E402
@@ -77,7 +80,8 @@ def warmup_formula(kind: str, p: int, r: int, m: int, v: int) -> int:
         return m
     if kind == "1f1b":
         return min(p - r - 1, m)
-    return v * m if m == p else min(2 * (p - r - 1) + (v - 1) * p, v * m)
+    # Megatron-Core's get_pp_rank_microbatches with group size p; no special case for m == p
+    return min(2 * (p - r - 1) + (v - 1) * p, v * m)
 
 
 def peak_formula(kind: str, p: int, r: int, m: int, v: int) -> int:
@@ -93,6 +97,36 @@ def idle_formula(p: int, m: int, v: int) -> float:
 # ---------------------------------------------------------------------------------------
 # 1. the schedules, simulated (no process)
 # ---------------------------------------------------------------------------------------
+def closed_forms_section() -> None:
+    """Warm-up and peak of every stage against the closed forms, beyond the figure's pp=4, m=8."""
+    checked = 0
+    for p in (2, 3, 4, 8):
+        for kind, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3, 4))):
+            for v in vs:
+                for m in (range(p, 4 * p + 1, p) if kind == "interleaved" else range(1, 4 * p + 1)):
+                    for r in range(p):
+                        w, want = num_warmup_microbatches(kind, p, r, m, v), warmup_formula(kind, p, r, m, v)
+                        peak, want_peak = peak_in_flight(schedule(kind, p, r, m, v)), peak_formula(kind, p, r, m, v)
+                        if (w, peak) != (want, want_peak):
+                            fail(f"{kind} p={p} r={r} m={m} v={v}: warm-up {w}, peak {peak}; "
+                                 f"closed forms {want}, {want_peak}")
+                        checked += 1
+    print(f"== warm-up and peak in flight equal their closed forms for {checked} (kind, p, rank, m, v)")
+    print("   interleaved, m == p (no all-warm-up special case): "
+          + "; ".join(f"p={p} v={v}: warm-up {[num_warmup_microbatches('interleaved', p, r, p, v) for r in range(p)]}"
+                      for p, v in ((4, 2), (2, 2), (8, 2))))
+
+
+def legend_by_color(ax, intervals, names: dict) -> None:
+    """One legend entry per shade plot_timeline drew: it draws one bar per interval, in order."""
+    seen = {}
+    for i, bar in zip(intervals, ax.patches):
+        seen.setdefault((i.op, i.chunk), bar.get_facecolor())
+    handles = [matplotlib.patches.Patch(facecolor=seen[key], edgecolor="black", linewidth=0.4, label=names[key])
+               for key in sorted(seen, key=lambda k: (k[0] == "B", k[1]))]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1.0))
+
+
 def schedules_section() -> None:
     print(f"== the schedules of pp={P}, m={M} (interleaved: v={V}); warm-up = forwards before the first backward")
     for kind, v in KINDS:
@@ -106,7 +140,7 @@ def schedules_section() -> None:
                 fail(f"{kind} stage {r}: peak {peak}, formula {peak_formula(kind, P, r, M, v)}")
             print(f"  {kind:<11} stage {r}: warm-up {w:>2}, peak in flight {peak:>2}:  {compact(ops)}")
 
-    fig, axes = plt.subplots(3, 1, figsize=(14, 8.2), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(17, 9), sharex=True)
     for ax, (kind, v) in zip(axes, KINDS):
         intervals = simulate(kind, P, M, v)
         idle = [idle_fraction(intervals, r) for r in range(P)]
@@ -118,16 +152,24 @@ def schedules_section() -> None:
         name = {"gpipe": "GPipe (all forwards, then all backwards)",
                 "1f1b": "1F1B (warm-up pp - rank - 1 forwards, then one forward one backward)",
                 "interleaved": f"interleaved 1F1B, v = {V} chunks per rank (labels: micro-batch.chunk)"}[kind]
-        plot_timeline(intervals, f"{name}: makespan {makespan:g}, idle {want:.3f} of it on every stage; "
+        plot_timeline(intervals, f"{name}: the step ends at {makespan:g} (makespan: first start to last end), "
+                                 f"every stage idle {want:.3f} of it; "
                                  f"{'micro-batch-chunks' if v > 1 else 'micro-batches'} in flight per stage {peaks}",
                       unit="time (t_f = 1 per micro-batch forward, t_b = 2 per backward)", ax=ax)
         ax.title.set_fontsize(9.5)
+        if v > 1:
+            for text in ax.texts:                      # half-width boxes: smaller labels, no overlap
+                text.set_fontsize(6)
+            legend_by_color(ax, intervals, {(op, c): f"{'forward' if op == 'F' else 'backward'}, chunk {c}"
+                                            for op in "FB" for c in range(v)})
+        else:
+            legend_by_color(ax, intervals, {("F", 0): "forward", ("B", 0): "backward"})
         print(f"  {kind:<11} simulated makespan {makespan:g} (formula (m + (p-1)/v)(t_f + t_b) = "
               f"{(M + (P - 1) / v) * 3:g}), idle {want:.4f} on every stage")
     for ax in axes[:-1]:
         ax.set_xlabel("")
-    fig.suptitle(f"The three schedules on pp = {P} stages, m = {M} micro-batches (pp.timeline.simulate; "
-                 "light = forward, dark = backward)", fontsize=10.5)
+    fig.suptitle(f"The three schedules on pp = {P} stages, m = {M} micro-batches (pp.timeline.simulate); "
+                 "white: the stage is idle (the bubble)", fontsize=10.5)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(OUT / "schedules.png", dpi=100)
     plt.close(fig)
@@ -169,10 +211,16 @@ def bubble_section() -> None:
     fig.tight_layout()
     fig.savefig(OUT / "bubble_vs_m.png", dpi=100)
     plt.close(fig)
-    print(f"\n== the bubble: {checked} simulated points (every stage) equal (p-1)/(v m + p-1)")
-    print(f"{'p':>3}{'m':>4}   idle (p-1)/(vm+p-1) for v = 1, 2, 4     bubble/ideal (p-1)/(vm) for v = 1, 2, 4")
+    print(f"\n== the bubble: {checked} simulated points of the figure (m up to 32, every stage) equal "
+          "(p-1)/(v m + p-1)")
+    print(f"{'p':>3}{'m':>4}   idle (p-1)/(vm+p-1) for v = 1, 2, 4     bubble/ideal (p-1)/(vm) for v = 1, 2, 4"
+          "   (each simulated too)")
     for p, m in ((4, 4), (4, 8), (4, 16), (4, 32), (8, 8), (8, 32), (8, 64)):
         idle = [bubble_fraction("1f1b" if v == 1 else "interleaved", p, m, v)["idle"] for v in (1, 2, 4)]
+        for v, x in zip((1, 2, 4), idle):
+            sim = simulate("1f1b" if v == 1 else "interleaved", p, m, v)
+            if max(abs(idle_fraction(sim, r) - x) for r in range(p)) > 1e-12:
+                fail(f"table row p={p} m={m} v={v}: the simulation differs from {x}")
         over = [bubble_fraction("1f1b" if v == 1 else "interleaved", p, m, v)["bubble_over_ideal"] for v in (1, 2, 4)]
         print(f"{p:>3}{m:>4}   " + "  ".join(f"{x:6.3f}" for x in idle) + "              "
               + "  ".join(f"{x:6.3f}" for x in over))
@@ -341,12 +389,17 @@ def draw_activations(real: dict) -> None:
 # ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
-def main() -> int:
+def main(argv=None) -> int:
+    simulated_only = "--simulated-only" in (sys.argv[1:] if argv is None else argv)
     OUT.mkdir(parents=True, exist_ok=True)
     print(f"chapter 03 figures, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    closed_forms_section()
     schedules_section()
     bubble_section()
     rank_grid_section()
+    if simulated_only:
+        print("\n--simulated-only: the measured figures (timeline_1f1b_measured.png, activations.png) are kept")
+        return 0
 
     per_rank = spawn(ch03.train_runs, 4, RUNS, timeout=600)
     per_run = [[r[i] for r in per_rank] for i in range(len(RUNS))]

@@ -39,9 +39,12 @@ def attention_operands_share_qkv_output(config: ModelConfig, batch: int, seq: in
     the QKV output [b, s, (a + 2g) d], kept once however many views share it. A new tensor
     costs its own b a s d elements. Which one happens depends on the code path:
 
-      - RoPE (on q and k) and the key/value repetition of grouped-query attention (on k and
-        v, `repeat_interleave`) produce new tensors. So does the query reshape
+      - RoPE (on q and k) produces new tensors. So does the query reshape
         [b, s, g, (a/g) d] -> [b, s, a, d] when it merges real groups (g > 1 and a/g > 1).
+      - The "naive" backend copies k and v of grouped-query attention to a heads
+        (`repeat_interleave`): new tensors. The "sdpa" backend hands the kernel the g
+        key/value heads as they are (enable_gqa=True), so v is always a slice, and k is one
+        unless RoPE rotated it.
       - Otherwise q, k, v are strided slices of the QKV output. The "sdpa" kernel saves them
         as they are: views.
       - The "naive" backend's `q @ k^T` and `probs @ v` are 4-D matmuls: torch folds
@@ -58,8 +61,8 @@ def attention_operands_share_qkv_output(config: ModelConfig, batch: int, seq: in
     q_slice = not rope and (g == 1 or per_group == 1)      # q still points into the QKV output
     k_slice = not rope and per_group == 1
     v_slice = per_group == 1
-    if config.attention_backend == "sdpa":
-        return q_slice, k_slice, v_slice
+    if config.attention_backend == "sdpa":                  # k, v of g heads, never repeated
+        return q_slice, not rope, True
     folds_freely = batch == 1 or a == 1
     return (q_slice and (folds_freely or (per_group == 1 and seq == 1)),
             k_slice and (folds_freely or seq == 1),
@@ -102,8 +105,9 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
       "qkv_output"          kept when q, k or v is a view of it (see
                             `attention_operands_share_qkv_output`)   b s (a + 2g) d e
       "query"               q, unless a view                  b a s d e
-      "key"                 k (repeated to a heads), unless a view   b a s d e
-      "value"               v (repeated to a heads), unless a view   b a s d e
+      "key"                 k, unless a view: naive (repeated to a heads)   b a s d e
+                                              sdpa (g heads, enable_gqa)   b g s d e
+      "value"               v, unless a view: the same as k
      naive backend (attention.py's `causal_attention`):
       "causal_mask"         masked_fill saves the mask        s s        (bool)
       "softmax_output"      softmax saves its output          b a s s c
@@ -169,14 +173,15 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
 
     q_view, k_view, v_view = attention_operands_share_qkv_output(config, b, s)
     head_tensor = b * a * s * d * e                       # one of q, k, v: [b, a, s, d]
+    kv_tensor = head_tensor if naive else b * g * s * d * e   # sdpa: k, v keep their g heads
     scores = b * a * s * s                                # elements of one [b, a, s, s] matrix
     per_layer = {
         "input_norm": _norm_bytes(config, b, s, e, c),
         "qkv_input": b * s * h * e,
         "qkv_output": b * s * (a + 2 * g) * d * e if (q_view or k_view or v_view) else 0,
         "query": 0 if q_view else head_tensor,
-        "key": 0 if k_view else head_tensor,
-        "value": 0 if v_view else head_tensor,
+        "key": 0 if k_view else kv_tensor,
+        "value": 0 if v_view else kv_tensor,
     }
     if naive:
         per_layer.update({

@@ -74,7 +74,7 @@ def training_flops(config: ModelConfig, batch: int, seq: int) -> dict:
     Returns {"forward": {component: FLOPs, ..., "total"}, "backward": {... 2x each ...},
     "total": forward + backward}.
 
-    Compare with Narayanan et al. 2021 (`megatron_flops_per_iteration`): for a GPT-2 style
+    Compare with Narayanan et al. 2021 (`narayanan2021_flops_per_iteration`, the paper's formula): for a GPT-2 style
     config (g = a, f = 4h) the forward is 24 b s L h^2 + 4 b s^2 L h + 2 b s h V, so our
     forward + backward equals their count without recomputation, 72 b s L h^2 (1 + s/6h +
     V/12Lh), exactly; their 96 (... V/16Lh) adds one more forward for full recomputation.
@@ -100,9 +100,10 @@ def training_flops(config: ModelConfig, batch: int, seq: int) -> dict:
             "total": forward["total"] + backward["total"]}
 
 
-def megatron_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *,
+def narayanan2021_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *,
                                  recompute: bool = True) -> int:
-    """Narayanan et al. 2021's FLOPs per iteration, for a GPT-2 style model.
+    """Narayanan et al. 2021's FLOPs per iteration, for a GPT-2 style model: the paper's
+    formula, not a port of Megatron-LM's code (see the last paragraph for how they differ).
 
     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
     (SC'21), Section 5.1 (derivation in its appendix), with B the batch in sequences:
@@ -117,14 +118,20 @@ def megatron_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *,
         F = 72 B s L h^2 (1 + s / (6h) + V / (12 L h))
 
     the same derivation with three passes (the paper states only the 96 form), and what
-    `training_flops(...)["total"]` gives for g = a, f = 4h. (Megatron-LM's current
-    `num_floating_point_operations` in megatron/training/training.py refines it for GQA,
-    SwiGLU and the causal half of the attention scores, so its logged figure differs.) The formula ignores GQA and
-    SwiGLU (it assumes 3h for q, k, v and 4h for the MLP), whatever `config` says.
+    `training_flops(...)["total"]` gives for g = a, f = 4h. The formula ignores GQA and
+    SwiGLU (it assumes 3h for q, k, v and 4h for the MLP), whatever `config` says, and V is
+    `config.vocab_size` as given.
+
+    Megatron-LM's own throughput log, `num_floating_point_operations` in
+    megatron/training/training.py (checked 2026-11-24), is a different function: three
+    passes (recomputation is not counted), GQA, SwiGLU and MoE accounted for, the causal half
+    of the attention scores, and the logits counted with the PADDED vocabulary
+    (`args.padded_vocab_size`, a multiple of 128 x tp by default; chapter 02, section 3.3),
+    so its figure differs from this one.
     """
     B, s, L, h, V = batch, seq, config.num_layers, config.hidden_size, config.vocab_size
     passes = 4 if recompute else 3
     return passes * (24 * B * s * L * h * h + 4 * B * s * s * L * h) + 6 * B * s * h * V
 
 
-__all__ = ["flops_per_token_6n", "training_flops", "megatron_flops_per_iteration"]
+__all__ = ["flops_per_token_6n", "training_flops", "narayanan2021_flops_per_iteration"]

@@ -13,13 +13,13 @@ from .collectives import all_gather, all_reduce, all_to_all, group_rank, group_s
 # Each operator runs a collective forward and the matching backward: if the forward computes
 # y = A x across the group, the backward computes dx = A^T dy. Identity and all-reduce pair
 # up because a replicated tensor is ONE tensor stored on every member: copying it to the
-# members (f) is a fan-out whose transpose is a sum (all-reduce), and summing partial results
-# into one replicated tensor (g) is a fan-in whose transpose hands the one gradient to every
+# members ("copy", the 2019 paper's f) is a fan-out whose transpose is a sum (all-reduce), and summing partial results
+# into one replicated tensor ("reduce", the paper's g) is a fan-in whose transpose hands the one gradient to every
 # member unchanged (identity). Hence the pairs
 #
 #     operator (Megatron's names, tensor_parallel/mappings.py)    forward          backward
-#     copy_to_tensor_model_parallel_region          (f)           identity         all-reduce (sum)
-#     reduce_from_tensor_model_parallel_region      (g)           all-reduce       identity
+#     copy_to_tensor_model_parallel_region     (copy, f)           identity         all-reduce (sum)
+#     reduce_from_tensor_model_parallel_region (reduce, g)         all-reduce       identity
 #     scatter_to_tensor_model_parallel_region                     split            all-gather
 #     gather_from_tensor_model_parallel_region                    all-gather       split
 #     reduce_scatter_to_sequence_parallel_region                  reduce-scatter   all-gather
@@ -135,7 +135,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def copy_to_tensor_model_parallel_region(x, group):
-    """Megatron's f: forward identity; backward all-reduce (sum) of the gradient.
+    """The copy operator (the paper's f): forward identity; backward all-reduce (sum) of the gradient.
 
     Enters a region where each member uses the same ``x`` for a different part of the work
     (a column-parallel linear): ``x``'s gradient is the sum of every member's contribution.
@@ -144,7 +144,7 @@ def copy_to_tensor_model_parallel_region(x, group):
 
 
 def reduce_from_tensor_model_parallel_region(x, group):
-    """Megatron's g: forward all-reduce (sum) of the members' partial results; backward
+    """The reduce operator (the paper's g): forward all-reduce (sum) of the members' partial results; backward
     identity. Leaves a region whose members each hold a partial sum (a row-parallel linear)."""
     return _ReduceFromTensorModelParallelRegion.apply(x, group)
 

@@ -4,7 +4,7 @@ Read the files in this order; each is one concept:
 
   tokenizer.py        text <-> token ids (ByteTokenizer, BPETokenizer, build_tokenizer)
   indexed_dataset.py  token ids on disk: Megatron's .bin/.idx pair, memory-mapped
-  preprocess.py       JSONL -> .bin/.idx (a CLI: python -m minimegatron.data.preprocess)
+  preprocess.py       JSONL -> .bin/.idx (its command line: tools/preprocess_data.py)
   corpus.py           the default corpus: this repository's own text, cached in build/corpus
   gpt_dataset.py      fixed-length samples, shuffling, splits, and which samples each
                       (step, microbatch, data-parallel rank) trains on
@@ -21,7 +21,6 @@ Typical use::
                            grad_accum_steps=1)          # {"tokens": [4, 64], "labels": [4, 64]}
 """
 
-import importlib
 
 from .errors import DataError
 from .gpt_dataset import (GPTDataset, batch_for_step, global_sample_indices, resolve_split,
@@ -29,18 +28,8 @@ from .gpt_dataset import (GPTDataset, batch_for_step, global_sample_indices, res
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from .tokenizer import BPETokenizer, ByteTokenizer, build_tokenizer
 
-# preprocess.py is also a command (python -m minimegatron.data.preprocess). Importing it here,
-# before runpy executes it, would make Python warn that the module is loaded twice; so its
-# names, and corpus.py which uses it, are imported on first access instead (PEP 562).
-_LAZY = {"preprocess_jsonl": "preprocess", "iter_jsonl_texts": "preprocess",
-         "build_default_corpus": "corpus"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from .preprocess import iter_jsonl_texts, preprocess_jsonl
+from .corpus import build_default_corpus
 
 __all__ = [
     "DataError",

@@ -169,16 +169,20 @@ class IndexedDataset:
 
     Raises DataError (naming the file) when either file is missing, the magic or version is
     wrong, the dtype code is unknown, or the sizes of the files disagree with the index.
+
+    vocab_size: if given, every token id must lie in [0, vocab_size) (a model's embedding
+    has vocab_size rows); otherwise DataError names the file, the offending id, its document
+    and the vocabulary. This reads every token once (a pass over the memory map).
     """
 
-    def __init__(self, prefix: str | os.PathLike):
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int | None = None):
         self.prefix = os.fspath(prefix)
         bpath, ipath = bin_path(prefix), idx_path(prefix)
         for p in (ipath, bpath):
             if not p.is_file():
                 raise DataError(f"{p}: file not found (an indexed dataset needs both "
                                 f"{bpath.name} and {ipath.name}; make them with "
-                                "python -m minimegatron.data.preprocess)")
+                                "python tools/preprocess_data.py)")
 
         idx_size = ipath.stat().st_size
         if idx_size < HEADER.size:
@@ -227,6 +231,22 @@ class IndexedDataset:
         self._tokens = (np.memmap(bpath, dtype=self.dtype, mode="r").view(np.ndarray)
                         if self.num_tokens
                         else np.zeros(0, self.dtype))
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """DataError unless every token id is in [0, vocab_size), naming the first bad id."""
+        if not self.num_tokens:
+            return
+        lo, hi = int(self._tokens.min()), int(self._tokens.max())
+        if 0 <= lo and hi < vocab_size:
+            return
+        bad = hi if hi >= vocab_size else lo
+        position = int(np.argmax(self._tokens == bad))
+        doc = int(np.searchsorted(self.sequence_pointers // self.dtype.itemsize, position, side="right")) - 1
+        raise DataError(f"{bin_path(self.prefix)}: token id {bad} (document {doc}) is outside the model's "
+                        f"vocabulary [0, {vocab_size}); the ids span [{lo}, {hi}], so the data was tokenized "
+                        f"with another tokenizer: give vocab_size >= {hi + 1} or re-tokenize it")
 
     def _check_index(self, ipath: Path, n_seq: int, n_doc: int) -> None:
         """The invariants of a one-sequence-per-document index (see the module docstring)."""

@@ -6,20 +6,8 @@ GPT training) the ``<eod>`` id is appended to every document so the model sees w
 ends and the next begins. Output: the pair described in ``indexed_dataset.py``, with uint16
 tokens when the vocabulary is smaller than 65500, else int32.
 
-Command line (the same shape as Megatron-LM's ``tools/preprocess_data.py``)::
-
-    # byte tokenizer: nothing to train
-    python -m minimegatron.data.preprocess --input corpus.jsonl \\
-        --output-prefix out/corpus --tokenizer byte --append-eod
-
-    # byte-level BPE: --train-bpe VOCAB first trains a tokenizer with VOCAB ids on the same
-    # JSONL and saves it at the --tokenizer path, then tokenizes with it
-    python -m minimegatron.data.preprocess --input corpus.jsonl \\
-        --output-prefix out/corpus --tokenizer out/bpe.json --train-bpe 1024 --append-eod
-
-    # later runs reuse the saved tokenizer: --tokenizer out/bpe.json without --train-bpe
-
-From Python: ``preprocess_jsonl(input, output_prefix, tokenizer, append_eod=True)``.
+From Python: ``preprocess_jsonl(input, output_prefix, tokenizer, append_eod=True)``; from the
+shell: ``python tools/preprocess_data.py --help`` (where Megatron-LM keeps its own).
 
 Errors: a line that is not valid JSON, not an object, or lacks a string "text" raises
 ``DataError`` naming the file and the 1-based line number; nothing is written in that case.
@@ -27,18 +15,16 @@ Errors: a line that is not valid JSON, not an object, or lacks a string "text" r
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Iterator
 
 from tqdm import tqdm
 
 from .errors import DataError
-from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
-from .tokenizer import BPETokenizer, build_tokenizer
+from .indexed_dataset import IndexedDatasetBuilder, best_dtype
+from .tokenizer import build_tokenizer
 
 
 def iter_jsonl_texts(path: str | os.PathLike, progress: bool = False) -> Iterator[str]:
@@ -97,44 +83,3 @@ def preprocess_jsonl(input: str | os.PathLike, output_prefix: str | os.PathLike,
                 ids.append(tokenizer.eod)
             builder.add_document(ids)
     return os.fspath(output_prefix)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m minimegatron.data.preprocess",
-        description="Tokenize a JSONL corpus ({\"text\": ...} per line) into PREFIX.bin/.idx.")
-    parser.add_argument("--input", required=True, help="JSONL file, one {\"text\": ...} per line")
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer", default="byte",
-                        help="'byte' (default) or the path of a BPE tokenizer JSON")
-    parser.add_argument("--train-bpe", type=int, metavar="VOCAB", default=None,
-                        help="first train a byte-level BPE with VOCAB ids on --input and save "
-                             "it at the --tokenizer path")
-    parser.add_argument("--append-eod", action="store_true",
-                        help="append the <eod> id after every document")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    args = parser.parse_args(argv)
-
-    try:
-        if args.train_bpe is not None:
-            if args.tokenizer == "byte":
-                parser.error("--train-bpe needs --tokenizer PATH.json (where to save it)")
-            tok = BPETokenizer.train(iter_jsonl_texts(args.input), args.train_bpe,
-                                     args.tokenizer)
-            print(f"trained {tok!r}")
-        else:
-            tok = build_tokenizer(args.tokenizer)
-        prefix = preprocess_jsonl(args.input, args.output_prefix, tok,
-                                  append_eod=args.append_eod, progress=not args.no_progress)
-    except (DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    ds = IndexedDataset(prefix)
-    print(f"wrote {prefix}.bin and {prefix}.idx: {len(ds)} documents, {ds.num_tokens} tokens "
-          f"({ds.dtype}, vocab_size {tok.vocab_size})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

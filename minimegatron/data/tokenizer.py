@@ -24,7 +24,7 @@ boundaries stay visible in generated samples.
 ``build_tokenizer("byte")`` returns a ByteTokenizer; any other spec is a path to a BPE JSON.
 
 Where this lives in Megatron-LM: ``megatron/core/tokenizers/`` (``MegatronTokenizer``) and
-``megatron/training/tokenizer/tokenizer.py`` (``build_tokenizer``).
+``megatron/core/tokenizers/utils/build_tokenizer.py`` (``build_tokenizer``; checked 2026-11-24).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ Timeline: each step's launches and completions are timed by a timeline.TimelineR
 algorithm calls it at five points and holds no clock) into `self.timeline`
 (timeline.BucketTimeline); viz.plot_bucket_timeline draws it.
 
-Requirements (as in Megatron): all parameters have one dtype, and every parameter that
+Requirements: all parameters have one dtype (Megatron keeps one buffer per dtype pair), and every parameter that
 requires grad receives a gradient in the last micro-batch's backward (a bucket that never
 completes is launched by finish_grad_sync, which is correct only if every rank agrees).
 

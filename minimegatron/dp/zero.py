@@ -7,7 +7,9 @@ gradients and the optimizer state. ZeRO (Rajbhandari et al. 2020) removes the co
     stage 2  (P_os+g)   ... and only that 1/dp of the reduced gradient
     stage 3  (P_os+g+p) ... and only that 1/dp of the parameters (fsdp.py)
 
-The layout (Megatron's param-and-grad buffer). The parameters are packed, in reverse order
+The layout (after Megatron's param-and-grad buffer; Megatron makes one buffer per (param dtype,
+grad dtype, expert-parallel) and gives the shared embedding its own bucket, the book one per
+weight-decay group, cut by ddp.assign_buckets). The parameters are packed, in reverse order
 (backward produces gradients from the output back), into flat *buckets*: one per weight-decay
 group (matrices decay; biases and norm weights do not, as optim.param_groups), or several
 of about `bucket_size` elements. A bucket of n elements is padded with zeros to dp * S

@@ -52,9 +52,23 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
-    """The same as `causal_attention`, through PyTorch's fused kernel (flash-style on CPU)."""
+    """The same function as `causal_attention`, through PyTorch's fused kernel (the default).
+
+    query: [b, n, s, d]; key, value: [b, n_kv, s, d] with n a multiple of n_kv. Query head i
+    attends with key/value head i // (n / n_kv), the grouping `repeat_interleave` produces,
+    but the kernel reads the shared k and v in place (enable_gqa=True) instead of copying
+    them to n heads. n_kv = n is ordinary multi-head attention.
+    Returns [b, n, s, d] in the dtype of `query`; dropout only when `training`.
+
+    F.scaled_dot_product_attention(is_causal=True) computes the same softmax exactly (not an
+    approximation), blockwise, without storing the [b, n, s, s] scores: on CPU, torch 2.13
+    runs its flash-attention kernel, for grouped-query attention too; with dropout it falls
+    back to the written-out math (which draws its mask from torch's default generator, like
+    `causal_attention`).
+    """
     return F.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                          dropout_p=dropout_p if training else 0.0)
+                                          dropout_p=dropout_p if training else 0.0,
+                                          enable_gqa=key.shape[1] != query.shape[1])
 
 
 class SelfAttention(nn.Module):
@@ -67,6 +81,10 @@ class SelfAttention(nn.Module):
     The number of heads this module runs is read from its projection: linear_qkv's output
     rows hold whole groups of (a/g + 2) d rows, so a tensor-parallel linear_qkv holding
     [(a + 2g) d / tp, h] makes this module run g/tp groups, a/tp query heads (chapter 02).
+
+    attention_backend (config): "sdpa" (default) runs `sdpa_attention` on k, v of g heads;
+    "naive" copies k and v to a heads (`repeat_interleave`) and runs `causal_attention`. Both
+    compute the same function (equal to rounding; tests/test_model.py checks it in float64).
 
     dropout_rng: a context-manager factory the attention dropout draws inside (None: torch's
     default generator). Tensor parallelism sets it to the per-rank stream, because the
@@ -101,11 +119,14 @@ class SelfAttention(nn.Module):
             q = apply_rotary_pos_emb(q, cos, sin)
             k = apply_rotary_pos_emb(k, cos, sin)
 
-        if heads_per_group > 1:                                           # GQA: share k, v in a group
-            k = k.repeat_interleave(heads_per_group, dim=1)               # [b, a, s, d]
-            v = v.repeat_interleave(heads_per_group, dim=1)               # [b, a, s, d]
+        if cfg.attention_backend == "sdpa":          # the default: the fused kernel shares k, v per group
+            attend = sdpa_attention
+        else:                                       # "naive": the lesson (exercise 0.1), the test oracle
+            attend = causal_attention
+            if heads_per_group > 1:                                       # GQA: copy k, v to every head
+                k = k.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
+                v = v.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
 
-        attend = causal_attention if cfg.attention_backend == "naive" else sdpa_attention
         p = cfg.attention_dropout
         rng = self.dropout_rng() if self.dropout_rng is not None and self.training and p > 0 else nullcontext()
         with rng:

@@ -22,9 +22,11 @@ one stage runs its F's and B's; everything else (sending, waiting) follows from 
 Megatron-LM: megatron/core/pipeline_parallel/schedules.py. What the book adds: the orders as
 data, so they can be printed, tested and drawn (timeline.simulate) without running anything.
 Constraints, as Megatron's with its default micro-batch group size (pp): interleaving needs
-num_microbatches to be a multiple of pp. Megatron's training/arguments.py also asks for
-pp > 2 with interleaving unless its p2p overlap is on; the tagged p2p here (p2p.py) has no
-such restriction, so pp = 2 with 2 chunks is allowed.
+num_microbatches to be a multiple of pp. The book fixes the group size at pp; Megatron makes it
+a setting (microbatch_group_size_per_vp_stage, --microbatch-group-size-per-virtual-pipeline-stage).
+pp = 2 with 2 chunks is allowed, as in Megatron with its default p2p overlap (its
+training/arguments.py asks for pp > 2 with interleaving only under --no-overlap-p2p-communication;
+checked 2026-11-24).
 """
 
 from __future__ import annotations
@@ -63,18 +65,27 @@ def num_warmup_microbatches(kind: str, pp_size: int, pp_rank: int, num_microbatc
 
     1f1b:        min(pp - rank - 1, m): the micro-batches in flight ahead of this stage when
                  the first one's backward reaches it.
-    interleaved: 2 (pp - rank - 1) + (v - 1) pp, at most v m; all v m when m == pp.
+    interleaved: min(2 (pp - rank - 1) + (v - 1) G, v m), counted in micro-batch-chunks, with
+                 G = pp the micro-batch group size (see interleaved_order): before a rank's
+                 first backward, the whole first group runs through chunks 0..v-2 ((v - 1) G
+                 forwards), and the first micro-batch's last chunk needs about two chunk-sized
+                 slots per rank behind this one to go there and come back. When that reaches
+                 v m, every forward is warm-up (all forwards, then all backwards). There is no
+                 special case for m == pp: with pp=4, v=2, m=4, stages 0 and 1 warm up all 8
+                 chunks, stages 2 and 3 only 6 and 4.
     gpipe:       all m.
+
+    Megatron-LM: get_pp_rank_microbatches in megatron/core/pipeline_parallel/schedules.py
+    (checked 2026-11-24; its m == pp all-warm-up case was removed in November 2024).
     """
     check_schedule_args(kind, pp_size, pp_rank, num_microbatches, num_chunks)
     if kind == "gpipe":
         return num_microbatches
     if kind == "1f1b":
         return min(pp_size - pp_rank - 1, num_microbatches)
-    total = num_microbatches * num_chunks
-    if num_microbatches == pp_size:
-        return total
-    return min(2 * (pp_size - pp_rank - 1) + (num_chunks - 1) * pp_size, total)
+    group_size = pp_size                   # Megatron's default microbatch_group_size_per_vp_stage
+    warmup = 2 * (pp_size - pp_rank - 1) + (num_chunks - 1) * group_size
+    return min(warmup, num_microbatches * num_chunks)
 
 
 def interleaved_order(pp_size: int, num_microbatches: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -96,12 +107,29 @@ def interleaved_order(pp_size: int, num_microbatches: int, num_chunks: int) -> l
 def schedule(kind: str, pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1) -> list[Op]:
     """The ordered ops of stage `pp_rank` of `pp_size`: ("F" | "B", microbatch, chunk).
 
-    Every (microbatch, chunk) appears once as "F" and once, later, as "B". Raises ValueError
-    naming the numbers for an unknown kind, a rank outside the pipeline, num_microbatches < 1,
-    num_chunks != 1 for gpipe / 1f1b, and for "interleaved": num_chunks < 2, pp_size < 2, or
-    num_microbatches not a multiple of pp_size.
+    Every (microbatch, chunk) appears once as "F" and once, later, as "B" (chunk is 0 for
+    "gpipe" and "1f1b"). Every kind has one shape: w warm-up forwards, then pairs (the next
+    forward, the oldest backward not yet run), then the remaining backwards, where
+
+      w         = num_warmup_microbatches(kind, pp_size, pp_rank, num_microbatches, num_chunks)
+      forwards  = [(0, 0), (1, 0), ..., (m - 1, 0)]                            gpipe, 1f1b
+                  interleaved_order(pp_size, num_microbatches, num_chunks)     interleaved
+      backwards = the forwards' order with chunk c replaced by num_chunks - 1 - c
+
+    The two helpers are this module's (a stub may import and call them):
+      num_warmup_microbatches(kind, pp_size, pp_rank, num_microbatches, num_chunks) -> int:
+        gpipe m; 1f1b min(pp - rank - 1, m); interleaved min(2 (pp - rank - 1) + (v - 1) pp, v m).
+        It checks the arguments first and raises the ValueErrors below.
+      interleaved_order(pp_size, num_microbatches, num_chunks) -> [(microbatch, chunk), ...]:
+        groups of pp micro-batches, in each group chunk 0 of each micro-batch, then chunk 1, ...;
+        pp=2, m=4, v=2: (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1).
+
+    Raises ValueError naming the field and the numbers (schedule("interleaved", 4, 0, 6, 2):
+    a message containing "num_microbatches=6" and "pp_size=4") for an unknown kind, a rank
+    outside the pipeline, num_microbatches < 1, num_chunks != 1 for gpipe / 1f1b, and for
+    "interleaved": num_chunks < 2, pp_size < 2, or num_microbatches not a multiple of pp_size.
     """
-    # BEGIN EXERCISE 3.1: the pipeline schedules from the warm-up count | hint: forwards = interleaved_order(...) or [(mb, 0)...]; backwards = the same with chunk -> v-1-chunk; w = num_warmup_microbatches(...): w F's, then pairs F(w+k), B(k), then the remaining B's
+    # BEGIN EXERCISE 3.1: the pipeline schedules from the warm-up count | hint: build the forwards and backwards lists first; then w F's, then for k = 0, 1, ...: F of forwards[w + k] and B of backwards[k]; then the B's still owed
     warmup = num_warmup_microbatches(kind, pp_size, pp_rank, num_microbatches, num_chunks)
     if kind == "interleaved":
         forwards = interleaved_order(pp_size, num_microbatches, num_chunks)

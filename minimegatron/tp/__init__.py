@@ -12,7 +12,7 @@ Read in this order:
   parallel.py       apply_tensor_parallel: the one model, its layers swapped by a plan; and
                     the helpers that reassemble full parameters and gradients
 
-The communication operators they use (Megatron's f and g, split and gather) live in
+The communication operators they use (copy and reduce, the 2019 paper's f and g; split and gather) live in
 minimegatron/comm/regions.py, with every call recorded in the ledger.
 """
 

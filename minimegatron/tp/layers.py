@@ -9,20 +9,20 @@ y = x W^T + b. It can be cut two ways:
                          Every rank needs all of x, and x's gradient is a SUM over ranks
                          (each rank's slice of y depends on all of x):
                              forward  f (identity)  -> local matmul
-                             backward local matmul grads -> all-reduce dx (f)
+                             backward local matmul grads -> all-reduce dx (copy)
                          (LinearWithGradAllReduce: the matmul and f in one autograd
                          Function, the backward written out by hand)
   RowParallelLinear      rank r holds columns r of W (its input features): [out, in/tp].
                          x_r W_r^T is a PARTIAL SUM of y; the full y is their sum:
-                             forward  local matmul -> all-reduce (g) -> + bias (once)
-                             backward identity (g): every rank gets the full dy
+                             forward  local matmul -> all-reduce (reduce) -> + bias (once)
+                             backward identity (reduce): every rank gets the full dy
 
 A column-parallel layer followed by a row-parallel one (the MLP, attention's QKV then its
-output projection) needs one all-reduce forward (g) and one backward (f), and the activation
+output projection) needs one all-reduce forward (reduce) and one backward (copy), and the activation
 between them stays split: nothing is gathered.
 
 VocabParallelEmbedding cuts the embedding table [V, h] by rows (vocabulary ranges); each
-rank looks up the ids it owns, writes zeros for the others, and one all-reduce (g) sums.
+rank looks up the ids it owns, writes zeros for the others, and one all-reduce (reduce) sums.
 
 Initialisation (the book's rule 3): a layer is built with zeros of its shard's shape and set
 from the full single-device tensor with ``load_full`` (apply_tensor_parallel passes the
@@ -126,7 +126,7 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
 
     Every rank's output slice depends on ALL of x, so the full gradient of x is the sum over
     the group of dy_r W_r: grad_x is all-reduced (sum) over ``group`` -- the backward half of
-    Megatron's f, one comm.all_reduce of [..., in], tag "bwd", and no other collective.
+    copy operator (the paper's f), one comm.all_reduce of [..., in], tag "bwd", and no other collective.
     grad_weight = dy^T x and grad_bias = the sum of dy over every dimension but the last are
     local: they are exactly this rank's rows of the single-device gradients.
     Order, as Megatron's LinearWithGradAccumulationAndAsyncCommunication: compute grad_x,
@@ -173,7 +173,7 @@ def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: tor
     replicated) or None.
     Returns y [..., out], the same on every rank: the single-device x W^T + b.
     Communication: ONE all-reduce (sum) of the [..., out] partial sums through
-    comm.reduce_from_tensor_model_parallel_region (Megatron's g: identity backward, so every rank's x_r gets the
+    comm.reduce_from_tensor_model_parallel_region (the reduce operator, the paper's g: identity backward, so every rank's x_r gets the
     full dy), and nothing else. The bias is added after the all-reduce; added before, it
     would be summed tp times.
     """
@@ -225,7 +225,7 @@ class ColumnParallelLinear(_ParallelLinear):
     Input  x [..., in], the same on every rank of the group.
     Output [..., out/tp] (this rank's output features), or [..., out] with gather_output.
     Communication: forward nothing (plus one all-gather of the output with gather_output);
-    backward one all-reduce of dx [..., in] (f), plus the split of dy with gather_output.
+    backward one all-reduce of dx [..., in] (copy), plus the split of dy with gather_output.
     Invariant: a rank's weight/bias gradients are exactly the rows of the single-device
     gradients, so reassembling them (concatenate in group order) gives the full gradient.
     """
@@ -273,7 +273,7 @@ class RowParallelLinear(_ParallelLinear):
     Input  x [..., in/tp] (this rank's input features, e.g. a column-parallel output), or
     x [..., in] with input_is_parallel=False (then split here, no communication).
     Output y [..., out], the same on every rank.
-    Communication: forward one all-reduce of y [..., out] (g); backward nothing (plus an
+    Communication: forward one all-reduce of y [..., out] (reduce); backward nothing (plus an
     all-gather of dx when input_is_parallel=False).
     The bias is added once, after the all-reduce: added before it, it would be summed tp
     times. Its gradient is the full dy summed, identical on every rank (so, like any
@@ -318,7 +318,7 @@ class VocabParallelEmbedding(nn.Module):
     (the forward rejects one), so the embedding never reads them and they get no gradient;
     a tied output layer produces logits for them, but vocab_parallel_cross_entropy(...,
     vocab_size=V) gives those logits zero probability, so their gradient is zero too.
-    Communication: forward one all-reduce of the output [b, s, h] (g); backward nothing
+    Communication: forward one all-reduce of the output [b, s, h] (reduce); backward nothing
     (each rank's rows get the gradient of the tokens it owns, zero for the others).
     """
 

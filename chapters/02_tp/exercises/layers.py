@@ -30,7 +30,7 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
 
     Every rank's output slice depends on ALL of x, so the full gradient of x is the sum over
     the group of dy_r W_r: grad_x is all-reduced (sum) over ``group`` -- the backward half of
-    Megatron's f, one comm.all_reduce of [..., in], tag "bwd", and no other collective.
+    copy operator (the paper's f), one comm.all_reduce of [..., in], tag "bwd", and no other collective.
     grad_weight = dy^T x and grad_bias = the sum of dy over every dimension but the last are
     local: they are exactly this rank's rows of the single-device gradients.
     Order, as Megatron's LinearWithGradAccumulationAndAsyncCommunication: compute grad_x,
@@ -53,7 +53,7 @@ def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: tor
     replicated) or None.
     Returns y [..., out], the same on every rank: the single-device x W^T + b.
     Communication: ONE all-reduce (sum) of the [..., out] partial sums through
-    comm.reduce_from_tensor_model_parallel_region (Megatron's g: identity backward, so every rank's x_r gets the
+    comm.reduce_from_tensor_model_parallel_region (the reduce operator, the paper's g: identity backward, so every rank's x_r gets the
     full dy), and nothing else. The bias is added after the all-reduce; added before, it
     would be summed tp times.
     """

@@ -18,12 +18,29 @@ from minimegatron.pp.schedules import Op, interleaved_order, num_warmup_microbat
 def schedule(kind: str, pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1) -> list[Op]:
     """The ordered ops of stage `pp_rank` of `pp_size`: ("F" | "B", microbatch, chunk).
 
-    Every (microbatch, chunk) appears once as "F" and once, later, as "B". Raises ValueError
-    naming the numbers for an unknown kind, a rank outside the pipeline, num_microbatches < 1,
-    num_chunks != 1 for gpipe / 1f1b, and for "interleaved": num_chunks < 2, pp_size < 2, or
-    num_microbatches not a multiple of pp_size.
+    Every (microbatch, chunk) appears once as "F" and once, later, as "B" (chunk is 0 for
+    "gpipe" and "1f1b"). Every kind has one shape: w warm-up forwards, then pairs (the next
+    forward, the oldest backward not yet run), then the remaining backwards, where
+
+      w         = num_warmup_microbatches(kind, pp_size, pp_rank, num_microbatches, num_chunks)
+      forwards  = [(0, 0), (1, 0), ..., (m - 1, 0)]                            gpipe, 1f1b
+                  interleaved_order(pp_size, num_microbatches, num_chunks)     interleaved
+      backwards = the forwards' order with chunk c replaced by num_chunks - 1 - c
+
+    The two helpers are this module's (a stub may import and call them):
+      num_warmup_microbatches(kind, pp_size, pp_rank, num_microbatches, num_chunks) -> int:
+        gpipe m; 1f1b min(pp - rank - 1, m); interleaved min(2 (pp - rank - 1) + (v - 1) pp, v m).
+        It checks the arguments first and raises the ValueErrors below.
+      interleaved_order(pp_size, num_microbatches, num_chunks) -> [(microbatch, chunk), ...]:
+        groups of pp micro-batches, in each group chunk 0 of each micro-batch, then chunk 1, ...;
+        pp=2, m=4, v=2: (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1).
+
+    Raises ValueError naming the field and the numbers (schedule("interleaved", 4, 0, 6, 2):
+    a message containing "num_microbatches=6" and "pp_size=4") for an unknown kind, a rank
+    outside the pipeline, num_microbatches < 1, num_chunks != 1 for gpipe / 1f1b, and for
+    "interleaved": num_chunks < 2, pp_size < 2, or num_microbatches not a multiple of pp_size.
     """
     # BEGIN EXERCISE 3.1: the pipeline schedules from the warm-up count
-    # hint: forwards = interleaved_order(...) or [(mb, 0)...]; backwards = the same with chunk -> v-1-chunk; w = num_warmup_microbatches(...): w F's, then pairs F(w+k), B(k), then the remaining B's
+    # hint: build the forwards and backwards lists first; then w F's, then for k = 0, 1, ...: F of forwards[w + k] and B of backwards[k]; then the B's still owed
     raise NotImplementedError("exercise 3.1")
     # END EXERCISE

@@ -1,0 +1,361 @@
+"""The command line of `python -m minimegatron.train`, as a Megatron-LM user expects it
+(Megatron's is megatron/training/arguments.py): every config field a flag with a one-line
+help, grouped as Megatron's --help groups them, Megatron's spellings for what the book
+implements, switches for booleans, --global-batch-size, and Megatron flags the book does
+not implement refused with the reason.
+
+    model_cfg, train_cfg, cli = parse_command_line(argv, world_size)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any, Iterable
+
+from .config import ConfigError, ModelConfig, TrainConfig
+
+# ---------------------------------------------------------------------------------------
+# presets: sizes that train in seconds to a minute on a laptop CPU
+# ---------------------------------------------------------------------------------------
+PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # (model overrides, train overrides); the model style is LLaMA unless --style gpt2. A
+    # preset's lr_warmup_iters is a share of its train_iters: on the command line, another
+    # --train-iters scales it (parse_command_line), unless --lr-warmup-iters is given too.
+    "tiny": (dict(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=32),
+             dict(seq_length=32, micro_batch_size=4, train_iters=40, eval_interval=20, lr_warmup_iters=4)),
+    "demo": (dict(hidden_size=96, num_layers=3, num_attention_heads=6, num_query_groups=2,
+                  max_position_embeddings=64),
+             dict(seq_length=64, micro_batch_size=8, train_iters=300, eval_interval=50, lr_warmup_iters=30,
+                  out_dir="runs/demo")),
+}
+
+
+
+# ---------------------------------------------------------------------------------------
+# command line: Megatron-LM's flags, where the book implements what they do
+# ---------------------------------------------------------------------------------------
+# Every config field is a flag in one of the groups of Megatron's --help, with a one-line help
+# saying its unit; the default is appended from the configs themselves. The first name of a
+# flag is Megatron's spelling (checked 2026-11-24 against Megatron-LM main: the flags
+# megatron/training/arguments.py adds, and those it generates from TransformerConfig,
+# TrainingConfig, SchedulerConfig, CheckpointConfig, RNGConfig); more names are the book's.
+GROUPS = ("model", "training", "parallelism", "data", "checkpointing")
+
+# field -> (group, flag names, help). Booleans are switches (SWITCHES below), not flags.
+FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "vocab_size": ("model", ("--vocab-size",), "rows of the embedding table, in tokens (>= the tokenizer's size)"),
+    "make_vocab_size_divisible_by": ("model", ("--make-vocab-size-divisible-by",),
+                                     "with TP, pad the vocabulary to a multiple of this x tp (Megatron: 128, "
+                                     "padding on one device too)"),
+    "hidden_size": ("model", ("--hidden-size",), "h, the width of the residual stream"),
+    "num_layers": ("model", ("--num-layers",), "L, transformer layers"),
+    "num_attention_heads": ("model", ("--num-attention-heads",), "a, query heads"),
+    "num_query_groups": ("model", ("--num-query-groups",),
+                         "g, key/value heads (grouped-query attention); unset: g = a"),
+    "ffn_hidden_size": ("model", ("--ffn-hidden-size",),
+                        "f, the MLP's inner width; unset: 4h (GELU), about 8h/3 (SwiGLU)"),
+    "max_position_embeddings": ("model", ("--max-position-embeddings",), "longest sequence the model accepts, tokens"),
+    "normalization": ("model", ("--normalization",), "LayerNorm or RMSNorm"),
+    "activation": ("model", ("--activation",), "the MLP's activation, gelu or swiglu (the book's; Megatron: --swiglu)"),
+    "position_embedding_type": ("model", ("--position-embedding-type",), "learned_absolute or rope"),
+    "rotary_base": ("model", ("--rotary-base",), "RoPE's base theta, > 0"),
+    "layernorm_epsilon": ("model", ("--norm-epsilon", "--layernorm-epsilon"),
+                          "epsilon added to the variance in LayerNorm / RMSNorm, > 0"),
+    "init_method_std": ("model", ("--init-method-std",), "standard deviation of the normal initial weights, > 0"),
+    "hidden_dropout": ("model", ("--hidden-dropout",), "dropout probability on the residual branches, in [0, 1)"),
+    "attention_dropout": ("model", ("--attention-dropout",),
+                          "dropout probability on the attention probabilities, in [0, 1)"),
+    "attention_backend": ("model", ("--attention-backend",),
+                          "how attention is computed (the book's implementations, see minimegatron/model)"),
+    "seed": ("model", ("--seed",), "initial weights: each parameter is a function of (seed, its name); "
+                                   "Megatron's --seed also seeds data and dropout, here --data-seed does"),
+    "params_dtype": ("model", ("--params-dtype",),
+                     "dtype of parameters and activations: float32, float64 or bfloat16 (the book's)"),
+    "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
+    "grad_accum_steps": ("training", ("--grad-accum-steps",),
+                         "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
+                         "derives M from --global-batch-size)"),
+    "train_iters": ("training", ("--train-iters",), "optimizer steps"),
+    "lr": ("training", ("--lr",), "peak learning rate, reached at the end of warm-up"),
+    "min_lr": ("training", ("--min-lr",), "learning rate at the end of the cosine decay"),
+    "lr_warmup_iters": ("training", ("--lr-warmup-iters",), "steps of linear warm-up to --lr"),
+    "weight_decay": ("training", ("--weight-decay",), "AdamW's decoupled weight decay on matrices, >= 0"),
+    "adam_beta1": ("training", ("--adam-beta1",), "Adam's first-moment decay, in [0, 1)"),
+    "adam_beta2": ("training", ("--adam-beta2",), "Adam's second-moment decay, in [0, 1)"),
+    "adam_eps": ("training", ("--adam-eps",), "Adam's epsilon in the denominator, > 0"),
+    "clip_grad": ("training", ("--clip-grad",), "clip the global gradient L2 norm to this; 0: no clipping"),
+    "eval_interval": ("training", ("--eval-interval",), "steps between validation runs; 0: never"),
+    "eval_iters": ("training", ("--eval-iters",), "validation batches per validation run"),
+    "device": ("training", ("--device",), "cpu (gloo, the tested path) or cuda (NCCL, one GPU per rank) (the book's)"),
+    "tensor_model_parallel_size": ("parallelism", ("--tensor-model-parallel-size",),
+                                   "tp, ranks each matrix is split over (chapter 02)"),
+    "pipeline_model_parallel_size": ("parallelism", ("--pipeline-model-parallel-size",),
+                                     "pp, pipeline stages (chapter 03); dp = world size / (tp x pp)"),
+    "num_virtual_stages_per_pipeline_rank": ("parallelism", ("--num-virtual-stages-per-pipeline-rank",),
+                                             "model chunks per pipeline rank; > 1 with --pipeline-schedule "
+                                             "interleaved"),
+    "pipeline_schedule": ("parallelism", ("--pipeline-schedule",),
+                          "gpipe, 1f1b or interleaved (the book's; Megatron runs 1F1B, interleaved with "
+                          "virtual stages)"),
+    "zero_stage": ("parallelism", ("--zero-stage",), "ZeRO stage over data parallelism: 0 replicated, 1 optimizer "
+                                                     "state, 2 + gradients, 3 + parameters sharded (chapter 01; the book's)"),
+    "ddp_impl": ("parallelism", ("--ddp-impl",), "with --zero-stage 0: naive (an all-reduce per gradient) or "
+                                                 "bucketed (overlapped with backward) (the book's)"),
+    "ddp_bucket_size": ("parallelism", ("--ddp-bucket-size",),
+                        "elements per gradient bucket; unset: Megatron's max(4e7, 1e6 x dp)"),
+    "data_path": ("data", ("--data-path",), "prefix of a .bin/.idx pair (python tools/preprocess_data.py); "
+                                            "unset: this repository's text, tokenized"),
+    "tokenizer": ("data", ("--tokenizer",), "byte, or the path of a BPE tokenizer .json (the book's)"),
+    "seq_length": ("data", ("--seq-length",), "s, tokens per sequence"),
+    "data_seed": ("data", ("--data-seed",), "seeds the data order and the dropout masks, >= 0 (the book's)"),
+    "save_dir": ("checkpointing", ("--save", "--save-dir"), "directory to save checkpoints to; unset: no checkpoints"),
+    "load_dir": ("checkpointing", ("--load", "--load-dir"),
+                 "directory to resume from (its `latest`); without a checkpoint there: a warning, then a fresh start"),
+    "save_interval": ("checkpointing", ("--save-interval",), "steps between checkpoints; 0: at the end only"),
+    "out_dir": ("checkpointing", ("--out-dir",), "directory of the loss log and plot (the book's)"),
+}
+
+# field -> [(switch, value it stores, help)]: Megatron's switch first, the book's opposite after
+SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
+    "untie_embeddings_and_output_weights": [
+        ("--untie-embeddings-and-output-weights", True, "a separate output layer instead of the embedding's transpose"),
+        ("--tie-embeddings-and-output-weights", False, "the output layer is the embedding's transpose (the book's)")],
+    "add_bias_linear": [
+        ("--disable-bias-linear", False, "no biases in the linear layers"),
+        ("--add-bias-linear", True, "biases in the linear layers (the book's)")],
+    "activation": [("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")],
+    "progress": [("--no-progress", False, "no progress bar (the book's)"),
+                 ("--progress", True, "a progress bar on rank 0 (the book's)")],
+    "zero_stage": [("--use-distributed-optimizer", 1, "Megatron's distributed optimizer: the book's --zero-stage 1")],
+}
+
+# Flags that exist only on the command line (not config fields): name -> (group, add_argument kwargs)
+CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
+    "--global-batch-size": ("training", dict(type=int, help="sequences per optimizer step over all data-parallel "
+                                             "ranks; sets M = global / (micro x dp), which must divide [default: "
+                                             "--grad-accum-steps decides]")),
+    "--lr-warmup-fraction": ("training", dict(type=float, help="warm-up as a fraction of --train-iters, in [0, 1] "
+                                              "(instead of --lr-warmup-iters) [default: unset]")),
+    "--lr-decay-style": ("training", dict(choices=["cosine"], help="the book decays with a cosine to --min-lr "
+                                          "[default: cosine, the only one]")),
+    "--distributed-timeout-minutes": ("parallelism", dict(type=float, default=1.0, help=(
+        "minutes a collective may wait for another rank before the job fails with a 'timed out' error, on every "
+        "process group [default: 1, the book's; Megatron: 10]"))),
+    "--group-query-attention": ("model", dict(action="store_true", help=(
+        "accepted as Megatron spells it; here --num-query-groups alone sets g"))),
+    "--overlap-grad-reduce": ("parallelism", dict(action="store_true", help=(
+        "accepted as Megatron spells it; the bucketed DDP always overlaps here"))),
+    "--no-overlap-p2p-communication": ("parallelism", dict(action="store_true", help=(
+        "accepted as Megatron spells it; the book's pipeline p2p is never overlapped"))),
+}
+
+# Megatron-LM flags for what the book does not (yet) do: refused with the reason, by name
+NOT_IN_BOOK: dict[str, str] = {
+    "--sequence-parallel": "not implemented in this book yet (chapter 04)",
+    "--context-parallel-size": "not implemented in this book yet (chapter 04)",
+    "--cp-comm-type": "not implemented in this book yet (chapter 04)",
+    "--expert-model-parallel-size": "not implemented in this book yet (chapter 05)",
+    "--expert-tensor-parallel-size": "not implemented in this book yet (chapter 05)",
+    "--num-experts": "not implemented in this book yet (chapter 05)",
+    "--moe-router-topk": "not implemented in this book yet (chapter 05)",
+    "--bf16": "mixed precision is not implemented in this book yet (chapter 06); --params-dtype bfloat16 "
+              "keeps plain bf16 parameters",
+    "--fp16": "mixed precision is not implemented in this book yet (chapter 06)",
+    "--fp8-format": "not implemented in this book yet (chapter 06)",
+    "--recompute-activations": "activation recomputation is not implemented in this book yet (chapter 06)",
+    "--recompute-granularity": "activation recomputation is not implemented in this book yet (chapter 06)",
+    "--use-flash-attn": "fused attention kernels come in chapter 06; --attention-backend picks the book's",
+    "--num-layers-per-virtual-pipeline-stage": "not in this book: give --num-virtual-stages-per-pipeline-rank",
+    "--kv-channels": "not in this book: the head size is always hidden_size / num_attention_heads",
+    "--tokenizer-type": "not in this book: --tokenizer byte or --tokenizer PATH.json chooses the tokenizer",
+    "--vocab-file": "not in this book: --tokenizer PATH.json gives a BPE tokenizer",
+    "--merge-file": "not in this book: --tokenizer PATH.json gives a BPE tokenizer",
+    "--tokenizer-model": "not in this book: --tokenizer PATH.json gives a BPE tokenizer",
+    "--split": "not in this book: the last 10%% of the documents are the validation set",
+    "--mock-data": "not in this book: without --data-path the run trains on this repository's text",
+    "--lr-decay-iters": "not in this book: the cosine decays over --train-iters",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as ConfigError (main prints them and returns 2)."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (python -m minimegatron.train --help lists every flag)")
+
+
+class _NotInBook(argparse.Action):
+    """A Megatron-LM flag the book does not implement: refused, saying why."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", default=argparse.SUPPRESS,
+                         metavar="VALUE", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ConfigError(f"{option_string}: " + self.help.replace("%%", "%"))
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _defaults(field_name: str) -> str:
+    """'[default: X]' for `python -m minimegatron.train` (preset tiny, --style llama), plus the
+    values the other preset or style give where they differ."""
+    configs = {(preset, style): (getattr(ModelConfig, style)(**PRESETS[preset][0]), TrainConfig(**PRESETS[preset][1]))
+               for preset in PRESETS for style in ("llama", "gpt2")}
+    def value(key):
+        model, train_cfg = configs[key]
+        return getattr(model if hasattr(model, field_name) else train_cfg, field_name)
+    base = value(("tiny", "llama"))
+    others = [f"--preset {p}: {_shown(value((p, 'llama')))}" for p in PRESETS if value((p, "llama")) != base]
+    if value(("tiny", "gpt2")) != base:
+        others.append(f"--style gpt2: {_shown(value(('tiny', 'gpt2')))}")
+    return f"[default: {_shown(base)}" + "".join(f"; {o}" for o in others) + "]"
+
+
+def _field_kind(f: dataclasses.Field) -> type:
+    return {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type).replace(" | None", "").strip("'"), str)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m minimegatron.train`: every ModelConfig / TrainConfig field is a
+    flag (FLAGS, SWITCHES) in one of Megatron's groups; CLI_ONLY adds the command-line-only
+    ones; NOT_IN_BOOK refuses Megatron flags the book does not implement. Every value
+    defaults to None ("not given") so that presets apply underneath."""
+    parser = _Parser(prog="python -m minimegatron.train", description=__doc__.split("\n\n")[0],
+                     usage="%(prog)s [--preset {tiny,demo}] [--style {llama,gpt2}] [FLAG VALUE | SWITCH ...]",
+                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                     epilog="Flags and switches are spelled as in Megatron-LM (checked 2026-11-24), except those "
+                            "marked (the book's)\nand the second names --layernorm-epsilon, --save-dir, --load-dir. "
+                            "A preset sets the sizes;\nany flag given overrides it.")
+    groups = {"presets": parser.add_argument_group("presets")}
+    groups["presets"].add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                                   help="model and run sizes that train in seconds (tiny) to minutes (demo); a "
+                                        "preset's warm-up scales with --train-iters [default: tiny]")
+    groups["presets"].add_argument("--style", choices=["llama", "gpt2"], default="llama",
+                                   help="llama: RMSNorm, SwiGLU, RoPE, no biases, untied; gpt2: LayerNorm, GELU, "
+                                        "learned positions, biases, tied [default: llama]")
+    for title in GROUPS:
+        groups[title] = parser.add_argument_group(title)
+    fields = [f for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)]
+    missing = [f.name for f in fields if f.name not in FLAGS and f.name not in SWITCHES]
+    if missing:
+        raise RuntimeError(f"config field(s) without a flag in arguments.FLAGS: {', '.join(missing)}")
+    for f in fields:
+        if f.name in FLAGS:
+            title, names, text = FLAGS[f.name]
+            groups[title].add_argument(*names, dest=f.name, type=_field_kind(f), default=None, metavar=f.name.upper(),
+                                       help=f"{text} {_defaults(f.name)}")
+        for switch, value, text in SWITCHES.get(f.name, []):
+            title = FLAGS[f.name][0] if f.name in FLAGS else "model" if hasattr(ModelConfig, f.name) else "training"
+            shown = f" {_defaults(f.name)}" if f.name not in FLAGS and value is True else ""
+            groups[title].add_argument(switch, dest=f.name, action="store_const", const=value, default=None,
+                                       help=text + shown)
+    for flag, (title, kwargs) in CLI_ONLY.items():
+        groups[title].add_argument(flag, **kwargs)
+    refused = parser.add_argument_group("Megatron-LM flags this book does not implement (refused with the reason)")
+    for flag, reason in NOT_IN_BOOK.items():
+        refused.add_argument(flag, action=_NotInBook, help=reason)
+    return parser
+
+
+def _explain_leftovers(extra: list[str], argv: list[str], parser: argparse.ArgumentParser) -> str:
+    """The message for what argparse could not place: an unknown flag (with the nearest known
+    one) or a value after a switch, which takes none."""
+    import difflib
+    token = extra[0]
+    if token.startswith("-"):
+        name = token.split("=", 1)[0]
+        near = difflib.get_close_matches(name, list(parser._option_string_actions), n=1)
+        return f"unknown flag {name}" + (f"; did you mean {near[0]}?" if near else "")
+    switches = {flag: a for flag, a in parser._option_string_actions.items() if a.nargs == 0}
+    before = next((argv[i - 1] for i, t in enumerate(argv) if t == token and i > 0 and argv[i - 1] in switches),
+                  None)
+    action = switches.get(before or "")
+    if action is not None:
+        other = [s for s, _, _ in SWITCHES.get(action.dest, []) if s != before]
+        return (f"{before} is a switch and takes no value, got {token!r}: give {before} alone" +
+                (f" (its opposite: {' or '.join(other)})" if other else ""))
+    return f"unexpected argument {token!r}"
+
+
+def parse_command_line(argv: Iterable[str] | None = None,
+                       world_size: int | None = None) -> tuple[ModelConfig, TrainConfig, dict[str, Any]]:
+    """(model config, train config, command-line-only values) from the flags.
+
+    Order: the preset, then the style, then the flags given. A preset's lr_warmup_iters is a
+    fraction of its train_iters: given --train-iters without --lr-warmup-iters, the warm-up
+    scales with it (tiny: 4 of 40 steps, so 10%). --global-batch-size G sets grad_accum_steps
+    = G / (micro_batch_size x dp), dp = world_size / (tp x pp) (WORLD_SIZE of torchrun by
+    default). ConfigError for anything that does not fit, naming the flag and the value."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    parser = build_parser()
+    namespace, extra = parser.parse_known_args(argv)
+    if extra:
+        raise ConfigError(_explain_leftovers(extra, argv, parser) + " (python -m minimegatron.train --help lists "
+                                                                     "every flag)")
+    args = vars(namespace)
+    cli = {name.lstrip("-").replace("-", "_"): args.pop(name.lstrip("-").replace("-", "_"))
+           for name in CLI_ONLY}
+    model_over, train_over = PRESETS[args.pop("preset")]
+    train_over = dict(train_over)
+    style = args.pop("style")
+    model_names = {f.name for f in dataclasses.fields(ModelConfig)}
+    given = {k: v for k, v in args.items() if v is not None}
+    if "train_iters" in given and "lr_warmup_iters" not in given and "lr_warmup_iters" in train_over:
+        train_over["lr_warmup_iters"] = train_over["lr_warmup_iters"] * given["train_iters"] // train_over["train_iters"]
+    if cli["lr_warmup_fraction"] is not None:
+        fraction = cli["lr_warmup_fraction"]
+        if "lr_warmup_iters" in given:
+            raise ConfigError(f"give --lr-warmup-fraction ({fraction}) or --lr-warmup-iters "
+                              f"({given['lr_warmup_iters']}), not both")
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"lr_warmup_fraction={fraction} must be in [0, 1]")
+        iters = given.get("train_iters", train_over.get("train_iters", TrainConfig.train_iters))
+        given["lr_warmup_iters"] = int(fraction * iters)
+    model_cfg = getattr(ModelConfig, style)(**{**model_over, **{k: v for k, v in given.items() if k in model_names}})
+    train_cfg = TrainConfig(**{**train_over, **{k: v for k, v in given.items() if k not in model_names}})
+    if cli["global_batch_size"] is not None:
+        train_cfg = _apply_global_batch_size(train_cfg, cli["global_batch_size"], world_size,
+                                             "grad_accum_steps" in given)
+    minutes = cli["distributed_timeout_minutes"]
+    if not minutes > 0:
+        raise ConfigError(f"distributed_timeout_minutes={minutes} must be positive")
+    return model_cfg, train_cfg, cli
+
+
+def _apply_global_batch_size(cfg: TrainConfig, global_batch: int, world_size: int, accum_given: bool) -> TrainConfig:
+    """cfg with grad_accum_steps = global_batch / (micro_batch_size x dp), as Megatron derives
+    its number of micro-batches; ConfigError when it does not divide."""
+    tp, pp, b = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.micro_batch_size
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
+                          f"pipeline_model_parallel_size={pp}, so there is no data-parallel size to split "
+                          f"global_batch_size={global_batch} over")
+    dp = world_size // (tp * pp)
+    if global_batch < 1 or b < 1 or global_batch % (b * dp):
+        raise ConfigError(f"global_batch_size={global_batch} is not divisible by micro_batch_size={b} x data-parallel "
+                          f"size {dp} (world size {world_size} / (tp {tp} x pp {pp})): the micro-batches per step "
+                          f"are global / (micro x dp)")
+    m = global_batch // (b * dp)
+    if accum_given and cfg.grad_accum_steps != m:
+        raise ConfigError(f"global_batch_size={global_batch} means {m} micro-batches per step (global / "
+                          f"(micro_batch_size={b} x dp {dp})), but grad_accum_steps={cfg.grad_accum_steps}: "
+                          f"give one of the two")
+    return dataclasses.replace(cfg, grad_accum_steps=m)
+
+
+def configs_from_args(argv: Iterable[str] | None = None,
+                      world_size: int | None = None) -> tuple[ModelConfig, TrainConfig]:
+    """(model config, train config) from command-line flags (see parse_command_line)."""
+    model_cfg, train_cfg, _ = parse_command_line(argv, world_size)
+    return model_cfg, train_cfg
