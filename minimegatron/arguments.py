@@ -100,6 +100,14 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "pipeline_schedule": ("parallelism", ("--pipeline-schedule",),
                           "gpipe, 1f1b or interleaved (the book's; Megatron runs 1F1B, interleaved with "
                           "virtual stages)"),
+    "context_parallel_size": ("parallelism", ("--context-parallel-size",),
+                              "cp, ranks each sequence is split over (chapter 04); dp = world size / (tp x cp x pp)"),
+    "cp_comm_type": ("parallelism", ("--cp-comm-type",),
+                     "how attention reaches the other cp ranks' keys: p2p (ring), all_gather, a2a (Ulysses) or "
+                     "a2a+p2p (hierarchical) (chapter 04)"),
+    "hierarchical_context_parallel_sizes": ("parallelism", ("--hierarchical-context-parallel-sizes",),
+                                            "with --cp-comm-type a2a+p2p: the all-to-all size and the ring size, "
+                                            "product cp; unset: 2 and cp / 2"),
     "zero_stage": ("parallelism", ("--zero-stage",), "ZeRO stage over data parallelism: 0 replicated, 1 optimizer "
                                                      "state, 2 + gradients, 3 + parameters sharded (chapter 01; the book's)"),
     "ddp_impl": ("parallelism", ("--ddp-impl",), "with --zero-stage 0: naive (an all-reduce per gradient) or "
@@ -129,6 +137,9 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "activation": [("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")],
     "progress": [("--no-progress", False, "no progress bar (the book's)"),
                  ("--progress", True, "a progress bar on rank 0 (the book's)")],
+    "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
+                                                         "per rank; all-gather / reduce-scatter replace the all-reduces "
+                                                         "(chapter 04)")],
     "zero_stage": [("--use-distributed-optimizer", 1, "Megatron's distributed optimizer: the book's --zero-stage 1")],
 }
 
@@ -154,9 +165,6 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Megatron-LM flags for what the book does not (yet) do: refused with the reason, by name
 NOT_IN_BOOK: dict[str, str] = {
-    "--sequence-parallel": "not implemented in this book yet (chapter 04)",
-    "--context-parallel-size": "not implemented in this book yet (chapter 04)",
-    "--cp-comm-type": "not implemented in this book yet (chapter 04)",
     "--expert-model-parallel-size": "not implemented in this book yet (chapter 05)",
     "--expert-tensor-parallel-size": "not implemented in this book yet (chapter 05)",
     "--num-experts": "not implemented in this book yet (chapter 05)",
@@ -252,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields:
         if f.name in FLAGS:
             title, names, text = FLAGS[f.name]
-            groups[title].add_argument(*names, dest=f.name, type=_field_kind(f), default=None, metavar=f.name.upper(),
-                                       help=f"{text} {_defaults(f.name)}")
+            kind = dict(type=int, nargs=2) if f.name == "hierarchical_context_parallel_sizes" else dict(type=_field_kind(f))
+            groups[title].add_argument(*names, dest=f.name, default=None, metavar=f.name.upper(),
+                                       help=f"{text} {_defaults(f.name)}", **kind)
         for switch, value, text in SWITCHES.get(f.name, []):
             title = FLAGS[f.name][0] if f.name in FLAGS else "model" if hasattr(ModelConfig, f.name) else "training"
             shown = f" {_defaults(f.name)}" if f.name not in FLAGS and value is True else ""
@@ -311,6 +320,8 @@ def parse_command_line(argv: Iterable[str] | None = None,
     style = args.pop("style")
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
     given = {k: v for k, v in args.items() if v is not None}
+    if "hierarchical_context_parallel_sizes" in given:
+        given["hierarchical_context_parallel_sizes"] = tuple(given["hierarchical_context_parallel_sizes"])
     if "train_iters" in given and "lr_warmup_iters" not in given and "lr_warmup_iters" in train_over:
         train_over["lr_warmup_iters"] = train_over["lr_warmup_iters"] * given["train_iters"] // train_over["train_iters"]
     if cli["lr_warmup_fraction"] is not None:
@@ -337,15 +348,16 @@ def _apply_global_batch_size(cfg: TrainConfig, global_batch: int, world_size: in
     """cfg with grad_accum_steps = global_batch / (micro_batch_size x dp), as Megatron derives
     its number of micro-batches; ConfigError when it does not divide."""
     tp, pp, b = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.micro_batch_size
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
+    cp = cfg.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * cp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
-                          f"pipeline_model_parallel_size={pp}, so there is no data-parallel size to split "
-                          f"global_batch_size={global_batch} over")
-    dp = world_size // (tp * pp)
+                          f"context_parallel_size={cp} x pipeline_model_parallel_size={pp}, so there is no "
+                          f"data-parallel size to split global_batch_size={global_batch} over")
+    dp = world_size // (tp * cp * pp)
     if global_batch < 1 or b < 1 or global_batch % (b * dp):
         raise ConfigError(f"global_batch_size={global_batch} is not divisible by micro_batch_size={b} x data-parallel "
-                          f"size {dp} (world size {world_size} / (tp {tp} x pp {pp})): the micro-batches per step "
-                          f"are global / (micro x dp)")
+                          f"size {dp} (world size {world_size} / (tp {tp} x cp {cp} x pp {pp})): the micro-batches "
+                          f"per step are global / (micro x dp)")
     m = global_batch // (b * dp)
     if accum_given and cfg.grad_accum_steps != m:
         raise ConfigError(f"global_batch_size={global_batch} means {m} micro-batches per step (global / "

@@ -195,6 +195,11 @@ class TrainConfig:
     pipeline_model_parallel_size: int = 1
     pipeline_schedule: str = "1f1b"       # "gpipe" | "1f1b" | "interleaved"; grad_accum_steps micro-batches
     num_virtual_stages_per_pipeline_rank: int = 1   # model chunks per rank (> 1: interleaved)
+    # sequence and context parallelism (chapter 04); dp = world / (tp cp pp)
+    sequence_parallel: bool = False       # with tp > 1: norms, dropout, residuals hold s/tp tokens
+    context_parallel_size: int = 1        # cp, ranks each sequence is split over (zig-zag)
+    cp_comm_type: str = "p2p"             # "p2p" (ring) | "all_gather" | "a2a" (Ulysses) | "a2a+p2p"
+    hierarchical_context_parallel_sizes: tuple[int, int] | None = None   # a2a+p2p: (all-to-all, ring) sizes
     data_seed: int = 1234                 # data order and dropout masks
     device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
     progress: bool = True
@@ -227,7 +232,9 @@ class TrainConfig:
         need(self.ddp_impl in ("naive", "bucketed"), f"ddp_impl={self.ddp_impl!r} is not 'naive' or 'bucketed'")
         need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+        need(self.cp_comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"),
+             f"cp_comm_type={self.cp_comm_type!r} is not one of p2p, all_gather, a2a, a2a+p2p")
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "num_virtual_stages_per_pipeline_rank"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         # how the sizes combine with the model and the world: parallelize.validate_layout

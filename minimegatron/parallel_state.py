@@ -188,7 +188,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               expert_model_parallel_size: int = 1,
                               expert_tensor_parallel_size: int | None = None,
                               order: str = "tp-cp-ep-dp-pp",
-                              timeout: float | timedelta | None = None) -> None:
+                              timeout: float | timedelta | None = None,
+                              hierarchical_context_parallel_sizes: tuple[int, int] | None = None) -> None:
     """Create the process group of every key of `rank_groups` (Megatron's name).
 
     Call on every rank, after torch.distributed.init_process_group. Each rank keeps
@@ -198,6 +199,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     launch.init_from_torchrun, `collective_timeout` from launch.spawn), so a hung rank ends
     the job with a "timed out" error on whatever group it hangs (torch would otherwise give
     new groups its default of 30 minutes; Megatron passes --distributed-timeout-minutes).
+
+    hierarchical_context_parallel_sizes (A, P), A x P = cp: also the groups of hierarchical
+    context parallelism ("a2a+p2p", chapter 04): each cp group cut into P sub-groups of A
+    consecutive cp ranks ("hcp-a2a", where the all-to-all runs) and the A groups of the ranks
+    with the same index in every sub-group ("hcp-p2p", the rings; group rank j = sub-group j).
     """
     global _STATE
     if not dist.is_initialized():
@@ -231,6 +237,20 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                 made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 state.ranks[key], state.groups[key] = ranks, made[tuple(ranks)]
+    if hierarchical_context_parallel_sizes is not None:
+        a2a, p2p = hierarchical_context_parallel_sizes
+        if a2a * p2p != context_parallel_size:
+            raise ValueError(f"hierarchical_context_parallel_sizes={[a2a, p2p]}: the product must be "
+                             f"context_parallel_size={context_parallel_size}")
+        for cp_ranks in layout["cp"]:
+            subgroups = {"hcp-a2a": [cp_ranks[j * a2a:(j + 1) * a2a] for j in range(p2p)],
+                         "hcp-p2p": [[cp_ranks[j * a2a + i] for j in range(p2p)] for i in range(a2a)]}
+            for key, groups in subgroups.items():
+                for ranks in groups:
+                    if tuple(ranks) not in made:
+                        made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        state.ranks[key], state.groups[key] = ranks, made[tuple(ranks)]
     _STATE = state
 
 
@@ -277,7 +297,7 @@ def get_group_ranks(name: str) -> list[int]:
 
     For "embedding", a rank on a middle pipeline stage belongs to no group: [].
     """
-    if name not in KEYS:
+    if name not in KEYS and name not in ("hcp-a2a", "hcp-p2p"):
         raise KeyError(f"unknown group {name!r}; known: {', '.join(KEYS)}")
     return list(_state().ranks.get(name, []))
 
@@ -376,6 +396,12 @@ class Layout:
     comm skips those; None in a one-process run without torch.distributed). embedding_group:
     the first and last pipeline stage (None on a middle stage). pp_ranks: this pipeline's
     global ranks in stage order. Layout() is the single device.
+
+    Context parallelism (chapter 04): cp, cp_rank, cp_group; the ranks of a cp group take the
+    same sequences, so the data is split over data_parallel_size = dp / cp replicas
+    (data_parallel_rank: this rank's replica), while gradients are averaged over all dp = dp x cp
+    ranks of dp_group ("dp-cp"). cp_a2a_group and cp_p2p_group: the hierarchical groups of
+    cp_comm_type "a2a+p2p" (None otherwise).
     """
     world: int = 1
     rank: int = 0
@@ -390,6 +416,19 @@ class Layout:
     dp_group: object = None
     embedding_group: object = None
     pp_ranks: tuple = (0,)
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
+    data_parallel_size: int | None = None      # default dp / cp (cp is the faster of the two)
+    data_parallel_rank: int | None = None      # default dp_rank // cp
+    cp_a2a_group: object = None
+    cp_p2p_group: object = None
+
+    def __post_init__(self):
+        if self.data_parallel_size is None:
+            object.__setattr__(self, "data_parallel_size", self.dp // self.cp)
+        if self.data_parallel_rank is None:
+            object.__setattr__(self, "data_parallel_rank", self.dp_rank // self.cp)
 
 
 def get_layout() -> Layout:
@@ -397,4 +436,7 @@ def get_layout() -> Layout:
     state = _state()
     return Layout(dist.get_world_size(), state.rank, _size_of("tp"), _size_of("pp"), _size_of("dp-cp"),
                   _rank_in("tp"), _rank_in("pp"), _rank_in("dp-cp"), get_group("tp"), get_group("pp"),
-                  get_group("dp-cp"), get_group("embedding"), tuple(get_group_ranks("pp")))
+                  get_group("dp-cp"), get_group("embedding"), tuple(get_group_ranks("pp")),
+                  cp=_size_of("cp"), cp_rank=_rank_in("cp"), cp_group=get_group("cp"),
+                  data_parallel_size=_size_of("dp"), data_parallel_rank=_rank_in("dp"),
+                  cp_a2a_group=state.groups.get("hcp-a2a"), cp_p2p_group=state.groups.get("hcp-p2p"))

@@ -1,7 +1,7 @@
 """How the parallelisms are applied to the one model, in one order a reader can recite:
 
-    cut into pipeline chunks (03) -> tensor parallel (02) -> [sequence/context parallel (04),
-    experts (05), FP8 (06)] -> data-parallel wrapper (01)
+    cut into pipeline chunks (03) -> tensor (+ sequence) parallel (02, 04) -> context
+    parallel (04) -> [experts (05), FP8 (06)] -> data-parallel wrapper (01)
 
 `build_model` is that order, in one function; each `apply_*` is a no-op when its size is 1,
 so the single device is the same code with every size 1. A new chapter adds one `apply_*`,
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError, ModelConfig, TrainConfig
+from .cp import apply_context_parallel, check_context_parallel_config, check_context_parallel_seq_length
 from .dp import DataParallel, DistributedOptimizer, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel
 from .model import GPTModel
 from .optim import Optimizer
@@ -39,19 +40,43 @@ __all__ = ["validate_layout", "build_model", "build_optimizer", "layout_device",
 
 def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -> None:
     """ConfigError naming the fields and the numbers for any layout that cannot run: the world
-    not divisible by tp x pp, heads / groups / MLP by tp, layers by pp x chunks, the pipeline
-    schedule's arguments, ZeRO combined with what it does not support here."""
+    not divisible by tp x cp x pp, heads / groups / MLP by tp, layers by pp x chunks, the
+    pipeline schedule's arguments, sequence parallelism without tp, the sequence by 2 cp (and
+    by tp under SP), heads by the all-to-all size of cp, ZeRO combined with what it does not
+    support here."""
     model_cfg.validate()
     cfg.validate(model_cfg)
     tp, pp, v = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank
-    if world_size % (tp * pp):
-        hint = (f"; start {tp * pp} (or a multiple of {tp * pp}) ranks with torchrun, e.g. `torchrun "
-                f"--nproc_per_node={tp * pp} -m minimegatron.train --tensor-model-parallel-size {tp} "
-                f"--pipeline-model-parallel-size {pp}`" if world_size == 1 else "")
+    cp, sp = cfg.context_parallel_size, cfg.sequence_parallel
+    if world_size % (tp * cp * pp):
+        n = tp * cp * pp
+        hint = (f"; start {n} (or a multiple of {n}) ranks with torchrun, e.g. `torchrun "
+                f"--nproc_per_node={n} -m minimegatron.train --tensor-model-parallel-size {tp} "
+                f"--context-parallel-size {cp} --pipeline-model-parallel-size {pp}`" if world_size == 1 else "")
         raise ConfigError(f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
-                          f"pipeline_model_parallel_size={pp}{hint}")
+                          f"context_parallel_size={cp} x pipeline_model_parallel_size={pp}{hint}")
     if tp > 1:
         check_tensor_parallel_config(model_cfg, tp)                     # heads, groups, ffn by tp
+    if sp and tp == 1:
+        raise ConfigError("sequence_parallel with tensor_model_parallel_size=1: sequence parallelism cuts the regions "
+                          "tensor parallelism leaves replicated, so it needs tp > 1 (Megatron ignores it at tp 1)")
+    if sp and cfg.zero_stage >= 2:
+        raise ConfigError(f"sequence_parallel with zero_stage={cfg.zero_stage}: the norms' gradients are summed over "
+                          f"tp after the data-parallel reduction, which ZeRO-2/3 frees; use zero_stage 0 or 1")
+    if cp > 1:
+        try:
+            check_context_parallel_seq_length(cfg.seq_length, cp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        check_context_parallel_config(model_cfg.num_attention_heads // tp, model_cfg.query_groups // tp, cp,
+                                      cfg.cp_comm_type, cfg.hierarchical_context_parallel_sizes,
+                                      model_cfg.attention_dropout)
+    if cfg.hierarchical_context_parallel_sizes is not None and cfg.cp_comm_type != "a2a+p2p":
+        raise ConfigError(f"hierarchical_context_parallel_sizes={list(cfg.hierarchical_context_parallel_sizes)} "
+                          f"is only used with cp_comm_type 'a2a+p2p', got {cfg.cp_comm_type!r}")
+    if sp and (cfg.seq_length // cp) % tp:
+        raise ConfigError(f"sequence_parallel: seq_length={cfg.seq_length} / context_parallel_size={cp} = "
+                          f"{cfg.seq_length // cp} tokens per rank is not divisible by tensor_model_parallel_size={tp}")
     if tp > 1 and cfg.zero_stage == 3:
         raise ConfigError(f"zero_stage=3 with tensor_model_parallel_size={tp}: parameter sharding (ZeRO-3) is not "
                           f"combined with tensor parallelism here (Megatron's distributed optimizer is ZeRO-1/2); "
@@ -89,12 +114,16 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         layers = stage_layers(model_cfg.num_layers, layout.pp, layout.pp_rank, v, c)
         model = GPTModel(model_cfg, pre_process=stage == 0, post_process=stage == last,
                          layer_numbers=layers).to(layout_device(cfg))
-        # 2. tensor parallel (chapter 02): every matrix cut over the TP group
-        model = apply_tensor_parallel(model, layout.tp_group)
-        # (chapter 04: apply_context_parallel, 05: apply_expert_parallel, 06: apply_fp8, here)
+        # 2. tensor parallel (chapter 02): every matrix cut over the TP group; with sequence
+        #    parallelism (chapter 04) the regions between them cut along the sequence
+        model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=cfg.sequence_parallel)
+        # 3. context parallel (chapter 04): attention over the sequence cut over the CP group
+        model = apply_context_parallel(model, layout.cp_group, cfg.cp_comm_type,
+                                       a2a_group=layout.cp_a2a_group, p2p_group=layout.cp_p2p_group)
+        # (chapter 05: apply_expert_parallel, 06: apply_fp8, here)
         if load is not None:
             model.load_state_dict(load[c])
-        # 3. data parallel (chapter 01): gradients averaged, or sharded with ZeRO
+        # 4. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO
         model = apply_data_parallel(model, cfg, layout.dp_group)
         chunks.append(model)
     return chunks

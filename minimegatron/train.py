@@ -56,8 +56,10 @@ from .launch import finish_torchrun, init_from_torchrun
 from .optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
+from .cp import get_batch_on_this_cp_rank
+from .cp.attention import hierarchical_sizes
 from .pp import PipelineComm, allreduce_tied_embedding_grads, evaluate_pipelining, forward_backward_pipelining
-from .tp import get_rng_tracker, model_parallel_manual_seed
+from .tp import allreduce_sequence_parallel_grads, get_rng_tracker, model_parallel_manual_seed
 
 # ---------------------------------------------------------------------------------------
 # one step
@@ -73,7 +75,8 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str
     total = 0.0
     for i, mb in enumerate(microbatches):
         with no_sync(model) if i < len(microbatches) - 1 else nullcontext():
-            loss = model(mb["tokens"], labels=mb["labels"]).mean() / len(microbatches)   # [b, s] -> []
+            losses = model(mb["tokens"], position_ids=mb.get("position_ids"), labels=mb["labels"])   # [b, s]
+            loss = losses.mean() / len(microbatches)                                                 # []
             loss.backward()
         total += loss.item()
     return total
@@ -82,11 +85,14 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str
 def finalize_model_grads(chunks: list[nn.Module], layout: Layout) -> None:
     """After the last backward of a step, finish every gradient (Megatron's
     finalize_model_grads, megatron/core/distributed/finalize_model_grads.py):
-      1. data parallel: wait for (or run) each chunk's gradient reduction (finish_grad_sync);
-      2. pipeline: sum the tied embedding's two gradients over the embedding group.
-    Later chapters add their hooks here (04: the sequence-parallel norms' gradients over TP)."""
+      1. data parallel: wait for (or run) each chunk's gradient reduction (finish_grad_sync),
+         over the dp x cp ranks (context parallel ranks hold the same weights);
+      2. sequence parallel: sum the norms' (and row-parallel biases') gradients over TP;
+      3. pipeline: sum the tied embedding's two gradients over the embedding group.
+    Later chapters add their hooks here."""
     for chunk in chunks:
         finish_grad_sync(chunk)
+    allreduce_sequence_parallel_grads([unwrap(c) for c in chunks], layout.tp_group)   # no-op without SP
     if layout.pp > 1:
         allreduce_tied_embedding_grads([unwrap(c) for c in chunks], layout.embedding_group)
 
@@ -117,20 +123,31 @@ def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list
 def evaluate(chunks: list[nn.Module], dataset: GPTDataset, cfg: TrainConfig, layout: Layout,
              p2p: PipelineComm | None = None, device: torch.device | str = "cpu") -> float:
     """Mean loss over the first eval_iters global batches (micro_batch_size * dp sequences
-    each) of the validation set; each data-parallel rank evaluates its slice."""
+    each) of the validation set; each data-parallel rank evaluates its slice (each context-
+    parallel rank its tokens of it)."""
     losses = []
     for i in range(cfg.eval_iters):
-        mb = {k: v.to(device) for k, v in
-              batch_for_step(dataset, i, cfg.micro_batch_size, 0, 1, layout.dp_rank, layout.dp).items()}
+        mb = local_microbatch(dataset, i, cfg.micro_batch_size, 0, 1, layout, device)
         if layout.pp > 1:
             losses.append(evaluate_pipelining(chunks, mb, p2p, layout.pp_group, i))
         else:
             chunks[0].eval()
-            losses.append(chunks[0](mb["tokens"], labels=mb["labels"]).mean().item())
+            losses.append(chunks[0](mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"]).mean().item())
             chunks[0].train()
     mean = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64, device=device)
     all_reduce(mean, layout.dp_group, op="avg", tag="loss")
     return mean.item()
+
+
+def local_microbatch(dataset: GPTDataset, step: int, micro_batch_size: int, index: int, num_microbatches: int,
+                     layout: Layout, device) -> dict[str, torch.Tensor]:
+    """Micro-batch `index` of `step` as this rank sees it: its data-parallel replica's
+    sequences (data_parallel_rank of data_parallel_size), then its context-parallel rank's
+    tokens of them with their positions (cp/layout.get_batch_on_this_cp_rank):
+    {"tokens", "labels": [b, s/cp], "position_ids": [s/cp]}."""
+    batch = batch_for_step(dataset, step, micro_batch_size, index, num_microbatches,
+                           layout.data_parallel_rank, layout.data_parallel_size)
+    return {k: v.to(device) for k, v in get_batch_on_this_cp_rank(batch, layout.cp, layout.cp_rank).items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,7 +181,8 @@ RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size",
                      "train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "adam_beta1",
                      "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage",
                      "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
-                     "num_virtual_stages_per_pipeline_rank")
+                     "num_virtual_stages_per_pipeline_rank", "sequence_parallel", "context_parallel_size",
+                     "cp_comm_type")
 
 
 def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
@@ -178,14 +196,19 @@ def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
 
 def initialize_layout(cfg: TrainConfig) -> Layout:
     """This process's Layout: Layout() on one process; in a world of n ranks (torchrun or
-    launch.spawn) the process groups of tensor_model_parallel_size x
-    pipeline_model_parallel_size, the rest data parallel (validate_layout first)."""
+    launch.spawn) the process groups of tensor_model_parallel_size x context_parallel_size x
+    pipeline_model_parallel_size (and the hierarchical cp groups of "a2a+p2p"), the rest data
+    parallel (validate_layout first)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return Layout()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()            # maybe another layout in the same world
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-                                             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size)
+    cp = cfg.context_parallel_size
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size, context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=hierarchical_sizes(cp, cfg.cp_comm_type,
+                                                               cfg.hierarchical_context_parallel_sizes))
     return parallel_state.get_layout()
 
 
@@ -207,11 +230,12 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     state = own = None
     if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
         state = load_checkpoint(cfg.load_dir, model_config=to_dict(model_cfg))
-        saved = (state.get("tp_size", 1), state.get("pp_size", 1), state.get("dp_size", 1))
-        if saved != (layout.tp, layout.pp, layout.dp):
+        saved = (state.get("tp_size", 1), state.get("pp_size", 1), state.get("dp_size", 1), state.get("cp_size", 1))
+        if saved != (layout.tp, layout.pp, layout.dp, layout.cp):
             raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by tp_size={saved[0]} x pp_size="
-                                  f"{saved[1]} x dp_size={saved[2]} ranks, this run has tp_size={layout.tp} x "
-                                  f"pp_size={layout.pp} x dp_size={layout.dp}")
+                                  f"{saved[1]} x dp_size={saved[2]} (cp_size={saved[3]}) ranks, this run has "
+                                  f"tp_size={layout.tp} x pp_size={layout.pp} x dp_size={layout.dp} "
+                                  f"(cp_size={layout.cp})")
         check_resume_config(state.get("train_config", {}), cfg, cfg.load_dir)
         own = state if layout.world == 1 else load_rank_state(cfg.load_dir, state["step"], layout.rank)
     chunks = build_model(model_cfg, cfg, layout,
@@ -223,7 +247,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     model_parallel_manual_seed(cfg.data_seed, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
     optimizer = build_optimizer(chunks, cfg, layout)
     device = layout_device(cfg)
-    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks), (cfg.micro_batch_size, cfg.seq_length,
+    # what travels between stages: this rank's tokens, [b, s/cp, h], and [b, s/(cp tp), h] under SP
+    local_seq = cfg.seq_length // layout.cp // (layout.tp if cfg.sequence_parallel else 1)
+    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks), (cfg.micro_batch_size, local_seq,
                                                                       model_cfg.hidden_size), model_cfg.dtype, device)
            if layout.pp > 1 else None)
     result = TrainResult(out_dir=cfg.out_dir)
@@ -239,9 +265,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
 
     progress = _progress_bar(start, cfg) if layout.rank == 0 else None
     for step in range(start, cfg.train_iters):
-        microbatches = [{k: v.to(device) for k, v in batch_for_step(
-            train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout.dp_rank, layout.dp).items()}
-            for m in range(cfg.grad_accum_steps)]
+        microbatches = [local_microbatch(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout, device)
+                        for m in range(cfg.grad_accum_steps)]
         lr = learning_rate(step, cfg)
         loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, cfg.clip_grad, p2p,
                                      cfg.pipeline_schedule)
@@ -279,7 +304,7 @@ def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> st
     path = Path(cfg.save_dir) / f"iter_{step:07d}.pt"
     if layout.rank == 0:
         main = {"model_config": to_dict(model_cfg), "train_config": to_dict(cfg), "model": model_state,
-                "dp_size": layout.dp, "tp_size": layout.tp, "pp_size": layout.pp,
+                "dp_size": layout.dp, "tp_size": layout.tp, "pp_size": layout.pp, "cp_size": layout.cp,
                 "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}
         path = save_checkpoint(cfg.save_dir, step, {**main, **(own if layout.world == 1 else {})})
     if layout.world > 1:
@@ -313,7 +338,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         if world > 1:                                           # every group gets this timeout
             rank, _ = init_from_torchrun(timeout=60.0 * cli["distributed_timeout_minutes"], device=cfg.device)
         if rank == 0:
-            dp = world // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size)
+            dp = world // (cfg.tensor_model_parallel_size * cfg.context_parallel_size * cfg.pipeline_model_parallel_size)
             print(f"global batch {cfg.micro_batch_size * cfg.grad_accum_steps * dp} sequences = micro_batch_size "
                   f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} micro-batches x data-parallel size {dp}")
         result = train(model_cfg, cfg)

@@ -108,8 +108,11 @@ def test_a_global_batch_size_that_does_not_divide_is_refused_with_the_numbers(wo
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--sequence-parallel"], ["--sequence-parallel", "not implemented in this book yet (chapter 04)"]),
-    (["--context-parallel-size", "2"], ["--context-parallel-size", "chapter 04"]),
+    (["--sequence-parallel"], ["sequence_parallel", "tensor_model_parallel_size=1", "tp > 1"]),
+    (["--context-parallel-size", "2"], ["world size 1", "context_parallel_size=2", "--nproc_per_node=2"]),
+    (["--cp-comm-type", "ring"], ["cp_comm_type='ring'", "p2p, all_gather, a2a, a2a+p2p"]),
+    (["--cp-comm-type", "p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+     ["hierarchical_context_parallel_sizes=[2, 2]", "a2a+p2p"]),
     (["--num-experts", "8"], ["--num-experts", "chapter 05"]),
     (["--bf16"], ["--bf16", "chapter 06"]),
     (["--hidden-sise", "64"], ["unknown flag --hidden-sise", "did you mean --hidden-size?"]),

@@ -31,6 +31,7 @@ LAYERS: list[list[str]] = [
     ["dp"],
     ["tp"],
     ["pp"],
+    ["cp"],                         # chapter 04 (sequence parallelism lives in tp, as in Megatron)
     # formulas (parameters, FLOPs, memory): may check a layout with the chapters' own rules
     # (tp.check_tensor_parallel_config); never the model builder or the training loop
     ["analysis"],

@@ -52,7 +52,8 @@ from .ledger import (CommRecord, Ledger, OpSummary, group_rank, group_ranks, gro
                      record_communication, ring_traffic)
 from .regions import (all_to_all_region, copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                       gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-                      reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+                      reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                      scatter_to_tensor_model_parallel_region)
 
 
 __all__ = ["CommRecord", "Ledger", "OpSummary", "record_communication", "ring_traffic",
@@ -62,4 +63,5 @@ __all__ = ["CommRecord", "Ledger", "OpSummary", "record_communication", "ring_tr
            "batch_isend_irecv", "all_to_all_single", "all_to_all", "barrier",
            "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
            "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
-           "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region", "all_to_all_region"]
+           "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+           "scatter_to_sequence_parallel_region", "all_to_all_region"]

@@ -22,6 +22,7 @@ from .collectives import all_gather, all_reduce, all_to_all, group_rank, group_s
 #     reduce_from_tensor_model_parallel_region (reduce, g)         all-reduce       identity
 #     scatter_to_tensor_model_parallel_region                     split            all-gather
 #     gather_from_tensor_model_parallel_region                    all-gather       split
+#     scatter_to_sequence_parallel_region                         split            all-gather
 #     reduce_scatter_to_sequence_parallel_region                  reduce-scatter   all-gather
 #     gather_from_sequence_parallel_region                        all-gather       reduce-scatter
 #     all_to_all_region                                           all-to-all       the inverse all-to-all
@@ -159,6 +160,14 @@ def gather_from_tensor_model_parallel_region(x, group, dim=-1):
     """Forward: all-gather along ``dim``; backward: keep this member's chunk of the gradient.
     For an output every member then uses identically (each holds the full gradient)."""
     return _GatherFromTensorModelParallelRegion.apply(x, group, dim)
+
+
+def scatter_to_sequence_parallel_region(x, group, dim=0):
+    """Sequence parallelism, entering a sequence-split region from a replicated tensor (the
+    embedding's output): forward keep this member's chunk along ``dim`` (no communication);
+    backward all-gather. The same operator as scatter_to_tensor_model_parallel_region, cut
+    along the sequence instead of the features."""
+    return _ScatterToTensorModelParallelRegion.apply(x, group, dim)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group, dim=0):

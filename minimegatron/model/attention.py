@@ -89,6 +89,12 @@ class SelfAttention(nn.Module):
     dropout_rng: a context-manager factory the attention dropout draws inside (None: torch's
     default generator). Tensor parallelism sets it to the per-rank stream, because the
     probabilities of this rank's heads are a shard of the full [b, a, s, s] (tp/random.py).
+
+    core_attention: None (attention over the s tokens this module is given, the backends
+    above), or a callable (q [b, a, s, d], k [b, g, s, d], v [b, g, s, d], dropout_p,
+    training) -> [b, a, s, d] that replaces it: context parallelism sets it to attention over
+    the whole sequence, of which this rank holds s tokens (cp/attention.py). q and k arrive
+    with RoPE applied at the tokens' own positions.
     """
 
     def __init__(self, config: ModelConfig):
@@ -98,16 +104,24 @@ class SelfAttention(nn.Module):
         self.linear_qkv = Linear(h, (a + 2 * g) * d, bias=config.add_bias_linear)
         self.linear_proj = Linear(a * d, h, bias=config.add_bias_linear)
         self.dropout_rng = None
+        self.core_attention = None
+
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, key/value groups) this module runs: (a, g), or (a/tp, g/tp) once
+        tensor parallelism has cut linear_qkv."""
+        cfg = self.config
+        heads_per_group = cfg.num_attention_heads // cfg.query_groups                  # a/g on any layout
+        groups = self.linear_qkv.weight.shape[0] // ((heads_per_group + 2) * cfg.kv_channels)
+        return groups * heads_per_group, groups
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         cfg = self.config
-        b, s, _ = x.shape
         d = cfg.kv_channels
-        heads_per_group = cfg.num_attention_heads // cfg.query_groups                # a/g on any layout
-        groups = self.linear_qkv.weight.shape[0] // ((heads_per_group + 2) * d)    # g (or g/tp)
-        heads = groups * heads_per_group                                           # a (or a/tp)
+        heads, groups = self.local_heads()                                # a, g (or a/tp, g/tp)
+        heads_per_group = heads // groups
 
         mixed = self.linear_qkv(x)                                        # [b, s, (a+2g) d]
+        b, s = mixed.shape[:2]              # s: the whole sequence also when x is [b, s/tp, h] (SP)
         mixed = mixed.view(b, s, groups, (heads_per_group + 2) * d)       # [b, s, g, (a/g+2) d]
         q, k, v = mixed.split([heads_per_group * d, d, d], dim=-1)
         q = q.reshape(b, s, heads, d).transpose(1, 2)                     # [b, a, s, d]
@@ -119,7 +133,9 @@ class SelfAttention(nn.Module):
             q = apply_rotary_pos_emb(q, cos, sin)
             k = apply_rotary_pos_emb(k, cos, sin)
 
-        if cfg.attention_backend == "sdpa":          # the default: the fused kernel shares k, v per group
+        if self.core_attention is not None:         # context parallel: the keys of every rank
+            attend = self.core_attention
+        elif cfg.attention_backend == "sdpa":       # the default: the fused kernel shares k, v per group
             attend = sdpa_attention
         else:                                       # "naive": the lesson (exercise 0.1), the test oracle
             attend = causal_attention

@@ -63,12 +63,27 @@ class MLP(nn.Module):
         return self.linear_fc2(y)                        # [b, s, h]
 
 
+def dropout(x: torch.Tensor, p: float, training: bool, rng=None) -> torch.Tensor:
+    """F.dropout, drawing inside `rng()` (a context-manager factory) when one is given: the
+    per-rank stream of tp/random.py, for activations split over ranks (sequence parallel)."""
+    if rng is None or not training or p == 0:
+        return F.dropout(x, p, training)
+    with rng():
+        return F.dropout(x, p, training)
+
+
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). [b, s, h] -> [b, s, h]."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). [b, s, h] -> [b, s, h]
+    ([b, s/tp, h] under sequence parallelism: the norms and residuals see this rank's tokens,
+    the linear layers gather and scatter them).
+
+    dropout_rng: as SelfAttention's, for the residual branches' dropout (None: torch's
+    default generator; sequence parallelism sets the per-rank stream, tp/apply_tensor_parallel)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.dropout = config.hidden_dropout
+        self.dropout_rng = None
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
         self.self_attention = SelfAttention(config)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
@@ -76,27 +91,36 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x), rope)          # [b, s, h]
-        x = x + F.dropout(attn, self.dropout, self.training)
+        x = x + dropout(attn, self.dropout, self.training, self.dropout_rng)
         mlp = self.mlp(self.pre_mlp_layernorm(x))                          # [b, s, h]
-        return x + F.dropout(mlp, self.dropout, self.training)
+        return x + dropout(mlp, self.dropout, self.training, self.dropout_rng)
 
 
 class Embedding(nn.Module):
-    """tokens [b, s] (+ positions) -> hidden states [b, s, h]."""
+    """tokens [b, s] (+ positions) -> hidden states [b, s, h].
+
+    Two hooks for sequence parallelism (tp.apply_tensor_parallel sets them, Megatron's
+    LanguageModelEmbedding does the same): `scatter_to_sequence_parallel`, a function
+    [b, s, h] -> [b, s/tp, h] applied after the positions are added (None: nothing), and
+    `dropout_rng` (see TransformerLayer)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.dropout = config.hidden_dropout
+        self.dropout_rng = None
+        self.scatter_to_sequence_parallel = None
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(tokens)                                   # [b, s, h]
+        x = self.word_embeddings(tokens)                                   # [b, s, h] ([b, s/tp, h]: SP with RoPE)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)                 # [b, s, h]
-        return F.dropout(x, self.dropout, self.training)
+        if self.scatter_to_sequence_parallel is not None:
+            x = self.scatter_to_sequence_parallel(x)                       # [b, s/tp, h]
+        return dropout(x, self.dropout, self.training, self.dropout_rng)
 
 
 class GPTModel(nn.Module):
@@ -110,7 +134,9 @@ class GPTModel(nn.Module):
 
     forward(tokens, position_ids=None, labels=None, hidden_states=None):
       tokens [b, s] int64 (first stage) or hidden_states [b, s, h] (later stages);
-      position_ids [b, s] or [s], default 0..s-1;
+      position_ids [b, s] or [s], default 0..s-1: pass them when this rank's tokens are not
+      positions 0..s-1 (context parallelism: cp/layout.get_batch_on_this_cp_rank), and to
+      every pipeline stage when hidden_states are cut along s (sequence parallelism);
       returns, on the last stage, per-token losses [b, s] (float32, or float64 for a float64
       model) when labels [b, s] are given, otherwise logits [b, s, V]; on other stages the
       hidden states [b, s, h].
@@ -160,10 +186,11 @@ class GPTModel(nn.Module):
                 labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
         s = (tokens if tokens is not None else hidden_states).shape[1]
-        if s > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {s} > max_position_embeddings={cfg.max_position_embeddings}")
         if position_ids is None:
             position_ids = torch.arange(s, device=(tokens if tokens is not None else hidden_states).device)
+        if position_ids.numel() and int(position_ids.max()) >= cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {int(position_ids.max()) + 1} > max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
 
         if self.pre_process:
             x = self.embedding(tokens, position_ids)                        # [b, s, h]

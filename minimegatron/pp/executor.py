@@ -64,7 +64,9 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
             labels = data["labels"] if p2p.is_last(c) else None
             with rec.span("F", mb, c):
                 with rec.saving(mb, c):
-                    out = engine(data["tokens"], labels=labels) if x is None else engine(hidden_states=x, labels=labels)
+                    positions = data.get("position_ids")         # every stage: RoPE under SP / CP
+                    out = (engine(data["tokens"], position_ids=positions, labels=labels) if x is None
+                           else engine(hidden_states=x, position_ids=positions, labels=labels))
                 if p2p.is_last(c):
                     out = out.mean() / M                  # the micro-batch's share of the step loss
                     rec.losses[mb] = out.item()
@@ -148,9 +150,10 @@ def evaluate_pipelining(chunks: list[nn.Module], microbatch: dict, p2p: Pipeline
         chunk.eval()
         labels = microbatch["labels"] if p2p.is_last(c) else None
         if p2p.is_first(c):
-            out = chunk(microbatch["tokens"], labels=labels)
+            out = chunk(microbatch["tokens"], position_ids=microbatch.get("position_ids"), labels=labels)
         else:
-            out = chunk(hidden_states=p2p.recv_forward(index, c), labels=labels)
+            out = chunk(hidden_states=p2p.recv_forward(index, c), position_ids=microbatch.get("position_ids"),
+                        labels=labels)
         if p2p.is_last(c):
             loss = out.mean().item()
         else:

@@ -9,7 +9,8 @@ Read in this order:
                     numbers instead of gathering the [b, s, V] logits
   random.py         two random streams: one shared by the tensor-parallel group (dropout on
                     replicated activations), one per rank (dropout inside split regions)
-  parallel.py       apply_tensor_parallel: the one model, its layers swapped by a plan; and
+  parallel.py       apply_tensor_parallel: the one model, its layers swapped by a plan (with
+                    sequence_parallel, chapter 04: the regions between them cut along s); and
                     the helpers that reassemble full parameters and gradients
 
 The communication operators they use (copy and reduce, the 2019 paper's f and g; split and gather) live in
@@ -20,13 +21,14 @@ from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entro
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide, pad_vocab_size,
                      set_tensor_model_parallel_attributes, shard_cols,
                      shard_rows, vocab_range)
-from .parallel import (TENSOR_PARALLEL_PLAN, apply_tensor_parallel, check_tensor_parallel_config, full_gradients,
-                       full_parameters, gather_full_tensors)
+from .parallel import (TENSOR_PARALLEL_PLAN, allreduce_sequence_parallel_grads, apply_tensor_parallel,
+                       check_tensor_parallel_config, full_gradients, full_parameters, gather_full_tensors)
 from .random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
            "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range",
            "set_tensor_model_parallel_attributes",
            "RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "TENSOR_PARALLEL_PLAN",
+           "allreduce_sequence_parallel_grads",
            "apply_tensor_parallel", "check_tensor_parallel_config", "gather_full_tensors",
            "full_parameters", "full_gradients"]

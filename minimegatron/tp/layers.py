@@ -31,6 +31,15 @@ the single-device weights. Nothing here draws random numbers per rank. Split par
 Megatron's attributes (set_tensor_model_parallel_attributes), which the gradient norm and the
 gathering of full tensors read.
 
+Sequence parallelism (chapter 04, `sequence_parallel=True`, Megatron's argument): the
+activations between layers are cut along the sequence, [b, s/tp, h]. A column-parallel layer
+then all-gathers its input along s (backward: reduce-scatter of dx) instead of the copy's
+backward all-reduce; a row-parallel layer reduce-scatters its output along s (backward:
+all-gather) instead of the reduce's all-reduce; the embedding reduce-scatters
+(`reduce_scatter_embeddings`). An all-reduce is a reduce-scatter followed by an all-gather,
+so the bytes are the same and the activations in between are tp times smaller.
+SEQUENCE_DIM = 1: the book's activations are [b, s, h] (Megatron's are [s, b, h], dim 0).
+
 Megatron-LM: megatron/core/tensor_parallel/layers.py (ColumnParallelLinear,
 RowParallelLinear, VocabParallelEmbedding, _initialize_affine_weight_cpu) and
 megatron/core/tensor_parallel/utils.py (VocabUtility). Difference: Megatron's linear layers
@@ -44,13 +53,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import (all_reduce, gather_from_tensor_model_parallel_region, group_rank, group_size, reduce_from_tensor_model_parallel_region,
+from ..comm import (all_reduce, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region, group_rank,
+                    group_size, reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
                     scatter_to_tensor_model_parallel_region)
 
 __all__ = ["set_tensor_model_parallel_attributes", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
            "column_parallel_linear_backward", "row_parallel_linear_forward",
            "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range"]
 
+
+SEQUENCE_DIM = 1                     # activations [b, s, h]: sequence parallelism cuts s
 
 # ======================================================================================
 # Cutting shards
@@ -222,20 +234,25 @@ class ColumnParallelLinear(_ParallelLinear):
 
     Parameters (this rank r of tp): weight [out/tp, in] = rows r of the full W (with
     ``stride`` k: rows r of each of k stacked blocks, see shard_rows); bias [out/tp].
-    Input  x [..., in], the same on every rank of the group.
+    Input  x [..., in], the same on every rank of the group; with sequence_parallel
+    x [b, s/tp, in], this rank's tokens.
     Output [..., out/tp] (this rank's output features), or [..., out] with gather_output.
     Communication: forward nothing (plus one all-gather of the output with gather_output);
     backward one all-reduce of dx [..., in] (copy), plus the split of dy with gather_output.
+    With sequence_parallel: forward one all-gather of x along s, backward one reduce-scatter
+    of dx along s, instead of the all-reduce.
     Invariant: a rank's weight/bias gradients are exactly the rows of the single-device
     gradients, so reassembling them (concatenate in group order) gives the full gradient.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
                  gather_output: bool = False, stride: int = 1, params_dtype: torch.dtype | None = None,
-                 skip_weight_param_allocation: bool = False, unpadded_size: int | None = None):
+                 skip_weight_param_allocation: bool = False, unpadded_size: int | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.group, self.tp = group, group_size(group)
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        self.sequence_parallel = sequence_parallel
         divide(out_features, self.tp, "ColumnParallelLinear: out_features", stride)
         self.output_size_per_partition = out_features // self.tp
         self.gather_output = gather_output
@@ -254,7 +271,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """weight: use this [out/tp, in] instead of self.weight (a tied output layer)."""
         weight = self.weight if weight is None else weight
-        y = LinearWithGradAllReduce.apply(x, weight, self.bias, self.group)        # [..., out/tp]
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group, dim=SEQUENCE_DIM)   # [b, s, in]
+            y = F.linear(x, weight, self.bias)                                          # [b, s, out/tp]
+        else:
+            y = LinearWithGradAllReduce.apply(x, weight, self.bias, self.group)        # [..., out/tp]
         if self.gather_output:
             # only for a consumer that needs every feature (rare: it costs an all-gather
             # and every rank then holds the whole activation); stride must be 1 for the
@@ -272,25 +293,33 @@ class RowParallelLinear(_ParallelLinear):
     bias [out], the full bias, the same on every rank.
     Input  x [..., in/tp] (this rank's input features, e.g. a column-parallel output), or
     x [..., in] with input_is_parallel=False (then split here, no communication).
-    Output y [..., out], the same on every rank.
+    Output y [..., out], the same on every rank; with sequence_parallel y [b, s/tp, out],
+    this rank's tokens.
     Communication: forward one all-reduce of y [..., out] (reduce); backward nothing (plus an
-    all-gather of dx when input_is_parallel=False).
+    all-gather of dx when input_is_parallel=False). With sequence_parallel: forward one
+    reduce-scatter along s, backward one all-gather of dy along s; the bias, added to this
+    rank's tokens only, is marked `sequence_parallel` (its gradient is a partial sum over
+    the group: finalize_model_grads all-reduces it).
     The bias is added once, after the all-reduce: added before it, it would be summed tp
     times. Its gradient is the full dy summed, identical on every rank (so, like any
     replicated parameter, it is never averaged across the tensor-parallel group).
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 input_is_parallel: bool = True, params_dtype: torch.dtype | None = None):
+                 input_is_parallel: bool = True, params_dtype: torch.dtype | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.group, self.tp = group, group_size(group)
         self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
         self.input_size_per_partition = divide(in_features, self.tp,
                                                "RowParallelLinear: in_features")
         self.input_is_parallel = input_is_parallel
         self._create((out_features, self.input_size_per_partition),
                      (out_features,) if bias else None, params_dtype)
         set_tensor_model_parallel_attributes(self.weight, 1)      # the bias is replicated
+        if sequence_parallel and self.bias is not None:
+            self.bias.sequence_parallel = True
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         return shard_cols(full, self.group)
@@ -301,6 +330,10 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group, dim=-1)  # [..., in/tp]; dx all-gathered later
+        if self.sequence_parallel:
+            partial = F.linear(x, self.weight)                                              # [b, s, out], partial
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.group, dim=SEQUENCE_DIM)  # [b, s/tp, out]
+            return y + self.bias if self.bias is not None else y
         return row_parallel_linear_forward(x, self.weight, self.bias, self.group)
 
 
@@ -319,13 +352,17 @@ class VocabParallelEmbedding(nn.Module):
     a tied output layer produces logits for them, but vocab_parallel_cross_entropy(...,
     vocab_size=V) gives those logits zero probability, so their gradient is zero too.
     Communication: forward one all-reduce of the output [b, s, h] (reduce); backward nothing
-    (each rank's rows get the gradient of the tokens it owns, zero for the others).
+    (each rank's rows get the gradient of the tokens it owns, zero for the others). With
+    reduce_scatter_embeddings (sequence parallelism without learned positions, Megatron's
+    flag): a reduce-scatter along s instead, output [b, s/tp, h]; backward an all-gather.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group,
-                 make_vocab_size_divisible_by: int = 1, params_dtype: torch.dtype | None = None):
+                 make_vocab_size_divisible_by: int = 1, params_dtype: torch.dtype | None = None,
+                 reduce_scatter_embeddings: bool = False):
         super().__init__()
         self.group = group
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         tp, r = group_size(group), group_rank(group)
         self.padded_vocab_size = pad_vocab_size(num_embeddings, tp, make_vocab_size_divisible_by)
@@ -359,4 +396,6 @@ class VocabParallelEmbedding(nn.Module):
         # ids owned by another rank read row 0 above: zero them, so the sum over ranks
         # holds exactly one (the owner's) row per token, and row 0 gets no stray gradient
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.group, dim=SEQUENCE_DIM)   # [b, s/tp, h]
         return reduce_from_tensor_model_parallel_region(partial, self.group)                         # [b, s, h]

@@ -45,6 +45,22 @@ tensors and draw from torch's default generator, which every rank of the group s
 their masks are the single-device model's. The attention dropout acts on this rank's heads
 only: apply_tensor_parallel points SelfAttention.dropout_rng at the per-rank tracker stream.
 
+Sequence parallelism (chapter 04, `sequence_parallel=True`): the same cut, and the regions
+TP leaves replicated (the norms, the dropouts, the residual adds: [b, s, h] on every rank) are
+cut along the sequence instead, [b, s/tp, h] per rank (Korthikanti et al. 2022):
+
+  embedding       reduce-scatter along s instead of the all-reduce (with learned positions:
+                  the all-reduce, the positions added, then this rank's s/tp rows kept)
+  linear_qkv, linear_fc1, output_layer   all-gather the input along s (backward: reduce-scatter)
+  linear_proj, linear_fc2                reduce-scatter the output along s (backward: all-gather)
+  norms, row-parallel biases             marked `sequence_parallel`: each rank's gradient sums
+                                         over its own tokens only, so finalize_model_grads
+                                         all-reduces them over TP (allreduce_sequence_parallel_grads)
+  dropout in the split regions           the per-rank tracker stream (each rank's tokens differ)
+
+A reduce-scatter plus an all-gather move the bytes of one all-reduce, so SP costs no extra
+communication; what it saves is activation memory (chapter 04).
+
 Megatron-LM: megatron/core/transformer/attention.py (SelfAttention), transformer/mlp.py (MLP),
 models/gpt/gpt_model.py (GPTModel, output_layer, compute_language_model_loss); there the
 parallel layers are chosen by a layer spec when the model is built, here they are swapped in
@@ -56,13 +72,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import all_gather, group_size
+from functools import partial
+
+from ..comm import all_gather, all_reduce, group_size, scatter_to_sequence_parallel_region
 from ..config import ConfigError, ModelConfig
 from .cross_entropy import VocabParallelCrossEntropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
+from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
 from .random import get_rng_tracker
 
 __all__ = ["TENSOR_PARALLEL_PLAN", "apply_tensor_parallel", "check_tensor_parallel_config",
+           "allreduce_sequence_parallel_grads",
            "gather_full_tensors", "full_parameters", "full_gradients"]
 
 # Inside every transformer layer: which linear is cut by its output rows ("column") and which
@@ -91,13 +110,14 @@ def check_tensor_parallel_config(config: ModelConfig, tp: int) -> None:
                               f"tp={tp}")
 
 
-def _parallel_linear(full: nn.Module, style: str, tp_group, stride: int = 1) -> nn.Module:
+def _parallel_linear(full: nn.Module, style: str, tp_group, stride: int = 1,
+                     sequence_parallel: bool = False) -> nn.Module:
     """The column- or row-parallel form of the Linear `full`, holding this rank's slice of it."""
     out_features, in_features = full.weight.shape
     cls = ColumnParallelLinear if style == "column" else RowParallelLinear
     kwargs = {"stride": stride} if style == "column" else {}
     layer = cls(in_features, out_features, tp_group, bias=full.bias is not None,
-                params_dtype=full.weight.dtype, **kwargs).to(full.weight.device)
+                params_dtype=full.weight.dtype, sequence_parallel=sequence_parallel, **kwargs).to(full.weight.device)
     layer.load_full(full.weight, full.bias)
     return layer
 
@@ -107,9 +127,13 @@ def _pad_rows(full: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def apply_tensor_parallel(model: nn.Module, tp_group) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
     """Cut `model` (a GPTModel or pipeline stage holding single-device weights) over the
     tensor-parallel group `tp_group`, in place (see the module docstring); returns it.
+    With `sequence_parallel`, also cut the regions between the linear layers along the
+    sequence (chapter 04): the model then takes and returns this rank's s/tp tokens between
+    pipeline stages, and its `sequence_parallel` parameters need
+    allreduce_sequence_parallel_grads after the backward.
     A no-op when the group has one rank. ConfigError before anything changes when the
     model does not split over the group's size."""
     tp, cfg = group_size(tp_group), model.config
@@ -117,24 +141,39 @@ def apply_tensor_parallel(model: nn.Module, tp_group) -> nn.Module:
         return model
     check_tensor_parallel_config(cfg, tp)
     Vp = pad_vocab_size(cfg.vocab_size, tp, cfg.make_vocab_size_divisible_by)
+    per_rank_rng = get_rng_tracker().fork
+    sp = sequence_parallel
 
     if model.embedding is not None:
         table = model.embedding.word_embeddings.weight                       # [V, h]
+        learned_positions = model.embedding.position_embeddings is not None
         embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group,
-                                           cfg.make_vocab_size_divisible_by, params_dtype=table.dtype).to(table.device)
+                                           cfg.make_vocab_size_divisible_by, params_dtype=table.dtype,
+                                           reduce_scatter_embeddings=sp and not learned_positions).to(table.device)
         embedding.load_full(table)
         model.embedding.word_embeddings = embedding
+        if sp:
+            if learned_positions:       # positions are added to the full [b, s, h], then it is cut
+                model.embedding.scatter_to_sequence_parallel = partial(
+                    scatter_to_sequence_parallel_region, group=tp_group, dim=SEQUENCE_DIM)
+            model.embedding.dropout_rng = per_rank_rng
     for layer in model.decoder.layers.values():
         for path, style in TENSOR_PARALLEL_PLAN.items():
             parent, name = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             stride = 2 if name == "linear_fc1" and cfg.activation == "swiglu" else 1   # [gate; up]
-            setattr(parent, name, _parallel_linear(getattr(parent, name), style, tp_group, stride))
-        layer.self_attention.dropout_rng = get_rng_tracker().fork      # this rank's heads only
+            setattr(parent, name, _parallel_linear(getattr(parent, name), style, tp_group, stride, sp))
+        layer.self_attention.dropout_rng = per_rank_rng                  # this rank's heads only
+        if sp:
+            layer.dropout_rng = per_rank_rng                             # this rank's tokens only
+            _mark_sequence_parallel(layer.input_layernorm, layer.pre_mlp_layernorm)
     if model.post_process:
+        if sp:
+            _mark_sequence_parallel(model.decoder.final_layernorm)
         full = model.output_layer.weight                                     # [V, h] or None (tied)
         output_layer = ColumnParallelLinear(cfg.hidden_size, Vp, tp_group, bias=False,
                                             params_dtype=cfg.dtype, skip_weight_param_allocation=full is None,
-                                            unpadded_size=cfg.vocab_size).to(model.decoder.final_layernorm.weight.device)
+                                            unpadded_size=cfg.vocab_size, sequence_parallel=sp,
+                                            ).to(model.decoder.final_layernorm.weight.device)
         if full is not None:
             output_layer.load_full(_pad_rows(full, Vp))
             if getattr(full, "shared", False):
@@ -142,6 +181,31 @@ def apply_tensor_parallel(model: nn.Module, tp_group) -> nn.Module:
         model.output_layer = output_layer
         model.loss = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)
     return model
+
+
+def _mark_sequence_parallel(*norms: nn.Module) -> None:
+    for norm in norms:
+        for p in norm.parameters():
+            p.sequence_parallel = True                       # Megatron's attribute
+
+
+def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None:
+    """Sum over `tp_group` the gradients of every parameter marked `sequence_parallel` (the
+    norms and row-parallel biases under sequence parallelism): such a parameter is replicated,
+    but each rank applied it to its own s/tp tokens, so its gradient holds only those tokens'
+    share. One all-reduce of all of them, flattened (tag "sp-grads"); nothing without sequence
+    parallelism. Megatron-LM: _allreduce_non_tensor_model_parallel_grads in
+    megatron/core/distributed/finalize_model_grads.py (also one coalesced all-reduce)."""
+    grads = [p.grad for m in models for p in m.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or group_size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])                  # one message, not one per norm
+    all_reduce(flat, tp_group, op="sum", tag="sp-grads")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 # ---- the single-device view ---------------------------------------------------------------

@@ -1,0 +1,156 @@
+"""Context parallelism as a transformation of the one model: `apply_context_parallel`.
+
+Shape legend as in model/attention.py, plus cp (the context-parallel size), a and g the
+query and key/value heads this rank runs (a / tp and g / tp under tensor parallelism), and
+s_r = s / cp the tokens a rank holds. Under context parallelism every module but attention
+works on the rank's own tokens as it would on a shorter sequence: the embedding, the norms,
+the MLP, the loss (on its own tokens' labels), RoPE (on its own tokens' positions, which the
+batch carries: cp/layout.get_batch_on_this_cp_rank). Attention alone needs the keys and
+values of every position before a query's own, and `ContextParallelAttention` gets them in
+one of Megatron-Core's four ways (`cp_comm_type`):
+
+  "p2p"        ring attention (cp/ring.py): K/V blocks go round the ring, cp - 1 hops each
+               way; compute overlaps the transfers; memory holds two blocks at a time.
+  "all_gather" all-gather K and V [b, g, s_r, d] -> [b, g, s, d] (backward: reduce-scatter of
+               dK, dV), then the local queries attend to every key (Llama 3's choice: one
+               collective, simple, but every rank holds the whole K and V).
+  "a2a"        DeepSpeed-Ulysses: an all-to-all turns q, k, v from sequence-sharded
+               [b, a, s_r, d] into head-sharded [b, a/cp, s, d]; each rank runs ordinary
+               attention over the whole sequence for a / cp heads; an all-to-all turns the
+               output back. Needs a and g divisible by cp.
+  "a2a+p2p"    hierarchical: the all-to-all inside groups of cp_a2a consecutive cp ranks, the
+               ring across the cp_p2p groups (Megatron's hierarchical_context_parallel_sizes
+               = [cp_a2a, cp_p2p], product cp).
+
+Every variant attends with the same blockwise core (cp/blocks.py, backends "naive" and
+"sdpa") and skips the blocks a causal mask hides, so all four give the single-device
+attention of this rank's tokens.
+
+Dense gradients: every cp rank holds the same weights and computes gradients from its own
+tokens, so they are averaged over the "dp-cp" group (parallel_state), which the data-parallel
+wrapper does when given that group. Nothing else is added to finalize_model_grads.
+
+Megatron-LM: megatron/core/extensions/transformer_engine.py (TEDotProductAttention passes
+cp_group, cp_global_ranks, cp_stream and cp_comm_type to Transformer Engine), Transformer
+Engine's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndKVAllGather,
+AttnFuncWithCPAndQKVOA2A), megatron/core/parallel_state.py (the cp and hierarchical cp groups).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..comm import all_to_all_region, gather_from_sequence_parallel_region, group_rank, group_size
+from ..config import ConfigError
+from .layout import cp_chunk_ids
+from .ring import ring_attention
+
+__all__ = ["CP_COMM_TYPES", "ContextParallelAttention", "apply_context_parallel", "check_context_parallel_config",
+           "hierarchical_sizes"]
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+SEQ, HEADS = 2, 1                      # dims of q, k, v [b, heads, s, d]
+
+
+def hierarchical_sizes(cp: int, comm_type: str, given: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """(all-to-all size, ring size) of "a2a+p2p": `given`, or all-to-all groups of 2 (the
+    book's default; Megatron asks for --hierarchical-context-parallel-sizes). None for the
+    other comm types or cp = 1."""
+    if comm_type != "a2a+p2p" or cp == 1:
+        return None
+    return tuple(given) if given else (2, cp // 2)
+
+
+def check_context_parallel_config(num_heads: int, num_groups: int, cp: int, comm_type: str,
+                                  hierarchical: tuple[int, int] | None = None,
+                                  attention_dropout: float = 0.0) -> None:
+    """ConfigError naming the field and the numbers when attention cannot run over `cp` ranks
+    with `comm_type`: heads (a and g of one tensor-parallel rank) not divisible by the
+    all-to-all size, hierarchical sizes whose product is not cp, attention dropout."""
+    if comm_type not in CP_COMM_TYPES:
+        raise ConfigError(f"cp_comm_type={comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
+    if cp == 1:
+        return
+    if attention_dropout:
+        raise ConfigError(f"attention_dropout={attention_dropout} with context_parallel_size={cp}: dropout on "
+                          f"attention probabilities is not implemented for context parallelism here; set it to 0")
+    sizes = hierarchical_sizes(cp, comm_type, hierarchical)
+    a2a = {"a2a": cp, "a2a+p2p": sizes[0] if sizes else None}.get(comm_type)
+    if comm_type == "a2a+p2p":
+        if len(sizes) != 2 or sizes[0] * sizes[1] != cp or min(sizes) < 1:
+            raise ConfigError(f"hierarchical_context_parallel_sizes={list(sizes)}: expected [all-to-all size, ring "
+                              f"size] whose product is context_parallel_size={cp}")
+    if a2a:
+        for field, value in (("num_attention_heads per tensor-parallel rank", num_heads),
+                             ("num_query_groups per tensor-parallel rank", num_groups)):
+            if value % a2a:
+                raise ConfigError(f"{field} = {value} is not divisible by the all-to-all size {a2a} of "
+                                  f"cp_comm_type={comm_type!r}: each rank runs whole heads (and key/value groups) "
+                                  f"after the all-to-all; use cp_comm_type 'p2p' or 'all_gather'")
+
+
+class ContextParallelAttention:
+    """The core attention of one SelfAttention under context parallelism: q [b, a, s_r, d],
+    k and v [b, g, s_r, d] of this rank's tokens (chunks `chunk_ids_per_rank[cp_rank]`) ->
+    out [b, a, s_r, d], the single-device attention output of those tokens.
+
+    cp_group: the context-parallel group; for "a2a+p2p" also a2a_group (the sub-group this
+    rank does its all-to-all in, consecutive cp ranks) and p2p_group (the ranks with the same
+    index in every sub-group: the ring). chunk_ids_per_rank[r]: the chunks cp rank r holds.
+    Communication per call: see the module docstring and cp/ring.py (ledger tags "fwd",
+    "bwd"). Not an nn.Module: it holds no parameters, so the state dict is unchanged.
+    """
+
+    def __init__(self, cp_group, comm_type: str, chunk_ids_per_rank: list[list[int]], backend: str = "sdpa",
+                 a2a_group=None, p2p_group=None):
+        self.cp_group, self.comm_type, self.backend = cp_group, comm_type, backend
+        self.chunk_ids_per_rank = chunk_ids_per_rank
+        self.a2a_group, self.p2p_group = a2a_group, p2p_group
+
+    def __call__(self, q, k, v, dropout_p: float = 0.0, training: bool = False):
+        ids, me = self.chunk_ids_per_rank, group_rank(self.cp_group)
+        if self.comm_type == "p2p":
+            return ring_attention(q, k, v, self.cp_group, ids[me], ids, self.backend)             # [b, a, s_r, d]
+        if self.comm_type == "all_gather":
+            k = gather_from_sequence_parallel_region(k, self.cp_group, dim=SEQ)                 # [b, g, s, d]
+            v = gather_from_sequence_parallel_region(v, self.cp_group, dim=SEQ)
+            every = [i for r in ids for i in r]                                                 # cp rank order
+            return ring_attention(q, k, v, None, ids[me], [every], self.backend)                # [b, a, s_r, d]
+        if self.comm_type == "a2a":
+            every = [i for r in ids for i in r]
+            return self._ulysses(q, k, v, self.cp_group, None, every, [every])
+        # "a2a+p2p": the all-to-all inside my sub-group, then a ring across sub-groups
+        n_a2a, ring = group_size(self.a2a_group), group_size(self.p2p_group)
+        members = [ids[j * n_a2a:(j + 1) * n_a2a] for j in range(ring)]                       # sub-group j's ranks
+        per_ring_rank = [[i for r in m for i in r] for m in members]
+        mine = per_ring_rank[group_rank(self.p2p_group)]
+        return self._ulysses(q, k, v, self.a2a_group, self.p2p_group, mine, per_ring_rank)
+
+    def _ulysses(self, q, k, v, a2a_group, ring_group, q_ids, kv_ids_per_rank):
+        # sequence-sharded -> head-sharded: scatter heads, gather the sub-group's tokens
+        q = all_to_all_region(q, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, a/n, n s_r, d]
+        k = all_to_all_region(k, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, g/n, n s_r, d]
+        v = all_to_all_region(v, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)
+        out = ring_attention(q, k, v, ring_group, q_ids, kv_ids_per_rank, self.backend)          # [b, a/n, n s_r, d]
+        return all_to_all_region(out, a2a_group, scatter_dim=SEQ, gather_dim=HEADS)              # [b, a, s_r, d]
+
+
+def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p", load_balance: bool = True,
+                           a2a_group=None, p2p_group=None) -> nn.Module:
+    """Give every attention layer of `model` (a GPTModel or a stage, after tensor parallelism)
+    a ContextParallelAttention over `cp_group`; returns it. A no-op when the group has one
+    rank. Nothing else changes: the other modules see the rank's tokens as a shorter sequence,
+    and the batch must be this rank's (cp/layout.get_batch_on_this_cp_rank with the same
+    `load_balance`). ConfigError before anything changes when the heads do not divide."""
+    cp, cfg = group_size(cp_group), model.config
+    if cp == 1:
+        return model
+    for layer in model.decoder.layers.values():
+        attention = layer.self_attention
+        heads, groups = attention.local_heads()
+        sizes = (group_size(a2a_group), group_size(p2p_group)) if comm_type == "a2a+p2p" else None
+        check_context_parallel_config(heads, groups, cp, comm_type, sizes, cfg.attention_dropout)
+        ids = [cp_chunk_ids(cp, r, load_balance) for r in range(cp)]
+        attention.core_attention = ContextParallelAttention(cp_group, comm_type, ids, cfg.attention_backend,
+                                                            a2a_group, p2p_group)
+    return model

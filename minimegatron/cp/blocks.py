@@ -1,0 +1,124 @@
+"""The attention core every context-parallel variant calls: one block at a time, with its
+log-sum-exp, so partial results can be merged exactly.
+
+Shape legend as in model/attention.py: q [b, a, sq, d] (a query heads), k and v [b, g, sk, d]
+(g key/value heads; query head i uses key/value head i // (a / g)). lse [b, a, sq] is the
+log-sum-exp of a query row's scaled scores over the keys of the block:
+
+    lse_i = log sum_j exp(q_i . k_j / sqrt(d))        out_i = sum_j exp(q_i . k_j / sqrt(d) - lse_i) v_j
+
+Why lse. Attention of one query over keys split into two blocks A and B is the softmax over
+A u B. Each block alone gives (out_A, lse_A) and (out_B, lse_B); the softmax over the union
+weighs block A by exp(lse_A) / (exp(lse_A) + exp(lse_B)), so
+
+    lse = log(exp(lse_A) + exp(lse_B))          out = out_A exp(lse_A - lse) + out_B exp(lse_B - lse)
+
+(`merge_attention`): the online-softmax rule of flash attention, and what lets ring attention
+see the keys one block at a time. The backward needs no per-block softmax: with the final out
+and lse of a query row, the probabilities of block B are P = exp(S_B - lse), and with
+D = rowsum(dout * out) the gradients are
+
+    dV_B = P^T dout      dS = P * (dout V_B^T - D)      dQ += dS K_B / sqrt(d)      dK_B = dS^T Q / sqrt(d)
+
+exactly the single-device gradients restricted to block B, so summing them over blocks gives
+the single-device dQ, dK, dV (`attention_block_backward`).
+
+Backends, one interface:
+  "naive": written out; the scores [b, a, sq, sk] are stored (the lesson, the test oracle).
+  "sdpa":  PyTorch's flash-attention kernel for the CPU (aten._scaled_dot_product_flash_attention
+           _for_cpu and its backward), which returns and takes lse and never stores the scores;
+           on other devices, or a torch without it, the naive path (same numbers).
+`causal` means the top-left triangle of a square block: query row i sees key columns j <= i,
+which is the mask of a block whose queries and keys are the same chunk of positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_block_forward", "attention_block_backward", "merge_attention", "flash_kernel_available"]
+
+
+def flash_kernel_available(t: torch.Tensor) -> bool:
+    """True when PyTorch's CPU flash-attention kernel (with lse) can run on `t`."""
+    return t.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, g, sk, d] -> [b, a, sk, d]: key/value head i // (a/g) for query head i."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _scores(q, k, causal):
+    """Scaled scores [b, a, sq, sk] in the compute dtype, -inf above the diagonal if causal."""
+    dtype = _compute_dtype(q)
+    scores = (q.to(dtype) @ _repeat_kv(k, q.shape[1]).to(dtype).transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores
+
+
+def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                            backend: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over one block of keys: (out [b, a, sq, d] in q's dtype, lse [b, a, sq]
+    in float32 for 16-bit inputs, else in q's dtype). No autograd: the callers write the
+    backward (attention_block_backward)."""
+    with torch.no_grad():
+        if backend == "sdpa" and flash_kernel_available(q):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+            return out, lse.to(_compute_dtype(q))
+        scores = _scores(q, k, causal)                                         # [b, a, sq, sk]
+        lse = torch.logsumexp(scores, dim=-1)                                  # [b, a, sq]
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        out = probs @ _repeat_kv(v, q.shape[1]).to(probs.dtype)               # [b, a, sq, d]
+        return out.to(q.dtype), lse
+
+
+def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                             backend: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of the gradients (dq [b, a, sq, d], dk and dv [b, g, sk, d]), given
+    the FINAL out and lse of the query rows (merged over every block they attend to), as
+    derived in the module docstring. dk, dv of grouped heads are summed over their group."""
+    with torch.no_grad():
+        if backend == "sdpa" and flash_kernel_available(q):
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout.contiguous(), q, k, v, out.contiguous(), lse.to(torch.float32 if q.dtype in (
+                    torch.float16, torch.bfloat16) else q.dtype).contiguous(), 0.0, causal)
+            return dq, dk, dv
+        dtype = _compute_dtype(q)
+        heads, groups = q.shape[1], k.shape[1]
+        probs = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1).to(dtype))  # [b, a, sq, sk]
+        dout_, q_ = dout.to(dtype), q.to(dtype)
+        dv = probs.transpose(-2, -1) @ dout_                                     # [b, a, sk, d]
+        dprobs = dout_ @ _repeat_kv(v, heads).to(dtype).transpose(-2, -1)         # [b, a, sq, sk]
+        delta = (dout_ * out.to(dtype)).sum(-1, keepdim=True)                    # [b, a, sq, 1]
+        dscores = probs * (dprobs - delta) / math.sqrt(q.shape[-1])
+        dq = dscores @ _repeat_kv(k, heads).to(dtype)                            # [b, a, sq, d]
+        dk = dscores.transpose(-2, -1) @ q_                                      # [b, a, sk, d]
+        if groups != heads:                                                      # sum each group's heads
+            b, _, sk, d = dk.shape
+            dk = dk.view(b, groups, heads // groups, sk, d).sum(2)
+            dv = dv.view(b, groups, heads // groups, sk, d).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over blocks A and B from the attention over each: (out [b, a, sq, d] in
+    out_a's dtype, lse [b, a, sq] in lse_a's dtype), the rule in the module docstring.
+    Exact: merging the blocks of a sequence one by one gives softmax attention over all of it."""
+    # BEGIN EXERCISE 4.1: merge two partial attention results | hint: lse = torch.logaddexp(lse_a, lse_b); weight each out by exp(its lse - lse), unsqueezed on the last dim; sum
+    lse = torch.logaddexp(lse_a, lse_b)                                          # [b, a, sq]
+    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)                              # [b, a, sq, 1]
+    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    out = out_a.to(lse.dtype) * weight_a + out_b.to(lse.dtype) * weight_b        # [b, a, sq, d]
+    return out.to(out_a.dtype), lse
+    # END EXERCISE
