@@ -220,8 +220,12 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
             "total": layers + outside["total"]}
 
 
-def korthikanti_activation_memory(config: ModelConfig, batch: int, seq: int) -> dict:
-    """Korthikanti et al. 2022's activation bytes per layer: s b h (34 + 5 a s / h).
+def korthikanti_activation_memory(config: ModelConfig, batch: int, seq: int, tp: int = 1,
+                                  sequence_parallel: bool = False) -> dict:
+    """Korthikanti et al. 2022's activation bytes per layer and rank: s b h (34 + 5 a s / h);
+    with tensor parallelism of size t (Section 4.2.1) s b h (10 + 24/t + 5 a s / (h t)): the
+    10 s b h of the norms' inputs and the two dropouts after attention and the MLP stay
+    replicated; with sequence parallelism too (Section 4.2.2) s b h (34/t + 5 a s / (h t)).
 
     "Reducing Activation Recomputation in Large Transformer Models", Section 4.1, for a
     GPT-2 style layer in 16-bit with dropout (1-byte masks) and no parallelism:
@@ -248,13 +252,19 @@ def korthikanti_activation_memory(config: ModelConfig, batch: int, seq: int) -> 
         2 b s f e, and the SwiGLU width f ~ 8h/3 makes that about 21 s b h in bf16, not 16;
       - GQA does not shrink what attention saves: k and v are repeated to a heads first.
     """
-    b, s, h, a = batch, seq, config.hidden_size, config.num_attention_heads
-    per_layer = 34 * s * b * h + 5 * a * s * s * b
+    b, s, h, a, t = batch, seq, config.hidden_size, config.num_attention_heads, tp
+    if sequence_parallel:
+        per_layer = (34 * s * b * h + 5 * a * s * s * b) // t
+    else:
+        per_layer = 10 * s * b * h + (24 * s * b * h + 5 * a * s * s * b) // t
     return {"per_layer": per_layer, "total": config.num_layers * per_layer}
 
 
-def measure_saved_activation_bytes(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> int:
-    """Run model(tokens, labels=labels) and return the bytes autograd saved for backward.
+def measure_saved_activation_bytes(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+                                   position_ids: torch.Tensor | None = None) -> int:
+    """Run model(tokens, position_ids=position_ids, labels=labels) and return the bytes autograd
+    saved for backward (under tensor, sequence or context parallelism: this rank's, and the
+    forward's collectives run, so every rank of the groups must call it).
 
     Every tensor an op saves passes through the `pack` hook of
     `torch.autograd.graph.saved_tensors_hooks`. We count storages, not tensors:
@@ -278,7 +288,7 @@ def measure_saved_activation_bytes(model: nn.Module, tokens: torch.Tensor, label
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        losses = model(tokens, labels=labels)
+        losses = model(tokens, position_ids=position_ids, labels=labels)
     del losses                                              # frees the graph
     return sum(storage.nbytes() for storage in saved.values())
 

@@ -11,9 +11,11 @@ one of Megatron-Core's four ways (`cp_comm_type`):
 
   "p2p"        ring attention (cp/ring.py): K/V blocks go round the ring, cp - 1 hops each
                way; compute overlaps the transfers; memory holds two blocks at a time.
-  "all_gather" all-gather K and V [b, g, s_r, d] -> [b, g, s, d] (backward: reduce-scatter of
-               dK, dV), then the local queries attend to every key (Llama 3's choice: one
-               collective, simple, but every rank holds the whole K and V).
+  "all_gather" all-gather K and V [b, g, s_r, d] -> [b, g, s, d], then the local queries
+               attend to every key (Llama 3's choice: one collective, simple, but every rank
+               holds the whole K and V while it attends). Only the rank's own K and V are
+               kept for the backward, which gathers them again (tag "regather") and
+               reduce-scatters dK, dV, as Transformer Engine's AttnFuncWithCPAndKVAllGather.
   "a2a"        DeepSpeed-Ulysses: an all-to-all turns q, k, v from sequence-sharded
                [b, a, s_r, d] into head-sharded [b, a/cp, s, d]; each rank runs ordinary
                attention over the whole sequence for a / cp heads; an all-to-all turns the
@@ -38,12 +40,13 @@ AttnFuncWithCPAndQKVOA2A), megatron/core/parallel_state.py (the cp and hierarchi
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from ..comm import all_to_all_region, gather_from_sequence_parallel_region, group_rank, group_size
+from ..comm import all_gather, all_to_all_region, group_rank, group_size, reduce_scatter
 from ..config import ConfigError
 from .layout import cp_chunk_ids
-from .ring import ring_attention
+from .ring import attend_blocks, attend_blocks_backward, ring_attention
 
 __all__ = ["CP_COMM_TYPES", "ContextParallelAttention", "apply_context_parallel", "check_context_parallel_config",
            "hierarchical_sizes"]
@@ -89,6 +92,34 @@ def check_context_parallel_config(num_heads: int, num_groups: int, cp: int, comm
                                   f"after the all-to-all; use cp_comm_type 'p2p' or 'all_gather'")
 
 
+class _AllGatherAttention(torch.autograd.Function):
+    """cp_comm_type "all_gather": forward all-gather K, V (tag "fwd") and attend; keep this
+    rank's own K, V only; backward gather them again (tag "regather"), compute dQ and the full
+    dK, dV, reduce-scatter dK, dV (tag "bwd") so each rank gets the sum for its own tokens."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, q_ids, all_ids, backend):
+        k_all = all_gather(k.contiguous(), group, dim=SEQ, tag="fwd")             # [b, g, s, d]
+        v_all = all_gather(v.contiguous(), group, dim=SEQ, tag="fwd")
+        partial = attend_blocks(q, k_all, v_all, q_ids, all_ids, backend, [None] * len(q_ids))
+        out = torch.cat([o for o, _ in partial], dim=SEQ)                          # [b, a, s_r, d]
+        lse = torch.cat([l for _, l in partial], dim=SEQ)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.q_ids, ctx.all_ids, ctx.backend = group, q_ids, all_ids, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        k_all = all_gather(k, ctx.group, dim=SEQ, tag="regather")
+        v_all = all_gather(v, ctx.group, dim=SEQ, tag="regather")
+        dq, dkv = torch.zeros_like(q), torch.zeros(2, *k_all.shape, dtype=k.dtype, device=k.device)
+        attend_blocks_backward(dout, q, k_all, v_all, out, lse, ctx.q_ids, ctx.all_ids, ctx.backend, dq, dkv)
+        dk = reduce_scatter(dkv[0], ctx.group, dim=SEQ, tag="bwd")                # [b, g, s_r, d]
+        dv = reduce_scatter(dkv[1], ctx.group, dim=SEQ, tag="bwd")
+        return dq, dk, dv, None, None, None, None
+
+
 class ContextParallelAttention:
     """The core attention of one SelfAttention under context parallelism: q [b, a, s_r, d],
     k and v [b, g, s_r, d] of this rank's tokens (chunks `chunk_ids_per_rank[cp_rank]`) ->
@@ -112,10 +143,8 @@ class ContextParallelAttention:
         if self.comm_type == "p2p":
             return ring_attention(q, k, v, self.cp_group, ids[me], ids, self.backend)             # [b, a, s_r, d]
         if self.comm_type == "all_gather":
-            k = gather_from_sequence_parallel_region(k, self.cp_group, dim=SEQ)                 # [b, g, s, d]
-            v = gather_from_sequence_parallel_region(v, self.cp_group, dim=SEQ)
             every = [i for r in ids for i in r]                                                 # cp rank order
-            return ring_attention(q, k, v, None, ids[me], [every], self.backend)                # [b, a, s_r, d]
+            return _AllGatherAttention.apply(q, k, v, self.cp_group, ids[me], every, self.backend)  # [b, a, s_r, d]
         if self.comm_type == "a2a":
             every = [i for r in ids for i in r]
             return self._ulysses(q, k, v, self.cp_group, None, every, [every])

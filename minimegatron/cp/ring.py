@@ -17,16 +17,21 @@ masks; a block from a lower ring rank, every query against the block's first chu
 from a higher ring rank, the rank's second query chunk against the whole block. Every rank
 then computes the same number of scores at every step (the point of zig-zag).
 
-The backward runs the ring again. The block a rank holds travels together with the running
-sums of its dK and dV; each rank adds the share its queries contribute
-(blocks.attention_block_backward, with the final out and lse saved by the forward), and after
-the last step one more hop brings each dK/dV home. dQ stays on its rank.
+The backward runs the ring again, the other way round, so that each block ends at its owner.
+It starts from the block the forward held last (rank r + 1's, kept for this) and at each step
+passes the block it holds, together with the running sums of that block's dK and dV, to rank
+r - 1; each rank adds the share its queries contribute (blocks.attention_block_backward, with
+the final out and lse saved by the forward). Block j is visited by ranks j - 1, j - 2, ...,
+and last by j itself: after n - 1 hops its dK and dV are home and complete. dQ stays on its
+rank. (Transformer Engine's AttnFuncWithCPAndKVP2P also keeps the last block and sends n - 1
+dK/dV messages.)
 
-Communication per attention call and rank, with K and V of [b, g, s/cp... ] = kv bytes each
+Communication per attention call and rank, with K and V of [b, g, s_r, d] = kv bytes each
 (one message per hop, K and V stacked):
-    forward   n - 1 sends (and receives) of 2 kv
-    backward  n - 1 sends of 4 kv (K, V, dK, dV) and 1 send of 2 kv (dK, dV home)
-All through comm.batch_isend_irecv (ledger tags "fwd" and "bwd").
+    forward   n - 1 sends (and receives) of 2 kv        (K, V)
+    backward  n - 1 sends (and receives) of 4 kv        (K, V, dK, dV)
+All through comm.batch_isend_irecv (ledger tags "fwd" and "bwd"). Memory: the forward keeps
+the rank's own q, k, v, out, lse and one extra block (2 kv) for the backward.
 
 With n = 1 (no group) this is blockwise attention over chunks on one rank: the all-gather and
 all-to-all variants (cp/attention.py) call it that way, with other chunk lists for the keys.
@@ -53,7 +58,7 @@ def _chunk(t: torch.Tensor, slot: int, c: int) -> torch.Tensor:
     return t.narrow(2, slot * c, c)                                  # [b, heads, c, d]
 
 
-def _attend(q, k, v, q_ids, kv_ids, backend, partial):
+def attend_blocks(q, k, v, q_ids, kv_ids, backend, partial):
     """Merge into `partial` (one (out, lse) or None per query chunk) the attention of q's
     chunks over the key chunks kv_ids held in k, v."""
     c = q.shape[2] // len(q_ids)
@@ -63,7 +68,7 @@ def _attend(q, k, v, q_ids, kv_ids, backend, partial):
     return partial
 
 
-def _attend_backward(dout, q, k, v, out, lse, q_ids, kv_ids, backend, dq, dkv):
+def attend_blocks_backward(dout, q, k, v, out, lse, q_ids, kv_ids, backend, dq, dkv):
     """Add to dq (this rank's queries) and dkv [2, b, g, sk, d] (the block held) the
     gradients of the pairs computed in the forward."""
     c = q.shape[2] // len(q_ids)
@@ -76,13 +81,14 @@ def _attend_backward(dout, q, k, v, out, lse, q_ids, kv_ids, backend, dq, dkv):
         _chunk(dkv[1], j, c).add_(dv_j)
 
 
-def _ring_shift(t: torch.Tensor, group, tag: str) -> tuple[torch.Tensor, list]:
-    """Start sending t to the next ring rank and receiving the previous rank's into a new
-    buffer; returns (buffer, handles). Wait on the handles before reading the buffer."""
+def _ring_shift(t: torch.Tensor, group, tag: str, step: int = 1) -> tuple[torch.Tensor, list]:
+    """Start sending t to ring rank me + step and receiving from me - step into a new buffer
+    (step 1: forward round the ring, -1: backward); returns (buffer, handles). Wait on the
+    handles before reading the buffer."""
     ranks, me = group_ranks(group), group_rank(group)
     incoming = torch.empty_like(t)
-    handles = batch_isend_irecv([P2POp("send", t, ranks[(me + 1) % len(ranks)], group),
-                                 P2POp("recv", incoming, ranks[(me - 1) % len(ranks)], group)], tag=tag)
+    handles = batch_isend_irecv([P2POp("send", t, ranks[(me + step) % len(ranks)], group),
+                                 P2POp("recv", incoming, ranks[(me - step) % len(ranks)], group)], tag=tag)
     return incoming, handles
 
 
@@ -106,34 +112,30 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step < n - 1:
                 incoming, handles = _ring_shift(kv, group, "fwd")    # overlaps with the attention below
-            partial = _attend(q, kv[0], kv[1], q_ids, kv_ids_per_rank[(me - step) % n], backend, partial)
+            partial = attend_blocks(q, kv[0], kv[1], q_ids, kv_ids_per_rank[(me - step) % n], backend, partial)
             if step < n - 1:
                 _wait(handles)
                 kv = incoming
         out = torch.cat([o for o, _ in partial], dim=2)              # [b, a, sq, d]
         lse = torch.cat([l for _, l in partial], dim=2)              # [b, a, sq]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, out, lse, kv)                       # kv: the last block held (rank me + 1's)
         ctx.group, ctx.q_ids, ctx.kv_ids_per_rank, ctx.backend = group, q_ids, kv_ids_per_rank, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, out, lse, kv = ctx.saved_tensors
         group, q_ids, kv_ids_per_rank, backend = ctx.group, ctx.q_ids, ctx.kv_ids_per_rank, ctx.backend
         n, me = _ring(group)
         dq = torch.zeros_like(q)
-        kv_dkv = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])   # [4, b, g, sk, d]
-        for step in range(n):
-            _attend_backward(dout, q, kv_dkv[0], kv_dkv[1], out, lse, q_ids, kv_ids_per_rank[(me - step) % n],
-                             backend, dq, kv_dkv[2:])
+        kv_dkv = torch.cat([kv, torch.zeros_like(kv)])               # [4, b, g, sk, d]: K, V, dK, dV
+        for step in range(n):                                        # step t: rank me + 1 + t's block
+            attend_blocks_backward(dout, q, kv_dkv[0], kv_dkv[1], out, lse, q_ids,
+                                   kv_ids_per_rank[(me + 1 + step) % n], backend, dq, kv_dkv[2:])
             if step < n - 1:                                         # the block and its gradient move on
-                kv_dkv, handles = _ring_shift(kv_dkv, group, "bwd")
+                kv_dkv, handles = _ring_shift(kv_dkv, group, "bwd", step=-1)
                 _wait(handles)
-            elif n > 1:                                              # one more hop: each dK/dV goes home
-                dkv, handles = _ring_shift(kv_dkv[2:].contiguous(), group, "bwd")
-                _wait(handles)
-                kv_dkv = torch.cat([kv_dkv[:2], dkv])
-        return dq, kv_dkv[2], kv_dkv[3], None, None, None, None
+        return dq, kv_dkv[2], kv_dkv[3], None, None, None, None      # the last block held is my own
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, q_ids: list[int],

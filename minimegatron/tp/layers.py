@@ -53,11 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import (all_reduce, gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region, group_rank,
-                    group_size, reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
+from ..comm import (all_gather, all_reduce, gather_from_tensor_model_parallel_region, group_rank, group_size,
+                    reduce_from_tensor_model_parallel_region, reduce_scatter, reduce_scatter_to_sequence_parallel_region,
                     scatter_to_tensor_model_parallel_region)
 
 __all__ = ["set_tensor_model_parallel_attributes", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
+           "LinearWithSequenceParallelGather",
            "column_parallel_linear_backward", "row_parallel_linear_forward",
            "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range"]
 
@@ -176,6 +177,37 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
+class LinearWithSequenceParallelGather(torch.autograd.Function):
+    """The column-parallel linear under sequence parallelism, as Megatron-LM writes it
+    (LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel=True):
+
+    forward   x_r [b, s/tp, in] -> all-gather along s (tag "fwd") -> y = x W_r^T + b_r [b, s, out/tp]
+    backward  all-gather x again (tag "regather"), dW = dy^T x, db = sum dy, and
+              dx = dy W_r [b, s, in] reduce-scattered along s (tag "bwd") -> [b, s/tp, in]
+
+    Only the shard x_r is saved for the backward, not the gathered x: keeping the gathered
+    input would store tp copies of the same activation, which is what sequence parallelism
+    exists to avoid (Korthikanti et al. 2022). The price is a second all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="fwd")        # [b, s, in]
+        return F.linear(total, weight, bias)                                            # [b, s, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        total = all_gather(x.contiguous(), ctx.group, dim=SEQUENCE_DIM, tag="regather")  # [b, s, in]
+        grad_total = grad_output @ weight                                                 # [b, s, in], partial
+        grad_x = reduce_scatter(grad_total, ctx.group, dim=SEQUENCE_DIM, tag="bwd")      # [b, s/tp, in], summed
+        dy_2d = grad_output.reshape(-1, grad_output.shape[-1])                            # [b*s, out/tp]
+        grad_weight = dy_2d.t() @ total.reshape(-1, total.shape[-1])                      # [out/tp, in]
+        grad_bias = dy_2d.sum(dim=0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
 def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 group) -> torch.Tensor:
     """The forward of a row-parallel linear: y = sum over ranks of x_r W_r^T, plus b once.
@@ -240,7 +272,8 @@ class ColumnParallelLinear(_ParallelLinear):
     Communication: forward nothing (plus one all-gather of the output with gather_output);
     backward one all-reduce of dx [..., in] (copy), plus the split of dy with gather_output.
     With sequence_parallel: forward one all-gather of x along s, backward one reduce-scatter
-    of dx along s, instead of the all-reduce.
+    of dx along s instead of the all-reduce, plus a second all-gather of x (only the shard is
+    saved: LinearWithSequenceParallelGather).
     Invariant: a rank's weight/bias gradients are exactly the rows of the single-device
     gradients, so reassembling them (concatenate in group order) gives the full gradient.
     """
@@ -272,8 +305,7 @@ class ColumnParallelLinear(_ParallelLinear):
         """weight: use this [out/tp, in] instead of self.weight (a tied output layer)."""
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group, dim=SEQUENCE_DIM)   # [b, s, in]
-            y = F.linear(x, weight, self.bias)                                          # [b, s, out/tp]
+            y = LinearWithSequenceParallelGather.apply(x, weight, self.bias, self.group)  # [b, s, out/tp]
         else:
             y = LinearWithGradAllReduce.apply(x, weight, self.bias, self.group)        # [..., out/tp]
         if self.gather_output:

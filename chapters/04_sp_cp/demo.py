@@ -1,0 +1,505 @@
+"""Chapter 04 demo: sequence and context parallelism, proven on tp x cp x pp x dp ranks.
+
+    torchrun --standalone --nproc_per_node=2 chapters/04_sp_cp/demo.py --tp 2 --sp
+    torchrun --standalone --nproc_per_node=4 chapters/04_sp_cp/demo.py --cp 4 --cp-comm-type p2p
+    torchrun --standalone --nproc_per_node=4 chapters/04_sp_cp/demo.py --cp 4 --cp-comm-type a2a+p2p
+    torchrun --standalone --nproc_per_node=16 chapters/04_sp_cp/demo.py --tp 2 --sp --cp 2 --pp 2 --dp 2   # 4D
+    python chapters/04_sp_cp/demo.py                  # no torchrun: spawns the ranks (cp 2, p2p) itself
+    python chapters/04_sp_cp/demo.py --quick --tp 2 --sp --cp 2
+
+This file is the chapter's experiment and its command line. The tests, the graders, the
+notebook and make_figures.py run the same experiment from Python:
+
+    from minimegatron.launch import spawn
+    from minimegatron.testing import import_chapter_demo
+    ch04 = import_chapter_demo("04")              # this file, as chapters.04_sp_cp.demo
+    run = ch04.make_run(ch04.tiny_model(), cp=2, cp_comm_type="p2p")
+    per_rank = spawn(ch04.train_run, run.world, run)
+    print(ch04.check_run(run, per_rank))          # equivalence, ledger vs formulas, memory
+
+A `SeqRun` trains one model on tp x cp x pp x dp ranks (Megatron's order tp-cp-dp-pp: tp
+fastest). Every rank builds its model as the training loop does (parallelize.build_model:
+pipeline chunk -> tensor parallel, with sequence parallelism if asked -> context parallel ->
+DDP over the dp x cp ranks) and runs train.train_step on its micro-batches: its data-parallel
+replica's sequences, cut to its context-parallel tokens (train.local_microbatch's rule,
+cp.get_batch_on_this_cp_rank, zig-zag). `check_run` judges it against independent references:
+
+  [1/4] equivalence: losses, first-step gradients and final parameters (full, single-device
+        names) against testing.single_device_run on the same global batches;
+  [2/4] communication of one step, from the ledger, against `expected_ledger`: the formulas of
+        tensor (or sequence) parallelism and of the cp_comm_type, message by message (op, tag,
+        bytes), and the bytes on the wire of SP against TP's all-reduces;
+  [3/4] activation memory per rank: the bytes autograd saves for one micro-batch
+        (analysis.measure_saved_activation_bytes), against the single device's / (tp cp) and
+        next to Korthikanti et al.'s formulas;
+  [4/4] load balance of causal attention over the cp ranks: unmasked score entries per rank,
+        contiguous against zig-zag (cp.causal_work_per_rank), max / mean;
+
+and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from minimegatron import comm
+from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.cp import CP_COMM_TYPES, causal_work_per_rank, get_batch_on_this_cp_rank
+from minimegatron.cp.attention import hierarchical_sizes
+from minimegatron.model import GPTModel
+from minimegatron.optim import learning_rate
+from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
+from minimegatron.pp import PipelineComm, stage_layers
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch,
+                                  single_device_run, verdict_under_torchrun)
+from minimegatron.train import initialize_layout, train_step
+
+COMM_TAGS = ("fwd", "bwd", "regather", "sp-grads")   # what tensor, sequence and context parallelism send
+
+
+def tiny_model(style: str = "llama", dtype: str = "float64", **overrides) -> ModelConfig:
+    """h 32, 2 layers, 4 query heads (2 key/value groups for llama), vocabulary 64, positions 64."""
+    sizes = dict(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
+                 max_position_embeddings=64, params_dtype=dtype)
+    if style == "llama":
+        sizes["num_query_groups"] = 2
+    return getattr(ModelConfig, style)(**{**sizes, **overrides})
+
+
+@dataclass(frozen=True)
+class SeqRun:
+    model: ModelConfig
+    train: TrainConfig
+    dp: int                                   # data-parallel replicas (each takes other sequences)
+    seed: int = 0
+
+    tp = property(lambda self: self.train.tensor_model_parallel_size)
+    cp = property(lambda self: self.train.context_parallel_size)
+    pp = property(lambda self: self.train.pipeline_model_parallel_size)
+    sp = property(lambda self: self.train.sequence_parallel)
+    comm_type = property(lambda self: self.train.cp_comm_type)
+    world = property(lambda self: self.tp * self.cp * self.pp * self.dp)
+
+    def name(self) -> str:
+        parts = [f"tp={self.tp}" + ("+sp" if self.sp else "")] if self.tp > 1 else []
+        parts += [f"cp={self.cp} ({self.comm_type})"] if self.cp > 1 else []
+        parts += [f"pp={self.pp}"] if self.pp > 1 else []
+        return " x ".join(parts + [f"dp={self.dp}"])
+
+    def global_batches(self) -> list[dict[str, torch.Tensor]]:
+        return global_batches(self.model, self.train, dp=self.dp, seed=self.seed)
+
+
+def make_run(model: ModelConfig, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *, sp: bool = False,
+             cp_comm_type: str = "p2p", hierarchical: tuple[int, int] | None = None, micro_batches: int = 2,
+             micro_batch_size: int = 2, steps: int = 2, seq: int = 32, zero_stage: int = 0,
+             clip_grad: float = 0.05) -> SeqRun:
+    """A validated SeqRun (parallelize.validate_layout: ConfigError naming the field and the
+    numbers before any process starts). clip_grad 0.05 is below the tiny model's gradient norm,
+    so every step clips and the norm over the layout is checked too."""
+    train = TrainConfig(seq_length=seq, micro_batch_size=micro_batch_size, grad_accum_steps=micro_batches,
+                        train_iters=steps, lr_warmup_iters=0, clip_grad=clip_grad, progress=False, eval_interval=0,
+                        adam_eps=1e-5 if model.params_dtype == "float32" else 1e-8, zero_stage=zero_stage,
+                        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                        sequence_parallel=sp, cp_comm_type=cp_comm_type,
+                        hierarchical_context_parallel_sizes=hierarchical)
+    validate_layout(model, train, tp * cp * pp * dp)
+    return SeqRun(model, train, dp)
+
+
+# ---------------------------------------------------------------------------------------
+# on every rank
+# ---------------------------------------------------------------------------------------
+def train_run(run: SeqRun) -> dict:
+    """Spawn (or torchrun) target on each of run.world ranks. Returns {"tp_rank", "cp_rank",
+    "pp_rank", "dp_rank" (data replica), "losses" (per step, the global batch's mean),
+    "grads" (first step) and "params" (final), full under single-device names, "ledger" (the
+    first step's (op, tag, bytes) with tags COMM_TAGS), "saved_bytes" (one micro-batch's
+    activations on this rank, first stage only: None elsewhere) and, with tp > 1,
+    "saved_bytes_without_sp" (the same model built without sequence parallelism)}."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() != run.world:
+        raise ValueError(f"this run needs tp x cp x pp x dp = {run.tp} x {run.cp} x {run.pp} x {run.dp} = "
+                         f"{run.world} ranks, the world has {dist.get_world_size()}")
+    t = run.train
+    layout = initialize_layout(t)
+    chunks = build_model(run.model, t, layout)
+    optimizer = build_optimizer(chunks, t, layout)
+    local_seq = t.seq_length // layout.cp // (layout.tp if t.sequence_parallel else 1)
+    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, 1, (t.micro_batch_size, local_seq, run.model.hidden_size),
+                        run.model.dtype) if layout.pp > 1 else None)
+    out = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank,
+           "dp_rank": layout.data_parallel_rank, "losses": [], "grads": {}}
+    batches = run.global_batches()
+    for step, batch in enumerate(batches):
+        microbatches = [get_batch_on_this_cp_rank(local_microbatch(batch, t, m, layout.data_parallel_rank, run.dp),
+                                                  layout.cp, layout.cp_rank) for m in range(t.grad_accum_steps)]
+        def keep_grads():
+            if not out["grads"]:
+                out["grads"] = full_model_tensors(chunks, layout, grads=True)
+        with comm.record_communication() as ledger:
+            loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), t.clip_grad, p2p,
+                                 on_grads=keep_grads)
+        if step == 0:
+            out["ledger"] = [(r.op, r.tag, r.nbytes) for r in ledger if r.tag in COMM_TAGS]
+        mean = torch.tensor([loss], dtype=torch.float64)
+        comm.all_reduce(mean, layout.dp_group, op="avg", tag="loss")     # over dp x cp: the global mean
+        out["losses"].append(mean.item())
+    out["params"] = full_model_tensors(chunks, layout)
+    out["saved_bytes"] = out["saved_bytes_without_sp"] = None
+    if layout.pp_rank == 0:                   # the first stage holds the embedding: feed it tokens
+        mb = microbatches[0]
+        out["saved_bytes"] = _saved_bytes(unwrap(chunks[0]), mb)
+        if run.tp > 1:
+            plain = build_model(run.model, TrainConfig(**{**t.__dict__, "sequence_parallel": False}), layout)
+            out["saved_bytes_without_sp"] = _saved_bytes(unwrap(plain[0]), mb)
+    return out
+
+
+def _saved_bytes(model: GPTModel, mb: dict) -> int:
+    labels = mb["labels"] if model.post_process else None
+    return measure_saved_activation_bytes(model, mb["tokens"], labels, mb["position_ids"])
+
+
+def train_runs(runs: list[SeqRun]) -> list[dict]:
+    """train_run for each of `runs` in turn, in one world (each run's world must be its size)."""
+    return [train_run(run) for run in runs]
+
+
+# ---------------------------------------------------------------------------------------
+# the formulas
+# ---------------------------------------------------------------------------------------
+def expected_ledger(run: SeqRun, pp_rank: int = 0) -> Counter:
+    """The messages of one step on a rank of stage `pp_rank` with tags COMM_TAGS, as a Counter
+    of (op, tag, bytes), from the formulas (ledger convention, comm/__init__.py: all_gather
+    counts the shard sent, reduce_scatter the full input, send/recv the tensor). Per
+    micro-batch, with e the element size, s_r = s / cp, x = b s_r h e, kv = b (g/tp) s_r d e,
+    q = b (a/tp) s_r d e:
+
+      tensor parallel, per layer     fwd 2 all_reduce x; bwd 2 all_reduce x
+      sequence parallel, per layer   fwd 2 all_gather x/tp + 2 reduce_scatter x; bwd 2
+                                     reduce_scatter x + 2 all_gather x/tp, and the column
+                                     layers' 2 "regather" all_gather x/tp
+      embedding                      fwd all_reduce x (SP: reduce_scatter x, or with learned
+                                     positions all_reduce x); SP bwd all_gather x/tp
+      output layer                   bwd all_reduce x (SP: fwd all_gather x/tp, bwd
+                                     reduce_scatter x and "regather" all_gather x/tp)
+      loss                           fwd 3 all_reduce of b s_r numbers (tp/cross_entropy.py)
+      cp p2p, per layer              fwd (cp-1) send + recv of 2kv; bwd (cp-1) of 4kv
+      cp all_gather                  fwd 2 all_gather kv; bwd 2 "regather" all_gather kv and
+                                     2 reduce_scatter cp kv
+      cp a2a                         fwd 4 all_to_all (q, k, v, out: 2q + 2kv); bwd the same
+      cp a2a+p2p (A x P)             the a2a's four, then p2p's ring with P ranks
+    and once per step, under SP: 1 all_reduce "sp-grads" of every norm weight (and bias)."""
+    cfg, t = run.model, run.train
+    e = torch.empty((), dtype=cfg.dtype).element_size()
+    tp, cp, b, M = run.tp, run.cp, t.micro_batch_size, t.grad_accum_steps
+    s_r = t.seq_length // cp
+    x = b * s_r * cfg.hidden_size * e
+    kv = b * (cfg.query_groups // tp) * s_r * cfg.kv_channels * e
+    q = b * (cfg.num_attention_heads // tp) * s_r * cfg.kv_channels * e
+    layers = len(stage_layers(cfg.num_layers, run.pp, pp_rank))
+    first, last = pp_rank == 0, pp_rank == run.pp - 1
+    calls: list[tuple[str, str, int]] = []
+    if tp > 1 and not run.sp:
+        calls += [("all_reduce", "fwd", x)] * 2 * layers + [("all_reduce", "bwd", x)] * 2 * layers
+        calls += [("all_reduce", "fwd", x)] * first + [("all_reduce", "bwd", x)] * last
+    if tp > 1 and run.sp:
+        per_layer = [("all_gather", "fwd", x // tp), ("reduce_scatter", "fwd", x),
+                     ("reduce_scatter", "bwd", x), ("all_gather", "bwd", x // tp), ("all_gather", "regather", x // tp)]
+        calls += per_layer * 2 * layers
+        if first:
+            learned = cfg.position_embedding_type == "learned_absolute"
+            calls += [("all_reduce" if learned else "reduce_scatter", "fwd", x), ("all_gather", "bwd", x // tp)]
+        if last:
+            calls += [("all_gather", "fwd", x // tp), ("reduce_scatter", "bwd", x), ("all_gather", "regather", x // tp)]
+    if tp > 1 and last:
+        logits_e = max(e, 4)                                  # the loss runs in fp32 for 16-bit logits
+        calls += [("all_reduce", "fwd", b * s_r * logits_e)] * 3
+    calls = calls * M
+    if cp > 1:
+        calls += _cp_layer_calls(run.comm_type, cp, kv, q, t.hierarchical_context_parallel_sizes) * layers * M
+    if tp > 1 and run.sp:
+        norms = (2 * layers + last) * cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
+        row_biases = 2 * layers * cfg.hidden_size if cfg.add_bias_linear else 0
+        calls.append(("all_reduce", "sp-grads", (norms + row_biases) * e))
+    return Counter(calls)
+
+
+def _cp_layer_calls(comm_type: str, cp: int, kv: int, q: int, given) -> list[tuple[str, str, int]]:
+    """One attention layer's context-parallel messages for one micro-batch (see expected_ledger)."""
+    def ring(n):
+        if n == 1:
+            return []
+        return ([("send", "fwd", 2 * kv), ("recv", "fwd", 2 * kv)] * (n - 1)
+                + [("send", "bwd", 4 * kv), ("recv", "bwd", 4 * kv)] * (n - 1))
+    a2a = [(("all_to_all", tag, size)) for tag in ("fwd", "bwd") for size in (q, kv, kv, q)]
+    if comm_type == "p2p":
+        return ring(cp)
+    if comm_type == "all_gather":
+        return ([("all_gather", "fwd", kv)] * 2 + [("all_gather", "regather", kv)] * 2
+                + [("reduce_scatter", "bwd", cp * kv)] * 2)
+    if comm_type == "a2a":
+        return a2a
+    _, p2p = hierarchical_sizes(cp, comm_type, given)
+    return a2a + ring(p2p)
+
+
+def wire_bytes(calls: Counter, group_size: int, tags=("fwd", "bwd")) -> float:
+    """Bytes each rank puts on the wire for the collectives of `calls` (tags `tags`) with the
+    textbook ring algorithms (comm.ring_traffic): an all-reduce of n bytes sends 2 (N-1)/N n,
+    a reduce-scatter of n bytes (N-1)/N n, an all-gather of a shard of n bytes (N-1) n."""
+    group = tuple(range(group_size))
+    return sum(count * comm.ring_traffic(comm.CommRecord(op, group, nbytes, None, ()))
+               for (op, tag, nbytes), count in calls.items()
+               if tag in tags and op in ("all_reduce", "reduce_scatter", "all_gather"))
+
+
+def load_balance(cp_sizes=(2, 4, 8), seq: int = 4096) -> list[tuple[int, float, float]]:
+    """(cp, contiguous max/mean, zig-zag max/mean) of the unmasked causal score entries per rank."""
+    rows = []
+    for cp in cp_sizes:
+        ratios = []
+        for balanced in (False, True):
+            work = causal_work_per_rank(seq, cp, balanced)
+            ratios.append(max(work) / (sum(work) / cp))
+        rows.append((cp, *ratios))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# the verdict
+# ---------------------------------------------------------------------------------------
+@dataclass
+class RunReport:
+    run: SeqRun
+    equivalence: EquivalenceReport
+    ledger: list[tuple[int, Counter, Counter]]      # per pp stage (rank 0 of its groups): measured, formula
+    memory: dict
+    wire: dict | None = None                        # SP only: bytes on the wire against TP's
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.equivalence.ok and not self.problems
+
+    def __str__(self) -> str:
+        r, t = self.run, self.run.train
+        lines = [f"=== {r.name()} ({r.world} ranks), {t.grad_accum_steps} micro-batches of {t.micro_batch_size} x "
+                 f"{t.seq_length} tokens, {t.train_iters} steps, {r.model.params_dtype}",
+                 "[1/4] equivalence with the single-device run on the same global batches:"]
+        lines += ["      " + x for x in str(self.equivalence).splitlines()]
+        lines.append("[2/4] communication of one step (tags fwd, bwd, sp-grads), ledger vs formula:")
+        for stage, got, want in self.ledger:
+            ops = Counter()
+            for (op, _, nbytes), n in got.items():
+                ops[op] += n * nbytes
+            summary = ", ".join(f"{op} {nbytes:,} B" for op, nbytes in sorted(ops.items())) or "nothing"
+            lines.append(f"      stage {stage}: {sum(got.values())} messages, {summary}: "
+                         + ("OK, equal to the formula" if got == want else "DIFFERENT from the formula"))
+        if self.wire:
+            w = self.wire
+            lines.append(f"      on the wire (ring algorithms, tags fwd/bwd): SP {w['sp']:,.0f} B, TP's all-reduces "
+                         f"{w['tp']:,.0f} B" + (f" + the embedding's backward all-gather {w['embedding']:,} B "
+                                                "(learned positions)" if w["embedding"] else "")
+                         + (": the same" if w["same"] else ": DIFFERENT")
+                         + f"; plus the backward's re-gathers of the saved shards: {w['regather']:,.0f} B")
+        m = self.memory
+        if m.get("parallel") is not None:
+            lines.append(f"[3/4] activations saved for one micro-batch, first-stage rank: {m['parallel']:,} bytes; "
+                         f"single device {m['single']:,} bytes: ratio {m['single'] / m['parallel']:.2f} "
+                         f"(tp x cp = {r.tp * r.cp}{' with SP' if r.sp else ''})")
+            if m.get("without_sp") is not None:
+                lines.append(f"      the same rank without sequence parallelism: {m['without_sp']:,} bytes "
+                             f"(SP saves {1 - m['parallel'] / m['without_sp']:.0%}); Korthikanti et al. per layer in "
+                             f"16-bit: {m['korthikanti_tp']:,} (TP) vs {m['korthikanti_sp']:,} (TP+SP) bytes")
+        lines.append("[4/4] causal attention work per cp rank (unmasked scores), max/mean, s = 4096:")
+        for cp, contiguous, zigzag in load_balance():
+            lines.append(f"      cp={cp}: contiguous {contiguous:.3f}, zig-zag {zigzag:.3f}")
+        lines += [f"      problem: {p}" for p in self.problems[:6]]
+        return "\n".join(lines)
+
+
+def check_run(run: SeqRun, per_rank: list[dict]) -> RunReport:
+    """Judge a run: equivalence (rank 0's view), each pipeline stage's ledger on the rank with
+    tp, cp and dp rank 0 (and, for the ring, every cp rank), the activation bytes."""
+    t = run.train
+    reference = single_device_run(run.model, run.global_batches(), t.__class__(**{
+        **t.__dict__, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+        "sequence_parallel": False, "zero_stage": 0, "hierarchical_context_parallel_sizes": None}),
+        grad_accum_steps=t.grad_accum_steps)
+    mine = per_rank[0]
+    equivalence = compare_runs(reference, RunRecord(mine["losses"], mine["grads"], mine["params"]), run.model.dtype)
+    problems, ledger = [], []
+    for stage in range(run.pp):
+        want = expected_ledger(run, stage)
+        ranks = [r for r in per_rank if r["pp_rank"] == stage and r["tp_rank"] == 0 and r["dp_rank"] == 0]
+        for r in ranks:
+            got = Counter(r["ledger"])
+            if got != want:
+                extra, missing = got - want, want - got
+                problems.append(f"stage {stage} cp rank {r['cp_rank']}: ledger differs from the formula: "
+                                f"unexpected {dict(extra)}, missing {dict(missing)}")
+        ledger.append((stage, Counter(ranks[0]["ledger"]), want))
+    for r in per_rank[1:]:
+        if r["losses"] != per_rank[0]["losses"]:
+            problems.append(f"rank {per_rank.index(r)} reports other losses than rank 0")
+            break
+    memory = {"parallel": mine["saved_bytes"], "without_sp": mine["saved_bytes_without_sp"]}
+    if mine["saved_bytes"] is not None:
+        batch = run.global_batches()[-1]
+        tokens, labels = batch["tokens"][:t.micro_batch_size], batch["labels"][:t.micro_batch_size]
+        memory["single"] = measure_saved_activation_bytes(GPTModel(run.model), tokens,
+                                                          labels if run.pp == 1 else None)
+        memory["korthikanti_tp"] = korthikanti_activation_memory(run.model, t.micro_batch_size, t.seq_length,
+                                                                 tp=run.tp)["per_layer"]
+        memory["korthikanti_sp"] = korthikanti_activation_memory(run.model, t.micro_batch_size, t.seq_length,
+                                                                 tp=run.tp, sequence_parallel=True)["per_layer"]
+    wire = sp_against_tp(run) if run.sp else None
+    if wire and not wire["same"]:
+        problems.append(f"SP's bytes on the wire differ from TP's all-reduces: {wire}")
+    return RunReport(run, equivalence, ledger, memory, wire, problems)
+
+
+def sp_against_tp(run: SeqRun) -> dict:
+    """Bytes on the wire per rank (ring algorithms, tags fwd and bwd) of the SP run's formula
+    and of the same run without SP. They are equal (an all-reduce is a reduce-scatter plus an
+    all-gather) except, with learned positions, for the embedding's backward all-gather:
+    Megatron all-reduces the embedding, adds the positions, then keeps this rank's tokens.
+    "regather": what the backward's second all-gathers of the saved shards add."""
+    t = run.train
+    without = SeqRun(run.model, TrainConfig(**{**t.__dict__, "sequence_parallel": False}), run.dp)
+    sp, tp = wire_bytes(expected_ledger(run), run.tp), wire_bytes(expected_ledger(without), run.tp)
+    x = t.micro_batch_size * (t.seq_length // run.cp) * run.model.hidden_size * \
+        torch.empty((), dtype=run.model.dtype).element_size()
+    learned = run.model.position_embedding_type == "learned_absolute"
+    embedding = t.grad_accum_steps * (run.tp - 1) * x // run.tp if learned else 0
+    return {"sp": sp, "tp": tp, "embedding": embedding, "same": abs(sp - tp - embedding) < 1e-6,
+            "regather": wire_bytes(expected_ledger(run), run.tp, tags=("regather",))}
+
+
+def summary_line(reports: list[RunReport]) -> str:
+    """The demo's last line: MATCH ... or MISMATCH ..."""
+    bad = [r for r in reports if not r.ok]
+    worst = max(max(r.equivalence.max_loss_diff, r.equivalence.max_grad_diff, r.equivalence.max_param_diff)
+                for r in reports)
+    names = "; ".join(r.run.name() for r in reports)
+    if bad:
+        reasons = "; ".join(f"{r.run.name()}: " + (r.problems[0] if r.problems else "differs from the single-device "
+                                                   "run") for r in bad)
+        return f"MISMATCH: {reasons}"
+    return (f"MATCH: {names} equal the single-device run (largest difference {worst:.1e}); every message of the "
+            f"ledger equals the formulas")
+
+
+# ---------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="chapters/04_sp_cp/demo.py",
+        description="Chapter 04: train a tiny model with sequence and/or context parallelism (x pipeline x data "
+                    "parallel) and check it against the single-device run, the communication formulas and the "
+                    "activation memory.",
+        epilog="world = tp x cp x pp x dp. Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    parser.add_argument("--cp", type=int, default=None, help="context-parallel size (default 2 without torchrun "
+                                                              "and without --tp; else 1)")
+    parser.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p", help="default p2p (ring attention)")
+    parser.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A2A", "P2P"),
+                        help="a2a+p2p: all-to-all size and ring size (default 2 and cp / 2)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel replicas (default: world / (tp cp pp) under torchrun, 1 without)")
+    parser.add_argument("--style", choices=["llama", "gpt2"], default="llama", help="default llama (RoPE, GQA)")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64, or 32 with --quick)")
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="sequences of 32, 2 steps (what the tests run)")
+    args = parser.parse_args(argv)
+    for name in ("tp", "pp", "micro_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    for name in ("cp", "dp"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be at least 1")
+    return args
+
+
+def build_run(args: argparse.Namespace, dp: int) -> SeqRun:
+    """The run every rank trains; ConfigError naming the numbers if it cannot."""
+    cp = args.cp or 1
+    model = tiny_model(args.style, args.dtype, num_layers=2 * args.pp)
+    return make_run(model, tp=args.tp, cp=cp, pp=args.pp, dp=dp, sp=args.sp, cp_comm_type=args.cp_comm_type,
+                    hierarchical=tuple(args.hierarchical_context_parallel_sizes)
+                    if args.hierarchical_context_parallel_sizes else None,
+                    micro_batches=args.micro_batches, steps=args.steps or (2 if args.quick else 3),
+                    seq=args.seq or (32 if args.quick else 64))
+
+
+def report(run: SeqRun, per_rank: list[dict], how: str, seconds: float) -> int:
+    print(f"Chapter 04: {run.name()} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
+    result = check_run(run, per_rank)
+    print(result)
+    print()
+    line = summary_line([result])
+    print(line)
+    return 0 if line.startswith("MATCH") else 1
+
+
+def main_torchrun(args) -> int:
+    import torch.distributed as dist
+
+    from minimegatron.launch import init_from_torchrun
+
+    rank, world = init_from_torchrun()
+    args.cp = args.cp or 1
+    model_parallel = args.tp * args.cp * args.pp
+    if world % model_parallel or (args.dp is not None and model_parallel * args.dp != world):
+        if rank == 0:
+            need = (f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp}" + (f" x --dp {args.dp}" if args.dp else "")
+                    + f" = {model_parallel * (args.dp or 1)} must " + ("equal" if args.dp else "divide")
+                    + f" the number of ranks {world}")
+            print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    run = build_run(args, world // model_parallel)
+    start = time.perf_counter()
+    return verdict_under_torchrun(train_run(run),
+                                  lambda per_rank: report(run, per_rank, "torchrun", time.perf_counter() - start))
+
+
+def main_spawn(args) -> int:
+    from minimegatron.launch import spawn
+
+    if args.cp is None:
+        args.cp = 1 if args.tp > 1 else 2
+    run = build_run(args, args.dp or 1)            # errors before any process starts
+    start = time.perf_counter()
+    per_rank = spawn(train_run, run.world, run, timeout=600)
+    return report(run, per_rank, "spawned by this script; torchrun works too", time.perf_counter() - start)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        return main_torchrun(args) if "RANK" in os.environ else main_spawn(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
+    sys.exit(main())
