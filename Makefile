@@ -20,22 +20,25 @@ $(STAMP): requirements.txt pyproject.toml
 
 # torchrun on this machine only: rendezvous on 127.0.0.1, a port the OS picks.
 TORCHRUN := $(VENV)/bin/torchrun --nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 --local-addr=127.0.0.1
-DEMO_RANKS ?= 8
+DEMO_RANKS ?= 16
 DEMO_TP    ?= 2
+DEMO_CP    ?= 2
 DEMO_PP    ?= 2
 
-# The book's main job: the most parallel run it supports so far (chapter 03: 3D parallelism,
-# the 2021 Megatron-LM paper's setting): every matrix split over TP=DEMO_TP ranks, the 4
-# layers cut into PP=DEMO_PP pipeline stages running 1F1B over 4 micro-batches, and
-# DEMO_RANKS/(DEMO_TP*DEMO_PP) data-parallel replicas. The global batch stays 8 sequences
-# per step. About 2 minutes on 2 cores (8 ranks share them).
+# The book's main job: the most parallel run it supports so far (chapter 04: 4D parallelism):
+# every matrix split over TP=DEMO_TP ranks with sequence parallelism, every sequence split over
+# CP=DEMO_CP ranks (ring attention, zig-zag), the 4 layers cut into PP=DEMO_PP pipeline stages
+# running 1F1B over 4 micro-batches, and DEMO_RANKS/(DEMO_TP*DEMO_CP*DEMO_PP) data-parallel
+# replicas. The global batch stays 8 sequences per step. 16 ranks share this machine's cores:
+# several minutes on 2 cores (`make demo DEMO_RANKS=8 DEMO_CP=1` is chapter 03's 3D run).
 demo: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.train --preset demo --num-layers 4 \
-		--tensor-model-parallel-size $(DEMO_TP) --pipeline-model-parallel-size $(DEMO_PP) \
-		--grad-accum-steps 4 --micro-batch-size $$((2 * $(DEMO_TP) * $(DEMO_PP) / $(DEMO_RANKS))) \
+		--tensor-model-parallel-size $(DEMO_TP) --sequence-parallel --context-parallel-size $(DEMO_CP) \
+		--pipeline-model-parallel-size $(DEMO_PP) --grad-accum-steps 4 \
+		--micro-batch-size $$((2 * $(DEMO_TP) * $(DEMO_CP) * $(DEMO_PP) / $(DEMO_RANKS))) \
 		--out-dir runs/demo
 
-# Every torchrun entry N times (chapters 01-03's demos and minimegatron.train, 4 ranks each),
+# Every torchrun entry N times (chapters 01-04's demos and minimegatron.train, 4 ranks each),
 # two runs at a time; prints per job how many runs exited non-zero after printing MATCH (the
 # failure of issue 11) and the total. Logs in runs/stress/. About N x 1 minute on 2 cores.
 N ?= 10
