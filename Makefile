@@ -33,7 +33,8 @@ DEMO_PP    ?= 2
 # several minutes on 2 cores (`make demo DEMO_RANKS=8 DEMO_CP=1` is chapter 03's 3D run).
 demo: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.train --preset demo --num-layers 4 \
-		--tensor-model-parallel-size $(DEMO_TP) --sequence-parallel --context-parallel-size $(DEMO_CP) \
+		--tensor-model-parallel-size $(DEMO_TP) $(if $(filter-out 1,$(DEMO_TP)),--sequence-parallel) \
+		--context-parallel-size $(DEMO_CP) \
 		--pipeline-model-parallel-size $(DEMO_PP) --grad-accum-steps 4 \
 		--micro-batch-size $$((2 * $(DEMO_TP) * $(DEMO_CP) * $(DEMO_PP) / $(DEMO_RANKS))) \
 		--out-dir runs/demo
