@@ -288,7 +288,8 @@ def measure_saved_activation_bytes(model: nn.Module, tokens: torch.Tensor, label
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        losses = model(tokens, position_ids=position_ids, labels=labels)
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        losses = model(tokens, labels=labels, **extra)
     del losses                                              # frees the graph
     return sum(storage.nbytes() for storage in saved.values())
 
