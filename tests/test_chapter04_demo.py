@@ -34,7 +34,8 @@ def _check(runs, per_rank_runs):
 def test_two_ranks_sp_and_every_cp_comm_type():
     runs = [ch04.make_run(LLAMA, tp=2, sp=True),
             ch04.make_run(ch04.tiny_model("gpt2", "float32"), tp=2, sp=True),     # float32: realistic tolerance
-            *[ch04.make_run(LLAMA, cp=2, cp_comm_type=kind) for kind in ("p2p", "all_gather", "a2a")]]
+            *[ch04.make_run(LLAMA, cp=2, cp_comm_type=kind) for kind in ("p2p", "all_gather", "a2a")],
+            ch04.make_run(LLAMA, cp=2, load_balance=False)]                         # the contiguous cut
     _check(runs, spawn(ch04.train_runs, 2, runs, timeout=300))
 
 
@@ -43,6 +44,7 @@ def test_four_ranks_tp4_sp_cp4_and_compositions():
     runs = [ch04.make_run(GPT2, tp=4, sp=True),
             *[ch04.make_run(LLAMA, cp=4, cp_comm_type=kind) for kind in ("p2p", "all_gather", "a2a+p2p")],
             ch04.make_run(GPT2, cp=4, cp_comm_type="a2a"),                        # 4 heads, 4 groups: a2a at cp 4
+            ch04.make_run(LLAMA, cp=4, cp_comm_type="a2a+p2p", load_balance=False),
             ch04.make_run(LLAMA, cp=2, dp=2, zero_stage=1),
             ch04.make_run(LLAMA, tp=2, sp=True, cp=2),
             ch04.make_run(ch04.tiny_model("llama", num_layers=4), cp=2, pp=2)]

@@ -52,7 +52,7 @@ import torch
 from minimegatron import comm
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
-from minimegatron.cp import CP_COMM_TYPES, causal_work_per_rank, get_batch_on_this_cp_rank
+from minimegatron.cp import CP_COMM_TYPES, apply_context_parallel, causal_work_per_rank, get_batch_on_this_cp_rank
 from minimegatron.cp.attention import hierarchical_sizes
 from minimegatron.model import GPTModel
 from minimegatron.optim import learning_rate
@@ -80,6 +80,7 @@ class SeqRun:
     train: TrainConfig
     dp: int                                   # data-parallel replicas (each takes other sequences)
     seed: int = 0
+    load_balance: bool = True                 # zig-zag (the training loop's, Megatron's); False: contiguous
 
     tp = property(lambda self: self.train.tensor_model_parallel_size)
     cp = property(lambda self: self.train.context_parallel_size)
@@ -90,7 +91,8 @@ class SeqRun:
 
     def name(self) -> str:
         parts = [f"tp={self.tp}" + ("+sp" if self.sp else "")] if self.tp > 1 else []
-        parts += [f"cp={self.cp} ({self.comm_type})"] if self.cp > 1 else []
+        parts += [f"cp={self.cp} ({self.comm_type}" + ("" if self.load_balance else ", contiguous") + ")"
+                  ] if self.cp > 1 else []
         parts += [f"pp={self.pp}"] if self.pp > 1 else []
         return " x ".join(parts + [f"dp={self.dp}"])
 
@@ -101,10 +103,12 @@ class SeqRun:
 def make_run(model: ModelConfig, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *, sp: bool = False,
              cp_comm_type: str = "p2p", hierarchical: tuple[int, int] | None = None, micro_batches: int = 2,
              micro_batch_size: int = 2, steps: int = 2, seq: int = 32, zero_stage: int = 0,
-             clip_grad: float = 0.05) -> SeqRun:
+             clip_grad: float = 0.05, load_balance: bool = True) -> SeqRun:
     """A validated SeqRun (parallelize.validate_layout: ConfigError naming the field and the
     numbers before any process starts). clip_grad 0.05 is below the tiny model's gradient norm,
-    so every step clips and the norm over the layout is checked too."""
+    so every step clips and the norm over the layout is checked too. load_balance=False cuts
+    the sequences contiguously instead of zig-zag (the training loop always uses zig-zag, as
+    Megatron does): the ring's chunk-pair rule runs either layout."""
     train = TrainConfig(seq_length=seq, micro_batch_size=micro_batch_size, grad_accum_steps=micro_batches,
                         train_iters=steps, lr_warmup_iters=0, clip_grad=clip_grad, progress=False, eval_interval=0,
                         adam_eps=1e-5 if model.params_dtype == "float32" else 1e-8, zero_stage=zero_stage,
@@ -112,7 +116,7 @@ def make_run(model: ModelConfig, tp: int = 1, cp: int = 1, pp: int = 1, dp: int 
                         sequence_parallel=sp, cp_comm_type=cp_comm_type,
                         hierarchical_context_parallel_sizes=hierarchical)
     validate_layout(model, train, tp * cp * pp * dp)
-    return SeqRun(model, train, dp)
+    return SeqRun(model, train, dp, load_balance=load_balance)
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,6 +137,10 @@ def train_run(run: SeqRun) -> dict:
     t = run.train
     layout = initialize_layout(t)
     chunks = build_model(run.model, t, layout)
+    if not run.load_balance:                  # the contiguous cut instead of build_model's zig-zag
+        for chunk in chunks:
+            apply_context_parallel(unwrap(chunk), layout.cp_group, t.cp_comm_type, load_balance=False,
+                                   a2a_group=layout.cp_a2a_group, p2p_group=layout.cp_p2p_group)
     optimizer = build_optimizer(chunks, t, layout)
     local_seq = t.seq_length // layout.cp // (layout.tp if t.sequence_parallel else 1)
     p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, 1, (t.micro_batch_size, local_seq, run.model.hidden_size),
@@ -142,7 +150,8 @@ def train_run(run: SeqRun) -> dict:
     batches = run.global_batches()
     for step, batch in enumerate(batches):
         microbatches = [get_batch_on_this_cp_rank(local_microbatch(batch, t, m, layout.data_parallel_rank, run.dp),
-                                                  layout.cp, layout.cp_rank) for m in range(t.grad_accum_steps)]
+                                                  layout.cp, layout.cp_rank, run.load_balance)
+                        for m in range(t.grad_accum_steps)]
         def keep_grads():
             if not out["grads"]:
                 out["grads"] = full_model_tensors(chunks, layout, grads=True)
@@ -418,6 +427,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p", help="default p2p (ring attention)")
     parser.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A2A", "P2P"),
                         help="a2a+p2p: all-to-all size and ring size (default 2 and cp / 2)")
+    parser.add_argument("--contiguous", action="store_true",
+                        help="cut the sequences contiguously instead of zig-zag (the comparison; attention is "
+                             "then unbalanced over the cp ranks, the results the same)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel replicas (default: world / (tp cp pp) under torchrun, 1 without)")
@@ -445,7 +457,7 @@ def build_run(args: argparse.Namespace, dp: int) -> SeqRun:
                     hierarchical=tuple(args.hierarchical_context_parallel_sizes)
                     if args.hierarchical_context_parallel_sizes else None,
                     micro_batches=args.micro_batches, steps=args.steps or (2 if args.quick else 3),
-                    seq=args.seq or (32 if args.quick else 64))
+                    seq=args.seq or (32 if args.quick else 64), load_balance=not args.contiguous)
 
 
 def report(run: SeqRun, per_rank: list[dict], how: str, seconds: float) -> int:
