@@ -32,6 +32,7 @@ LAYERS: list[list[str]] = [
     ["tp"],
     ["pp"],
     ["cp"],                         # chapter 04 (sequence parallelism lives in tp, as in Megatron)
+    ["moe"],                        # chapter 05
     # formulas (parameters, FLOPs, memory): may check a layout with the chapters' own rules
     # (tp.check_tensor_parallel_config); never the model builder or the training loop
     ["analysis"],
