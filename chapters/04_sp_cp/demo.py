@@ -236,7 +236,7 @@ def expected_ledger(run: SeqRun, pp_rank: int = 0) -> Counter:
         calls += [("all_reduce", "fwd", b * s_r * logits_e)] * 3
     calls = calls * M
     if cp > 1:
-        calls += _cp_layer_calls(run.comm_type, cp, kv, q, t.hierarchical_context_parallel_sizes) * layers * M
+        calls += cp_layer_calls(run.comm_type, cp, kv, q, t.hierarchical_context_parallel_sizes) * layers * M
     if tp > 1 and run.sp:
         norms = (2 * layers + last) * cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
         row_biases = 2 * layers * cfg.hidden_size if cfg.add_bias_linear else 0
@@ -244,7 +244,7 @@ def expected_ledger(run: SeqRun, pp_rank: int = 0) -> Counter:
     return Counter(calls)
 
 
-def _cp_layer_calls(comm_type: str, cp: int, kv: int, q: int, given) -> list[tuple[str, str, int]]:
+def cp_layer_calls(comm_type: str, cp: int, kv: int, q: int, given) -> list[tuple[str, str, int]]:
     """One attention layer's context-parallel messages for one micro-batch (see expected_ledger)."""
     def ring(n):
         if n == 1:

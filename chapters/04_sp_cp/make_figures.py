@@ -1,0 +1,291 @@
+"""The figures of chapter 04 and the numbers the chapter quotes.
+
+    python chapters/04_sp_cp/make_figures.py        # about 3 minutes on 2 cores; writes figures/*.png
+    python chapters/04_sp_cp/make_figures.py --formulas-only   # seconds: the first three figures only
+
+From the formulas alone (no process started):
+  sp_regions.png     one layer under sequence parallelism: its sequence-parallel and
+                     tensor-parallel regions and the collectives between them (a diagram)
+  load_balance.png   unmasked causal scores per cp rank (cp.causal_work_per_rank), contiguous
+                     against zig-zag, cp = 2, 4, 8 at s = 4096; checked against the closed forms
+                     W_r = c^2 (r + 1/2) + c/2 (contiguous, c = s/cp) and k^2 (2cp - 1) + k (k + 1)
+                     (zig-zag, k = s/(2cp)), and the sum s (s + 1) / 2
+  cp_comm_types.png  bytes each rank sends per attention layer, forward and backward, and the
+                     communication steps, for the four cp_comm_types and cp = 2, 4, 8, from the
+                     demo's expected_ledger (its message list, which the demo checks against
+                     the ledger of real runs) turned into bytes on the wire with comm.ring_traffic;
+                     checked against the closed forms of the chapter's section 6.4
+Measured (saved-tensor hooks, analysis.measure_saved_activation_bytes; spawned gloo worlds of
+2 and 4 ranks built by parallelize.build_model, as the training loop builds them):
+  activations.png    left: the GPT-2 style tiny model (float64, b 2, s 64), bytes one rank saves
+                     for one micro-batch under TP and TP + SP, tp = 1, 2, 4, as a fraction of
+                     the single device, with 1/tp and Korthikanti et al.'s ratios for its shapes;
+                     right: the LLaMA style tiny model (float32, b 1, s 4096, sdpa) under CP,
+                     cp = 1, 2, 4, per rank against the single device / cp
+It also prints the attention memory of the naive core against the flash (sdpa) core at s = 1024
+on one device, and the same under cp = 2 (the CP attention recomputes its scores with either
+backend). It stops with an error (exit 1) if a number differs from its closed form, or a
+measured fraction is further than the stated margin from the ideal cut.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from minimegatron import comm
+from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
+from minimegatron.cp import causal_work_per_rank, get_batch_on_this_cp_rank
+from minimegatron.cp.attention import hierarchical_sizes
+from minimegatron.launch import spawn
+from minimegatron.model import GPTModel
+from minimegatron.parallelize import build_model, unwrap
+from minimegatron.testing import import_chapter_demo
+from minimegatron.train import initialize_layout
+from minimegatron.viz import (draw_sequence_parallel_regions, plot_cp_comm_types, plot_cp_load_balance,
+                              plot_sp_cp_activations)
+
+ch04 = import_chapter_demo("04")        # chapters/04_sp_cp/demo.py: the runs and their formulas
+
+OUT = Path(__file__).resolve().parent / "figures"
+SEQ = 4096
+CP_SIZES = (2, 4, 8)
+
+
+def fail(message: str) -> None:
+    print(f"MISMATCH: {message}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+# ---------------------------------------------------------------------------------------
+# 1. load balance (formulas)
+# ---------------------------------------------------------------------------------------
+def load_balance_section() -> None:
+    print(f"== causal attention work per cp rank, s = {SEQ} (unmasked score entries per head and sequence)")
+    work = {}
+    for cp in CP_SIZES:
+        contiguous, zigzag = causal_work_per_rank(SEQ, cp, False), causal_work_per_rank(SEQ, cp, True)
+        c, k = SEQ // cp, SEQ // (2 * cp)
+        want_contiguous = [c * c * r + c * (c + 1) // 2 for r in range(cp)]      # c^2 (r + 1/2) + c/2
+        want_zigzag = [k * k * (2 * cp - 1) + k * (k + 1)] * cp
+        if contiguous != want_contiguous or zigzag != want_zigzag:
+            fail(f"cp={cp}: causal_work_per_rank {contiguous} / {zigzag}, "
+                 f"closed forms {want_contiguous} / {want_zigzag}")
+        for name, w in (("contiguous", contiguous), ("zig-zag", zigzag)):
+            if sum(w) != SEQ * (SEQ + 1) // 2:
+                fail(f"cp={cp} {name}: total {sum(w)} != s (s + 1) / 2 = {SEQ * (SEQ + 1) // 2}")
+        ratio = max(contiguous) / (sum(contiguous) / cp)
+        formula = (2 * cp * c - c + 1) / (cp * c + 1)
+        if abs(ratio - formula) > 1e-12:
+            fail(f"cp={cp}: contiguous max/mean {ratio}, formula {formula}")
+        print(f"  cp={cp}: contiguous max/mean {ratio:.5f} (limit 2 - 1/cp = {2 - 1 / cp:.5f}), first/last "
+              f"{contiguous[0] / contiguous[-1]:.4f}; zig-zag {max(zigzag) / (sum(zigzag) / cp):.5f}")
+        demo = ch04.load_balance((cp,), SEQ)[0]
+        if abs(demo[1] - ratio) > 1e-12 or demo[2] != 1.0:
+            fail(f"cp={cp}: the demo's load_balance {demo} differs")
+        work[cp] = {"contiguous": contiguous, "zig-zag": zigzag}
+    plot_cp_load_balance(work, OUT / "load_balance.png",
+                         title=f"causal attention work per rank, s = {SEQ}: contiguous split vs zig-zag")
+
+
+# ---------------------------------------------------------------------------------------
+# 2. the four cp_comm_types (formulas)
+# ---------------------------------------------------------------------------------------
+def comm_model():
+    """MHA-free GQA shapes that let every comm type run up to cp = 8: a = 16, g = 8, d = 4."""
+    return ch04.tiny_model("llama", "float32", hidden_size=64, num_attention_heads=16, num_query_groups=8,
+                           max_position_embeddings=64)
+
+
+def cp_layer_traffic(comm_type: str, cp: int, seq: int = 64) -> dict:
+    """Bytes one rank sends per attention layer and micro-batch (ring algorithms for the
+    collectives, comm.ring_traffic), forward and backward, and the number of messages, from
+    the demo's list of messages (ch04.cp_layer_calls, the list expected_ledger uses)."""
+    run = ch04.make_run(comm_model(), cp=cp, cp_comm_type=comm_type, seq=seq, micro_batch_size=1, micro_batches=1)
+    cfg, e = run.model, 4
+    s_r = seq // cp
+    kv = s_r * cfg.query_groups * cfg.kv_channels * e
+    q = s_r * cfg.num_attention_heads * cfg.kv_channels * e
+    calls = ch04.cp_layer_calls(comm_type, cp, kv, q, None)
+    a2a = hierarchical_sizes(cp, comm_type)[0] if comm_type == "a2a+p2p" else cp
+    out = {"fwd": 0.0, "bwd": 0.0, "steps": 0, "kv": kv, "q": q, "x": seq * cfg.hidden_size * e}
+    for op, tag, nbytes in calls:
+        if op == "recv":
+            continue                        # a recv is the other end of a send: count each message once
+        n = a2a if op == "all_to_all" else cp
+        out["fwd" if tag == "fwd" else "bwd"] += comm.ring_traffic(comm.CommRecord(op, tuple(range(n)), nbytes,
+                                                                                      None, ()))
+        out["steps"] += 1
+    # the expected_ledger of the whole run holds exactly these messages per layer and micro-batch
+    ledger = ch04.expected_ledger(run)
+    per_layer = {k: v // cfg.num_layers for k, v in ledger.items()}
+    if Counter(calls) != Counter(per_layer):
+        fail(f"{comm_type} cp={cp}: cp_layer_calls {Counter(calls)} is not expected_ledger / layers {per_layer}")
+    return out
+
+
+def closed_form(comm_type: str, cp: int, kv: int, q: int) -> tuple[float, float, int]:
+    """Section 6.4's table: forward bytes, backward bytes, messages per layer (fwd + bwd)."""
+    if comm_type == "p2p":
+        return 2 * (cp - 1) * kv, 4 * (cp - 1) * kv, 2 * (cp - 1)
+    if comm_type == "all_gather":
+        return 2 * (cp - 1) * kv, 2 * (cp - 1) * kv + 2 * (cp - 1) * kv, 6
+    a, p = (cp, 1) if comm_type == "a2a" else hierarchical_sizes(cp, comm_type)
+    a2a = (a - 1) / a * (2 * q + 2 * kv)
+    return a2a + 2 * (p - 1) * kv, a2a + 4 * (p - 1) * kv, 8 + 2 * (p - 1)
+
+
+def comm_types_section() -> None:
+    cfg = comm_model()
+    print(f"\n== cp_comm_types: bytes sent per rank and attention layer, in units of b s h e (the whole [b, s, h] "
+          f"activation); a = {cfg.num_attention_heads}, g = {cfg.query_groups}, d = {cfg.kv_channels}, h = "
+          f"{cfg.hidden_size}; a2a+p2p with all-to-all groups of 2")
+    rows = {}
+    for comm_type in ch04.CP_COMM_TYPES:
+        rows[comm_type] = {}
+        for cp in CP_SIZES:
+            got = cp_layer_traffic(comm_type, cp)
+            want = closed_form(comm_type, cp, got["kv"], got["q"])
+            if abs(got["fwd"] - want[0]) > 1e-6 or abs(got["bwd"] - want[1]) > 1e-6 or got["steps"] != want[2]:
+                fail(f"{comm_type} cp={cp}: from the ledger formulas {got}, section 6.4 {want}")
+            x = got["x"]
+            rows[comm_type][cp] = {"fwd": got["fwd"] / x, "bwd": got["bwd"] / x, "steps": got["steps"]}
+            print(f"  {comm_type:<10} cp={cp}: forward {got['fwd'] / x:.4f}, backward {got['bwd'] / x:.4f} b s h e; "
+                  f"{got['steps']} messages")
+    plot_cp_comm_types(rows, OUT / "cp_comm_types.png", unit="b s h e",
+                       title=f"per attention layer and rank, from the demo's expected_ledger "
+                             f"(a = {cfg.num_attention_heads}, "
+                             f"g = {cfg.query_groups}, h = {cfg.hidden_size}; a2a+p2p: [2, cp/2])")
+
+
+# ---------------------------------------------------------------------------------------
+# 3. activation memory (measured)
+# ---------------------------------------------------------------------------------------
+def saved_bytes_on_rank(model_cfg, train, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Spawn target: build this rank's model as the training loop does (parallelize.build_model)
+    and return {"tp_rank", "cp_rank", "saved": bytes autograd saves for the micro-batch
+    (tokens, labels) cut to this rank's tokens, "saved_without_sp": the same model built
+    without sequence parallelism (tp > 1), else None}."""
+    from minimegatron.config import TrainConfig
+
+    layout = initialize_layout(train)
+    batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, layout.cp, layout.cp_rank)
+    out = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "saved_without_sp": None}
+    model = unwrap(build_model(model_cfg, train, layout)[0])
+    out["saved"] = measure_saved_activation_bytes(model, batch["tokens"], batch["labels"], batch["position_ids"])
+    if layout.tp > 1 and train.sequence_parallel:
+        plain = TrainConfig(**{**train.__dict__, "sequence_parallel": False})
+        model = unwrap(build_model(model_cfg, plain, layout)[0])
+        out["saved_without_sp"] = measure_saved_activation_bytes(model, batch["tokens"], batch["labels"],
+                                                                 batch["position_ids"])
+    return out
+
+
+def random_batch(cfg, b: int, s: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g)
+    return ids[:, :-1].clone(), ids[:, 1:].clone()
+
+
+def ratio_korthikanti(cfg, b: int, s: int, t: int, sp: bool) -> float:
+    return (korthikanti_activation_memory(cfg, b, s, tp=t, sequence_parallel=sp)["per_layer"]
+            / korthikanti_activation_memory(cfg, b, s)["per_layer"])
+
+
+def tp_memory_section(me) -> dict:
+    cfg, b, s = ch04.tiny_model("gpt2", "float64"), 2, 64
+    tokens, labels = random_batch(cfg, b, s)
+    single = measure_saved_activation_bytes(GPTModel(cfg), tokens, labels)
+    print(f"\n== activations saved for one micro-batch (GPT-2 style tiny model, float64, b = {b}, s = {s}, "
+          f"no dropout); "
+          f"single device {single:,} bytes")
+    panel = {"tp": [1], "measured_tp": [1.0], "measured_sp": [1.0], "korthikanti_tp": [1.0], "korthikanti_sp": [1.0],
+             "label": f"TP and TP + SP (GPT-2 style tiny model, s = {s})"}
+    for tp in (2, 4):
+        run = ch04.make_run(cfg, tp=tp, sp=True, seq=s, micro_batch_size=b, micro_batches=1)
+        per_rank = spawn(me.saved_bytes_on_rank, tp, cfg, run.train, tokens, labels, timeout=300)
+        sp_bytes, tp_bytes = per_rank[0]["saved"], per_rank[0]["saved_without_sp"]
+        if len({r["saved"] for r in per_rank}) != 1:
+            fail(f"tp={tp}: the ranks save different bytes {[r['saved'] for r in per_rank]}")
+        k_tp, k_sp = ratio_korthikanti(cfg, b, s, tp, False), ratio_korthikanti(cfg, b, s, tp, True)
+        print(f"  tp={tp}: TP {tp_bytes:,} B ({tp_bytes / single:.3f} of one device), TP+SP {sp_bytes:,} B "
+              f"({sp_bytes / single:.3f}; 1/tp = {1 / tp:.3f}); SP saves {1 - sp_bytes / tp_bytes:.1%}. "
+              f"Korthikanti's ratios for these shapes: TP {k_tp:.3f}, TP+SP {k_sp:.3f}")
+        if not sp_bytes < tp_bytes < single:
+            fail(f"tp={tp}: expected TP+SP < TP < one device, got {sp_bytes}, {tp_bytes}, {single}")
+        if abs(sp_bytes / single - 1 / tp) > 0.02:
+            fail(f"tp={tp}: TP+SP saves {sp_bytes / single:.4f} of one device, not 1/tp = {1 / tp:.4f} (margin 0.02)")
+        for key, value in (("tp", tp), ("measured_tp", tp_bytes / single), ("measured_sp", sp_bytes / single),
+                           ("korthikanti_tp", k_tp), ("korthikanti_sp", k_sp)):
+            panel[key].append(value)
+    return panel
+
+
+def cp_memory_section(me) -> dict:
+    cfg, b = ch04.tiny_model("llama", "float32", max_position_embeddings=SEQ), 1
+    tokens, labels = random_batch(cfg, b, SEQ)
+    single = measure_saved_activation_bytes(GPTModel(cfg), tokens, labels)
+    print(f"\n== CP at s = {SEQ} (LLaMA style tiny model, float32, b = 1, sdpa): single device {single:,} bytes")
+    panel = {"cp": [1], "measured": [single], "single": single,
+             "label": f"CP at s = {SEQ} (LLaMA style tiny model, float32)"}
+    for cp in (2, 4):
+        run = ch04.make_run(cfg, cp=cp, seq=SEQ, micro_batch_size=b, micro_batches=1)
+        per_rank = spawn(me.saved_bytes_on_rank, cp, cfg, run.train, tokens, labels, timeout=300)
+        saved = [r["saved"] for r in per_rank]
+        print(f"  cp={cp}: per rank {saved[0]:,} B = 1/{single / saved[0]:.3f} of one device (1/cp = 1/{cp})")
+        if len(set(saved)) != 1:
+            fail(f"cp={cp}: the ranks save different bytes {saved}")
+        if abs(saved[0] * cp / single - 1) > 0.05:
+            fail(f"cp={cp}: {saved[0]} bytes per rank, not within 5% of one device / cp = {single / cp:.0f}")
+        panel["cp"].append(cp)
+        panel["measured"].append(saved[0])
+    return panel
+
+
+def naive_vs_sdpa_section(me) -> None:
+    s, b = 1024, 1
+    print(f"\n== the attention core's saved bytes, naive against sdpa (flash), s = {s}, float32, b = 1")
+    results = {}
+    for backend in ("naive", "sdpa"):
+        cfg = ch04.tiny_model("llama", "float32", max_position_embeddings=s, attention_backend=backend)
+        tokens, labels = random_batch(cfg, b, s)
+        one = measure_saved_activation_bytes(GPTModel(cfg), tokens, labels)
+        run = ch04.make_run(cfg, cp=2, seq=s, micro_batch_size=b, micro_batches=1)
+        two = spawn(me.saved_bytes_on_rank, 2, cfg, run.train, tokens, labels, timeout=300)[0]["saved"]
+        results[backend] = (one, two)
+    (n1, n2), (f1, f2) = results["naive"], results["sdpa"]
+    cfg = ch04.tiny_model("llama", "float32")
+    scores = cfg.num_layers * b * cfg.num_attention_heads * s * s * 4       # one fp32 [b, a, s, s] per layer
+    print(f"  one device: naive {n1:,} B, sdpa {f1:,} B, difference {n1 - f1:,} B = "
+          f"{(n1 - f1) / scores:.2f} x L b a s^2 x 4 bytes")
+    print(f"  cp = 2, per rank: naive {n2:,} B, sdpa {f2:,} B (the CP attention saves q, out, lse and one K/V "
+          f"block whatever the backend)")
+    if not n1 > f1 + scores:
+        fail(f"the naive core should save more than one [b, a, s, s] fp32 tensor per layer over sdpa: {n1} vs {f1}")
+    if n2 != f2:
+        fail(f"under cp = 2 naive ({n2}) and sdpa ({f2}) should save the same bytes")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    torch.set_num_threads(1)
+    OUT.mkdir(exist_ok=True)
+    draw_sequence_parallel_regions(OUT / "sp_regions.png")
+    load_balance_section()
+    comm_types_section()
+    if "--formulas-only" not in argv:
+        me = importlib.import_module("chapters.04_sp_cp.make_figures")   # spawned functions by their name
+        tp_panel = tp_memory_section(me)
+        cp_panel = cp_memory_section(me)
+        plot_sp_cp_activations(tp_panel, cp_panel, OUT / "activations.png")
+        naive_vs_sdpa_section(me)
+    print(f"\nfigures written to {OUT}")
+    return 0
+
+
+if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
+    sys.exit(main())
