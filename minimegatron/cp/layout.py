@@ -48,7 +48,10 @@ def cp_chunk_ids(cp_size: int, cp_rank: int, load_balance: bool = True) -> list[
 
 
 def positions_on_rank(seq_len: int, cp_size: int, cp_rank: int, load_balance: bool = True) -> list[int]:
-    """The token positions rank `cp_rank` holds, in its storage order."""
+    """The token positions rank `cp_rank` holds, in its storage order: zigzag_positions, or
+    the contiguous cut without load_balance."""
+    if load_balance:
+        return zigzag_positions(seq_len, cp_size, cp_rank)
     check_context_parallel_seq_length(seq_len, cp_size)
     c = seq_len // (2 * cp_size)
     return [i * c + j for i in cp_chunk_ids(cp_size, cp_rank, load_balance) for j in range(c)]
@@ -57,7 +60,8 @@ def positions_on_rank(seq_len: int, cp_size: int, cp_rank: int, load_balance: bo
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> list[int]:
     """The positions a context-parallel rank keeps under load balancing: the sequence cut into
     2 cp chunks, rank r keeping chunk r and then chunk 2 cp - 1 - r (s / cp positions).
-    ValueError when seq_len is not divisible by 2 cp.
+    ValueError, naming seq_len and 2 cp, when seq_len is not divisible by 2 cp (the check
+    check_context_parallel_seq_length makes).
 
     Example: zigzag_positions(8, 2, 0) == [0, 1, 6, 7]; zigzag_positions(8, 2, 1) == [2, 3, 4, 5].
     """

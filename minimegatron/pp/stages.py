@@ -37,11 +37,21 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 
                  layers_per_stage: list[int] | None = None) -> list[int]:
     """The global layer numbers that chunk `chunk` of rank `pp_rank` runs, in order.
 
-    Even split (layers_per_stage None): ConfigError unless num_layers is divisible by
-    pp_size * num_chunks. Uneven: layers_per_stage[k] layers for virtual stage k (see the module
-    docstring); ConfigError unless it has pp_size * num_chunks non-negative entries summing to
-    num_layers. Every layer belongs to exactly one (rank, chunk); the ranges are contiguous and
-    increase with the virtual stage.
+    Virtual stage k = chunk * pp_size + pp_rank (`virtual_stage`): the k-th stage a micro-batch
+    visits. The L = num_layers layers are cut into pp_size * num_chunks contiguous ranges, one
+    per virtual stage, in order of k:
+
+      Even split (layers_per_stage None): each virtual stage gets n = L / (pp_size num_chunks)
+      layers, stage k the layers [k n, (k + 1) n). ConfigError unless L is divisible by
+      pp_size * num_chunks; the message starts "num_layers={L} is not divisible by" and names
+      pp_size, num_chunks and their product.
+      Uneven: layers_per_stage[k] layers for virtual stage k, starting after the layers of the
+      stages before it. ConfigError unless it has pp_size * num_chunks non-negative entries
+      summing to L; the message names "layers_per_stage={the list}" and the numbers.
+
+    Examples: stage_layers(8, 2, 1, 2, 1) == [6, 7] (k = 1 * 2 + 1 = 3, n = 2);
+    stage_layers(5, 3, 1, layers_per_stage=[1, 3, 1]) == [1, 2, 3].
+    Every layer belongs to exactly one (rank, chunk); the ranges increase with k.
     """
     stages = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size or not 0 <= chunk < num_chunks:

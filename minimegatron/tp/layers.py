@@ -59,7 +59,7 @@ from ..comm import (all_gather, all_reduce, gather_from_tensor_model_parallel_re
 
 __all__ = ["set_tensor_model_parallel_attributes", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
            "LinearWithSequenceParallelGather",
-           "column_parallel_linear_backward", "row_parallel_linear_forward",
+           "column_parallel_linear_backward", "sequence_parallel_linear_backward", "row_parallel_linear_forward",
            "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range"]
 
 
@@ -177,13 +177,46 @@ class LinearWithGradAllReduce(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
+def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                      has_bias: bool, group):
+    """The backward of the column-parallel linear under sequence parallelism
+    (LinearWithSequenceParallelGather in minimegatron/tp/layers.py), written out by hand.
+
+    grad_output dy [b, s, out/tp]: the gradient of this rank's output columns, over the FULL
+    sequence (the forward gathered the sequence before the GEMM).
+    x (x_r) [b, s/tp, in]: the saved input, only this rank's s/tp tokens (rank r of ``group``
+    holds positions [r s/tp, (r+1) s/tp) of dim 1, SEQUENCE_DIM).
+    weight W_r [out/tp, in]: this rank's rows of the full W.
+    Returns (grad_x [b, s/tp, in], grad_weight [out/tp, in], grad_bias [out/tp] or None):
+    grad_x the single-device gradient of x restricted to this rank's tokens, grad_weight and
+    grad_bias exactly this rank's rows of the single-device gradients.
+
+    dW = dy^T x needs every token's input, so the full x [b, s, in] is all-gathered again
+    along s (comm.all_gather(x, group, dim=SEQUENCE_DIM, tag="regather")); db = dy summed
+    over b and s. Every rank's output columns depend on all of x, so dx = dy W_r [b, s, in] is
+    a partial sum: comm.reduce_scatter(dx, group, dim=SEQUENCE_DIM, tag="bwd") sums it over the
+    group and leaves each rank its own s/tp tokens. Exactly these two collectives, one
+    all_gather of the [b, s/tp, in] shard and one reduce_scatter of [b, s, in], nothing else.
+    """
+    # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward | hint: total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather"); dx = reduce_scatter(dy @ W, group, dim=SEQUENCE_DIM, tag="bwd"); dW = dy^T total with b, s flattened; db = dy summed over them
+    total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather")       # [b, s, in]
+    grad_total = grad_output @ weight                                                 # [b, s, in], partial
+    grad_x = reduce_scatter(grad_total, group, dim=SEQUENCE_DIM, tag="bwd")          # [b, s/tp, in], summed
+    dy_2d = grad_output.reshape(-1, grad_output.shape[-1])                            # [b*s, out/tp]
+    grad_weight = dy_2d.t() @ total.reshape(-1, total.shape[-1])                      # [out/tp, in]
+    grad_bias = dy_2d.sum(dim=0) if has_bias else None                                # [out/tp]
+    # END EXERCISE
+    return grad_x, grad_weight, grad_bias
+
+
 class LinearWithSequenceParallelGather(torch.autograd.Function):
     """The column-parallel linear under sequence parallelism, as Megatron-LM writes it
     (LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel=True):
 
     forward   x_r [b, s/tp, in] -> all-gather along s (tag "fwd") -> y = x W_r^T + b_r [b, s, out/tp]
-    backward  all-gather x again (tag "regather"), dW = dy^T x, db = sum dy, and
-              dx = dy W_r [b, s, in] reduce-scattered along s (tag "bwd") -> [b, s/tp, in]
+    backward  sequence_parallel_linear_backward: all-gather x again (tag "regather"),
+              dW = dy^T x, db = sum dy, and dx = dy W_r [b, s, in] reduce-scattered along s
+              (tag "bwd") -> [b, s/tp, in]
 
     Only the shard x_r is saved for the backward, not the gathered x: keeping the gathered
     input would store tp copies of the same activation, which is what sequence parallelism
@@ -199,12 +232,8 @@ class LinearWithSequenceParallelGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        total = all_gather(x.contiguous(), ctx.group, dim=SEQUENCE_DIM, tag="regather")  # [b, s, in]
-        grad_total = grad_output @ weight                                                 # [b, s, in], partial
-        grad_x = reduce_scatter(grad_total, ctx.group, dim=SEQUENCE_DIM, tag="bwd")      # [b, s/tp, in], summed
-        dy_2d = grad_output.reshape(-1, grad_output.shape[-1])                            # [b*s, out/tp]
-        grad_weight = dy_2d.t() @ total.reshape(-1, total.shape[-1])                      # [out/tp, in]
-        grad_bias = dy_2d.sum(dim=0) if ctx.has_bias else None
+        grad_x, grad_weight, grad_bias = sequence_parallel_linear_backward(
+            grad_output, x, weight, ctx.has_bias, ctx.group)
         return grad_x, grad_weight, grad_bias, None
 
 

@@ -195,7 +195,12 @@ def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None
     but each rank applied it to its own s/tp tokens, so its gradient holds only those tokens'
     share. One all-reduce of all of them, flattened (tag "sp-grads"); nothing without sequence
     parallelism. Megatron-LM: _allreduce_non_tensor_model_parallel_grads in
-    megatron/core/distributed/finalize_model_grads.py (also one coalesced all-reduce)."""
+    megatron/core/distributed/finalize_model_grads.py (also one coalesced all-reduce).
+
+    models: this rank's model chunks (not wrapped). In place: afterwards every marked p.grad
+    is the single-device gradient, the same on every rank of the group. Parameters without a
+    gradient are left out; a group of one rank communicates nothing."""
+    # BEGIN EXERCISE 4.4: spot the bug in the norm-gradient all-reduce | hint: each rank's copy of a norm weight saw only its own s/tp tokens: what does the single-device gradient do with the shares? And which parameters are marked sequence_parallel?
     grads = [p.grad for m in models for p in m.parameters()
              if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or group_size(tp_group) == 1:
@@ -206,6 +211,7 @@ def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+    # END EXERCISE
 
 
 # ---- the single-device view ---------------------------------------------------------------
