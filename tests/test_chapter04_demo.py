@@ -1,7 +1,8 @@
 """The chapter-04 experiment (chapters/04_sp_cp/demo.py) on spawned ranks: every layout of the
 issue equals the single-device run (losses, first-step gradients, final parameters), and its
 ledger equals the formulas message by message: TP 2 and 4 with SP, CP 2 and 4 with each
-cp_comm_type, an odd CP (3), CP x DP (with ZeRO-1), TP+SP x CP, CP x PP; and 4D
+cp_comm_type, an odd CP (3), CP x DP and TP+SP x DP (with ZeRO-1), TP+SP x CP, CP x PP, the
+contiguous cut; and 4D
 (TP x CP x PP x DP = 2 x 2 x 2 x 2 on 16 ranks) under torchrun. A layout that cannot run
 stops before any rank starts."""
 
@@ -46,6 +47,7 @@ def test_four_ranks_tp4_sp_cp4_and_compositions():
             ch04.make_run(GPT2, cp=4, cp_comm_type="a2a"),                        # 4 heads, 4 groups: a2a at cp 4
             ch04.make_run(LLAMA, cp=4, cp_comm_type="a2a+p2p", load_balance=False),
             ch04.make_run(LLAMA, cp=2, dp=2, zero_stage=1),
+            ch04.make_run(LLAMA, tp=2, sp=True, dp=2, zero_stage=1),              # SP's norm sums with ZeRO-1
             ch04.make_run(LLAMA, tp=2, sp=True, cp=2),
             ch04.make_run(ch04.tiny_model("llama", num_layers=4), cp=2, pp=2)]
     _check(runs, spawn(ch04.train_runs, 4, runs, timeout=400))

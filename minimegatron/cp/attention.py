@@ -128,8 +128,14 @@ class ContextParallelAttention:
     cp_group: the context-parallel group; for "a2a+p2p" also a2a_group (the sub-group this
     rank does its all-to-all in, consecutive cp ranks) and p2p_group (the ranks with the same
     index in every sub-group: the ring). chunk_ids_per_rank[r]: the chunks cp rank r holds.
-    Communication per call: see the module docstring and cp/ring.py (ledger tags "fwd",
-    "bwd"). Not an nn.Module: it holds no parameters, so the state dict is unchanged.
+    Communication per call (ledger tags "fwd", "bwd", and "regather" for all_gather's second
+    gather), per rank, with kv the bytes of this rank's k (or v) and q of its q:
+      p2p         forward cp - 1 send/recv of 2 kv; backward cp - 1 send/recv of 4 kv
+      all_gather  forward 2 all-gathers of kv; backward 2 all-gathers of kv ("regather") and 2
+                  reduce-scatters of cp kv
+      a2a         4 all-to-alls forward (q, k, v, out: 2 q + 2 kv) and 4 backward
+      a2a+p2p     the a2a's 4 + 4 in the sub-group, then p2p's ring over the cp / A sub-groups
+    Not an nn.Module: it holds no parameters, so the state dict is unchanged.
     """
 
     def __init__(self, cp_group, comm_type: str, chunk_ids_per_rank: list[list[int]], backend: str = "sdpa",
