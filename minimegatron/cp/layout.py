@@ -1,6 +1,6 @@
 """Which tokens a context-parallel rank holds: the contiguous split and the zig-zag split.
 
-Shape legend as in model/gpt.py, plus cp (the context-parallel size) and c = s / (2 cp), the
+Shape legend as in model/gpt.py, plus cp (the context-parallel size) and k = s / (2 cp), the
 length of one chunk. Context parallelism cuts every sequence of a micro-batch into cp parts;
 each rank of the "cp" group runs the whole model on its part (tokens, labels and positions),
 and only attention looks at the other parts (cp/attention.py).
@@ -9,10 +9,10 @@ A causal mask makes the plain cut unfair. Cut s into cp contiguous parts: rank r
 the keys of ranks 0..r, so rank cp-1 computes about 2 cp - 1 times as many unmasked scores as
 rank 0, and in a ring every step waits for the busiest rank. The zig-zag cut (Megatron-LM's
 `get_batch_on_this_cp_rank`, Transformer Engine's ring attention) pairs a cheap chunk with an
-expensive one: the sequence is cut into 2 cp chunks of c tokens and rank r keeps chunk r and
+expensive one: the sequence is cut into 2 cp chunks of k tokens and rank r keeps chunk r and
 chunk 2 cp - 1 - r, so every rank does the same work (`causal_work_per_rank` counts it).
 
-    s = 16, cp = 2, chunks of c = 4:   [ 0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 ]
+    s = 16, cp = 2, chunks of k = 4:   [ 0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 ]
     contiguous:  rank 0 -> chunks 0, 1     rank 1 -> chunks 2, 3
     zig-zag:     rank 0 -> chunks 0, 3     rank 1 -> chunks 1, 2
 

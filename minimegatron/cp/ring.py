@@ -1,8 +1,8 @@
 """Ring attention (cp_comm_type "p2p"): the keys and values travel, the queries stay.
 
-Shape legend as in cp/blocks.py; n = the ring's size, c = one chunk's length. Each ring rank
-holds the queries, keys and values of its own tokens, a few chunks of c positions each (two
-under the zig-zag layout, cp/layout.py). In n steps every rank sees every rank's K and V:
+Shape legend as in cp/blocks.py; n = the ring's size, c = one chunk's length (the chapter's
+k = s / (2 cp)). Each ring rank holds the queries, keys and values of its own tokens, a few
+chunks of c positions each (two under the zig-zag layout, cp/layout.py). In n steps every rank sees every rank's K and V:
 
     step t on ring rank r:  start sending the K/V block it holds to rank r + 1 and receiving the
                             next one from rank r - 1 (both asynchronous), attend its queries to

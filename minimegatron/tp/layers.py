@@ -37,7 +37,9 @@ then all-gathers its input along s (backward: reduce-scatter of dx) instead of t
 backward all-reduce; a row-parallel layer reduce-scatters its output along s (backward:
 all-gather) instead of the reduce's all-reduce; the embedding reduce-scatters
 (`reduce_scatter_embeddings`). An all-reduce is a reduce-scatter followed by an all-gather,
-so the bytes are the same and the activations in between are tp times smaller.
+so the bytes are the same and the activations in between are tp times smaller; the column
+layer's backward adds one all-gather, because it saves only its input's shard
+(LinearWithSequenceParallelGather).
 SEQUENCE_DIM = 1: the book's activations are [b, s, h] (Megatron's are [s, b, h], dim 0).
 
 Megatron-LM: megatron/core/tensor_parallel/layers.py (ColumnParallelLinear,

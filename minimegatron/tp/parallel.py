@@ -58,8 +58,10 @@ cut along the sequence instead, [b, s/tp, h] per rank (Korthikanti et al. 2022):
                                          all-reduces them over TP (allreduce_sequence_parallel_grads)
   dropout in the split regions           the per-rank tracker stream (each rank's tokens differ)
 
-A reduce-scatter plus an all-gather move the bytes of one all-reduce, so SP costs no extra
-communication; what it saves is activation memory (chapter 04).
+A reduce-scatter plus an all-gather move the bytes of one all-reduce, so SP replaces TP's
+all-reduces at the same cost; on top, each column-parallel layer all-gathers its saved input
+shard again in the backward (tag "regather"), the price of keeping only 1/tp of it. What SP
+saves is activation memory (chapter 04).
 
 Megatron-LM: megatron/core/transformer/attention.py (SelfAttention), transformer/mlp.py (MLP),
 models/gpt/gpt_model.py (GPTModel, output_layer, compute_language_model_loss); there the

@@ -17,9 +17,18 @@ import torch
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over blocks A and B from the attention over each: (out [b, a, sq, d] in
-    out_a's dtype, lse [b, a, sq] in lse_a's dtype), the rule in the module docstring.
-    Exact: merging the blocks of a sequence one by one gives softmax attention over all of it."""
+    """Attention over blocks A and B from the attention over each.
+
+    out_a, out_b [b, a, sq, d]: each block's attention output (softmax over that block's keys
+    only); lse_a, lse_b [b, a, sq]: each block's log-sum-exp of the scaled scores,
+    lse = log sum_j exp(q . k_j / sqrt(d)). The softmax over A and B together weighs block A by
+    exp(lse_a) / (exp(lse_a) + exp(lse_b)), so
+
+        lse = log(exp(lse_a) + exp(lse_b))     out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
+
+    computed without overflow (torch.logaddexp: scores of thousands are fine), the weights in
+    lse's dtype. Returns (out in out_a's dtype, lse in lse_a's dtype). Exact: merging the
+    blocks of a sequence one by one, in any order, gives softmax attention over all of it."""
     # BEGIN EXERCISE 4.1: merge two partial attention results
     # hint: lse = torch.logaddexp(lse_a, lse_b); weight each out by exp(its lse - lse), unsqueezed on the last dim; sum
     raise NotImplementedError("exercise 4.1")
