@@ -29,8 +29,8 @@ DEMO_PP    ?= 2
 # every matrix split over TP=DEMO_TP ranks with sequence parallelism, every sequence split over
 # CP=DEMO_CP ranks (ring attention, zig-zag), the 4 layers cut into PP=DEMO_PP pipeline stages
 # running 1F1B over 4 micro-batches, and DEMO_RANKS/(DEMO_TP*DEMO_CP*DEMO_PP) data-parallel
-# replicas. The global batch stays 8 sequences per step. 16 ranks share this machine's cores:
-# several minutes on 2 cores (`make demo DEMO_RANKS=8 DEMO_CP=1` is chapter 03's 3D run).
+# replicas. The global batch stays 8 sequences per step. 16 ranks share the cores: about
+# 9 minutes on 2 cores (`make demo DEMO_RANKS=8 DEMO_CP=1`, chapter 03's 3D run, about 2).
 demo: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.train --preset demo --num-layers 4 \
 		--tensor-model-parallel-size $(DEMO_TP) $(if $(filter-out 1,$(DEMO_TP)),--sequence-parallel) \
