@@ -42,7 +42,7 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 # flag is Megatron's spelling (checked 2026-11-24 against Megatron-LM main: the flags
 # megatron/training/arguments.py adds, and those it generates from TransformerConfig,
 # TrainingConfig, SchedulerConfig, CheckpointConfig, RNGConfig); more names are the book's.
-GROUPS = ("model", "training", "parallelism", "data", "checkpointing")
+GROUPS = ("model", "moe", "training", "parallelism", "data", "checkpointing")
 
 # field -> (group, flag names, help). Booleans are switches (SWITCHES below), not flags.
 FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -74,6 +74,21 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                    "Megatron's --seed also seeds data and dropout, here --data-seed does"),
     "params_dtype": ("model", ("--params-dtype",),
                      "dtype of parameters and activations: float32, float64 or bfloat16 (the book's)"),
+    "num_experts": ("moe", ("--num-experts",), "E, experts in each MoE layer; unset: a dense MLP everywhere "
+                                               "(chapter 05; one device so far)"),
+    "moe_router_topk": ("moe", ("--moe-router-topk",), "k, experts each token is routed to"),
+    "moe_ffn_hidden_size": ("moe", ("--moe-ffn-hidden-size",), "an expert's inner width; unset: --ffn-hidden-size"),
+    "moe_layer_freq": ("moe", ("--moe-layer-freq",), "every n-th layer (layer i with i %% n == 0) is an MoE layer"),
+    "moe_shared_expert_intermediate_size": ("moe", ("--moe-shared-expert-intermediate-size",),
+                                            "inner width of a shared expert every token also takes; unset: none"),
+    "moe_router_score_function": ("moe", ("--moe-router-score-function",), "softmax or sigmoid"),
+    "moe_aux_loss_coeff": ("moe", ("--moe-aux-loss-coeff",), "weight of the load-balancing loss, >= 0"),
+    "moe_z_loss_coeff": ("moe", ("--moe-z-loss-coeff",), "weight of the router z-loss, >= 0"),
+    "moe_expert_capacity_factor": ("moe", ("--moe-expert-capacity-factor",),
+                                   "slots per expert = ceil(tokens x k / E x factor), the rest dropped; unset: "
+                                   "no capacity"),
+    "moe_token_drop_policy": ("moe", ("--moe-token-drop-policy",),
+                              "which tokens a full expert keeps: probs (the largest weights) or position (the first)"),
     "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
     "grad_accum_steps": ("training", ("--grad-accum-steps",),
                          "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
@@ -137,6 +152,8 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "activation": [("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")],
     "progress": [("--no-progress", False, "no progress bar (the book's)"),
                  ("--progress", True, "a progress bar on rank 0 (the book's)")],
+    "moe_router_pre_softmax": [("--moe-router-pre-softmax", True, "softmax over all experts before the top-k "
+                                                                  "(default: over the chosen k after it)")],
     "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
                                                          "per rank; all-gather / reduce-scatter replace the all-reduces "
                                                          "(chapter 04)")],
@@ -167,8 +184,6 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
 NOT_IN_BOOK: dict[str, str] = {
     "--expert-model-parallel-size": "not implemented in this book yet (chapter 05)",
     "--expert-tensor-parallel-size": "not implemented in this book yet (chapter 05)",
-    "--num-experts": "not implemented in this book yet (chapter 05)",
-    "--moe-router-topk": "not implemented in this book yet (chapter 05)",
     "--bf16": "mixed precision is not implemented in this book yet (chapter 06); --params-dtype bfloat16 "
               "keeps plain bf16 parameters",
     "--fp16": "mixed precision is not implemented in this book yet (chapter 06)",

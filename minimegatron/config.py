@@ -69,6 +69,18 @@ class ModelConfig:
     attention_backend: str = "sdpa"       # "sdpa" (fused exact kernel) | "naive" (written out: exercise 0.1)
     seed: int = 1234                      # initial weights depend on (seed, parameter name) only
     params_dtype: str = "float32"         # "float32" | "float64" | "bfloat16"
+    # mixture of experts (chapter 05, in progress: one device so far); None: a dense MLP everywhere
+    num_experts: int | None = None        # E experts in every moe_layer_freq-th layer
+    moe_router_topk: int = 2              # k experts per token
+    moe_ffn_hidden_size: int | None = None   # an expert's inner width; None = ffn_hidden_size
+    moe_layer_freq: int = 1               # layer i is an MoE layer when i % moe_layer_freq == 0
+    moe_shared_expert_intermediate_size: int | None = None   # a dense expert every token also takes
+    moe_router_score_function: str = "softmax"   # "softmax" | "sigmoid"
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (else after)
+    moe_aux_loss_coeff: float = 0.0       # load-balancing loss (Switch / GShard)
+    moe_z_loss_coeff: float = 0.0         # router z-loss (ST-MoE)
+    moe_expert_capacity_factor: float | None = None   # None: no capacity, no token dropped
+    moe_token_drop_policy: str = "probs"  # "probs" | "position": which tokens an expert keeps
 
     # ---- presets -------------------------------------------------------------------
     @classmethod
@@ -106,6 +118,15 @@ class ModelConfig:
             # rounded up to a multiple of 8 here (LLaMA rounds to 256, Megatron's --swiglu to 64).
             return ((8 * self.hidden_size // 3) + 7) // 8 * 8
         return 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """An expert's inner width (Megatron's moe_ffn_hidden_size; default the dense f)."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Does global layer `layer_number` hold experts (Megatron's integer moe_layer_freq)?"""
+        return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,6 +171,22 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
         need(self.ffn_size > 0, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
+        if self.num_experts is not None:
+            need(self.num_experts >= 1, f"num_experts={self.num_experts} must be at least 1")
+            need(1 <= self.moe_router_topk <= self.num_experts,
+                 f"moe_router_topk={self.moe_router_topk} must be in [1, num_experts={self.num_experts}]")
+            need(self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq} must be at least 1")
+            for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor"):
+                value = getattr(self, name)
+                need(value is None or value > 0, f"{name}={value} must be positive")
+            need(self.moe_router_score_function in ("softmax", "sigmoid"),
+                 f"moe_router_score_function={self.moe_router_score_function!r} is not 'softmax' or 'sigmoid'")
+            need(not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
+                 "moe_router_pre_softmax applies to moe_router_score_function='softmax' only")
+            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
+            need(self.moe_token_drop_policy in ("probs", "position"),
+                 f"moe_token_drop_policy={self.moe_token_drop_policy!r} is not 'probs' or 'position'")
         dtype_from_name(self.params_dtype)
         return self
 

@@ -57,6 +57,10 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
                           f"context_parallel_size={cp} x pipeline_model_parallel_size={pp}{hint}")
     if tp > 1:
         check_tensor_parallel_config(model_cfg, tp)                     # heads, groups, ffn by tp
+    if model_cfg.num_experts is not None and world_size > 1:
+        raise ConfigError(f"num_experts={model_cfg.num_experts} in a world of {world_size} ranks: the mixture of "
+                          f"experts runs on one device so far (chapter 05 in progress: expert parallelism, its "
+                          f"token dispatchers and its gradient groups come next); train it with one process")
     if sp and tp == 1:
         raise ConfigError("sequence_parallel with tensor_model_parallel_size=1: sequence parallelism cuts the regions "
                           "tensor parallelism leaves replicated, so it needs tp > 1 (Megatron ignores it at tp 1)")

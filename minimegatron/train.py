@@ -53,6 +53,7 @@ from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_
 from .dp import finish_grad_sync, no_sync
 from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun
+from .model.moe import set_moe_aux_loss_scale
 from .optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
@@ -105,6 +106,7 @@ def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list
     norm before clipping). `p2p` and `schedule` for a pipeline (layout.pp > 1). `on_grads()`,
     if given, runs once the gradients are final and before they are clipped (tests and
     demos read them there)."""
+    set_moe_aux_loss_scale(chunks, 1.0 / len(microbatches))     # MoE: aux losses weigh as the LM loss
     if layout.pp > 1:
         loss, _ = forward_backward_pipelining(chunks, microbatches, p2p, schedule, layout.pp_group)
     else:

@@ -50,6 +50,13 @@ def count_parameters(config: ModelConfig) -> dict:
       "output_layer"         V h when untied, else 0 (the embedding matrix is reused)
       "total"                the sum: what `sum(p.numel() for p in model.parameters())` gives
       "non_embedding"        total - embedding - position_embedding - output_layer
+      "moe"                  None for a dense model; for a GPT-MoE (num_experts set, chapter 05)
+                             {"layers": the number of MoE layers, "router" E h, "expert" one
+                             expert's MLP (width moe_ffn_size), "shared" the shared expert's,
+                             "per_moe_layer" what an MoE layer holds in place of the MLP}; "layers"
+                             and "total" then count E experts in each MoE layer
+      "active"               the parameters one token uses: total with only k of the E experts
+                             of each MoE layer (= total for a dense model)
 
     "non_embedding" is Kaplan et al. 2020's N ("Scaling Laws for Neural Language Models",
     Section 2.1): "the number of model parameters, excluding all vocabulary and positional
@@ -86,8 +93,24 @@ def count_parameters(config: ModelConfig) -> dict:
         "final_norm": norm,
         "output_layer": V * h if config.untie_embeddings_and_output_weights else 0,
     }
+    counts["moe"] = None
+    inactive = 0
+    if config.num_experts is not None:
+        def mlp(width):
+            inner = 2 * width if config.activation == "swiglu" else width
+            return inner * h + (inner if bias else 0) + h * width + (h if bias else 0)
+        dense_mlp = (per_layer["fc1_weight"] + per_layer["fc1_bias"] + per_layer["fc2_weight"]
+                     + per_layer["fc2_bias"])
+        shared = config.moe_shared_expert_intermediate_size
+        moe = {"layers": sum(config.is_moe_layer(i) for i in range(L)), "router": config.num_experts * h,
+               "expert": mlp(config.moe_ffn_size), "shared": mlp(shared) if shared else 0}
+        moe["per_moe_layer"] = moe["router"] + config.num_experts * moe["expert"] + moe["shared"]
+        counts["layers"] += moe["layers"] * (moe["per_moe_layer"] - dense_mlp)
+        counts["moe"] = moe
+        inactive = moe["layers"] * (config.num_experts - config.moe_router_topk) * moe["expert"]
     counts["total"] = (counts["embedding"] + counts["position_embedding"] + counts["layers"]
                        + counts["final_norm"] + counts["output_layer"])
+    counts["active"] = counts["total"] - inactive
     counts["non_embedding"] = (counts["total"] - counts["embedding"]
                                - counts["position_embedding"] - counts["output_layer"])
     return counts

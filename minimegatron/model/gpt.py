@@ -36,31 +36,9 @@ from ..config import ModelConfig
 from .attention import SelfAttention
 from .init import init_parameters
 from .linear import Linear, _compute_dtype, build_norm
+from .mlp import MLP
+from .moe import MoELayer
 from .rope import rope_cos_sin
-
-
-class MLP(nn.Module):
-    """[b, s, h] -> [b, s, h]: fc1, activation, fc2.
-
-    GELU:   fc2(gelu(fc1 x))                         fc1: [f, h]
-    SwiGLU: fc2(silu(gate x) * (up x)), with fc1 = [gate; up] stacked: [2f, h]
-    """
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.swiglu = config.activation == "swiglu"
-        h, f = config.hidden_size, config.ffn_size
-        self.linear_fc1 = Linear(h, 2 * f if self.swiglu else f, bias=config.add_bias_linear)
-        self.linear_fc2 = Linear(f, h, bias=config.add_bias_linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)                           # [b, s, f] or [b, s, 2f]
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)                # [b, s, f] each
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
-        return self.linear_fc2(y)                        # [b, s, h]
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, rng=None) -> torch.Tensor:
@@ -80,14 +58,15 @@ class TransformerLayer(nn.Module):
     dropout_rng: as SelfAttention's, for the residual branches' dropout (None: torch's
     default generator; sequence parallelism sets the per-rank stream, tp/apply_tensor_parallel)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_number: int = 0):
         super().__init__()
         self.dropout = config.hidden_dropout
         self.dropout_rng = None
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
         self.self_attention = SelfAttention(config)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
-        self.mlp = MLP(config)
+        # a mixture of experts in every moe_layer_freq-th layer of a GPT-MoE (chapter 05)
+        self.mlp = MoELayer(config) if config.is_moe_layer(layer_number) else MLP(config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x), rope)          # [b, s, h]
@@ -156,7 +135,7 @@ class GPTModel(nn.Module):
 
         self.embedding = Embedding(config) if pre_process else None
         self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleDict({str(i): TransformerLayer(config) for i in self.layer_numbers})
+        self.decoder.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in self.layer_numbers})
         self.decoder.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
                                         if post_process else None)
         # The output layer. Tied on the stage that holds the embedding: no weight of its own,

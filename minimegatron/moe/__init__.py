@@ -1,8 +1,12 @@
-"""Chapter 05: mixture of experts (in progress: the router is here; the expert layer, the token
-dispatchers and expert parallelism come next, issue 13).
+"""Chapter 05: mixture of experts (in progress, issue 13).
 
-  router.py     top-k routing with Megatron-Core's semantics, the load-balancing loss, the
-                z-loss, expert capacity with token dropping, the expert-bias update
+The single-device GPT-MoE is part of the one model: minimegatron/model/moe.py (MoELayer:
+router, experts in a loop and grouped, shared expert, auxiliary losses) and
+minimegatron/model/router.py (the routing functions). This package will hold what spreads the
+experts over ranks (expert parallelism, the token dispatchers, the expert-data-parallel
+gradients: not written yet).
+
+  router.py     the routing functions where DESIGN.md's contract names them
 """
 
 from .router import (SCORE_FUNCTIONS, apply_token_dropping, aux_loss, expert_bias_update, expert_capacity,

@@ -1,0 +1,187 @@
+"""The router of a mixture of experts: which experts each token goes to, with which weight.
+
+Shape legend: T tokens (b s of one micro-batch, flattened), E experts, k = topk experts per
+token. The router is a linear layer h -> E; its output are the logits [T, E]. Everything here
+is a pure function of the logits, so it can be tested against hand-computed values and reused
+on any layout (chapter 05 applies it per rank to the rank's tokens).
+
+    topk_routing(logits, k)          -> probs [T, E] (zero off the k chosen experts),
+                                        routing_map [T, E] (bool, k True per token)
+    aux_loss(logits, routing_map, k, coeff)   the load-balancing loss (Switch / GShard form)
+    z_loss(logits, coeff)                      the router z-loss (ST-MoE)
+    apply_token_dropping(probs, routing_map, k, capacity_factor, ...)   expert capacity
+    expert_bias_update(tokens_per_expert, bias, rate)   DeepSeek-V3's aux-loss-free balancing
+
+Megatron-Core's semantics (megatron/core/transformer/moe/moe_utils.py:
+topk_routing_with_score_function, group_limited_topk, switch_load_balancing_loss_func,
+z_loss_func, apply_router_token_dropping, get_capacity, get_updated_expert_bias; checked
+against Megatron-LM main of 2026-08-22, commit d98e8a6):
+
+  score_function="softmax" (default): the k largest logits are chosen and the weights are the
+      softmax over those k logits only (they sum to 1 per token); with pre_softmax=True the
+      softmax runs over all E experts first and the k largest probabilities are kept as they
+      are (they sum to less than 1).
+  score_function="sigmoid": scores = sigmoid(logits); with an expert_bias [E] the choice is
+      made on scores + bias, but the weights are the scores without it (the bias steers the
+      choice only: DeepSeek-V3's auxiliary-loss-free balancing); with k > 1 the chosen scores
+      are normalised to sum to 1.
+  num_groups, group_topk: device- (or node-) limited routing: the experts form num_groups
+      equal groups; each group's score is the sum of its k / group_topk best scores; only the
+      group_topk best groups may be chosen from.
+  scaling_factor multiplies the weights.
+Scores and weights are computed in float32 for 16-bit logits (as Megatron does), else in the
+logits' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "z_loss", "expert_capacity", "apply_token_dropping",
+           "expert_bias_update"]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def _compute(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _topk(scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None):
+    """(values, indices) [T, k] of the k best scores, limited to the group_topk best groups."""
+    if not group_topk:
+        return scores.topk(topk, dim=-1)
+    tokens, experts = scores.shape
+    if experts % num_groups or topk % group_topk:
+        raise ValueError(f"group-limited routing needs num_experts={experts} divisible by num_groups={num_groups} "
+                         f"and topk={topk} divisible by group_topk={group_topk}")
+    per_group = scores.view(tokens, num_groups, experts // num_groups)           # [T, groups, E/groups]
+    group_scores = per_group.topk(topk // group_topk, dim=-1).values.sum(-1)     # [T, groups]
+    chosen = group_scores.topk(group_topk, dim=-1).indices                       # [T, group_topk]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    allowed = allowed.unsqueeze(-1).expand_as(per_group).reshape(tokens, experts)  # [T, E]
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
+def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax", pre_softmax: bool = False,
+                 expert_bias: torch.Tensor | None = None, scaling_factor: float | None = None,
+                 num_groups: int | None = None, group_topk: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (probs [T, E], routing_map [T, E] bool), as the module docstring says.
+
+    probs is zero outside the chosen experts (differentiable with respect to the logits);
+    routing_map holds exactly `topk` True per token. ValueError for a score function other than
+    softmax and sigmoid, an expert_bias with softmax, or topk outside [1, E]."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    experts = logits.shape[1]
+    if not 1 <= topk <= experts:
+        raise ValueError(f"topk={topk} must be in [1, num_experts={experts}]")
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function={score_function!r} is not one of {', '.join(SCORE_FUNCTIONS)}")
+    if expert_bias is not None and score_function != "sigmoid":
+        raise ValueError("expert_bias is used with score_function='sigmoid' (as in Megatron-Core)")
+    x = _compute(logits)
+    if score_function == "softmax":
+        if pre_softmax:
+            weights, chosen = _topk(torch.softmax(x, dim=-1), topk, num_groups, group_topk)   # [T, k]
+        else:
+            top_logits, chosen = _topk(x, topk, num_groups, group_topk)
+            weights = torch.softmax(top_logits, dim=-1)                                    # [T, k]
+    else:
+        scores = torch.sigmoid(x)                                                          # [T, E]
+        if expert_bias is not None:      # the bias decides the choice, not the weights
+            chosen = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk).indices
+            weights = scores.gather(1, chosen)
+        else:
+            weights, chosen = _topk(scores, topk, num_groups, group_topk)
+        if topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor is not None:
+        weights = weights * scaling_factor
+    probs = torch.zeros_like(x).scatter(1, chosen, weights)                               # [T, E]
+    routing_map = torch.zeros_like(x, dtype=torch.bool).scatter(1, chosen, True)
+    return probs, routing_map
+
+
+def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float, *,
+             score_function: str = "softmax", tokens_per_expert: torch.Tensor | None = None,
+             num_tokens: int | None = None) -> torch.Tensor:
+    """The load-balancing loss of Switch Transformer / GShard as Megatron-Core computes it:
+
+        loss = coeff * E / (k T^2) * sum_i (sum_t P[t, i]) * c_i
+
+    with P the router's scores over ALL experts (softmax of the logits; for sigmoid, the sigmoid
+    scores normalised per token), c_i the number of tokens routed to expert i
+    (routing_map.sum(0)) and T the number of tokens. Its minimum, coeff, is reached when both the
+    routed counts and the average scores are uniform. A scalar, differentiable through P only
+    (the counts are integers).
+
+    Over several ranks (sequence, context or data parallel) pass the counts and token number of
+    the whole set the loss is defined over (`tokens_per_expert`, `num_tokens`: summed over
+    those ranks); P is always this rank's tokens. Summing the per-rank losses then gives the loss
+    of the whole set (Megatron reduces the counts over the tensor x context parallel group)."""
+    x = _compute(logits)
+    if score_function == "softmax":
+        scores = torch.softmax(x, dim=-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(x)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score_function={score_function!r} is not one of {', '.join(SCORE_FUNCTIONS)}")
+    counts = routing_map.sum(dim=0).to(scores.dtype) if tokens_per_expert is None else tokens_per_expert.to(scores.dtype)
+    tokens = logits.shape[0] if num_tokens is None else num_tokens
+    experts = logits.shape[1]
+    return (scores.sum(dim=0) * counts).sum() * (coeff * experts / (topk * tokens * tokens))
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss: coeff * mean over tokens of logsumexp(logits)^2 (it keeps the
+    logits small, so the softmax stays well conditioned). A differentiable scalar."""
+    return torch.logsumexp(_compute(logits), dim=-1).square().mean() * coeff
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Slots per expert: ceil(T k / E * capacity_factor) (Megatron's get_capacity of T k
+    routed copies)."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, topk: int, capacity_factor: float,
+                         drop_policy: str = "probs", pad_to_capacity: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Enforce expert capacity: each expert keeps at most `expert_capacity` of the tokens routed
+    to it; the others lose that expert (their weight there becomes 0).
+
+    drop_policy "probs": an expert keeps the tokens with the largest weights for it;
+    "position": the first ones in token order. pad_to_capacity: every expert then processes
+    exactly `capacity` slots (unrouted slots filled with tokens of weight 0), so the shapes are
+    static; the returned map is the slots, the probs stay those of the routed tokens.
+    Returns (probs, routing_map), [T, E] each."""
+    tokens, experts = probs.shape
+    if drop_policy not in ("probs", "position"):
+        raise ValueError(f"drop_policy={drop_policy!r} is not 'probs' or 'position'")
+    capacity = expert_capacity(tokens, experts, topk, capacity_factor)
+    if capacity >= tokens:
+        slots = torch.ones_like(routing_map)
+    else:
+        routed = routing_map.to(probs.dtype)
+        if drop_policy == "probs":                 # routed tokens first, the largest weights first
+            priority = probs.detach() + routed
+        else:                                      # routed tokens first, the earliest first
+            priority = routed * (tokens - torch.arange(tokens, device=probs.device, dtype=probs.dtype)).unsqueeze(1)
+        slots = torch.zeros_like(routing_map).scatter(0, priority.topk(capacity, dim=0).indices, True)   # [T, E]
+    kept = routing_map & slots
+    return probs * kept, (slots if pad_to_capacity else kept)
+
+
+@torch.no_grad()
+def expert_bias_update(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): after each step, raise
+    the bias of the experts that got fewer tokens than the average and lower it for those that
+    got more, by `rate`: bias + rate * sign(mean - count). tokens_per_expert: the counts of the
+    step summed over every rank that shares the router (Megatron: the TP x DP x CP group)."""
+    counts = tokens_per_expert.to(expert_bias.dtype)
+    return expert_bias + rate * torch.sign(counts.mean() - counts)
