@@ -159,6 +159,9 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
     "outside_layers": {component: bytes, ..., "total"}, "total": layers + outside}.
     """
     config.validate()
+    if config.num_experts is not None:           # the dense formulas would be silently wrong
+        raise ValueError(f"activation_memory counts dense layers only; num_experts={config.num_experts}: the "
+                         f"mixture-of-experts accounting comes with chapter 05")
     dtype = config.dtype if dtype is None else as_dtype(dtype)
     e = bytes_per_element(dtype)
     c = 4 if e == 2 else e

@@ -43,7 +43,7 @@ def flops_per_token_6n(config: ModelConfig, *, include_embedding: bool = False) 
     """
     counts = count_parameters(config)
     n = counts["total"] if include_embedding else counts["non_embedding"]
-    return 6 * n
+    return 6 * (n - (counts["total"] - counts["active"]))   # a GPT-MoE: the experts a token uses
 
 
 def training_flops(config: ModelConfig, batch: int, seq: int) -> dict:
@@ -80,6 +80,9 @@ def training_flops(config: ModelConfig, batch: int, seq: int) -> dict:
     V/12Lh), exactly; their 96 (... V/16Lh) adds one more forward for full recomputation.
     """
     config.validate()
+    if config.num_experts is not None:           # the dense formulas would be silently wrong
+        raise ValueError(f"training_flops counts dense layers only; num_experts={config.num_experts}: the "
+                         f"mixture-of-experts accounting comes with chapter 05")
     h, a, g, d, f = (config.hidden_size, config.num_attention_heads, config.query_groups,
                      config.kv_channels, config.ffn_size)
     V, L, b, s = config.vocab_size, config.num_layers, batch, seq
