@@ -102,7 +102,8 @@ def test_aux_losses_reach_the_router_with_the_step_scale_and_leave_the_output_al
     z = 0.01 * torch.logsumexp(logits, -1).pow(2).mean()
     ((out_plain * w).sum() + 0.5 * (aux + z)).backward()
     assert torch.allclose(got, plain.router.weight.grad, atol=1e-12)
-    assert math.isclose(layer.aux_losses["aux"], (aux + z).item(), rel_tol=1e-12)
+    assert math.isclose(layer.aux_losses["load_balancing"], aux.item(), rel_tol=1e-12)
+    assert math.isclose(layer.aux_losses["z_loss"], z.item(), rel_tol=1e-12)
 
 
 def test_train_step_scales_the_aux_losses_by_the_micro_batches():

@@ -147,11 +147,11 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if self.training and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-            aux = (aux_loss(logits, routing_map, cfg.moe_router_topk, cfg.moe_aux_loss_coeff,
-                            score_function=cfg.moe_router_score_function)
-                   + z_loss(logits, cfg.moe_z_loss_coeff))
-            self.aux_losses = {"aux": aux.item()}
-            out = MoEAuxLossAutoScaler.apply(out, aux, self.aux_loss_scale)
+            balance = aux_loss(logits, routing_map, cfg.moe_router_topk, cfg.moe_aux_loss_coeff,
+                               score_function=cfg.moe_router_score_function)
+            stability = z_loss(logits, cfg.moe_z_loss_coeff)
+            self.aux_losses = {"load_balancing": balance.item(), "z_loss": stability.item()}
+            out = MoEAuxLossAutoScaler.apply(out, balance + stability, self.aux_loss_scale)
         return out.view(b, s, h)
 
 
