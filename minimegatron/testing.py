@@ -22,6 +22,7 @@ float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +187,26 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
 # --------------------------------------------------------------------------------------
 # Shared demo helpers: the chapter demos (chapters/NN_x/demo.py) and their readers
 # --------------------------------------------------------------------------------------
+
+def data_parallel_size_under_torchrun(world: int, rank: int, sizes: dict[str, int], dp: int | None) -> int | None:
+    """The data-parallel size of a chapter demo started by torchrun with `world` ranks, whose
+    model-parallel sizes are `sizes` (e.g. {"tp": 2, "pp": 2}, in the demo's flag order): world
+    divided by their product, or `dp` when that was given and the product times dp is the world.
+    None when the ranks do not fit, after rank 0 printed which numbers must divide or equal
+    which (the demo then leaves with launch.finish_torchrun(2))."""
+    product = math.prod(sizes.values())
+    if world % product == 0 and (dp is None or product * dp == world):
+        return world // product
+    if rank == 0:
+        flags = " x ".join(f"--{name} {size}" for name, size in sizes.items())
+        names = " x ".join(sizes)
+        if dp is None:
+            need = f"{flags} = {product} must divide the number of ranks {world} (dp = ranks / ({names}))"
+        else:
+            need = f"{flags} x --dp {dp} = {product * dp} must equal the number of ranks {world}"
+        print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
+    return None
+
 
 def verdict_under_torchrun(result, report) -> int:
     """The end of a chapter demo under torchrun, on every rank: gather every rank's `result`

@@ -69,3 +69,15 @@ def test_import_chapter_demo_names_a_missing_chapter():
 
     with pytest.raises(FileNotFoundError, match="chapters/99_"):
         import_chapter_demo("99")
+
+
+def test_a_torchrun_demo_names_the_sizes_that_do_not_fit_the_ranks(capsys):
+    from minimegatron.testing import data_parallel_size_under_torchrun
+    assert data_parallel_size_under_torchrun(8, 0, {"tp": 2, "pp": 2}, None) == 2
+    assert data_parallel_size_under_torchrun(16, 0, {"tp": 2, "cp": 2, "pp": 2}, 2) == 2
+    assert data_parallel_size_under_torchrun(6, 0, {"tp": 4}, None) is None
+    assert "--tp 4 = 4 must divide the number of ranks 6 (dp = ranks / (tp))" in capsys.readouterr().err
+    assert data_parallel_size_under_torchrun(8, 0, {"tp": 2, "cp": 2}, 3) is None
+    assert "--tp 2 x --cp 2 x --dp 3 = 12 must equal the number of ranks 8" in capsys.readouterr().err
+    assert data_parallel_size_under_torchrun(8, 1, {"tp": 3}, None) is None     # only rank 0 speaks
+    assert capsys.readouterr().err == ""

@@ -53,7 +53,8 @@ from minimegatron.analysis import count_parameters, tensor_parallel_parameters
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.optim import learning_rate
 from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, import_chapter_demo,
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
+                                  global_batches, import_chapter_demo,
                                   local_microbatch, single_device_run, verdict_under_torchrun)
 from minimegatron.train import initialize_layout, train_step
 
@@ -404,21 +405,13 @@ def report(run: TPRun, per_rank: list[dict], how: str, seconds: float) -> int:
 
 
 def main_torchrun(args) -> int:
-    import torch.distributed as dist
-
-    from minimegatron.launch import init_from_torchrun
+    from minimegatron.launch import finish_torchrun, init_from_torchrun
 
     rank, world = init_from_torchrun()
-    if world % args.tp or (args.dp is not None and args.tp * args.dp != world):
-        if rank == 0:
-            if args.dp is None:
-                need = f"--tp {args.tp} must divide the number of ranks {world} (dp = ranks / tp)"
-            else:
-                need = f"--tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} must equal the number of ranks {world}"
-            print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
-    run = build_run(args, world // args.tp)
+    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp}, args.dp)
+    if dp is None:
+        return finish_torchrun(2)
+    run = build_run(args, dp)
     start = time.perf_counter()
     return verdict_under_torchrun(train_run(run),
                                   lambda per_rank: report(run, per_rank, "torchrun", time.perf_counter() - start))

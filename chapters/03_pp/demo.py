@@ -66,7 +66,8 @@ from minimegatron.parallel_state import Layout
 from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
 from minimegatron.pp import (KINDS, Interval, PipelineComm, bubble_fraction, check_schedule_args, idle_fraction,
                              peak_in_flight, simulate)
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch,
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
+                                  global_batches, local_microbatch,
                                   single_device_run, verdict_under_torchrun)
 from minimegatron.tp import apply_tensor_parallel, full_parameters
 from minimegatron.train import finalize_model_grads, initialize_layout
@@ -465,24 +466,13 @@ def report(args, run: PPRun, per_rank: list[dict], how: str, seconds: float) -> 
 
 
 def main_torchrun(args) -> int:
-    import torch.distributed as dist
-
-    from minimegatron.launch import init_from_torchrun
+    from minimegatron.launch import finish_torchrun, init_from_torchrun
 
     rank, world = init_from_torchrun()
-    model_parallel = args.tp * args.pp
-    if world % model_parallel or (args.dp is not None and model_parallel * args.dp != world):
-        if rank == 0:
-            if args.dp is None:
-                need = (f"--tp {args.tp} x --pp {args.pp} = {model_parallel} must divide the number of ranks {world} "
-                        f"(dp = ranks / (tp x pp))")
-            else:
-                need = (f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {model_parallel * args.dp} must equal "
-                        f"the number of ranks {world}")
-            print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
-    run = build_run(args, world // model_parallel)
+    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp, "pp": args.pp}, args.dp)
+    if dp is None:
+        return finish_torchrun(2)
+    run = build_run(args, dp)
     start = time.perf_counter()
     return verdict_under_torchrun(train_run(run),
                                   lambda per_rank: report(args, run, per_rank, "torchrun", time.perf_counter() - start))

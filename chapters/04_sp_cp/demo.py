@@ -61,7 +61,8 @@ from minimegatron.model.linear import RMSNorm
 from minimegatron.optim import learning_rate
 from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
 from minimegatron.pp import PipelineComm, stage_layers
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch,
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
+                                  global_batches, local_microbatch,
                                   single_device_run, verdict_under_torchrun)
 from minimegatron.tp import ColumnParallelLinear, allreduce_sequence_parallel_grads
 from minimegatron.tp.layers import SEQUENCE_DIM
@@ -547,20 +548,14 @@ def report(run: SeqRun, per_rank: list[dict], how: str, seconds: float) -> int:
 
 
 def main_torchrun(args) -> int:
-    from minimegatron.launch import init_from_torchrun
+    from minimegatron.launch import finish_torchrun, init_from_torchrun
 
     rank, world = init_from_torchrun()
     args.cp = args.cp or 1
-    model_parallel = args.tp * args.cp * args.pp
-    if world % model_parallel or (args.dp is not None and model_parallel * args.dp != world):
-        if rank == 0:
-            need = (f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp}" + (f" x --dp {args.dp}" if args.dp else "")
-                    + f" = {model_parallel * (args.dp or 1)} must " + ("equal" if args.dp else "divide")
-                    + f" the number of ranks {world}")
-            print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
-    run = build_run(args, world // model_parallel)
+    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp, "cp": args.cp, "pp": args.pp}, args.dp)
+    if dp is None:
+        return finish_torchrun(2)
+    run = build_run(args, dp)
     start = time.perf_counter()
     return verdict_under_torchrun(train_run(run),
                                   lambda per_rank: report(run, per_rank, "torchrun", time.perf_counter() - start))
