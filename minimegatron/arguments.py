@@ -75,7 +75,7 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "params_dtype": ("model", ("--params-dtype",),
                      "dtype of parameters and activations: float32, float64 or bfloat16 (the book's)"),
     "num_experts": ("moe", ("--num-experts",), "E, experts in each MoE layer; unset: a dense MLP everywhere "
-                                               "(chapter 05; one device so far)"),
+                                               "(chapter 05)"),
     "moe_router_topk": ("moe", ("--moe-router-topk",), "k, experts each token is routed to"),
     "moe_ffn_hidden_size": ("moe", ("--moe-ffn-hidden-size",), "an expert's inner width; unset: --ffn-hidden-size"),
     "moe_layer_freq": ("moe", ("--moe-layer-freq",), "every n-th layer (layer i with i %% n == 0) is an MoE layer"),
@@ -89,6 +89,18 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                    "no capacity"),
     "moe_token_drop_policy": ("moe", ("--moe-token-drop-policy",),
                               "which tokens a full expert keeps: probs (the largest weights) or position (the first)"),
+    "moe_router_load_balancing_type": ("moe", ("--moe-router-load-balancing-type",),
+                                       "aux_loss (over the micro-batch's tokens) or seq_aux_loss (per sequence, "
+                                       "averaged)"),
+    "moe_router_bias_update_rate": ("moe", ("--moe-router-bias-update-rate",),
+                                    "with --moe-router-enable-expert-bias: the bias's step per training step"),
+    "moe_token_dispatcher_type": ("moe", ("--moe-token-dispatcher-type",),
+                                  "how tokens reach the ranks of their experts: alltoall or allgather"),
+    "expert_model_parallel_size": ("parallelism", ("--expert-model-parallel-size",),
+                                   "ep, ranks the experts of a layer are spread over (chapter 05); expert dp = "
+                                   "world size / (etp x ep x pp)"),
+    "expert_tensor_parallel_size": ("parallelism", ("--expert-tensor-parallel-size",),
+                                    "etp, ranks each expert's matrices are cut over (chapter 05); unset: tp"),
     "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
     "grad_accum_steps": ("training", ("--grad-accum-steps",),
                          "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
@@ -154,6 +166,9 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
                  ("--progress", True, "a progress bar on rank 0 (the book's)")],
     "moe_router_pre_softmax": [("--moe-router-pre-softmax", True, "softmax over all experts before the top-k "
                                                                   "(default: over the chosen k after it)")],
+    "moe_router_enable_expert_bias": [("--moe-router-enable-expert-bias", True,
+                                       "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias for the "
+                                       "choice, updated after each step (needs sigmoid scores)")],
     "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
                                                          "per rank; all-gather / reduce-scatter replace the all-reduces "
                                                          "(chapter 04)")],
@@ -182,8 +197,6 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Megatron-LM flags for what the book does not (yet) do: refused with the reason, by name
 NOT_IN_BOOK: dict[str, str] = {
-    "--expert-model-parallel-size": "not implemented in this book yet (chapter 05)",
-    "--expert-tensor-parallel-size": "not implemented in this book yet (chapter 05)",
     "--bf16": "mixed precision is not implemented in this book yet (chapter 06); --params-dtype bfloat16 "
               "keeps plain bf16 parameters",
     "--fp16": "mixed precision is not implemented in this book yet (chapter 06)",

@@ -69,7 +69,7 @@ class ModelConfig:
     attention_backend: str = "sdpa"       # "sdpa" (fused exact kernel) | "naive" (written out: exercise 0.1)
     seed: int = 1234                      # initial weights depend on (seed, parameter name) only
     params_dtype: str = "float32"         # "float32" | "float64" | "bfloat16"
-    # mixture of experts (chapter 05, in progress: one device so far); None: a dense MLP everywhere
+    # mixture of experts (chapter 05); None: a dense MLP everywhere
     num_experts: int | None = None        # E experts in every moe_layer_freq-th layer
     moe_router_topk: int = 2              # k experts per token
     moe_ffn_hidden_size: int | None = None   # an expert's inner width; None = ffn_hidden_size
@@ -81,6 +81,9 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0         # router z-loss (ST-MoE)
     moe_expert_capacity_factor: float | None = None   # None: no capacity, no token dropped
     moe_token_drop_policy: str = "probs"  # "probs" | "position": which tokens an expert keeps
+    moe_router_load_balancing_type: str = "aux_loss"   # "aux_loss" (per micro-batch) | "seq_aux_loss" (per sequence)
+    moe_router_enable_expert_bias: bool = False   # DeepSeek-V3's bias for the choice (sigmoid scores)
+    moe_router_bias_update_rate: float = 1e-3     # the bias's step per training step
 
     # ---- presets -------------------------------------------------------------------
     @classmethod
@@ -187,6 +190,13 @@ class ModelConfig:
                 need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
             need(self.moe_token_drop_policy in ("probs", "position"),
                  f"moe_token_drop_policy={self.moe_token_drop_policy!r} is not 'probs' or 'position'")
+            need(self.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"),
+                 f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} is not 'aux_loss' "
+                 f"or 'seq_aux_loss'")
+            need(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
+                 "moe_router_enable_expert_bias needs moe_router_score_function='sigmoid' (as in Megatron-Core)")
+            need(self.moe_router_bias_update_rate >= 0,
+                 f"moe_router_bias_update_rate={self.moe_router_bias_update_rate} must be >= 0")
         dtype_from_name(self.params_dtype)
         return self
 
@@ -237,9 +247,20 @@ class TrainConfig:
     context_parallel_size: int = 1        # cp, ranks each sequence is split over (zig-zag)
     cp_comm_type: str = "p2p"             # "p2p" (ring) | "all_gather" | "a2a" (Ulysses) | "a2a+p2p"
     hierarchical_context_parallel_sizes: tuple[int, int] | None = None   # a2a+p2p: (all-to-all, ring) sizes
+    # expert parallelism (chapter 05): the experts' own grid over the same ranks, cp folded away;
+    # expert_dp = world / (etp ep pp)
+    expert_model_parallel_size: int = 1   # ep, ranks the experts of a layer are spread over
+    expert_tensor_parallel_size: int | None = None   # etp, ranks each expert's matrices are cut over; None = tp
+    moe_token_dispatcher_type: str = "alltoall"      # "alltoall" | "allgather"
     data_seed: int = 1234                 # data order and dropout masks
     device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
     progress: bool = True
+
+    @property
+    def etp(self) -> int:
+        """The expert tensor-parallel size: expert_tensor_parallel_size, by default the dense tp
+        (Megatron's default)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def validate(self, model: ModelConfig | None = None) -> "TrainConfig":
         def need(cond: bool, msg: str) -> None:
@@ -271,8 +292,12 @@ class TrainConfig:
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
         need(self.cp_comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"),
              f"cp_comm_type={self.cp_comm_type!r} is not one of p2p, all_gather, a2a, a2a+p2p")
+        need(self.moe_token_dispatcher_type in ("alltoall", "allgather"),
+             f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r} is not 'alltoall' or 'allgather'")
+        need(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
+             f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} must be >= 1")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "num_virtual_stages_per_pipeline_rank"):
+                     "expert_model_parallel_size", "num_virtual_stages_per_pipeline_rank"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         # how the sizes combine with the model and the world: parallelize.validate_layout
         if model is not None:

@@ -109,6 +109,12 @@ def clip_grad_norm(optimizer: "Optimizer", max_norm: float) -> float:
     """The global gradient norm before clipping; if max_norm > 0, scale every gradient the
     optimizer steps by min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s rule)."""
     norm = get_grad_norm(optimizer.grads_for_norm(), optimizer.grad_stats_groups, optimizer.norm_dtype)[0]
+    if getattr(optimizer, "expert_grad_stats_groups", None) is not None:
+        # a mixture's experts (chapter 05) are split over etp x ep x pp, not tp x pp: their sum of
+        # squares is taken over those groups and added (Megatron's ChainedOptimizer)
+        experts = get_grad_norm(optimizer.expert_grads_for_norm(), optimizer.expert_grad_stats_groups,
+                                optimizer.norm_dtype)[0]
+        norm = (norm.square() + experts.square()).sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for group in optimizer.param_groups:
@@ -126,16 +132,27 @@ class Optimizer(torch.optim.AdamW):
     dp/zero.py's DistributedOptimizer is the same with sharded state."""
 
     def __init__(self, params: Iterable[nn.Parameter], cfg: TrainConfig, tp_rank: int = 0,
-                 grad_stats_groups: Iterable = (), decay=lambda p: p.dim() >= 2):
+                 grad_stats_groups: Iterable = (), decay=lambda p: p.dim() >= 2,
+                 expert_grad_stats_groups: Iterable | None = None, expert_tp_rank: int = 0):
         params = list(params)
         super().__init__(param_groups(params, cfg, decay), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                          eps=cfg.adam_eps)
         self.tp_rank, self.grad_stats_groups = tp_rank, list(grad_stats_groups)
+        # experts (marked allreduce=False, chapter 05): counted over their own groups (etp, ep, pp)
+        self.expert_grad_stats_groups = None if expert_grad_stats_groups is None else list(expert_grad_stats_groups)
+        self.expert_tp_rank = expert_tp_rank
         self.norm_dtype = params[0].dtype if params else torch.float32
 
+    def _pieces(self, experts: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        split = self.expert_grad_stats_groups is not None
+        return [(p, p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None
+                and (split and getattr(p, "allreduce", True) is False) == experts]
+
     def grads_for_norm(self) -> list[torch.Tensor]:
-        return grads_for_norm([(p, p.grad) for group in self.param_groups for p in group["params"]
-                               if p.grad is not None], self.tp_rank)
+        return grads_for_norm(self._pieces(experts=False), self.tp_rank)
+
+    def expert_grads_for_norm(self) -> list[torch.Tensor]:
+        return grads_for_norm(self._pieces(experts=True), self.expert_tp_rank)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

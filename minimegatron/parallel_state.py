@@ -402,6 +402,10 @@ class Layout:
     (data_parallel_rank: this rank's replica), while gradients are averaged over all dp = dp x cp
     ranks of dp_group ("dp-cp"). cp_a2a_group and cp_p2p_group: the hierarchical groups of
     cp_comm_type "a2a+p2p" (None otherwise).
+
+    Experts (chapter 05), on the expert grid (cp folded away, etp in tp's slot): ep, etp and
+    expert_dp sizes, this rank's ep_rank and etp_rank, and their groups; etp_ep_group (experts'
+    tensor x expert parallel ranks); tp_cp_group and tp_dp_cp_group from the dense grid.
     """
     world: int = 1
     rank: int = 0
@@ -423,6 +427,17 @@ class Layout:
     data_parallel_rank: int | None = None      # default dp_rank // cp
     cp_a2a_group: object = None
     cp_p2p_group: object = None
+    tp_cp_group: object = None                 # the ranks whose tokens make one micro-batch (MoE's aux losses)
+    tp_dp_cp_group: object = None              # every rank of this pipeline stage (the expert bias counts)
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: object = None
+    etp: int = 1
+    etp_rank: int = 0
+    etp_group: object = None
+    etp_ep_group: object = None                # the allgather dispatcher's group
+    expert_dp: int = 1
+    expert_dp_group: object = None
 
     def __post_init__(self):
         if self.data_parallel_size is None:
@@ -439,4 +454,9 @@ def get_layout() -> Layout:
                   get_group("dp-cp"), get_group("embedding"), tuple(get_group_ranks("pp")),
                   cp=_size_of("cp"), cp_rank=_rank_in("cp"), cp_group=get_group("cp"),
                   data_parallel_size=_size_of("dp"), data_parallel_rank=_rank_in("dp"),
-                  cp_a2a_group=state.groups.get("hcp-a2a"), cp_p2p_group=state.groups.get("hcp-p2p"))
+                  cp_a2a_group=state.groups.get("hcp-a2a"), cp_p2p_group=state.groups.get("hcp-p2p"),
+                  tp_cp_group=get_group("tp-cp"), tp_dp_cp_group=get_group("tp-dp-cp"),
+                  ep=_size_of("ep"), ep_rank=_rank_in("ep"), ep_group=get_group("ep"),
+                  etp=_size_of("etp"), etp_rank=_rank_in("etp"), etp_group=get_group("etp"),
+                  etp_ep_group=get_group("etp-ep"), expert_dp=_size_of("expert-dp"),
+                  expert_dp_group=get_group("expert-dp"))

@@ -1,7 +1,7 @@
 """How the parallelisms are applied to the one model, in one order a reader can recite:
 
     cut into pipeline chunks (03) -> tensor (+ sequence) parallel (02, 04) -> context
-    parallel (04) -> [experts (05), FP8 (06)] -> data-parallel wrapper (01)
+    parallel (04) -> expert parallel (05) -> [FP8 (06)] -> data-parallel wrapper (01)
 
 `build_model` is that order, in one function; each `apply_*` is a no-op when its size is 1,
 so the single device is the same code with every size 1. A new chapter adds one `apply_*`,
@@ -30,7 +30,8 @@ from .cp import apply_context_parallel, check_context_parallel_config, check_con
 from .dp import DataParallel, DistributedOptimizer, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel
 from .model import GPTModel
 from .optim import Optimizer
-from .parallel_state import Layout
+from .moe import apply_expert_parallel, check_expert_parallel_config, full_expert_tensors
+from .parallel_state import Layout, rank_groups
 from .pp import check_schedule_args, stage_layers, virtual_stage
 from .tp import (apply_tensor_parallel, check_tensor_parallel_config, full_gradients, full_parameters,
                  gather_full_tensors)
@@ -57,10 +58,11 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
                           f"context_parallel_size={cp} x pipeline_model_parallel_size={pp}{hint}")
     if tp > 1:
         check_tensor_parallel_config(model_cfg, tp)                     # heads, groups, ffn by tp
-    if model_cfg.num_experts is not None and world_size > 1:
-        raise ConfigError(f"num_experts={model_cfg.num_experts} in a world of {world_size} ranks: the mixture of "
-                          f"experts runs on one device so far (chapter 05 in progress: expert parallelism, its "
-                          f"token dispatchers and its gradient groups come next); train it with one process")
+    check_expert_parallel_config(model_cfg, cfg, world_size)           # experts by ep, etp; SP with tp
+    try:                                                                # the two grids agree on pp
+        rank_groups(world_size, tp=tp, pp=pp, cp=cp, ep=cfg.expert_model_parallel_size, etp=cfg.etp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if sp and tp == 1:
         raise ConfigError("sequence_parallel with tensor_model_parallel_size=1: sequence parallelism cuts the regions "
                           "tensor parallelism leaves replicated, so it needs tp > 1 (Megatron ignores it at tp 1)")
@@ -124,11 +126,15 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         # 3. context parallel (chapter 04): attention over the sequence cut over the CP group
         model = apply_context_parallel(model, layout.cp_group, cfg.cp_comm_type,
                                        a2a_group=layout.cp_a2a_group, p2p_group=layout.cp_p2p_group)
-        # (chapter 05: apply_expert_parallel, 06: apply_fp8, here)
+        # 4. expert parallel (chapter 05): each MoE layer's experts spread over the EP group, cut
+        #    over the ETP group, reached through the token dispatcher
+        model = apply_expert_parallel(model, layout, cfg.moe_token_dispatcher_type)
+        # (chapter 06: apply_fp8, here)
         if load is not None:
             model.load_state_dict(load[c])
-        # 4. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO
-        model = apply_data_parallel(model, cfg, layout.dp_group)
+        # 5. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
+        #    the experts' summed over the expert-data-parallel group
+        model = apply_data_parallel(model, cfg, layout.dp_group, layout.expert_dp_group)
         chunks.append(model)
     return chunks
 
@@ -146,12 +152,15 @@ def unwrap(chunk: nn.Module) -> nn.Module:
 
 def build_optimizer(chunks: list[nn.Module], cfg: TrainConfig, layout: Layout) -> Optimizer:
     """AdamW over this rank's chunks; its gradient norm sums over the groups that split the
-    model (tp, pp). Under ZeRO the DistributedOptimizer over the wrapper's shards, whose norm
+    model (tp, pp; for a mixture's experts etp, ep, pp). Under ZeRO the DistributedOptimizer over the wrapper's shards, whose norm
     also sums over the data-parallel group."""
     model_groups = [layout.tp_group, layout.pp_group]
     if isinstance(chunks[0], (ZeroDataParallel, FullyShardedDataParallel)):       # ZeRO: pp == 1
         return DistributedOptimizer(chunks[0], cfg, layout.tp_rank, model_groups)
-    return Optimizer([p for chunk in chunks for p in chunk.parameters()], cfg, layout.tp_rank, model_groups)
+    has_experts = unwrap(chunks[0]).config.num_experts is not None and layout.world > 1
+    return Optimizer([p for chunk in chunks for p in chunk.parameters()], cfg, layout.tp_rank, model_groups,
+                     expert_grad_stats_groups=[layout.etp_group, layout.ep_group, layout.pp_group] if has_experts
+                     else None, expert_tp_rank=layout.etp_rank)
 
 
 def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -159,7 +168,9 @@ def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = Fa
     single-device name and full shape, on every rank: TP shards all-gathered (tag "full"),
     ZeRO shards gathered (tag "inspect"), the pipeline's stages exchanged
     (torch.distributed.all_gather_object over the pipeline group: checkpoint plumbing, in no
-    ledger), a pipeline's copy of a tied embedding left out. Collective over every rank."""
+    ledger), a pipeline's copy of a tied embedding left out; a mixture's experts gathered over
+    etp and ep (moe.full_expert_tensors), saved buffers (a router's expert bias) copied.
+    Collective over every rank."""
     mine: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         model = unwrap(chunk)
@@ -170,6 +181,10 @@ def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = Fa
             full = chunk.gather_parameters()
         else:
             full = (full_gradients if grads else full_parameters)(model, layout.tp_group)
+            full.update(full_expert_tensors(model, layout, grads))         # experts: over etp, ep
+            if not grads:                                                   # saved buffers (expert bias)
+                params = dict(model.named_parameters())
+                full.update({n: t.detach().clone() for n, t in model.state_dict().items() if n not in params})
         shared = {n for n, p in model.named_parameters() if getattr(p, "shared", False)}
         mine.update({n: t for n, t in full.items() if n not in shared})
     if layout.pp == 1:

@@ -149,6 +149,64 @@ def local_microbatch(batch: dict[str, torch.Tensor], train_cfg: TrainConfig, m: 
     return {k: v[rows] for k, v in batch.items()}
 
 
+def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batches: list[dict[str, torch.Tensor]],
+                 tags: tuple[str, ...] = (), after_build=None, load_balance: bool = True) -> tuple[dict, list, object]:
+    """Train `model_cfg` on this rank's share of `batches` (one global batch per step) with the
+    training loop's own pieces, on the layout of `train_cfg` over the whole world (dp data
+    replicas): train.initialize_layout, parallelize.build_model (then `after_build(chunks,
+    layout)` if given), build_optimizer, and train.train_step on the micro-batches the loop's
+    data order gives this rank (local_microbatch, then cp.get_batch_on_this_cp_rank; zig-zag,
+    or contiguous with load_balance=False). Collective over every rank.
+
+    Returns (out, chunks, layout); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank" (data
+    replica), "ep_rank", "etp_rank", "losses" (per step, the global batch's mean), "grads"
+    (first step) and "params" (final), full under single-device names, "ledger" (the first
+    step's (op, tag, bytes) with a tag in `tags`), "microbatches" (the last step's)}."""
+    from . import comm
+    from .cp import get_batch_on_this_cp_rank
+    from .optim import learning_rate
+    from .parallelize import build_model, build_optimizer, full_model_tensors
+    from .pp import PipelineComm
+    from .train import initialize_layout, train_step
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    t = train_cfg
+    needed = t.tensor_model_parallel_size * t.context_parallel_size * t.pipeline_model_parallel_size * dp
+    if world != needed:
+        raise ValueError(f"this layout needs tp x cp x pp x dp = {needed} ranks, the world has {world}")
+    layout = initialize_layout(t)
+    chunks = build_model(model_cfg, t, layout)
+    if after_build is not None:
+        after_build(chunks, layout)
+    optimizer = build_optimizer(chunks, t, layout)
+    local_seq = t.seq_length // layout.cp // (layout.tp if t.sequence_parallel else 1)
+    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, 1, (t.micro_batch_size, local_seq, model_cfg.hidden_size),
+                        model_cfg.dtype) if layout.pp > 1 else None)
+    out = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank,
+           "dp_rank": layout.data_parallel_rank, "ep_rank": layout.ep_rank, "etp_rank": layout.etp_rank,
+           "losses": [], "grads": {}}
+    for step, batch in enumerate(batches):
+        microbatches = [get_batch_on_this_cp_rank(local_microbatch(batch, t, m, layout.data_parallel_rank, dp),
+                                                  layout.cp, layout.cp_rank, load_balance)
+                        for m in range(t.grad_accum_steps)]
+
+        def keep_grads():
+            if not out["grads"]:
+                out["grads"] = full_model_tensors(chunks, layout, grads=True)
+        with comm.record_communication() as ledger:
+            loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), t.clip_grad, p2p,
+                                 on_grads=keep_grads)
+        if step == 0:
+            out["ledger"] = [(r.op, r.tag, r.nbytes) for r in ledger if r.tag in tags]
+        mean = torch.tensor([loss], dtype=torch.float64)
+        comm.all_reduce(mean, layout.dp_group, op="avg", tag="loss")     # over dp x cp: the global mean
+        out["losses"].append(mean.item())
+    out["params"] = full_model_tensors(chunks, layout)
+    out["microbatches"] = microbatches
+    return out, chunks, layout
+
+
 def split_microbatches(batch: dict[str, torch.Tensor], num: int) -> list[dict[str, torch.Tensor]]:
     """Cut a global batch [B, s] into `num` micro-batches [B/num, s] along the batch dim."""
     B = batch["tokens"].shape[0]

@@ -54,6 +54,7 @@ from .dp import finish_grad_sync, no_sync
 from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun
 from .model.moe import set_moe_aux_loss_scale
+from .moe import update_expert_bias
 from .optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
@@ -89,13 +90,17 @@ def finalize_model_grads(chunks: list[nn.Module], layout: Layout) -> None:
       1. data parallel: wait for (or run) each chunk's gradient reduction (finish_grad_sync),
          over the dp x cp ranks (context parallel ranks hold the same weights);
       2. sequence parallel: sum the norms' (and row-parallel biases') gradients over TP;
-      3. pipeline: sum the tied embedding's two gradients over the embedding group.
+      3. pipeline: sum the tied embedding's two gradients over the embedding group;
+      4. mixture of experts: move each router's expert bias from the step's routed counts, summed
+         over the stage's tp x dp x cp ranks (the experts' own gradients were summed over the
+         expert-data-parallel group in step 1, in buffers of their own).
     Later chapters add their hooks here."""
     for chunk in chunks:
         finish_grad_sync(chunk)
     allreduce_sequence_parallel_grads([unwrap(c) for c in chunks], layout.tp_group)   # no-op without SP
     if layout.pp > 1:
         allreduce_tied_embedding_grads([unwrap(c) for c in chunks], layout.embedding_group)
+    update_expert_bias([unwrap(c) for c in chunks], layout.tp_dp_cp_group)            # no-op without one
 
 
 def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list[dict[str, torch.Tensor]],
@@ -184,7 +189,8 @@ RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size",
                      "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage",
                      "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
                      "num_virtual_stages_per_pipeline_rank", "sequence_parallel", "context_parallel_size",
-                     "cp_comm_type")
+                     "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                     "moe_token_dispatcher_type")
 
 
 def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
@@ -209,6 +215,7 @@ def initialize_layout(cfg: TrainConfig) -> Layout:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size, context_parallel_size=cp,
+        expert_model_parallel_size=cfg.expert_model_parallel_size, expert_tensor_parallel_size=cfg.etp,
         hierarchical_context_parallel_sizes=hierarchical_sizes(cp, cfg.cp_comm_type,
                                                                cfg.hierarchical_context_parallel_sizes))
     return parallel_state.get_layout()
@@ -227,7 +234,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     validate_layout(model_cfg, cfg, dist.get_world_size() if dist.is_initialized() else 1)
     layout = initialize_layout(cfg)
     train_ds, valid_ds = build_datasets(model_cfg, cfg)
-    split = layout.tp > 1 or layout.pp > 1                  # each rank holds a part of the model
+    split = holds_part_of_model(layout)
 
     state = own = None
     if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
@@ -290,13 +297,19 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     return result
 
 
+def holds_part_of_model(layout: Layout) -> bool:
+    """Does each rank hold only a part of the model (tp, pp, ep or etp > 1)? Then each saves its
+    own chunks' state dicts, which a resume with the same layout loads."""
+    return layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or layout.etp > 1
+
+
 def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> str:
     """One checkpoint (see checkpoint.py): every rank's own file first, then rank 0's main file.
 
     The main file's "model" is always the single-device state (names and full shapes: the
     shards gathered, a collective). When the model is split (TP or PP) each rank's own file
     also holds its chunks' own state dicts, which is what a resume with the same layout loads."""
-    split = layout.tp > 1 or layout.pp > 1
+    split = holds_part_of_model(layout)
     model_state = full_model_tensors(chunks, layout)                      # collective
     own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "tp_rng": get_rng_tracker().get_states(),
            **({"model": [unwrap(c).state_dict() for c in chunks]} if split else {})}

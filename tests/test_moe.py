@@ -6,6 +6,8 @@ and the command line takes Megatron's MoE flags while parallel layouts are refus
 
 import math
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,23 @@ def test_command_line_and_layout_checks():
     assert model_cfg.moe_expert_capacity_factor == 1.25
     with pytest.raises(ConfigError, match="moe_router_topk=9 must be in \\[1, num_experts=8\\]"):
         ModelConfig(num_experts=8, moe_router_topk=9).validate()
-    with pytest.raises(ConfigError, match="num_experts=4 in a world of 2 ranks: the mixture of experts runs on one "
-                                          "device so far"):
-        validate_layout(_config(), TrainConfig(seq_length=32), 2)
+    # every layout an expert grid cannot take is refused by name, before any process starts
+    model = _config()                                               # 4 experts
+    refusals = {
+        "num_experts=4 is not divisible by expert_model_parallel_size=3":
+            dict(expert_model_parallel_size=3),
+        "needs sequence_parallel": dict(tensor_model_parallel_size=2),
+        "is not divisible by expert_tensor_parallel_size=3 x expert_model_parallel_size=2":
+            dict(expert_model_parallel_size=2, expert_tensor_parallel_size=3),
+        "zero_stage=1": dict(expert_model_parallel_size=2, zero_stage=1),
+        "ddp_impl='naive'": dict(expert_model_parallel_size=2, ddp_impl="naive"),
+    }
+    for message, sizes in refusals.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate_layout(model, TrainConfig(seq_length=32, **sizes), 4)
+    with pytest.raises(ConfigError, match="a model without experts"):
+        validate_layout(ModelConfig(), TrainConfig(seq_length=32, expert_model_parallel_size=2), 2)
+    with pytest.raises(ConfigError, match="add_bias_linear"):
+        validate_layout(ModelConfig.gpt2(**{**model.__dict__, "add_bias_linear": True}),
+                        TrainConfig(seq_length=32, tensor_model_parallel_size=2, sequence_parallel=True), 2)
+    validate_layout(model, TrainConfig(seq_length=32, expert_model_parallel_size=2), 4)     # ep 2 x expert dp 2

@@ -54,19 +54,16 @@ from minimegatron import comm, parallel_state
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.cp import (CP_COMM_TYPES, ContextParallelAttention, apply_context_parallel, causal_work_per_rank,
-                             cp_chunk_ids, get_batch_on_this_cp_rank, positions_on_rank)
+                             cp_chunk_ids, positions_on_rank)
 from minimegatron.cp.attention import hierarchical_sizes
 from minimegatron.model import GPTModel
 from minimegatron.model.linear import RMSNorm
-from minimegatron.optim import learning_rate
-from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
-from minimegatron.pp import PipelineComm, stage_layers
+from minimegatron.parallelize import build_model, unwrap, validate_layout
+from minimegatron.pp import stage_layers
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
-                                  global_batches, local_microbatch,
-                                  single_device_run, verdict_under_torchrun)
+                                  global_batches, single_device_run, train_layout, verdict_under_torchrun)
 from minimegatron.tp import ColumnParallelLinear, allreduce_sequence_parallel_grads
 from minimegatron.tp.layers import SEQUENCE_DIM
-from minimegatron.train import initialize_layout, train_step
 
 COMM_TAGS = ("fwd", "bwd", "regather", "sp-grads")   # what tensor, sequence and context parallelism send
 
@@ -135,39 +132,15 @@ def train_run(run: SeqRun) -> dict:
     first step's (op, tag, bytes) with tags COMM_TAGS), "saved_bytes" (one micro-batch's
     activations on this rank, first stage only: None elsewhere) and, with tp > 1,
     "saved_bytes_without_sp" (the same model built without sequence parallelism)}."""
-    if dist.get_world_size() != run.world:
-        raise ValueError(f"this run needs tp x cp x pp x dp = {run.tp} x {run.cp} x {run.pp} x {run.dp} = "
-                         f"{run.world} ranks, the world has {dist.get_world_size()}")
-    t = run.train
-    layout = initialize_layout(t)
-    chunks = build_model(run.model, t, layout)
-    if not run.load_balance:                  # the contiguous cut instead of build_model's zig-zag
+    def contiguous(chunks, layout):           # the contiguous cut instead of build_model's zig-zag
         for chunk in chunks:
             apply_context_parallel(unwrap(chunk), layout.cp_group, t.cp_comm_type, load_balance=False,
                                    a2a_group=layout.cp_a2a_group, p2p_group=layout.cp_p2p_group)
-    optimizer = build_optimizer(chunks, t, layout)
-    local_seq = t.seq_length // layout.cp // (layout.tp if t.sequence_parallel else 1)
-    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, 1, (t.micro_batch_size, local_seq, run.model.hidden_size),
-                        run.model.dtype) if layout.pp > 1 else None)
-    out = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank,
-           "dp_rank": layout.data_parallel_rank, "losses": [], "grads": {}}
-    batches = run.global_batches()
-    for step, batch in enumerate(batches):
-        microbatches = [get_batch_on_this_cp_rank(local_microbatch(batch, t, m, layout.data_parallel_rank, run.dp),
-                                                  layout.cp, layout.cp_rank, run.load_balance)
-                        for m in range(t.grad_accum_steps)]
-        def keep_grads():
-            if not out["grads"]:
-                out["grads"] = full_model_tensors(chunks, layout, grads=True)
-        with comm.record_communication() as ledger:
-            loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), t.clip_grad, p2p,
-                                 on_grads=keep_grads)
-        if step == 0:
-            out["ledger"] = [(r.op, r.tag, r.nbytes) for r in ledger if r.tag in COMM_TAGS]
-        mean = torch.tensor([loss], dtype=torch.float64)
-        comm.all_reduce(mean, layout.dp_group, op="avg", tag="loss")     # over dp x cp: the global mean
-        out["losses"].append(mean.item())
-    out["params"] = full_model_tensors(chunks, layout)
+    t = run.train
+    out, chunks, layout = train_layout(run.model, t, run.dp, run.global_batches(), COMM_TAGS,
+                                       after_build=None if run.load_balance else contiguous,
+                                       load_balance=run.load_balance)
+    microbatches = out.pop("microbatches")
     out["saved_bytes"] = out["saved_bytes_without_sp"] = None
     if layout.pp_rank == 0:                   # the first stage holds the embedding: feed it tokens
         mb = microbatches[0]

@@ -50,7 +50,8 @@ from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce,
                           recv, reduce_scatter, reduce_scatter_tensor, send)
 from .ledger import (CommRecord, Ledger, OpSummary, group_rank, group_ranks, group_size,
                      record_communication, ring_traffic)
-from .regions import (all_to_all_region, copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+from .regions import (all_to_all_region, all_to_all_uneven_region, gather_uneven_region, reduce_scatter_uneven_region,
+                      copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                       gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                       reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                       scatter_to_tensor_model_parallel_region)
@@ -64,4 +65,5 @@ __all__ = ["CommRecord", "Ledger", "OpSummary", "record_communication", "ring_tr
            "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
            "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
            "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-           "scatter_to_sequence_parallel_region", "all_to_all_region"]
+           "scatter_to_sequence_parallel_region", "all_to_all_region", "all_to_all_uneven_region",
+           "gather_uneven_region", "reduce_scatter_uneven_region"]

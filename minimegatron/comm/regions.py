@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import all_gather, all_reduce, all_to_all, group_rank, group_size, reduce_scatter
+from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, group_rank, group_size, reduce_scatter
 
 # ======================================================================================
 # Autograd-aware regions (Megatron's tensor-parallel "mappings")
@@ -28,6 +28,14 @@ from .collectives import all_gather, all_reduce, all_to_all, group_rank, group_s
 #     all_to_all_region                                           all-to-all       the inverse all-to-all
 #
 # Forward calls are recorded with tag "fwd", backward calls with tag "bwd".
+#
+# The token dispatchers of a mixture of experts (chapter 05) move a different number of rows
+# to and from each member, so they need the uneven forms (Megatron passes split sizes to the
+# same mappings); each takes a ledger tag, and its backward records tag + "-bwd":
+#
+#     all_to_all_uneven_region        all-to-all, in_splits -> out_splits   the reverse splits
+#     gather_uneven_region            all-gather of sizes[i] rows           reduce-scatter of them
+#     reduce_scatter_uneven_region    reduce-scatter into sizes[i] rows     all-gather of them
 
 def _sum(x, group, tag):
     # all_reduce works in place: never overwrite a tensor that autograd or the caller holds
@@ -135,6 +143,61 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all(grad, ctx.group, gather_dim, scatter_dim, tag="bwd"), None, None, None
 
 
+def _reduce_scatter_rows(x, group, sizes, tag):
+    """Sum x [sum(sizes), ...] over the group and keep this member's rows (sizes[rank] of them,
+    after the sizes of the members before it). gloo reduce-scatters equal chunks only, so each
+    member's rows are padded to the largest size first (the record counts the padded input)."""
+    largest, rank = max(sizes), group_rank(group)
+    padded = x.new_zeros(len(sizes) * largest, *x.shape[1:])                 # [n * largest, ...]
+    for i, piece in enumerate(x.split(sizes)):
+        padded[i * largest:i * largest + sizes[i]] = piece
+    return reduce_scatter(padded, group, dim=0, tag=tag)[:sizes[rank]]
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    """Forward all-to-all of rows with uneven splits; backward the same with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, in_splits, out_splits, tag):
+        ctx.group, ctx.splits, ctx.tag = group, (in_splits, out_splits), tag
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        return all_to_all_single(out, x, group, in_splits, out_splits, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits = ctx.splits
+        dx = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        return all_to_all_single(dx, grad.contiguous(), ctx.group, out_splits, in_splits, tag=ctx.tag + "-bwd"), \
+            None, None, None, None
+
+
+class _GatherUneven(torch.autograd.Function):
+    """Forward all-gather of sizes[i] rows from member i; backward reduce-scatter of them."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes, tag):
+        ctx.group, ctx.sizes, ctx.tag = group, sizes, tag
+        return all_gather(x, group, dim=0, sizes=sizes, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group, ctx.sizes, ctx.tag + "-bwd"), None, None, None
+
+
+class _ReduceScatterUneven(torch.autograd.Function):
+    """Forward reduce-scatter into sizes[i] rows for member i; backward all-gather of them."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes, tag):
+        ctx.group, ctx.sizes, ctx.tag = group, sizes, tag
+        return _reduce_scatter_rows(x, group, sizes, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad.contiguous(), ctx.group, dim=0, sizes=ctx.sizes, tag=ctx.tag + "-bwd"), \
+            None, None, None
+
+
 def copy_to_tensor_model_parallel_region(x, group):
     """The copy operator (the paper's f): forward identity; backward all-reduce (sum) of the gradient.
 
@@ -188,3 +251,28 @@ def all_to_all_region(x, group, scatter_dim, gather_dim):
     the inverse all-to-all (scatter ``gather_dim``, gather ``scatter_dim``). Ulysses swaps
     sequence shards for head shards this way; MoE sends tokens to their experts."""
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def all_to_all_uneven_region(x, group, in_splits: list[int], out_splits: list[int], tag: str):
+    """x [sum(in_splits), ...]: rows in_splits[j] go to member j; returns [sum(out_splits), ...],
+    out_splits[i] rows from member i, in member order. Backward: the same exchange with the
+    splits swapped. (The counts must be known on both sides: exchange them first.)"""
+    if group_size(group) == 1:
+        return x
+    return _AllToAllUneven.apply(x, group, list(in_splits), list(out_splits), tag)
+
+
+def gather_uneven_region(x, group, sizes: list[int], tag: str):
+    """x [sizes[rank], ...] -> [sum(sizes), ...], every member's rows in member order; backward
+    reduce-scatter (each member's gradient of the gathered rows is a partial sum)."""
+    if group_size(group) == 1:
+        return x
+    return _GatherUneven.apply(x, group, list(sizes), tag)
+
+
+def reduce_scatter_uneven_region(x, group, sizes: list[int], tag: str):
+    """x [sum(sizes), ...], a partial sum on each member -> this member's sizes[rank] rows of the
+    sum; backward all-gather."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterUneven.apply(x, group, list(sizes), tag)

@@ -47,16 +47,20 @@ def build_zero(model: nn.Module, group, stage: int, cfg: TrainConfig, bucket_siz
     return wrapper, DistributedOptimizer(wrapper, cfg, tp_rank, model_groups)
 
 
-def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group) -> nn.Module:
+def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=None) -> nn.Module:
     """Wrap `model` for data parallelism over `group`, as `cfg` asks; the model itself when
-    the group has one rank (nothing to average or to shard):
+    there is nothing to average or to shard (the group, and expert_group if given, of one rank):
 
     zero_stage 0: `ddp_impl` "naive" (NaiveDataParallel) or "bucketed"
                   (DistributedDataParallel, buckets of `ddp_bucket_size` elements);
     zero_stage 1, 2: ZeroDataParallel (pair it with a DistributedOptimizer);
     zero_stage 3: FullyShardedDataParallel (the same).
+
+    A mixture of experts (chapter 05) passes expert_group, the expert-data-parallel group: its
+    experts (marked allreduce=False) are reduced there, in buckets of their own; only the
+    bucketed DDP does that here (parallelize.validate_layout refuses the others with experts).
     """
-    if comm.group_size(group) == 1:
+    if comm.group_size(group) == 1 and (expert_group is None or comm.group_size(expert_group) == 1):
         return model
     if cfg.zero_stage == 3:
         return FullyShardedDataParallel(model, group)
@@ -66,7 +70,7 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group) -> nn.Module:
         return NaiveDataParallel(model, group)
     element_size = next(model.parameters()).element_size()
     bucket_bytes = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
-    return DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes)
+    return DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes, expert_group=expert_group)
 
 
 __all__ = ["DataParallel", "no_sync", "finish_grad_sync", "NaiveDataParallel", "HookedDataParallel",

@@ -121,6 +121,8 @@ class Bucket:
     grad_data: torch.Tensor             # [numel], a view of DistributedDataParallel.grad_buffer
     ready: set[int] = field(default_factory=set)   # ids of params whose gradient has arrived
     work: object | None = None          # the async all-reduce in flight, if any
+    group: object = None                # where it is reduced: the data-parallel group, or for
+                                        # experts the expert-data-parallel group
 
 
 class DistributedDataParallel(DataParallel):
@@ -136,6 +138,9 @@ class DistributedDataParallel(DataParallel):
                          per parameter.
       overlap:           launch each bucket from backward as soon as it is complete (True),
                          or all of them in finish_grad_sync (False).
+      expert_group:      the expert-data-parallel group, where the gradients of parameters
+                         marked allreduce=False (a mixture's experts, chapter 05) are summed,
+                         in a buffer and buckets of their own (expert_grad_buffer).
 
     Attributes: buckets (list[Bucket], in buffer order), grad_buffer ([N] all gradients),
     main_grad (dict param -> its [shape] view of the buffer), timeline (BucketTimeline of
@@ -147,7 +152,7 @@ class DistributedDataParallel(DataParallel):
     """
 
     def __init__(self, module: nn.Module, group, bucket_size_bytes: int | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, expert_group=None):
         super().__init__(module, group)
         self.overlap = overlap
         params = [p for p in module.parameters() if p.requires_grad]
@@ -164,32 +169,50 @@ class DistributedDataParallel(DataParallel):
         else:   # ">= bucket_size_bytes bytes" is ">= ceil(bytes / element_size) elements"
             bucket_numel = math.ceil(bucket_size_bytes / element_size)
 
-        order = params[::-1]                                # backward produces these first
-        groups = assign_buckets([p.numel() for p in order], bucket_numel)
-        if [i for g in groups for i in g] != list(range(len(order))) or not all(groups):
-            raise ValueError(f"assign_buckets returned {groups}: expected non-empty lists of "
-                             f"consecutive indices covering 0..{len(order) - 1} in order")
-
-        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        # Experts (chapter 05) are marked `allreduce = False` (Megatron's attribute): their
+        # gradients are summed over expert_group (the expert-data-parallel ranks holding the same
+        # experts), not over `group`, so they get a buffer and buckets of their own. Both are
+        # scaled by 1/dp, dp the dense group's size (Megatron's expert_gradient_scaling_factor
+        # without average_in_collective): every token's gradient reaches exactly one expert-dp
+        # member, and the sum over them, divided by dp, is the single-device gradient.
+        experts = [p for p in params if getattr(p, "allreduce", True) is False]
+        dense = [p for p in params if getattr(p, "allreduce", True) is not False]
+        if experts and expert_group is None:
+            raise ValueError(f"{len(experts)} parameter(s) are marked allreduce=False (experts) but no "
+                             "expert_group was given: pass the expert-data-parallel group")
+        self.expert_group = expert_group
         self.main_grad: dict[nn.Parameter, torch.Tensor] = {}
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self.buckets: list[Bucket] = []
-        offset = 0
-        for index, group_indices in enumerate(groups):
-            members = [order[i] for i in group_indices]
-            numel = sum(p.numel() for p in members)
-            bucket = Bucket(index, members, self.grad_buffer[offset:offset + numel])
-            for p in members:
-                self.main_grad[p] = self.grad_buffer[offset:offset + p.numel()].view_as(p)
-                self._bucket_of[p] = bucket
-                offset += p.numel()
-            self.buckets.append(bucket)
+        self.grad_buffer = self._make_buckets(dense, group, bucket_numel)
+        self.expert_grad_buffer = self._make_buckets(experts, expert_group, bucket_numel) if experts else None
 
         self._synced = False                # finish_grad_sync done: the next forward starts a step
         self.recorder = TimelineRecorder(overlap)   # the times of the timeline (timeline.py)
         self.timeline: BucketTimeline | None = None
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _make_buckets(self, params: list[nn.Parameter], group, bucket_numel: int) -> torch.Tensor:
+        """One flat gradient buffer for `params`, cut into buckets reduced over `group`, appended
+        to self.buckets; returns the buffer."""
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        order = params[::-1]                                # backward produces these first
+        groups = assign_buckets([p.numel() for p in order], bucket_numel)
+        if [i for g in groups for i in g] != list(range(len(order))) or not all(groups):
+            raise ValueError(f"assign_buckets returned {groups}: expected non-empty lists of "
+                             f"consecutive indices covering 0..{len(order) - 1} in order")
+        offset = 0
+        for group_indices in groups:
+            members = [order[i] for i in group_indices]
+            numel = sum(p.numel() for p in members)
+            bucket = Bucket(len(self.buckets), members, buffer[offset:offset + numel], group=group)
+            for p in members:
+                self.main_grad[p] = buffer[offset:offset + p.numel()].view_as(p)
+                self._bucket_of[p] = bucket
+                offset += p.numel()
+            self.buckets.append(bucket)
+        return buffer
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args, **kwargs):
@@ -222,9 +245,10 @@ class DistributedDataParallel(DataParallel):
             self._start_grad_sync(bucket)
 
     def _start_grad_sync(self, bucket: Bucket) -> None:
-        """Scale the bucket by 1/dp and launch its asynchronous all-reduce (sum)."""
+        """Scale the bucket by 1/dp and launch its asynchronous all-reduce (sum) over its group."""
         bucket.grad_data.mul_(1.0 / self.dp_size)
-        bucket.work = comm.all_reduce(bucket.grad_data, self.group, op="sum", tag="grads", async_op=True)
+        tag = "grads" if bucket.group is self.group else "expert-grads"
+        bucket.work = comm.all_reduce(bucket.grad_data, bucket.group, op="sum", tag=tag, async_op=True)
         self.recorder.launched(bucket.index, bucket.work, bucket.grad_data.numel(),
                                bucket.grad_data.numel() * bucket.grad_data.element_size())
 
@@ -256,6 +280,8 @@ class DistributedDataParallel(DataParallel):
                                    "is in flight: call finish_grad_sync() first")
             bucket.ready.clear()
         self.grad_buffer.zero_()
+        if self.expert_grad_buffer is not None:
+            self.expert_grad_buffer.zero_()
         for p in self.main_grad:
             p.grad = None
         self._synced = False

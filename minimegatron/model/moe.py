@@ -33,11 +33,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm import all_reduce, group_size
 from ..config import ModelConfig
 from .mlp import MLP, mlp_activation
-from .router import apply_token_dropping, aux_loss, topk_routing, z_loss
+from .router import apply_token_dropping, aux_loss, sequence_aux_loss, topk_routing, z_loss
 
-__all__ = ["MoELayer", "MoEAuxLossAutoScaler", "experts_loop", "experts_grouped", "set_moe_aux_loss_scale"]
+__all__ = ["MoELayer", "MoEAuxLossAutoScaler", "experts_loop", "experts_grouped", "experts_on_sorted_tokens",
+           "set_moe_aux_loss_scale"]
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -72,37 +74,59 @@ def experts_loop(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.T
 
 def experts_grouped(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                     experts: dict[int, nn.Module]) -> torch.Tensor:
-    """The same as `experts_loop`, with every expert in one batched matrix product: the tokens
-    sorted by expert into [E_local, C, h] (C the largest count, zero rows as padding), fc1 and fc2
-    of all experts stacked into [E_local, f, h] and [E_local, h, f]."""
+    """The same as `experts_loop`, with every expert in one batched matrix product: the (token,
+    expert) pairs sorted by expert, then run by `experts_on_sorted_tokens` (grouped)."""
     ids = list(experts)
-    mine = routing_map[:, ids]                                                # [T, E_local]
-    expert_slot, rows = mine.t().nonzero(as_tuple=True)                       # sorted by expert, then token
-    counts = mine.sum(0)                                                      # [E_local]
-    starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(rows.numel(), device=tokens.device) - starts[expert_slot]
-    capacity = int(counts.max()) if rows.numel() else 0
-    grouped = tokens.new_zeros(len(ids), capacity, tokens.shape[-1])          # [E_local, C, h]
-    grouped[expert_slot, position] = tokens[rows]
-    first = next(iter(experts.values()))
-    w1 = torch.stack([experts[e].linear_fc1.weight for e in ids])             # [E_local, f1, h]
-    w2 = torch.stack([experts[e].linear_fc2.weight for e in ids])             # [E_local, h, f]
-    y = grouped @ w1.transpose(1, 2)                                          # [E_local, C, f1]
-    if first.linear_fc1.bias is not None:
-        y = y + torch.stack([experts[e].linear_fc1.bias for e in ids]).unsqueeze(1)
-    y = mlp_activation(y, first.swiglu) @ w2.transpose(1, 2)                  # [E_local, C, h]
-    if first.linear_fc2.bias is not None:
-        y = y + torch.stack([experts[e].linear_fc2.bias for e in ids]).unsqueeze(1)
+    expert_slot, rows = routing_map[:, ids].t().nonzero(as_tuple=True)      # sorted by expert, then token
+    counts = torch.bincount(expert_slot, minlength=len(ids)).tolist()        # [E_local]
+    y = experts_on_sorted_tokens(tokens[rows], counts, list(experts.values()), grouped=True)   # [N, h]
     weights = probs[rows, torch.tensor(ids, device=tokens.device)[expert_slot]].to(tokens.dtype)
-    return torch.zeros_like(tokens).index_add(0, rows, y[expert_slot, position] * weights.unsqueeze(-1))
+    return torch.zeros_like(tokens).index_add(0, rows, y * weights.unsqueeze(-1))
+
+
+def experts_on_sorted_tokens(x: torch.Tensor, counts: list[int], experts: list[nn.Module],
+                             grouped: bool = False) -> torch.Tensor:
+    """Each expert on its own rows: x [N, h] holds counts[0] rows for experts[0], then counts[1]
+    for experts[1], ... (N = sum counts) -> [N, h], unweighted (what a dispatcher hands its
+    local experts). grouped=False: one expert at a time (Megatron's SequentialMLP); True: the
+    rows padded to [E_local, C, h] (C the largest count) and every expert in one batched product,
+    fc1 and fc2 stacked into [E_local, f1, h] and [E_local, h, f] (a grouped GEMM without the
+    padding: Megatron's TEGroupedMLP)."""
+    if not grouped:
+        return torch.cat([expert(chunk) for expert, chunk in zip(experts, x.split(counts))])
+    counts_t = torch.tensor(counts, device=x.device)
+    expert_slot = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts_t)   # [N]
+    position = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[expert_slot]
+    padded = x.new_zeros(len(counts), max(counts, default=0), x.shape[-1])    # [E_local, C, h]
+    padded[expert_slot, position] = x
+    first = experts[0]
+    y = padded @ torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)   # [E_local, C, f1]
+    if first.linear_fc1.bias is not None:
+        y = y + torch.stack([e.linear_fc1.bias for e in experts]).unsqueeze(1)
+    y = mlp_activation(y, first.swiglu) @ torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
+    if first.linear_fc2.bias is not None:                                     # [E_local, C, h]
+        y = y + torch.stack([e.linear_fc2.bias for e in experts]).unsqueeze(1)
+    return y[expert_slot, position]
 
 
 class TopKRouter(nn.Module):
-    """tokens [T, h] -> logits [T, E] (weight [E, h], no bias: Megatron's router.weight)."""
+    """tokens [T, h] -> logits [T, E] (weight [E, h], no bias: Megatron's router.weight).
+
+    With config.moe_router_enable_expert_bias, two buffers as in Megatron-Core's TopKRouter:
+    expert_bias [E] (steers the choice, saved with the model) and local_tokens_per_expert [E]
+    (this rank's routed counts since the last update; moe.update_expert_bias reads and resets
+    them after each step)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.bias_update_rate = config.moe_router_bias_update_rate
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.local_tokens_per_expert = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens @ self.weight.t()
@@ -111,7 +135,19 @@ class TopKRouter(nn.Module):
 class MoELayer(nn.Module):
     """[b, s, h] -> [b, s, h], the module docstring's computation. `grouped` picks the experts'
     form (False: experts_loop). aux_loss_scale: the backward scale of the auxiliary losses
-    (set_moe_aux_loss_scale); aux_losses: their last values, {"load_balancing", "z_loss"}."""
+    (set_moe_aux_loss_scale); aux_losses: their last values on this rank, {"load_balancing",
+    "z_loss"} (under sequence or context parallelism, this rank's part: the layer's losses are
+    the sums over aux_group).
+
+    What expert parallelism (moe/expert_parallel.py) sets, all None or 1 on one device:
+      token_dispatcher  callable(tokens, probs, routing_map, local experts, grouped) -> [T, h]:
+                        sends the tokens to the ranks holding their experts and brings the
+                        weighted outputs back (moe/dispatcher.py); None: every expert is here
+      aux_group         the tensor x context parallel group: the ranks whose tokens together make
+                        the micro-batch's token set, over which the routing counts are summed
+      aux_grad_scale    cp: the dense gradients are averaged over dp x cp, while the cp ranks'
+                        auxiliary losses are parts of one sum, so their gradients weigh cp times
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -125,34 +161,69 @@ class MoELayer(nn.Module):
         self.grouped = False
         self.aux_loss_scale = 1.0
         self.aux_losses: dict[str, float] = {}
+        self.token_dispatcher = None
+        self.aux_group = None
+        self.aux_grad_scale = 1
+
+    def local_experts(self) -> dict[int, nn.Module]:
+        """{global expert index: its MLP} for the experts this rank holds (all of them on one device)."""
+        return {int(e): m for e, m in self.experts.local_experts.items()}
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens [T, h] -> (logits [T, E], probs [T, E], routing_map [T, E]), capacity applied."""
         cfg = self.config
         logits = self.router(tokens)                                              # [T, E]
         probs, routing_map = topk_routing(logits, cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
-                                          pre_softmax=cfg.moe_router_pre_softmax)
+                                          pre_softmax=cfg.moe_router_pre_softmax,
+                                          expert_bias=self.router.expert_bias)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_token_dropping(probs, routing_map, cfg.moe_router_topk,
                                                       cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy)
+        if self.router.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            self.router.local_tokens_per_expert += routing_map.sum(0)
         return logits, probs, routing_map
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)                                              # [T, h]
         logits, probs, routing_map = self.route(tokens)
-        experts = {int(e): m for e, m in self.experts.local_experts.items()}
-        out = (experts_grouped if self.grouped else experts_loop)(tokens, probs, routing_map, experts)   # [T, h]
+        if self.token_dispatcher is None:
+            out = (experts_grouped if self.grouped else experts_loop)(tokens, probs, routing_map, self.local_experts())
+        else:
+            out = self.token_dispatcher(tokens, probs, routing_map, self.local_experts(), self.grouped)   # [T, h]
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
-        if self.training and (cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff):
-            balance = aux_loss(logits, routing_map, cfg.moe_router_topk, cfg.moe_aux_loss_coeff,
-                               score_function=cfg.moe_router_score_function)
-            stability = z_loss(logits, cfg.moe_z_loss_coeff)
-            self.aux_losses = {"load_balancing": balance.item(), "z_loss": stability.item()}
-            out = MoEAuxLossAutoScaler.apply(out, balance + stability, self.aux_loss_scale)
+            out = out + self.shared_experts(x).reshape(b * s, h)
+        if self.training and (self.config.moe_aux_loss_coeff or self.config.moe_z_loss_coeff):
+            out = self.attach_aux_losses(out, logits, b)
         return out.view(b, s, h)
+
+    def attach_aux_losses(self, out: torch.Tensor, logits: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The load-balancing loss and the z-loss of this rank's logits [T, E], attached to the
+        backward of `out` (MoEAuxLossAutoScaler). Both are defined over the micro-batch's token set
+        (aux_group's tokens together): the routed counts are summed over aux_group (one all-reduce
+        of E numbers, tag "moe-aux"; of b E numbers per sequence for "seq_aux_loss") and the z-loss
+        coefficient is divided by its size, so the ranks' losses add up to the layer's loss. The
+        counts are those of the plain top-k choice, before capacity and expert bias (Megatron-Core
+        computes the auxiliary loss's routing map the same way)."""
+        cfg = self.config
+        k, parts = cfg.moe_router_topk, group_size(self.aux_group) if self.aux_group is not None else 1
+        top = torch.zeros_like(logits, dtype=torch.bool).scatter(1, logits.topk(k, dim=-1).indices, True)  # [T, E]
+        if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+            counts = top.view(batch_size, -1, top.shape[-1]).sum(1).to(logits.dtype)   # [b, E] per sequence
+        else:
+            counts = top.sum(0).to(logits.dtype)                                        # [E]
+        if parts > 1:
+            all_reduce(counts, self.aux_group, op="sum", tag="moe-aux")
+        if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+            balance = sequence_aux_loss(logits, top, k, cfg.moe_aux_loss_coeff, batch_size,
+                                        score_function=cfg.moe_router_score_function, tokens_per_expert=counts,
+                                        seq_length=logits.shape[0] // batch_size * parts)
+        else:
+            balance = aux_loss(logits, top, k, cfg.moe_aux_loss_coeff, score_function=cfg.moe_router_score_function,
+                               tokens_per_expert=counts, num_tokens=logits.shape[0] * parts)
+        stability = z_loss(logits, cfg.moe_z_loss_coeff / parts)
+        self.aux_losses = {"load_balancing": balance.item(), "z_loss": stability.item()}
+        return MoEAuxLossAutoScaler.apply(out, balance + stability, self.aux_loss_scale * self.aux_grad_scale)
 
 
 def set_moe_aux_loss_scale(models: list[nn.Module], scale: float) -> None:

@@ -8,6 +8,7 @@ on any layout (chapter 05 applies it per rank to the rank's tokens).
     topk_routing(logits, k)          -> probs [T, E] (zero off the k chosen experts),
                                         routing_map [T, E] (bool, k True per token)
     aux_loss(logits, routing_map, k, coeff)   the load-balancing loss (Switch / GShard form)
+    sequence_aux_loss(..., batch_size)         the same per sequence, averaged (DeepSeek)
     z_loss(logits, coeff)                      the router z-loss (ST-MoE)
     apply_token_dropping(probs, routing_map, k, capacity_factor, ...)   expert capacity
     expert_bias_update(tokens_per_expert, bias, rate)   DeepSeek-V3's aux-loss-free balancing
@@ -39,7 +40,7 @@ import math
 
 import torch
 
-__all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "z_loss", "expert_capacity", "apply_token_dropping",
+__all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "sequence_aux_loss", "z_loss", "expert_capacity", "apply_token_dropping",
            "expert_bias_update"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -106,6 +107,18 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
     return probs, routing_map
 
 
+def _scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """P of the load-balancing losses: the scores over all experts [T, E] (softmax; for sigmoid,
+    the sigmoid scores normalised per token)."""
+    x = _compute(logits)
+    if score_function == "softmax":
+        return torch.softmax(x, dim=-1)
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(x)
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    raise ValueError(f"score_function={score_function!r} is not one of {', '.join(SCORE_FUNCTIONS)}")
+
+
 def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float, *,
              score_function: str = "softmax", tokens_per_expert: torch.Tensor | None = None,
              num_tokens: int | None = None) -> torch.Tensor:
@@ -123,18 +136,33 @@ def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: 
     the whole set the loss is defined over (`tokens_per_expert`, `num_tokens`: summed over
     those ranks); P is always this rank's tokens. Summing the per-rank losses then gives the loss
     of the whole set (Megatron reduces the counts over the tensor x context parallel group)."""
-    x = _compute(logits)
-    if score_function == "softmax":
-        scores = torch.softmax(x, dim=-1)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(x)
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        raise ValueError(f"score_function={score_function!r} is not one of {', '.join(SCORE_FUNCTIONS)}")
+    scores = _scores_for_aux_loss(logits, score_function)                                # [T, E]
     counts = routing_map.sum(dim=0).to(scores.dtype) if tokens_per_expert is None else tokens_per_expert.to(scores.dtype)
     tokens = logits.shape[0] if num_tokens is None else num_tokens
     experts = logits.shape[1]
     return (scores.sum(dim=0) * counts).sum() * (coeff * experts / (topk * tokens * tokens))
+
+
+def sequence_aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float, batch_size: int, *,
+                      score_function: str = "softmax", tokens_per_expert: torch.Tensor | None = None,
+                      seq_length: int | None = None) -> torch.Tensor:
+    """The per-sequence load-balancing loss (Megatron-Core's "seq_aux_loss", DeepSeek-V2/V3's
+    sequence-wise balance loss): `aux_loss` computed over each sequence's own tokens, then
+    averaged over the batch's sequences:
+
+        loss = 1/b sum_j coeff * E / (k S^2) * sum_i (sum_{t in j} P[t, i]) * c_{j,i}
+
+    logits [b s, E] with the tokens of each sequence consecutive (b-major, as MoELayer flattens
+    [b, s, h]); S the sequence's length, c_{j,i} its tokens routed to expert i. Over several
+    ranks that each hold part of every sequence (sequence or context parallel), pass
+    `tokens_per_expert` [b, E] and `seq_length` summed over them, as for aux_loss."""
+    scores = _scores_for_aux_loss(logits, score_function)                                # [b s, E]
+    experts = logits.shape[1]
+    per_sequence = scores.view(batch_size, -1, experts).sum(dim=1)                     # [b, E]
+    counts = (routing_map.view(batch_size, -1, experts).sum(dim=1) if tokens_per_expert is None
+              else tokens_per_expert).to(scores.dtype)                                 # [b, E]
+    length = logits.shape[0] // batch_size if seq_length is None else seq_length
+    return (per_sequence * counts).sum() * (coeff * experts / (topk * length * length * batch_size))
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ with them, and the model may not import a later chapter's package (tests/test_im
 """
 
 from ..model.router import (SCORE_FUNCTIONS, apply_token_dropping, aux_loss, expert_bias_update, expert_capacity,
-                            topk_routing, z_loss)
+                            sequence_aux_loss, topk_routing, z_loss)
 
-__all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "z_loss", "expert_capacity", "apply_token_dropping",
-           "expert_bias_update"]
+__all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "sequence_aux_loss", "z_loss", "expert_capacity",
+           "apply_token_dropping", "expert_bias_update"]

@@ -78,6 +78,7 @@ from functools import partial
 
 from ..comm import all_gather, all_reduce, group_size, scatter_to_sequence_parallel_region
 from ..config import ConfigError, ModelConfig
+from ..model.moe import MoELayer
 from .cross_entropy import VocabParallelCrossEntropy
 from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
 from .random import get_rng_tracker
@@ -106,7 +107,9 @@ def check_tensor_parallel_config(config: ModelConfig, tp: int) -> None:
     config.validate()
     for field, value in (("num_attention_heads", config.num_attention_heads),
                          ("num_query_groups", config.query_groups),
-                         ("ffn_hidden_size", config.ffn_size)):
+                         ("ffn_hidden_size", config.ffn_size),
+                         ("moe_shared_expert_intermediate_size",
+                          (config.moe_shared_expert_intermediate_size or 0) if config.num_experts else 0)):
         if value % tp:
             raise ConfigError(f"{field}={value} is not divisible by the tensor-parallel size "
                               f"tp={tp}")
@@ -160,7 +163,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
                     scatter_to_sequence_parallel_region, group=tp_group, dim=SEQUENCE_DIM)
             model.embedding.dropout_rng = per_rank_rng
     for layer in model.decoder.layers.values():
-        for path, style in TENSOR_PARALLEL_PLAN.items():
+        for path, style in _plan_of(layer).items():
             parent, name = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             stride = 2 if name == "linear_fc1" and cfg.activation == "swiglu" else 1   # [gate; up]
             setattr(parent, name, _parallel_linear(getattr(parent, name), style, tp_group, stride, sp))
@@ -168,6 +171,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
         if sp:
             layer.dropout_rng = per_rank_rng                             # this rank's tokens only
             _mark_sequence_parallel(layer.input_layernorm, layer.pre_mlp_layernorm)
+            if isinstance(layer.mlp, MoELayer):                          # replicated, routes its own tokens
+                _mark_sequence_parallel(layer.mlp.router)
     if model.post_process:
         if sp:
             _mark_sequence_parallel(model.decoder.final_layernorm)
@@ -183,6 +188,18 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
         model.output_layer = output_layer
         model.loss = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)
     return model
+
+
+def _plan_of(layer: nn.Module) -> dict[str, str]:
+    """TENSOR_PARALLEL_PLAN for this layer: in an MoE layer (chapter 05) the routed experts are
+    left to moe.apply_expert_parallel (their own etp group) and the shared expert, a dense MLP,
+    is cut like the MLP of a dense layer."""
+    if not isinstance(layer.mlp, MoELayer):
+        return TENSOR_PARALLEL_PLAN
+    plan = {k: v for k, v in TENSOR_PARALLEL_PLAN.items() if not k.startswith("mlp.")}
+    if layer.mlp.shared_experts is not None:
+        plan.update({"mlp.shared_experts.linear_fc1": "column", "mlp.shared_experts.linear_fc2": "row"})
+    return plan
 
 
 def _mark_sequence_parallel(*norms: nn.Module) -> None:
@@ -243,17 +260,22 @@ def gather_full_tensors(named: dict[str, torch.Tensor], params: dict[str, nn.Par
     return out
 
 
+def _dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if getattr(p, "allreduce", True) is not False}
+
+
 def full_parameters(model: nn.Module, tp_group) -> dict[str, torch.Tensor]:
     """{single-device name: full tensor}, as the unsplit GPTModel's named_parameters would give.
-    One all-gather (tag "full") per split parameter; collective over `tp_group`."""
-    params = dict(model.named_parameters())
+    One all-gather (tag "full") per split parameter; collective over `tp_group`. A mixture's
+    routed experts (marked allreduce=False) are left out: moe.full_expert_tensors gathers them."""
+    params = _dense_parameters(model)
     return gather_full_tensors(params, params, tp_group)
 
 
 def full_gradients(model: nn.Module, tp_group) -> dict[str, torch.Tensor]:
     """{single-device name: full gradient}: the gradients the unsplit model would hold after
     the same backward (replicated ones from this rank: they are identical on every rank).
-    Collective, as full_parameters."""
-    params = dict(model.named_parameters())
+    Collective, as full_parameters (experts left out as there)."""
+    params = _dense_parameters(model)
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
     return gather_full_tensors(grads, params, tp_group)

@@ -1,0 +1,141 @@
+"""Token dispatchers: how each token reaches the ranks that hold its experts, and comes back.
+
+Shape legend as in model/moe.py (T tokens on this rank, E experts, k per token, h hidden), plus
+ep (expert-parallel ranks), etp (expert tensor-parallel ranks), E_l = E / ep experts per rank,
+N this rank's routed (token, expert) pairs, R the pairs it receives.
+
+Expert parallelism keeps E_l of a layer's E experts on each of the ep ranks of its "ep" group
+(rank r holds experts r E_l .. (r+1) E_l - 1). Every rank routes its own tokens; then:
+
+AllToAllDispatcher (Megatron-Core's MoEAlltoAllTokenDispatcher), forward:
+  1. permute       copy each token once per chosen expert, sorted by expert: [N, h]
+  2. counts        N's split per expert [E]; all-to-all of the counts, so each rank learns
+                   how many rows each source sends each of its experts: [ep, E_l] (tag "moe-counts")
+  3. dispatch      all-to-all of the rows, uneven splits: rank j gets the rows of its experts
+                   from every source, ordered [source][local expert]: [R, h] (tag "moe-dispatch")
+  4. (etp > 1)     all-gather of the received rows over "etp" (each etp rank holds a slice of
+                   every local expert's matrices, so each needs all the rows): [etp R, h] (tag "moe-etp")
+  5. sort chunks   re-sort from [source][local expert] to [local expert][source], so each
+                   expert's rows are contiguous (Megatron's sort_chunks_by_idxs)
+  6. experts       model/moe.experts_on_sorted_tokens (a loop, or one batched product)
+  then every step undone in reverse: unsort, (etp > 1: reduce-scatter over "etp", summing the
+  slices' partial outputs), the reverse all-to-all (tag "moe-combine"), and unpermute: each row
+  weighted by its probability and added to its token's row, on the rank that owns the token.
+  Backward runs the same exchanges in reverse (tags + "-bwd"); the counts need none.
+
+AllGatherDispatcher (MoEAllGatherTokenDispatcher): all-gather every rank's tokens, weights
+  and routing map over "etp-ep" ([ep etp T, h]); each rank runs its local experts on the rows
+  routed to them (zero elsewhere); a reduce-scatter sums the ranks' outputs and hands each rank
+  its own T rows (tag "moe-allgather"). Simple, with no counts to exchange, but it moves every
+  token to every rank: (ep etp - 1) T h per rank each way, against about k T h (1 - 1/ep) for
+  the all-to-all (chapter 05 measures both).
+
+Where this lives in Megatron-LM: megatron/core/transformer/moe/token_dispatcher.py (the
+dispatchers), moe_utils.py (permute, unpermute, sort_chunks_by_idxs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import (all_gather, all_to_all_single, all_to_all_uneven_region, gather_uneven_region, group_size,
+                    reduce_scatter_uneven_region)
+from ..model.moe import experts_grouped, experts_loop, experts_on_sorted_tokens
+
+__all__ = ["permute", "unpermute", "sort_chunks_by_expert", "unsort_chunks_by_expert", "AllToAllDispatcher",
+           "AllGatherDispatcher"]
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [T, h], routing_map [T, E] -> (rows [N, h]: token t once per chosen expert, sorted by
+    expert then token; token index [N]; expert index [N]) (Megatron's permute)."""
+    expert, token = routing_map.t().nonzero(as_tuple=True)                    # [N] each, expert-major
+    return tokens[token], token, expert
+
+
+def unpermute(rows: torch.Tensor, token: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The inverse of permute, with the routing weights: out[t] = sum of weights[i] rows[i] over
+    the rows i of token t. rows [N, h], token and weights [N] -> [num_tokens, h]."""
+    out = rows.new_zeros(num_tokens, rows.shape[-1])
+    return out.index_add(0, token, rows * weights.unsqueeze(-1).to(rows.dtype))
+
+
+def sort_chunks_by_expert(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Re-sort received rows from [source][local expert] to [local expert][source].
+
+    rows [R, h] arrive as S x E_l chunks in source-major order: chunk (s, j) holds counts[s, j]
+    rows, the rows source s sent to local expert j. Return the same rows with the chunks in
+    expert-major order (0, 0), (1, 0), ..., (S-1, 0), (0, 1), ...: each local expert's rows
+    contiguous, in source order inside. counts: an int tensor [S, E_l]."""
+    # BEGIN EXERCISE 5.3: the all-to-all chunk re-sort | hint: rows.split(counts.flatten().tolist()) gives the chunks source-major, chunk (s, j) at index s * E_l + j; concatenate them expert-major
+    sources, local_experts = counts.shape
+    chunks = rows.split(counts.flatten().tolist())
+    return torch.cat([chunks[s * local_experts + j] for j in range(local_experts) for s in range(sources)])
+    # END EXERCISE
+
+
+def unsort_chunks_by_expert(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The inverse of sort_chunks_by_expert: rows in [local expert][source] order back to
+    [source][local expert]. counts [S, E_l] as there (indexed by source, expert)."""
+    sources, local_experts = counts.shape
+    chunks = rows.split(counts.t().flatten().tolist())                       # chunk (j, s) at j * S + s
+    return torch.cat([chunks[j * sources + s] for s in range(sources) for j in range(local_experts)])
+
+
+class AllToAllDispatcher:
+    """The all-to-all dispatcher (module docstring) for one MoE layer's experts spread over
+    ep_group, each cut over etp_group. Called as MoELayer.token_dispatcher:
+    (tokens [T, h], probs [T, E], routing_map [T, E], local experts {global index: MLP},
+    grouped) -> [T, h], the weighted sum of each token's experts' outputs."""
+
+    def __init__(self, num_experts: int, ep_group, etp_group):
+        self.num_experts, self.ep_group, self.etp_group = num_experts, ep_group, etp_group
+        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
+        self.local = num_experts // self.ep                                    # E_l
+
+    def exchange_counts(self, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this rank's pairs per expert [E]; the pairs it receives per ep source and local expert
+        [ep, E_l]; the same for every source after the etp gather [S, E_l], S = etp x ep, etp
+        rank i's sources in rows i ep .. (i+1) ep - 1). One all-to-all of E numbers over ep, and
+        with etp > 1 an all-gather of ep E_l numbers over etp (tag "moe-counts")."""
+        per_expert = routing_map.sum(0)                                        # [E]
+        received = torch.empty_like(per_expert)                                 # [ep E_l], source-major
+        all_to_all_single(received, per_expert, self.ep_group, tag="moe-counts")
+        received = received.view(self.ep, self.local)                           # [ep, E_l]
+        every_source = all_gather(received, self.etp_group, dim=0, tag="moe-counts")   # [etp ep, E_l]
+        return per_expert, received, every_source
+
+    def __call__(self, tokens, probs, routing_map, experts: dict[int, nn.Module], grouped: bool = False):
+        per_expert, received, every_source = self.exchange_counts(routing_map)
+        rows, token, expert = permute(tokens, routing_map)                     # [N, h], N = sum(per_expert)
+        send = per_expert.view(self.ep, self.local).sum(1).tolist()           # rows to each ep rank
+        recv = received.sum(1).tolist()                                        # rows from each ep rank
+        x = all_to_all_uneven_region(rows, self.ep_group, send, recv, tag="moe-dispatch")        # [R, h]
+        if self.etp > 1:
+            etp_sizes = every_source.view(self.etp, -1).sum(1).tolist()          # R of each etp rank
+            x = gather_uneven_region(x, self.etp_group, etp_sizes, tag="moe-etp")                # [etp R, h]
+        x = sort_chunks_by_expert(x, every_source)                             # [local expert][source]
+        y = experts_on_sorted_tokens(x, every_source.sum(0).tolist(), list(experts.values()), grouped)
+        y = unsort_chunks_by_expert(y, every_source)                           # [source][local expert]
+        if self.etp > 1:
+            y = reduce_scatter_uneven_region(y, self.etp_group, etp_sizes, tag="moe-etp")        # [R, h]
+        y = all_to_all_uneven_region(y, self.ep_group, recv, send, tag="moe-combine")            # [N, h]
+        return unpermute(y, token, probs[token, expert], tokens.shape[0])      # [T, h]
+
+
+class AllGatherDispatcher:
+    """The all-gather dispatcher (module docstring) over etp_ep_group, the ranks that together
+    hold every slice of every expert of the layer. Same call as AllToAllDispatcher."""
+
+    def __init__(self, etp_ep_group):
+        self.group = etp_ep_group
+
+    def __call__(self, tokens, probs, routing_map, experts: dict[int, nn.Module], grouped: bool = False):
+        n = group_size(self.group)
+        sizes = [tokens.shape[0]] * n
+        all_tokens = gather_uneven_region(tokens, self.group, sizes, tag="moe-allgather")       # [n T, h]
+        all_probs = gather_uneven_region(probs, self.group, sizes, tag="moe-allgather")         # [n T, E]
+        all_map = all_gather(routing_map.to(torch.uint8), self.group, dim=0, tag="moe-allgather").bool()
+        y = (experts_grouped if grouped else experts_loop)(all_tokens, all_probs, all_map, experts)   # [n T, h]
+        return reduce_scatter_uneven_region(y, self.group, sizes, tag="moe-allgather")          # [T, h]

@@ -1,0 +1,165 @@
+"""Expert parallelism as a transformation of the one model: `apply_expert_parallel`.
+
+Shape legend as in model/moe.py, plus ep, etp, E_l = E / ep, f_e the expert's inner width.
+`apply_expert_parallel(model, layout, dispatcher)` takes a GPTModel (or a pipeline stage) whose
+MoE layers hold all E experts with their single-device weights, and in place:
+
+  experts.local_experts      keeps experts ep_rank E_l .. (ep_rank+1) E_l - 1 (keys stay the global
+                             index, so names read like the single-device ones)
+    linear_fc1 [f1, h]       with etp > 1: this etp rank's f_e / etp rows (SwiGLU: of the gate and
+                             of the up half, stride 2), like a column-parallel linear
+    linear_fc2 [h, f_e]      with etp > 1: its f_e / etp columns, like a row-parallel linear; the
+                             etp ranks' partial outputs are summed by the dispatcher
+    every expert parameter   marked `allreduce = False` (Megatron's attribute): its gradient is
+                             summed over the expert-data-parallel group, not averaged over dp x cp
+  token_dispatcher           AllToAllDispatcher(ep, etp) or AllGatherDispatcher(etp x ep)
+  aux_group, aux_grad_scale  the tp x cp group and cp (model/moe.py: the auxiliary losses'
+                             token set is the micro-batch's, spread over those ranks)
+
+The router and the shared expert are not touched: the router is replicated like a norm (under
+sequence parallelism tp.apply_tensor_parallel marks it `sequence_parallel`), the shared expert
+is a dense MLP (tensor-parallel over tp like the MLP of a dense layer).
+
+Why expert gradients take another group. A dense weight is replicated over the dp x cp ranks,
+each saw its own tokens, so the gradients are averaged there. An expert lives on the ranks of
+one expert-data-parallel group (the ranks with the same ep and etp coordinates), and every
+token routed to it, from any rank, reached one of them. So its single-device gradient is the
+SUM over that group, divided by dp x cp like every gradient (each rank's loss is a mean over
+its own tokens): Megatron's DDP scales expert buckets by the same 1/dp and all-reduces them over
+the expert-dp group (dp/ddp.py: expert_group).
+
+Megatron-LM: megatron/core/transformer/moe/experts.py (SequentialMLP, TEGroupedMLP, the etp
+split), moe_layer.py (MoELayer), megatron/core/parallel_state.py (the expert groups),
+megatron/core/distributed/distributed_data_parallel.py (the expert buffers and their scaling),
+finalize_model_grads.py (the expert-bias update after each step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import all_reduce, group_rank, group_size
+from ..config import ConfigError, ModelConfig, TrainConfig
+from ..model.moe import MoELayer
+from ..model.router import expert_bias_update
+from ..tp import gather_full_tensors
+from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
+
+__all__ = ["check_expert_parallel_config", "apply_expert_parallel", "moe_layers", "update_expert_bias",
+           "full_expert_tensors", "is_expert_parameter"]
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The MoE layers of a model (or pipeline stage), in model order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """True for a routed expert's parameter (marked allreduce=False by apply_expert_parallel)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def check_expert_parallel_config(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -> None:
+    """ConfigError naming the fields and the numbers for an expert layout that cannot run."""
+    ep, etp, tp, pp = (cfg.expert_model_parallel_size, cfg.etp, cfg.tensor_model_parallel_size,
+                       cfg.pipeline_model_parallel_size)
+    if model_cfg.num_experts is None:
+        if ep > 1 or cfg.expert_tensor_parallel_size not in (None, tp):
+            raise ConfigError(f"expert_model_parallel_size={ep}, expert_tensor_parallel_size="
+                              f"{cfg.expert_tensor_parallel_size}: a model without experts (set num_experts)")
+        return
+    E = model_cfg.num_experts
+    if E % ep:
+        raise ConfigError(f"num_experts={E} is not divisible by expert_model_parallel_size={ep}")
+    if world_size % (etp * ep * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by expert_tensor_parallel_size={etp} x "
+                          f"expert_model_parallel_size={ep} x pipeline_model_parallel_size={pp}")
+    if model_cfg.moe_ffn_size % etp:
+        raise ConfigError(f"moe_ffn_hidden_size={model_cfg.moe_ffn_size} is not divisible by "
+                          f"expert_tensor_parallel_size={etp}")
+    if tp > 1 and not cfg.sequence_parallel:
+        raise ConfigError(f"num_experts={E} with tensor_model_parallel_size={tp} needs sequence_parallel "
+                          f"(--sequence-parallel), as in Megatron-Core: each tp rank routes its own s/tp tokens")
+    if etp > 1 and model_cfg.add_bias_linear:
+        raise ConfigError(f"expert_tensor_parallel_size={etp} with add_bias_linear: the etp ranks' partial "
+                          f"outputs are summed, which would add an expert's fc2 bias etp times; use "
+                          f"--disable-bias-linear (or expert_tensor_parallel_size 1)")
+    if world_size > 1 and (cfg.zero_stage or cfg.ddp_impl != "bucketed"):
+        raise ConfigError(f"num_experts={E} in a world of {world_size} ranks with zero_stage={cfg.zero_stage}, "
+                          f"ddp_impl={cfg.ddp_impl!r}: experts reduce their gradients over the expert-data-"
+                          f"parallel group in buffers of their own, written here for the bucketed DDP only "
+                          f"(zero_stage 0, ddp_impl 'bucketed')")
+
+
+def _keep_slice(linear: nn.Module, dim: int, rank: int, size: int, stride: int) -> None:
+    """Replace linear.weight by this etp rank's 1/size of it along `dim` (stride blocks each cut
+    alike: SwiGLU's [gate; up]), marked like a tensor-parallel shard so it can be gathered back."""
+    with torch.no_grad():
+        blocks = linear.weight.chunk(stride, dim)
+        shard = torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim).clone()
+    linear.weight = nn.Parameter(shard)
+    linear.weight.tensor_model_parallel, linear.weight.partition_dim, linear.weight.partition_stride = True, dim, stride
+
+
+def apply_expert_parallel(model: nn.Module, layout, dispatcher: str = "alltoall") -> nn.Module:
+    """Spread the experts of `model`'s MoE layers over layout's ep group, cut each over its etp
+    group, and attach the token dispatcher and the auxiliary losses' group (module docstring).
+    In place; returns `model`. A no-op for a model without MoE layers and for one rank."""
+    layers = moe_layers(model)
+    if not layers or layout.world == 1:
+        return model
+    ep, etp = group_size(layout.ep_group), group_size(layout.etp_group)
+    ep_rank, etp_rank = group_rank(layout.ep_group), group_rank(layout.etp_group)
+    for layer in layers:
+        per_rank = layer.config.num_experts // ep
+        mine = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        for key in [k for k in layer.experts.local_experts if int(k) not in mine]:
+            del layer.experts.local_experts[key]
+        for expert in layer.experts.local_experts.values():
+            if etp > 1:
+                _keep_slice(expert.linear_fc1, 0, etp_rank, etp, 2 if expert.swiglu else 1)
+                _keep_slice(expert.linear_fc2, 1, etp_rank, etp, 1)
+            for p in expert.parameters():
+                p.allreduce = False                                   # Megatron's marking
+        if ep * etp > 1:
+            layer.token_dispatcher = (AllToAllDispatcher(layer.config.num_experts, layout.ep_group, layout.etp_group)
+                                      if dispatcher == "alltoall" else AllGatherDispatcher(layout.etp_ep_group))
+        if group_size(layout.tp_cp_group) > 1:
+            layer.aux_group = layout.tp_cp_group
+        layer.aux_grad_scale = layout.cp
+    return model
+
+
+@torch.no_grad()
+def update_expert_bias(models: list[nn.Module], group) -> None:
+    """After a step's backward: every MoE layer's expert bias moves by its rate towards balance
+    (model/router.expert_bias_update), from the routed counts of the whole step, summed over
+    `group` (every rank of this pipeline stage: tp x dp x cp) in one all-reduce of the stacked
+    counts (tag "moe-bias"); the counts are then reset. Megatron-LM:
+    finalize_model_grads.py, _update_router_expert_bias. A no-op without expert biases."""
+    routers = [layer.router for m in models for layer in moe_layers(m) if layer.router.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])          # [layers, E]
+    if group is not None and group_size(group) > 1:
+        all_reduce(counts, group, op="sum", tag="moe-bias")
+    for router, c in zip(routers, counts):
+        router.expert_bias.copy_(expert_bias_update(c, router.expert_bias, router.bias_update_rate))
+        router.local_tokens_per_expert.zero_()
+
+
+def full_expert_tensors(model: nn.Module, layout, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{single-device name: full tensor} of the routed experts' parameters (or gradients) of
+    `model`: each expert's etp slices all-gathered (tag "full"), then the ep ranks' experts
+    exchanged (torch.distributed.all_gather_object over ep: inspection plumbing, in no ledger).
+    Collective over the etp and ep groups."""
+    params = {n: p for n, p in model.named_parameters() if is_expert_parameter(p)}
+    named = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p for n, p in params.items()}
+    mine = gather_full_tensors(named, params, layout.etp_group)
+    if group_size(layout.ep_group) == 1:
+        return mine
+    parts = [None] * group_size(layout.ep_group)
+    dist.all_gather_object(parts, mine, group=layout.ep_group)
+    return {name: t for part in parts for name, t in part.items()}
