@@ -150,7 +150,8 @@ def local_microbatch(batch: dict[str, torch.Tensor], train_cfg: TrainConfig, m: 
 
 
 def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batches: list[dict[str, torch.Tensor]],
-                 tags: tuple[str, ...] = (), after_build=None, load_balance: bool = True) -> tuple[dict, list, object]:
+                 tags: tuple[str, ...] = (), after_build=None, load_balance: bool = True
+                 ) -> tuple[dict, list, object, object]:
     """Train `model_cfg` on this rank's share of `batches` (one global batch per step) with the
     training loop's own pieces, on the layout of `train_cfg` over the whole world (dp data
     replicas): train.initialize_layout, parallelize.build_model (then `after_build(chunks,
@@ -158,7 +159,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     data order gives this rank (local_microbatch, then cp.get_batch_on_this_cp_rank; zig-zag,
     or contiguous with load_balance=False). Collective over every rank.
 
-    Returns (out, chunks, layout); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank" (data
+    Returns (out, chunks, layout, optimizer); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank" (data
     replica), "ep_rank", "etp_rank", "losses" (per step, the global batch's mean), "grads"
     (first step) and "params" (final), full under single-device names, "ledger" (the first
     step's (op, tag, bytes) with a tag in `tags`), "microbatches" (the last step's)}."""
@@ -204,7 +205,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
         out["losses"].append(mean.item())
     out["params"] = full_model_tensors(chunks, layout)
     out["microbatches"] = microbatches
-    return out, chunks, layout
+    return out, chunks, layout, optimizer
 
 
 def split_microbatches(batch: dict[str, torch.Tensor], num: int) -> list[dict[str, torch.Tensor]]:

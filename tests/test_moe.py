@@ -1,4 +1,4 @@
-"""The single-device GPT-MoE (chapter 05, in progress): the experts' two forms agree, the MoE
+"""The single-device GPT-MoE (chapter 05): the experts' two forms agree, the MoE
 layer computes sum_k p_k expert_k(x) (+ the shared expert) as written out here independently,
 the auxiliary losses reach the router's gradient with the micro-batch's scale and leave the
 output alone, capacity drops tokens, the parameter count (total and active) matches the model,
@@ -165,3 +165,28 @@ def test_command_line_and_layout_checks():
         validate_layout(ModelConfig.gpt2(**{**model.__dict__, "add_bias_linear": True}),
                         TrainConfig(seq_length=32, tensor_model_parallel_size=2, sequence_parallel=True), 2)
     validate_layout(model, TrainConfig(seq_length=32, expert_model_parallel_size=2), 4)     # ep 2 x expert dp 2
+
+
+def test_moe_flops_match_the_flop_counter_and_megatrons_formula():
+    """training_flops for a GPT-MoE (router, k experts per token, shared expert, a dense layer
+    in between) equals what torch's FlopCounterMode measures on the model, matmul by matmul;
+    its MLP part (everything but the router) equals Megatron's closed form."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from minimegatron.analysis import megatron_mlp_flops, training_flops
+
+    for style, extra in (("llama", dict(moe_shared_expert_intermediate_size=24, num_layers=3, moe_layer_freq=2)),
+                         ("gpt2", dict(moe_router_topk=1))):
+        cfg = _config(style, attention_backend="naive", **extra)
+        b, s = 2, 12
+        model = GPTModel(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (b, s))
+        with FlopCounterMode(display=False) as forward:
+            loss = model(tokens, labels=tokens).sum()
+        with FlopCounterMode(display=False) as backward:
+            loss.backward()
+        flops = training_flops(cfg, b, s)
+        assert forward.get_total_flops() == flops["forward"]["total"], style
+        assert backward.get_total_flops() == flops["backward"]["total"], style
+        fwd = flops["forward"]
+        mlp = 3 * sum(fwd[k] for k in ("fc1", "fc2", "experts_fc1", "experts_fc2", "shared_fc1", "shared_fc2"))
+        assert mlp == megatron_mlp_flops(cfg, b * s), style

@@ -137,7 +137,7 @@ def train_run(run: SeqRun) -> dict:
             apply_context_parallel(unwrap(chunk), layout.cp_group, t.cp_comm_type, load_balance=False,
                                    a2a_group=layout.cp_a2a_group, p2p_group=layout.cp_p2p_group)
     t = run.train
-    out, chunks, layout = train_layout(run.model, t, run.dp, run.global_batches(), COMM_TAGS,
+    out, chunks, layout, _ = train_layout(run.model, t, run.dp, run.global_batches(), COMM_TAGS,
                                        after_build=None if run.load_balance else contiguous,
                                        load_balance=run.load_balance)
     microbatches = out.pop("microbatches")

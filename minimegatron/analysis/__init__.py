@@ -21,7 +21,7 @@ FlopCounterMode, torch.optim.AdamW's state, saved_tensors_hooks), never against 
 
 from .activations import (INDEX_BYTES, activation_memory, attention_operands_share_qkv_output,
                           korthikanti_activation_memory, measure_saved_activation_bytes)
-from .flops import flops_per_token_6n, narayanan2021_flops_per_iteration, training_flops
+from .flops import flops_per_token_6n, megatron_mlp_flops, narayanan2021_flops_per_iteration, training_flops
 from .memory import adam_bytes_per_parameter, as_dtype, bytes_per_element, training_memory
 from .params import count_parameters, tensor_parallel_parameters
 from .report import (GiB, REAL_MODELS, does_it_fit, format_bytes, format_memory_report,
@@ -29,7 +29,7 @@ from .report import (GiB, REAL_MODELS, does_it_fit, format_bytes, format_memory_
 
 __all__ = [
     "count_parameters", "tensor_parallel_parameters",
-    "flops_per_token_6n", "training_flops", "narayanan2021_flops_per_iteration",
+    "flops_per_token_6n", "training_flops", "megatron_mlp_flops", "narayanan2021_flops_per_iteration",
     "adam_bytes_per_parameter", "training_memory", "bytes_per_element", "as_dtype",
     "activation_memory", "korthikanti_activation_memory", "measure_saved_activation_bytes",
     "attention_operands_share_qkv_output", "INDEX_BYTES",

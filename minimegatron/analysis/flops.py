@@ -59,6 +59,12 @@ def training_flops(config: ModelConfig, batch: int, seq: int) -> dict:
                                 2 b s h 2f  (SwiGLU: gate and up in one matmul)
       "fc2"                     2 b s f h               y W_fc2^T        [b s, f] @ [f, h]
 
+    (fc1 and fc2 over the dense layers only); in each MoE layer of a GPT-MoE instead
+
+      "router"                  2 b s h E               x W_r^T          [b s, h] @ [h, E]
+      "experts_fc1"/"_fc2"      fc1 and fc2 of width f_e over b s k rows (each token's k experts)
+      "shared_fc1"/"_fc2"       fc1 and fc2 of the shared expert's width over b s rows
+
     and once per model
 
       "logits"                  2 b s h V               x W_out^T        [b s, h] @ [h, V]
@@ -80,27 +86,57 @@ def training_flops(config: ModelConfig, batch: int, seq: int) -> dict:
     V/12Lh), exactly; their 96 (... V/16Lh) adds one more forward for full recomputation.
     """
     config.validate()
-    if config.num_experts is not None:           # the dense formulas would be silently wrong
-        raise ValueError(f"training_flops counts dense layers only; num_experts={config.num_experts}: the "
-                         f"mixture-of-experts accounting comes with chapter 05")
     h, a, g, d, f = (config.hidden_size, config.num_attention_heads, config.query_groups,
                      config.kv_channels, config.ffn_size)
     V, L, b, s = config.vocab_size, config.num_layers, batch, seq
-    fc1_out = 2 * f if config.activation == "swiglu" else f
+    fc1_width = lambda width: 2 * width if config.activation == "swiglu" else width   # noqa: E731
+    moe_layers = sum(config.is_moe_layer(i) for i in range(L))
+    dense_layers = L - moe_layers
 
     forward = {
         "qkv": L * 2 * b * s * h * (a + 2 * g) * d,
         "attention_scores": L * 2 * b * a * s * s * d,
         "attention_over_values": L * 2 * b * a * s * s * d,
         "proj": L * 2 * b * s * (a * d) * h,
-        "fc1": L * 2 * b * s * h * fc1_out,
-        "fc2": L * 2 * b * s * f * h,
+        "fc1": dense_layers * 2 * b * s * h * fc1_width(f),
+        "fc2": dense_layers * 2 * b * s * f * h,
         "logits": 2 * b * s * h * V,
     }
+    if moe_layers:
+        # a GPT-MoE layer (chapter 05): the router [b s, h] @ [h, E]; each token's k experts
+        # (b s k rows through an expert's fc1 and fc2, none dropped); the shared expert on every token
+        k, fe, shared = config.moe_router_topk, config.moe_ffn_size, config.moe_shared_expert_intermediate_size or 0
+        forward.update({
+            "router": moe_layers * 2 * b * s * h * config.num_experts,
+            "experts_fc1": moe_layers * 2 * b * s * k * h * fc1_width(fe),
+            "experts_fc2": moe_layers * 2 * b * s * k * fe * h,
+            "shared_fc1": moe_layers * 2 * b * s * h * fc1_width(shared),
+            "shared_fc2": moe_layers * 2 * b * s * shared * h,
+        })
     forward["total"] = sum(forward.values())
     backward = {name: 2 * flops for name, flops in forward.items()}
     return {"forward": forward, "backward": backward,
             "total": forward["total"] + backward["total"]}
+
+
+def megatron_mlp_flops(config: ModelConfig, tokens: int) -> int:
+    """The MLP term of Megatron-LM's `num_floating_point_operations` (megatron/training/
+    training.py, transformer_flops; checked 2026-11-24 at commit d98e8a6), written as Megatron
+    writes it, for `tokens` tokens of one training step (forward + both backward matmuls):
+
+        3 * 2 * tokens * h * (F f L_dense + F_e k f L_moe + F_s f L_moe)
+
+    f = 3 with SwiGLU (fc1 of 2F plus fc2 of F), else 2; F the dense MLP width, F_e an expert's,
+    F_s the shared expert's (0 without one), L_moe the layers with i % moe_layer_freq == 0. The
+    router's h x E matmul is not in it (training_flops counts it, "router")."""
+    f = 3 if config.activation == "swiglu" else 2
+    L = config.num_layers
+    L_moe = sum(config.is_moe_layer(i) for i in range(L))
+    F, h = config.ffn_size, config.hidden_size
+    if config.num_experts is None:
+        return 3 * 2 * tokens * h * F * f * L
+    Fe, Fs, k = config.moe_ffn_size, config.moe_shared_expert_intermediate_size or 0, config.moe_router_topk
+    return 3 * 2 * tokens * h * (F * f * (L - L_moe) + Fe * k * f * L_moe + Fs * f * L_moe)
 
 
 def narayanan2021_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *,
@@ -137,4 +173,4 @@ def narayanan2021_flops_per_iteration(config: ModelConfig, batch: int, seq: int,
     return passes * (24 * B * s * L * h * h + 4 * B * s * s * L * h) + 6 * B * s * h * V
 
 
-__all__ = ["flops_per_token_6n", "training_flops", "narayanan2021_flops_per_iteration"]
+__all__ = ["flops_per_token_6n", "training_flops", "megatron_mlp_flops", "narayanan2021_flops_per_iteration"]

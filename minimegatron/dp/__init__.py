@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import comm
 from ..config import TrainConfig
-from .ddp import DistributedDataParallel, assign_buckets
+from .ddp import DistributedDataParallel, assign_buckets, reduction_groups
 from .naive import (DataParallel, HookedDataParallel, NaiveDataParallel, allreduce_gradients, broadcast_parameters,
                     finish_grad_sync, no_sync)
 from .timeline import BucketTimeline
@@ -75,6 +75,6 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
 
 __all__ = ["DataParallel", "no_sync", "finish_grad_sync", "NaiveDataParallel", "HookedDataParallel",
            "DistributedDataParallel", "ZeroDataParallel", "DistributedOptimizer", "broadcast_parameters",
-           "allreduce_gradients", "assign_buckets", "shard_range", "build_zero", "apply_data_parallel", "measure_memory",
+           "allreduce_gradients", "assign_buckets", "reduction_groups", "shard_range", "build_zero", "apply_data_parallel", "measure_memory",
            "BucketTimeline", "FullyShardedDataParallel",
            "reduce_scatter_gradients"]

@@ -108,6 +108,26 @@ def assign_buckets(numels: Sequence[int], bucket_size: int | None) -> list[list[
     # END EXERCISE
 
 
+def reduction_groups(params: Sequence[nn.Parameter], dp_group, expert_dp_group
+                     ) -> list[tuple[list[nn.Parameter], object]]:
+    """Which gradients are reduced where: [(dense parameters, dp_group), (expert parameters,
+    expert_dp_group)], each list in the order of `params`. An expert parameter is one marked
+    `allreduce = False` (moe.apply_expert_parallel, Megatron's attribute); every other parameter
+    is dense. ValueError if there are experts but expert_dp_group is None.
+
+    Spot the bug (exercise 5.4): a first version of this body, and what it did when checked
+    against the single-device run, are in chapters/05_ep_moe/exercises/spot_the_bug.md.
+    """
+    # BEGIN EXERCISE 5.4: spot the bug in the experts' gradient group | hint: an expert lives on the ranks of one expert-data-parallel group only; which group holds the other copies of its gradient?
+    experts = [p for p in params if getattr(p, "allreduce", True) is False]
+    dense = [p for p in params if getattr(p, "allreduce", True) is not False]
+    if experts and expert_dp_group is None:
+        raise ValueError(f"{len(experts)} parameter(s) are marked allreduce=False (experts) but no "
+                         "expert_dp_group was given: pass the expert-data-parallel group")
+    return [(dense, dp_group), (experts, expert_dp_group)]
+    # END EXERCISE
+
+
 def megatron_default_bucket_size(dp_size: int) -> int:
     """Megatron's default bucket size in elements: max(40M, 1M * dp) (tiny models: one bucket)."""
     return max(40_000_000, 1_000_000 * dp_size)
@@ -123,6 +143,7 @@ class Bucket:
     work: object | None = None          # the async all-reduce in flight, if any
     group: object = None                # where it is reduced: the data-parallel group, or for
                                         # experts the expert-data-parallel group
+    experts: bool = False               # a bucket of expert gradients (ledger tag "expert-grads")
 
 
 class DistributedDataParallel(DataParallel):
@@ -175,17 +196,13 @@ class DistributedDataParallel(DataParallel):
         # scaled by 1/dp, dp the dense group's size (Megatron's expert_gradient_scaling_factor
         # without average_in_collective): every token's gradient reaches exactly one expert-dp
         # member, and the sum over them, divided by dp, is the single-device gradient.
-        experts = [p for p in params if getattr(p, "allreduce", True) is False]
-        dense = [p for p in params if getattr(p, "allreduce", True) is not False]
-        if experts and expert_group is None:
-            raise ValueError(f"{len(experts)} parameter(s) are marked allreduce=False (experts) but no "
-                             "expert_group was given: pass the expert-data-parallel group")
+        (dense, dense_group), (experts, experts_group) = reduction_groups(params, group, expert_group)
         self.expert_group = expert_group
         self.main_grad: dict[nn.Parameter, torch.Tensor] = {}
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self.buckets: list[Bucket] = []
-        self.grad_buffer = self._make_buckets(dense, group, bucket_numel)
-        self.expert_grad_buffer = self._make_buckets(experts, expert_group, bucket_numel) if experts else None
+        self.grad_buffer = self._make_buckets(dense, dense_group, bucket_numel)
+        self.expert_grad_buffer = self._make_buckets(experts, experts_group, bucket_numel, True) if experts else None
 
         self._synced = False                # finish_grad_sync done: the next forward starts a step
         self.recorder = TimelineRecorder(overlap)   # the times of the timeline (timeline.py)
@@ -193,7 +210,8 @@ class DistributedDataParallel(DataParallel):
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def _make_buckets(self, params: list[nn.Parameter], group, bucket_numel: int) -> torch.Tensor:
+    def _make_buckets(self, params: list[nn.Parameter], group, bucket_numel: int, experts: bool = False
+                      ) -> torch.Tensor:
         """One flat gradient buffer for `params`, cut into buckets reduced over `group`, appended
         to self.buckets; returns the buffer."""
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
@@ -206,7 +224,7 @@ class DistributedDataParallel(DataParallel):
         for group_indices in groups:
             members = [order[i] for i in group_indices]
             numel = sum(p.numel() for p in members)
-            bucket = Bucket(len(self.buckets), members, buffer[offset:offset + numel], group=group)
+            bucket = Bucket(len(self.buckets), members, buffer[offset:offset + numel], group=group, experts=experts)
             for p in members:
                 self.main_grad[p] = buffer[offset:offset + p.numel()].view_as(p)
                 self._bucket_of[p] = bucket
@@ -247,7 +265,7 @@ class DistributedDataParallel(DataParallel):
     def _start_grad_sync(self, bucket: Bucket) -> None:
         """Scale the bucket by 1/dp and launch its asynchronous all-reduce (sum) over its group."""
         bucket.grad_data.mul_(1.0 / self.dp_size)
-        tag = "grads" if bucket.group is self.group else "expert-grads"
+        tag = "expert-grads" if bucket.experts else "grads"
         bucket.work = comm.all_reduce(bucket.grad_data, bucket.group, op="sum", tag=tag, async_op=True)
         self.recorder.launched(bucket.index, bucket.work, bucket.grad_data.numel(),
                                bucket.grad_data.numel() * bucket.grad_data.element_size())

@@ -85,13 +85,7 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
     if expert_bias is not None and score_function != "sigmoid":
         raise ValueError("expert_bias is used with score_function='sigmoid' (as in Megatron-Core)")
     x = _compute(logits)
-    if score_function == "softmax":
-        if pre_softmax:
-            weights, chosen = _topk(torch.softmax(x, dim=-1), topk, num_groups, group_topk)   # [T, k]
-        else:
-            top_logits, chosen = _topk(x, topk, num_groups, group_topk)
-            weights = torch.softmax(top_logits, dim=-1)                                    # [T, k]
-    else:
+    if score_function == "sigmoid":
         scores = torch.sigmoid(x)                                                          # [T, E]
         if expert_bias is not None:      # the bias decides the choice, not the weights
             chosen = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk).indices
@@ -100,6 +94,14 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
             weights, chosen = _topk(scores, topk, num_groups, group_topk)
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    # BEGIN EXERCISE 5.1: top-k routing, the softmax before or after the choice | hint: only score_function == "softmax" is left (sigmoid was handled above); pre_softmax: weights, chosen = _topk(torch.softmax(x, dim=-1), topk, num_groups, group_topk); else _topk of the logits x, then softmax over those k values (dim=-1)
+    if score_function == "softmax":
+        if pre_softmax:
+            weights, chosen = _topk(torch.softmax(x, dim=-1), topk, num_groups, group_topk)   # [T, k]
+        else:
+            top_logits, chosen = _topk(x, topk, num_groups, group_topk)
+            weights = torch.softmax(top_logits, dim=-1)                                    # [T, k]
+    # END EXERCISE
     if scaling_factor is not None:
         weights = weights * scaling_factor
     probs = torch.zeros_like(x).scatter(1, chosen, weights)                               # [T, E]
@@ -137,10 +139,12 @@ def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: 
     those ranks); P is always this rank's tokens. Summing the per-rank losses then gives the loss
     of the whole set (Megatron reduces the counts over the tensor x context parallel group)."""
     scores = _scores_for_aux_loss(logits, score_function)                                # [T, E]
+    # BEGIN EXERCISE 5.2: the load-balancing loss | hint: c = routing_map.sum(0) (or tokens_per_expert), T = logits.shape[0] (or num_tokens), E = logits.shape[1]; return (scores.sum(0) * c).sum() * coeff * E / (topk * T * T)
     counts = routing_map.sum(dim=0).to(scores.dtype) if tokens_per_expert is None else tokens_per_expert.to(scores.dtype)
     tokens = logits.shape[0] if num_tokens is None else num_tokens
     experts = logits.shape[1]
     return (scores.sum(dim=0) * counts).sum() * (coeff * experts / (topk * tokens * tokens))
+    # END EXERCISE
 
 
 def sequence_aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float, batch_size: int, *,

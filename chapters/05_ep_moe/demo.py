@@ -1,0 +1,527 @@
+"""Chapter 05 demo: a GPT-MoE with expert parallelism, proven on tp x cp x pp x dp ranks (5D).
+
+    python chapters/05_ep_moe/demo.py                 # no torchrun: spawns 2 ranks itself (ep 2)
+    python chapters/05_ep_moe/demo.py --quick --ep 4 --dispatcher allgather
+    torchrun --standalone --nproc_per_node=4 chapters/05_ep_moe/demo.py --ep 2          # ep 2 x expert-dp 2
+    torchrun --standalone --nproc_per_node=4 chapters/05_ep_moe/demo.py --tp 2 --sp --ep 2 --etp 1
+    torchrun --standalone --nproc_per_node=16 chapters/05_ep_moe/demo.py --tp 2 --sp --cp 2 --ep 2 --pp 2 --dp 2  # 5D
+
+This file is the chapter's experiment and its command line; the tests, the graders, the
+notebook and make_figures.py run it from Python:
+
+    from minimegatron.launch import spawn
+    from minimegatron.testing import import_chapter_demo
+    ch05 = import_chapter_demo("05")              # this file, as chapters.05_ep_moe.demo
+    run = ch05.make_run(ch05.tiny_moe(), ep=2, dp=2)
+    per_rank = spawn(ch05.train_run, run.world, run)
+    print(ch05.check_run(run, per_rank))
+
+A `MoERun` trains one GPT-MoE on tp x cp x pp x dp ranks, whose experts live on a second grid
+over the same ranks (etp x ep x expert-dp x pp, cp folded away: parallel_state). Every rank
+builds its model as the training loop does (parallelize.build_model: pipeline chunk -> tensor
+(+ sequence) parallel -> context parallel -> expert parallel -> DDP, experts in buckets of
+their own over the expert-dp group) and runs train.train_step on its micro-batches
+(testing.train_layout). `check_run` judges it against independent references:
+
+  [1/4] equivalence: losses (with the auxiliary losses in the backward), first-step gradients
+        (the router's included) and final parameters against testing.single_device_run, whose
+        micro-batches are the ranks' own (each data replica's micro-batch is one token set of
+        the load-balancing loss, as in Megatron: the counts are summed over tp x cp only);
+  [2/4] communication of one step, from the ledger: the dispatcher's messages against the
+        formulas (all-to-all: this rank's routed rows T k h bytes, the combine's rows summed over
+        the ep group equal to the dispatched ones; all-gather: every message from T, h, E), and
+        the two dispatchers' volumes as ep grows;
+  [3/4] accounting: total and active parameters, FLOPs per token (training_flops against
+        Megatron's formula), and the experts' parameters and Adam state on each rank against
+        the formula total / (ep etp) per stage;
+  [4/4] load balance (one device, a short run on the book's text): tokens per expert with no
+        balancing, with the auxiliary loss and with the expert bias, and the fraction of routed
+        tokens dropped at capacity factors 0.5 .. 2;
+
+and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from minimegatron.analysis import count_parameters, megatron_mlp_flops, training_flops
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.model import GPTModel, MoELayer
+from minimegatron.model.router import apply_token_dropping
+from minimegatron.moe import is_expert_parameter
+from minimegatron.optim import Optimizer, learning_rate
+from minimegatron.parallel_state import Layout
+from minimegatron.parallelize import unwrap, validate_layout
+from minimegatron.pp import stage_layers
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
+                                  global_batches, single_device_run, train_layout, verdict_under_torchrun)
+from minimegatron.train import train_step
+
+MOE_TAGS = ("moe-counts", "moe-dispatch", "moe-combine", "moe-dispatch-bwd", "moe-combine-bwd", "moe-etp",
+            "moe-etp-bwd", "moe-allgather", "moe-allgather-bwd", "moe-aux", "moe-bias", "expert-grads", "grads")
+# the dispatchers' messages whose sizes do not depend on the routing (expected_dispatch)
+ROUTING_INDEPENDENT = ("moe-counts", "moe-dispatch", "moe-combine-bwd", "moe-allgather", "moe-allgather-bwd")
+
+
+def tiny_moe(dtype: str = "float64", **overrides) -> ModelConfig:
+    """LLaMA style, h 32, 2 layers (both MoE), 4 heads (2 key/value groups), vocabulary 64; 4
+    experts of width 32, top-2, with the load-balancing loss and the z-loss on."""
+    sizes = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                 vocab_size=64, max_position_embeddings=64, params_dtype=dtype, num_experts=4, moe_router_topk=2,
+                 moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    return ModelConfig.llama(**{**sizes, **overrides})
+
+
+@dataclass(frozen=True)
+class MoERun:
+    model: ModelConfig
+    train: TrainConfig
+    dp: int                                   # data-parallel replicas (each takes other sequences)
+    seed: int = 0
+
+    tp = property(lambda self: self.train.tensor_model_parallel_size)
+    cp = property(lambda self: self.train.context_parallel_size)
+    pp = property(lambda self: self.train.pipeline_model_parallel_size)
+    ep = property(lambda self: self.train.expert_model_parallel_size)
+    etp = property(lambda self: self.train.etp)
+    sp = property(lambda self: self.train.sequence_parallel)
+    dispatcher = property(lambda self: self.train.moe_token_dispatcher_type)
+    world = property(lambda self: self.tp * self.cp * self.pp * self.dp)
+    expert_dp = property(lambda self: self.world // (self.etp * self.ep * self.pp))
+
+    def name(self) -> str:
+        parts = [f"tp={self.tp}" + ("+sp" if self.sp else "")] if self.tp > 1 else []
+        parts += [f"cp={self.cp}"] if self.cp > 1 else []
+        parts += [f"ep={self.ep} ({self.dispatcher})"] + ([f"etp={self.etp}"] if self.etp > 1 else [])
+        parts += [f"pp={self.pp}"] if self.pp > 1 else []
+        return " x ".join(parts + [f"dp={self.dp}", f"expert-dp={self.expert_dp}"])
+
+    def global_batches(self) -> list[dict[str, torch.Tensor]]:
+        return global_batches(self.model, self.train, dp=self.dp, seed=self.seed)
+
+
+def make_run(model: ModelConfig, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *, ep: int = 2,
+             etp: int | None = None, sp: bool = False, dispatcher: str = "alltoall", micro_batches: int = 2,
+             micro_batch_size: int = 2, steps: int = 2, seq: int = 32, clip_grad: float = 0.05) -> MoERun:
+    """A validated MoERun (parallelize.validate_layout: ConfigError naming the field and the
+    numbers before any process starts). clip_grad 0.05 is below the tiny model's gradient norm,
+    so every step clips and the norm over the experts' groups is checked too."""
+    train = TrainConfig(seq_length=seq, micro_batch_size=micro_batch_size, grad_accum_steps=micro_batches,
+                        train_iters=steps, lr_warmup_iters=0, clip_grad=clip_grad, progress=False, eval_interval=0,
+                        adam_eps=1e-5 if model.params_dtype == "float32" else 1e-8,
+                        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                        sequence_parallel=sp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                        moe_token_dispatcher_type=dispatcher)
+    validate_layout(model, train, tp * cp * pp * dp)
+    return MoERun(model, train, dp)
+
+
+# ---------------------------------------------------------------------------------------
+# on every rank
+# ---------------------------------------------------------------------------------------
+def train_run(run: MoERun) -> dict:
+    """Spawn (or torchrun) target on each of run.world ranks: testing.train_layout's record
+    (losses, first-step gradients, final parameters under single-device names; the first step's
+    ledger with MOE_TAGS) plus "experts" (this rank's expert parameters: elements), "expert_adam"
+    (elements of AdamW's two moments of them after the last step: the optimizer's own state) and
+    "dense" (its other parameters: elements)."""
+    out, chunks, _, optimizer = train_layout(run.model, run.train, run.dp, run.global_batches(), MOE_TAGS)
+    out.pop("microbatches")
+    params = [p for c in chunks for p in unwrap(c).parameters()]
+    out["experts"] = sum(p.numel() for p in params if is_expert_parameter(p))
+    out["expert_adam"] = sum(optimizer.state[p][m].numel() for p in params if is_expert_parameter(p)
+                             for m in ("exp_avg", "exp_avg_sq"))
+    out["dense"] = sum(p.numel() for p in params if not is_expert_parameter(p))
+    return out
+
+
+def train_runs(runs: list[MoERun]) -> list[dict]:
+    """train_run for each of `runs` in turn, in one world (each run's world must be its size)."""
+    return [train_run(run) for run in runs]
+
+
+# ---------------------------------------------------------------------------------------
+# the formulas
+# ---------------------------------------------------------------------------------------
+def tokens_per_rank(run: MoERun) -> int:
+    """T: the tokens one rank routes per micro-batch, b s / cp (/ tp under sequence parallelism)."""
+    t = run.train
+    return t.micro_batch_size * t.seq_length // run.cp // (run.tp if run.sp else 1)
+
+
+def expected_dispatch(run: MoERun, pp_rank: int = 0) -> Counter:
+    """The dispatcher's messages of one step on a rank of stage `pp_rank` that do not depend on
+    the routing, as a Counter of (op, tag, bytes) (ledger convention: all_to_all and
+    reduce_scatter count their whole input, all_gather the shard sent). Per MoE layer and
+    micro-batch, e the element size, T = tokens_per_rank, E experts, n = etp ep:
+
+      alltoall   1 all_to_all "moe-counts" of E int64 (8 E bytes) over ep; with etp > 1, an
+                 all_gather "moe-counts" of ep E/ep int64; 1 all_to_all "moe-dispatch" of this
+                 rank's T k routed rows, T k h e bytes (no capacity: every token reaches k
+                 experts) and, backward, 1 "moe-combine-bwd" of the same rows. (The combine and
+                 the dispatch's backward move the rows this rank's experts received: their sum
+                 over the ep group equals the sum of the dispatched rows; check_run checks it.)
+      allgather  all_gather "moe-allgather" of the tokens (T h e), the weights (T E e) and the
+                 routing map (T E bytes, uint8), 1 reduce_scatter of the n T output rows (n T h e);
+                 backward (tag "moe-allgather-bwd") the reduce_scatters of the tokens' and the
+                 weights' gradients (n T h e, n T E e) and the all_gather of the output's (T h e)."""
+    cfg, t = run.model, run.train
+    e = torch.empty((), dtype=cfg.dtype).element_size()
+    T, h, E, k = tokens_per_rank(run), cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk
+    layers = [i for i in stage_layers(cfg.num_layers, run.pp, pp_rank) if cfg.is_moe_layer(i)]
+    per_mb: list[tuple[str, str, int]] = []
+    if run.dispatcher == "alltoall":
+        per_mb += [("all_to_all", "moe-counts", 8 * E)] * (run.ep > 1)
+        per_mb += [("all_gather", "moe-counts", 8 * E)] * (run.etp > 1)
+        per_mb += [("all_to_all", "moe-dispatch", T * k * h * e), ("all_to_all", "moe-combine-bwd", T * k * h * e)
+                   ] * (run.ep > 1)
+    else:
+        n = run.ep * run.etp
+        per_mb += [("all_gather", "moe-allgather", T * h * e), ("all_gather", "moe-allgather", T * E * e),
+                   ("all_gather", "moe-allgather", T * E), ("reduce_scatter", "moe-allgather", n * T * h * e),
+                   ("reduce_scatter", "moe-allgather-bwd", n * T * h * e),
+                   ("reduce_scatter", "moe-allgather-bwd", n * T * E * e),
+                   ("all_gather", "moe-allgather-bwd", T * h * e)]
+    return Counter(per_mb * len(layers) * t.grad_accum_steps)
+
+
+def dispatcher_volumes(tokens: int, hidden: int, experts: int, topk: int, ep: int, element_size: int = 2) -> dict:
+    """Bytes one rank RECEIVES from other ranks per MoE layer and micro-batch, forward, with
+    uniform routing and etp 1: all-to-all, the rows of its experts from the other ep - 1 ranks,
+    T k h e (1 - 1/ep) for the dispatch and as much for the combine; all-gather, every other
+    rank's tokens, (ep - 1) T h e (plus their weights and routing maps, (ep - 1) T E (e + 1)),
+    and as much again in the reduce-scatter."""
+    T, h, E, k, e = tokens, hidden, experts, topk, element_size
+    alltoall = 2 * T * k * h * e * (ep - 1) / ep
+    allgather = 2 * (ep - 1) * T * h * e + (ep - 1) * T * E * (e + 1)
+    return {"alltoall": alltoall, "allgather": allgather}
+
+
+def expert_elements_per_rank(run: MoERun, pp_rank: int = 0) -> int:
+    """The experts' parameter elements one rank holds: per MoE layer of its stage, E / ep experts,
+    each cut over etp (count_parameters' one-expert size / etp)."""
+    cfg = run.model
+    layers = [i for i in stage_layers(cfg.num_layers, run.pp, pp_rank) if cfg.is_moe_layer(i)]
+    return len(layers) * (cfg.num_experts // run.ep) * count_parameters(cfg)["moe"]["expert"] // run.etp
+
+
+# ---------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------
+@dataclass
+class RunReport:
+    run: MoERun
+    equivalence: EquivalenceReport
+    ledger: list[tuple[int, Counter, Counter, int, int]]   # per stage: measured, formula, dispatched, combined
+    memory: list[tuple[int, int, int, int]]                # per stage: experts, formula, their Adam state, dense
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.equivalence.ok and not self.problems
+
+    def __str__(self) -> str:
+        r, t, cfg = self.run, self.run.train, self.run.model
+        lines = [f"=== {r.name()} ({r.world} ranks), {t.grad_accum_steps} micro-batches of {t.micro_batch_size} x "
+                 f"{t.seq_length} tokens, {t.train_iters} steps, {cfg.params_dtype}, {cfg.num_experts} experts, "
+                 f"top-{cfg.moe_router_topk}",
+                 "[1/4] equivalence with the single-device run (each data replica's micro-batch one micro-batch there):"]
+        lines += ["      " + x for x in str(self.equivalence).splitlines()]
+        lines.append(f"[2/4] the {r.dispatcher} dispatcher's messages of one step, ledger vs formula:")
+        for stage, got, want, dispatched, combined in self.ledger:
+            mine = Counter({key: n for key, n in got.items() if key[1] in ROUTING_INDEPENDENT})
+            lines.append(f"      stage {stage}: {sum(want.values())} routing-independent messages, "
+                         f"{sum(n * key[2] for key, n in want.items()):,} B: "
+                         + ("OK, equal to the formula" if mine == want else "DIFFERENT from the formula"))
+            if r.dispatcher == "alltoall" and r.ep > 1:
+                lines.append(f"      over the ep group: dispatched {dispatched:,} B, combined {combined:,} B "
+                             + ("(equal: every row comes back)" if dispatched == combined else "(DIFFERENT)"))
+        T, h = tokens_per_rank(r), cfg.hidden_size
+        lines.append(f"      bytes received per rank, MoE layer and micro-batch (T={T}, h={h}, uniform routing):")
+        for ep in (2, 4, 8, 16):
+            v = dispatcher_volumes(T, h, cfg.num_experts, cfg.moe_router_topk, ep,
+                                   torch.empty((), dtype=cfg.dtype).element_size())
+            lines.append(f"        ep={ep:2d}: all-to-all {v['alltoall']:>10,.0f} B, all-gather {v['allgather']:>10,.0f} B")
+        counts = count_parameters(cfg)
+        flops = training_flops(cfg, 1, t.seq_length)
+        mlp = 3 * sum(flops["forward"].get(k, 0) for k in ("fc1", "fc2", "experts_fc1", "experts_fc2",
+                                                           "shared_fc1", "shared_fc2"))
+        lines.append(f"[3/4] parameters: total {counts['total']:,}, active per token {counts['active']:,} "
+                     f"({counts['active'] / counts['total']:.0%}); training FLOPs per token "
+                     f"{flops['total'] / t.seq_length:,.0f}, of which MLP {mlp / t.seq_length:,.0f} "
+                     f"(Megatron's formula {megatron_mlp_flops(cfg, t.seq_length) / t.seq_length:,.0f}) "
+                     f"and router {3 * flops['forward']['router'] / t.seq_length:,.0f} (not in Megatron's)")
+        for stage, measured, formula, adam, dense in self.memory:
+            lines.append(f"      stage {stage}, per rank: experts {measured:,} elements (formula E/ep x expert / etp "
+                         f"per MoE layer: {formula:,}) " + ("OK" if measured == formula else "DIFFERENT")
+                         + f"; AdamW's two moments of them {adam:,} (formula 2 x {formula:,}) "
+                         + ("OK" if adam == 2 * formula else "DIFFERENT") + f"; dense parameters {dense:,}")
+        lines += [f"      problem: {p}" for p in self.problems[:6]]
+        return "\n".join(lines)
+
+
+def reference_config(run: MoERun) -> TrainConfig:
+    """The single-device TrainConfig of a run: every size 1."""
+    return TrainConfig(**{**run.train.__dict__, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                          "context_parallel_size": 1, "sequence_parallel": False, "expert_model_parallel_size": 1,
+                          "expert_tensor_parallel_size": None})
+
+
+def check_run(run: MoERun, per_rank: list[dict]) -> RunReport:
+    """Judge a run: equivalence (rank 0's view) against the single device with one micro-batch
+    per data replica's micro-batch; each pipeline stage's dispatcher messages on its ranks; the
+    experts' elements per rank."""
+    t = run.train
+    reference = single_device_run(run.model, run.global_batches(), reference_config(run),
+                                  grad_accum_steps=t.grad_accum_steps * run.dp)
+    mine = per_rank[0]
+    equivalence = compare_runs(reference, RunRecord(mine["losses"], mine["grads"], mine["params"]), run.model.dtype)
+    problems, ledger, memory = [], [], []
+    for stage in range(run.pp):
+        want = expected_dispatch(run, stage)
+        ranks = [r for r in per_rank if r["pp_rank"] == stage]
+        for r in ranks:
+            got = Counter({key: n for key, n in Counter(r["ledger"]).items() if key[1] in ROUTING_INDEPENDENT})
+            if got != want:
+                problems.append(f"stage {stage}, rank {per_rank.index(r)}: messages differ from the formula: "
+                                f"unexpected {dict(got - want)}, missing {dict(want - got)}")
+        dispatched = sum(b for r in ranks for op, tag, b in r["ledger"] if tag == "moe-dispatch")
+        combined = sum(b for r in ranks for op, tag, b in r["ledger"] if tag == "moe-combine")
+        if dispatched != combined:
+            problems.append(f"stage {stage}: {dispatched} bytes dispatched but {combined} combined")
+        ledger.append((stage, Counter(ranks[0]["ledger"]), want, dispatched, combined))
+        formula = expert_elements_per_rank(run, stage)
+        for r in ranks:
+            if (r["experts"], r["expert_adam"]) != (formula, 2 * formula):
+                problems.append(f"stage {stage}: a rank holds {r['experts']} expert elements and {r['expert_adam']} "
+                                f"of their Adam state, the formula {formula} and {2 * formula}")
+        memory.append((stage, ranks[0]["experts"], formula, ranks[0]["expert_adam"], ranks[0]["dense"]))
+    for r in per_rank[1:]:
+        if r["losses"] != per_rank[0]["losses"]:
+            problems.append(f"rank {per_rank.index(r)} reports other losses than rank 0")
+            break
+    return RunReport(run, equivalence, ledger, memory, problems)
+
+
+# ---------------------------------------------------------------------------------------
+# load balance (one device)
+# ---------------------------------------------------------------------------------------
+BALANCING = {   # name -> the router's settings
+    "no balancing": dict(),
+    "aux loss 1e-2": dict(moe_aux_loss_coeff=1e-2),
+    "sigmoid, no balancing": dict(moe_router_score_function="sigmoid"),
+    "sigmoid + expert bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                  moe_router_bias_update_rate=1e-2),
+}
+CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+
+
+def routed_counts(model: GPTModel, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Tokens per expert [E] of each MoE layer on `tokens` (no gradient, nothing accumulated):
+    each layer's input is caught by a forward pre-hook and routed again by MoELayer.route."""
+    inputs = []
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    hooks = [layer.register_forward_pre_hook(lambda mod, args: inputs.append(args[0])) for layer in layers]
+    try:
+        with torch.no_grad():
+            was_training = model.training
+            model.eval()
+            model(tokens)
+            model.train(was_training)
+            return [layer.route(x.reshape(-1, x.shape[-1]))[2].sum(0) for layer, x in zip(layers, inputs)]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def dropped_fraction(model: GPTModel, tokens: torch.Tensor, capacity_factor: float) -> float:
+    """The fraction of routed (token, expert) pairs a capacity of ceil(T k / E x factor) drops
+    (drop policy "probs"), over every MoE layer, on `tokens`."""
+    inputs, kept, routed = [], 0, 0
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    hooks = [layer.register_forward_pre_hook(lambda mod, args: inputs.append(args[0])) for layer in layers]
+    try:
+        with torch.no_grad():
+            model.eval()
+            model(tokens)
+            model.train()
+            for layer, x in zip(layers, inputs):
+                _, probs, routing_map = layer.route(x.reshape(-1, x.shape[-1]))
+                _, kept_map = apply_token_dropping(probs, routing_map, layer.config.moe_router_topk, capacity_factor)
+                kept, routed = kept + int(kept_map.sum()), routed + int(routing_map.sum())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return 1 - kept / routed
+
+
+def load_balance(steps: int = 60, experts: int = 8, topk: int = 2, seq: int = 64, batch: int = 8) -> dict:
+    """Train the same tiny GPT-MoE (float32, h 64, 2 MoE layers, `experts` experts, top-k) for
+    `steps` AdamW steps on the book's own text, once per BALANCING setting, on one device.
+    Returns {name: {"imbalance": [max / mean tokens per expert after each step, over the
+    layers], "final": [fraction of the routed pairs per expert, layer 0, after the last step],
+    "dropped": {capacity factor: fraction of pairs dropped}}}, all on a held-out batch."""
+    from minimegatron.data import batch_for_step
+    from minimegatron.train import build_datasets
+
+    base = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                vocab_size=257, max_position_embeddings=seq, params_dtype="float32", num_experts=experts,
+                moe_router_topk=topk, moe_ffn_hidden_size=64)
+    train = TrainConfig(seq_length=seq, micro_batch_size=batch, train_iters=steps, lr=3e-3, lr_warmup_iters=0,
+                        clip_grad=1.0, progress=False, eval_interval=0)
+    train_ds, valid_ds = build_datasets(ModelConfig.llama(**base), train)
+    held_out = batch_for_step(valid_ds, 0, batch, 0, 1)["tokens"]
+    results = {}
+    for name, router in BALANCING.items():
+        cfg = ModelConfig.llama(**{**base, **router})
+        model = GPTModel(cfg)
+        optimizer = Optimizer(model.parameters(), train)
+        imbalance = []
+        for step in range(steps):
+            train_step([model], optimizer, [batch_for_step(train_ds, step, batch, 0, 1)], Layout(),
+                       learning_rate(step, train), train.clip_grad)
+            counts = routed_counts(model, held_out)
+            imbalance.append(max(float(c.max() / c.float().mean()) for c in counts))
+        final = routed_counts(model, held_out)[0]
+        results[name] = {"imbalance": imbalance, "final": (final / final.sum()).tolist(),
+                         "dropped": {f: dropped_fraction(model, held_out, f) for f in CAPACITY_FACTORS}}
+    return results
+
+
+def load_balance_lines(results: dict) -> list[str]:
+    lines = ["[4/4] load balance, one device, the book's text: max/mean tokens per expert on a held-out batch "
+             "(1 = balanced), and routed pairs dropped at capacity factor " + ", ".join(map(str, CAPACITY_FACTORS))]
+    for name, r in results.items():
+        curve = r["imbalance"]
+        dropped = ", ".join(f"{r['dropped'][f]:.0%}" for f in CAPACITY_FACTORS)
+        lines.append(f"      {name:22s} step 1: {curve[0]:.2f}, last: {curve[-1]:.2f}; dropped {dropped}")
+    return lines
+
+
+def summary_line(reports: list[RunReport]) -> str:
+    """The demo's last line: MATCH ... or MISMATCH ..."""
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        reasons = "; ".join(f"{r.run.name()}: " + (r.problems[0] if r.problems else "differs from the single-device "
+                                                   "run") for r in bad)
+        return f"MISMATCH: {reasons}"
+    worst = max(max(r.equivalence.max_loss_diff, r.equivalence.max_grad_diff, r.equivalence.max_param_diff)
+                for r in reports)
+    names = "; ".join(r.run.name() for r in reports)
+    return (f"MATCH: {names} equal the single-device run (largest difference {worst:.1e}); the dispatcher's "
+            f"messages equal the formulas; every rank holds the experts the formula says")
+
+
+# ---------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="chapters/05_ep_moe/demo.py",
+        description="Chapter 05: train a tiny GPT-MoE with expert parallelism (x tensor, sequence, context, pipeline "
+                    "and data parallelism) and check it against the single-device run, the dispatcher's formulas, "
+                    "the accounting, and show the load balance.",
+        epilog="world = tp x cp x pp x dp; the experts' grid: etp x ep x expert-dp x pp over the same ranks. Ends with "
+               "a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    parser.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default 4, or ep if more)")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+    parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="expert capacity factor (default none: no token dropped); the ledger check then covers "
+                             "only the messages whose size does not depend on the routing")
+    parser.add_argument("--shared-expert", type=int, default=None, metavar="WIDTH",
+                        help="a shared expert of this inner width (default none)")
+    parser.add_argument("--expert-bias", action="store_true", help="sigmoid scores with DeepSeek-V3's expert bias")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1; > 1 needs --sp)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (MoE with --tp > 1 needs it)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel replicas (default: world / (tp cp pp) under torchrun, else --ep)")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64, or 32 with --quick)")
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
+    parser.add_argument("--balance-steps", type=int, default=None,
+                        help="steps of the load-balance runs (default 60, or 0 with --quick: not run)")
+    parser.add_argument("--quick", action="store_true", help="sequences of 32, 2 steps, no load-balance runs")
+    args = parser.parse_args(argv)
+    for name in ("ep", "topk", "tp", "cp", "pp", "micro_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    return args
+
+
+def build_run(args: argparse.Namespace, dp: int) -> MoERun:
+    """The run every rank trains; ConfigError naming the numbers if it cannot."""
+    experts = args.num_experts or max(4, args.ep)
+    router = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_bias_update_rate=1e-2) if args.expert_bias else {}
+    model = tiny_moe(args.dtype, num_layers=2 * args.pp, num_experts=experts, moe_router_topk=args.topk,
+                     moe_expert_capacity_factor=args.capacity_factor,
+                     moe_shared_expert_intermediate_size=args.shared_expert, **router)
+    return make_run(model, tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp, sp=args.sp,
+                    dispatcher=args.dispatcher, micro_batches=args.micro_batches,
+                    steps=args.steps or (2 if args.quick else 3), seq=args.seq or (32 if args.quick else 64))
+
+
+def report(run: MoERun, per_rank: list[dict], how: str, seconds: float, balance_steps: int) -> int:
+    print(f"Chapter 05: {run.name()} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
+    result = check_run(run, per_rank)
+    if run.model.moe_expert_capacity_factor is not None:     # dropped pairs: the routed rows vary
+        result.problems = [p for p in result.problems if "messages differ" not in p]
+    print(result)
+    if balance_steps:
+        print("\n".join(load_balance_lines(load_balance(steps=balance_steps))))
+    print()
+    line = summary_line([result])
+    print(line)
+    return 0 if line.startswith("MATCH") else 1
+
+
+def main_torchrun(args) -> int:
+    from minimegatron.launch import finish_torchrun, init_from_torchrun
+
+    rank, world = init_from_torchrun()
+    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp, "cp": args.cp, "pp": args.pp}, args.dp)
+    if dp is None:
+        return finish_torchrun(2)
+    run = build_run(args, dp)
+    start = time.perf_counter()
+    balance = args.balance_steps if args.balance_steps is not None else (0 if args.quick else 60)
+    return verdict_under_torchrun(train_run(run), lambda per_rank: report(
+        run, per_rank, "torchrun", time.perf_counter() - start, balance))
+
+
+def main_spawn(args) -> int:
+    from minimegatron.launch import spawn
+
+    run = build_run(args, args.dp or max(args.ep * (args.etp or args.tp) // (args.tp * args.cp), 1))
+    start = time.perf_counter()
+    per_rank = spawn(train_run, run.world, run, timeout=600)
+    balance = args.balance_steps if args.balance_steps is not None else (0 if args.quick else 60)
+    return report(run, per_rank, "spawned by this script; torchrun works too", time.perf_counter() - start, balance)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        return main_torchrun(args) if "RANK" in os.environ else main_spawn(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
+    sys.exit(main())
