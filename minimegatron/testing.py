@@ -238,7 +238,7 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
         loss, _ = train_step([model], optimizer, split_microbatches(batch, grad_accum_steps), Layout(),
                              learning_rate(step, cfg), cfg.clip_grad, on_grads=keep_first_grads)
         losses.append(loss)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: t.detach().clone() for n, t in model.state_dict().items()}    # with saved buffers (expert bias)
     return RunRecord(losses, first_grads, params)
 
 
