@@ -1,0 +1,74 @@
+"""The training loop trains a GPT-MoE under expert parallelism (chapter 05): EP x expert-DP with
+the expert bias, and TP+SP x EP with a shared expert, train the same model as the single-device
+loop (whose micro-batches are the data replicas' own: each is one token set of the
+load-balancing loss), resume bit for bit from their per-rank checkpoints (the expert bias
+included), and a checkpoint of another ep size is refused by name."""
+
+import pytest
+import torch
+
+from minimegatron.launch import spawn
+from minimegatron.config import ModelConfig, TrainConfig
+from minimegatron.model import GPTModel
+from minimegatron.train import train
+
+MODEL = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                          max_position_embeddings=16, params_dtype="float64", num_experts=4, moe_router_topk=2,
+                          moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+                          moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                          moe_router_bias_update_rate=1e-2)
+SHARED = ModelConfig.llama(**{**MODEL.__dict__, "moe_shared_expert_intermediate_size": 32,
+                              "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False})
+CLIP = 0.05
+LAYOUTS = {   # name -> (model, data replicas, overrides); all on 4 ranks
+    "ep2-edp2-bias": (MODEL, 4, dict(expert_model_parallel_size=2)),
+    "tp2sp-ep2-shared": (SHARED, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                         expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
+}
+
+
+def _cfg(tmp, name, **kw) -> TrainConfig:
+    base = dict(seq_length=16, micro_batch_size=1, grad_accum_steps=2, train_iters=4, lr_warmup_iters=1,
+                eval_interval=2, eval_iters=1, clip_grad=CLIP, progress=False, out_dir=str(tmp / name / "out"))
+    return TrainConfig(**{**base, **kw})
+
+
+def _worker(tmp) -> dict:
+    out = {}
+    for name, (model, _, extra) in LAYOUTS.items():
+        full = train(model, _cfg(tmp, name + "-full", **extra))
+        ckpt = tmp / name / "ckpt"
+        train(model, _cfg(tmp, name + "-first", save_dir=str(ckpt), save_interval=2, **extra))
+        if torch.distributed.get_rank() == 0:
+            (ckpt / "latest").write_text("iter_0000002.pt\n")
+        torch.distributed.barrier()
+        resumed = train(model, _cfg(tmp, name + "-resumed", load_dir=str(ckpt), **extra))
+        out[name] = (full.losses, full.eval_losses, resumed.losses, resumed.eval_losses)
+    try:                                                   # ep 2 resumed as ep 4: the same 4 ranks
+        train(MODEL, _cfg(tmp, "other-ep", expert_model_parallel_size=4,
+                          load_dir=str(tmp / "ep2-edp2-bias" / "ckpt")))
+        out["error"] = "no error"
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.slow
+def test_moe_training_loops_match_one_device_and_resume_exactly(tmp_path):
+    per_rank = spawn(_worker, 4, tmp_path, timeout=500)
+    assert all(r == per_rank[0] for r in per_rank)          # every rank reports the same numbers
+    for name, (model, replicas, _) in LAYOUTS.items():
+        # one device: the replicas' micro-batches one after the other, each its own token set
+        reference = train(model, _cfg(tmp_path, name + "-single", grad_accum_steps=2 * replicas))
+        full, full_eval, resumed, resumed_eval = per_rank[0][name]
+        assert (resumed, resumed_eval) == (full, full_eval), name          # bit for bit
+        diff = max(abs(a - b) for a, b in zip(full, reference.losses))
+        assert diff < 1e-10, (name, diff)
+        # (validation: each replica evaluates its own micro-batch, the one device micro_batch_size of
+        # them: other sequences, so only the resume is compared there, above)
+        state = torch.load(tmp_path / name / "ckpt" / "iter_0000004.pt", weights_only=True)
+        GPTModel(model).load_state_dict(state["model"])     # single-device names and shapes, with the bias
+    saved = torch.load(tmp_path / "ep2-edp2-bias" / "ckpt" / "iter_0000002.pt", weights_only=True)["model"]
+    assert max(saved[f"decoder.layers.{i}.mlp.router.expert_bias"].abs().max() for i in range(2)) > 0   # it moved
+    assert "CheckpointError" in per_rank[0]["error"] and "expert_model_parallel_size" in per_rank[0]["error"], \
+        per_rank[0]["error"]
