@@ -24,17 +24,25 @@ DEMO_RANKS ?= 16
 DEMO_TP    ?= 2
 DEMO_CP    ?= 2
 DEMO_PP    ?= 2
+DEMO_EP    ?= 2
+DEMO_EXPERTS ?= 8
 
-# The book's main job: the most parallel run it supports so far (chapter 04: 4D parallelism):
+# The book's main job: the most parallel run it supports so far (chapter 05: 5D parallelism),
+# a GPT-MoE with DEMO_EXPERTS experts (top-2, load-balancing loss) in each of its 4 layers:
 # every matrix split over TP=DEMO_TP ranks with sequence parallelism, every sequence split over
-# CP=DEMO_CP ranks (ring attention, zig-zag), the 4 layers cut into PP=DEMO_PP pipeline stages
-# running 1F1B over 4 micro-batches, and DEMO_RANKS/(DEMO_TP*DEMO_CP*DEMO_PP) data-parallel
-# replicas. The global batch stays 8 sequences per step. 16 ranks share the cores: about
-# 9 minutes on 2 cores (`make demo DEMO_RANKS=8 DEMO_CP=1`, chapter 03's 3D run, about 2).
+# CP=DEMO_CP ranks (ring attention, zig-zag), the experts spread over EP=DEMO_EP ranks (all-to-all
+# dispatch; each expert also cut over etp = TP ranks), the layers cut into PP=DEMO_PP pipeline
+# stages running 1F1B over 4 micro-batches, and DEMO_RANKS/(DEMO_TP*DEMO_CP*DEMO_PP) data-parallel
+# replicas (the experts' gradients summed over their own expert-data-parallel group). The global
+# batch stays 8 sequences per step. 16 ranks share the cores: about 11 minutes on 2 cores
+# (`make demo DEMO_EXPERTS=0 DEMO_EP=1`: chapter 04's dense 4D run; `make demo DEMO_RANKS=8 DEMO_CP=1
+# DEMO_EXPERTS=0 DEMO_EP=1`: chapter 03's 3D run, about 2).
 demo: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.train --preset demo --num-layers 4 \
 		--tensor-model-parallel-size $(DEMO_TP) $(if $(filter-out 1,$(DEMO_TP)),--sequence-parallel) \
 		--context-parallel-size $(DEMO_CP) \
+		$(if $(filter-out 0,$(DEMO_EXPERTS)),--num-experts $(DEMO_EXPERTS) --moe-router-topk 2 \
+			--moe-aux-loss-coeff 1e-2 --expert-model-parallel-size $(DEMO_EP)) \
 		--pipeline-model-parallel-size $(DEMO_PP) --grad-accum-steps 4 \
 		--micro-batch-size $$((2 * $(DEMO_TP) * $(DEMO_CP) * $(DEMO_PP) / $(DEMO_RANKS))) \
 		--out-dir runs/demo

@@ -38,7 +38,8 @@ if TYPE_CHECKING:                  # the records drawn here (only their fields a
 
 __all__ = ["draw_rank_grid", "plot_memory_breakdown", "plot_bucket_timeline", "plot_memory_profile",
            "plot_timeline", "wait_until", "plot_losses", "plot_cp_load_balance", "plot_cp_comm_types",
-           "plot_sp_cp_activations", "draw_sequence_parallel_regions"]
+           "plot_sp_cp_activations", "draw_sequence_parallel_regions", "plot_moe_load_balance",
+           "plot_dispatcher_volumes"]
 
 
 def _new_figure(**kwargs):
@@ -449,3 +450,50 @@ def draw_sequence_parallel_regions(path: str | os.PathLike | None = None):
                              label="tensor-parallel region: all s tokens, a/tp heads or f/tp MLP columns")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1.02), ncol=2, fontsize=8, frameon=False)
     return _finish(fig, path)
+
+
+def plot_moe_load_balance(results: dict[str, dict], path: str | os.PathLike | None = None, title: str = ""):
+    """Three panels of a mixture's load balance (chapter 05's demo, load_balance): the largest
+    expert's tokens over the mean after each training step, per balancing setting; the share of
+    the routed pairs each expert got after the last step (layer 0); the fraction of routed pairs
+    a capacity factor drops. results: {setting: {"imbalance": [...], "final": [...],
+    "dropped": {factor: fraction}}}. Returns the Figure (saved to `path` if given)."""
+    fig = _new_figure(figsize=(13.5, 3.6))
+    ax_steps, ax_final, ax_drop = fig.subplots(1, 3)
+    n = len(results)
+    for i, (name, r) in enumerate(results.items()):
+        colour = _colour(i, max(n, 3))
+        ax_steps.plot(range(1, len(r["imbalance"]) + 1), r["imbalance"], color=colour, label=name)
+        experts = len(r["final"])
+        width = 0.8 / n
+        ax_final.bar([e + (i - (n - 1) / 2) * width for e in range(experts)], r["final"], width=width,
+                     color=colour, label=name)
+        factors = sorted(r["dropped"])
+        ax_drop.plot(factors, [r["dropped"][f] for f in factors], marker="o", color=colour, label=name)
+    ax_steps.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    ax_steps.set(xlabel="training step", ylabel="max / mean tokens per expert",
+                 title="imbalance (held-out batch, worst layer)")
+    experts = len(next(iter(results.values()))["final"])
+    ax_final.axhline(1 / experts, color="black", linestyle="--", linewidth=0.8)
+    ax_final.set(xlabel="expert", ylabel="share of routed pairs", title="after the last step (layer 0)")
+    ax_final.set_xticks(range(experts))
+    ax_drop.set(xlabel="capacity factor", ylabel="routed pairs dropped", title="dropped at capacity")
+    ax_drop.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+    ax_steps.legend(fontsize=7)
+    return _finish(fig, path, title)
+
+
+def plot_dispatcher_volumes(rows: dict[str, dict[int, float]], path: str | os.PathLike | None = None,
+                            title: str = ""):
+    """Bytes one rank receives per MoE layer and micro-batch against the expert-parallel size,
+    one line per dispatcher (rows: {dispatcher: {ep: bytes}}), log-scaled x. Returns the Figure."""
+    fig = _new_figure(figsize=(5.4, 3.6))
+    ax = fig.subplots()
+    for i, (name, by_ep) in enumerate(rows.items()):
+        sizes = sorted(by_ep)
+        ax.plot(sizes, [by_ep[ep] / 2**20 for ep in sizes], marker="o", color=_colour(i, 3), label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(ep) for ep in sizes])
+    ax.set(xlabel="expert-parallel size ep", ylabel="MiB received per rank")
+    ax.legend(fontsize=8)
+    return _finish(fig, path, title)
