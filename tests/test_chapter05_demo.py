@@ -38,8 +38,11 @@ def test_four_ranks_every_expert_layout():
             ch05.make_run(MOE, ep=4, dp=4, dispatcher="allgather"),
             # ep 2 x expert-dp 2, an expert keeps ceil(T k / E) of its pairs: some are dropped
             ch05.make_run(ch05.tiny_moe(moe_expert_capacity_factor=1.0), ep=2, dp=4),
-            # TP+SP: the experts unsplit (etp 1, expert-dp 2), the shared expert cut over tp
-            ch05.make_run(ch05.tiny_moe(moe_shared_expert_intermediate_size=32), tp=2, sp=True, ep=2, etp=1, dp=2),
+            # TP+SP: the experts unsplit (etp 1, expert-dp 2), the shared expert cut over tp; the
+            # per-sequence loss, each sequence's tokens split over the tp pair
+            ch05.make_run(ch05.tiny_moe(moe_shared_expert_intermediate_size=32,
+                                        moe_router_load_balancing_type="seq_aux_loss"),
+                          tp=2, sp=True, ep=2, etp=1, dp=2),
             ch05.make_run(MOE, tp=2, sp=True, ep=2, etp=2, dp=2),                   # EP x ETP
             ch05.make_run(MOE, tp=2, sp=True, ep=2, etp=2, dp=2, dispatcher="allgather"),
             # CP: each rank routes half of every sequence; sigmoid scores with the expert bias
