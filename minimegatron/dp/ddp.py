@@ -111,9 +111,12 @@ def assign_buckets(numels: Sequence[int], bucket_size: int | None) -> list[list[
 def reduction_groups(params: Sequence[nn.Parameter], dp_group, expert_dp_group
                      ) -> list[tuple[list[nn.Parameter], object]]:
     """Which gradients are reduced where: [(dense parameters, dp_group), (expert parameters,
-    expert_dp_group)], each list in the order of `params`. An expert parameter is one marked
+    expert_dp_group)], always these two entries in this order, each list in the order of
+    `params` (an empty list when there is none of its kind). An expert parameter is one marked
     `allreduce = False` (moe.apply_expert_parallel, Megatron's attribute); every other parameter
-    is dense. ValueError if there are experts but expert_dp_group is None.
+    is dense. dp_group: the dense data-parallel group (the dp x cp ranks that hold the same dense
+    parameters); expert_dp_group: the expert-data-parallel group (the ranks that hold the same
+    experts). ValueError if there are experts but expert_dp_group is None.
 
     Spot the bug (exercise 5.4): a first version of this body, and what it did when checked
     against the single-device run, are in chapters/05_ep_moe/exercises/spot_the_bug.md.

@@ -70,7 +70,22 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
                  expert_bias: torch.Tensor | None = None, scaling_factor: float | None = None,
                  num_groups: int | None = None, group_topk: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (probs [T, E], routing_map [T, E] bool), as the module docstring says.
+    """logits [T, E] -> (probs [T, E], routing_map [T, E] bool): each token's `topk` experts and
+    their weights (Megatron-Core's topk_routing_with_score_function).
+
+    score_function="softmax" (default): the k largest logits of a token are chosen, and its
+        weights are the softmax over those k logits only (they sum to 1). pre_softmax=True: the
+        softmax runs over all E logits first, the k largest probabilities are chosen and kept as
+        they are (they sum to less than 1).
+    score_function="sigmoid": scores = sigmoid(logits); with expert_bias [E] the choice is made
+        on scores + bias, the weights are the scores without it; with k > 1 the chosen weights
+        are divided by their sum.
+    num_groups, group_topk: group-limited routing, applied to the scores the choice is made on
+        (the logits, or the probabilities with pre_softmax): the experts form num_groups equal
+        groups, a group's score is the sum of its k / group_topk best scores, and only experts of
+        the group_topk best groups may be chosen (`_topk` does this).
+    scaling_factor multiplies the weights. For 16-bit logits everything is computed in float32
+    (`x`), else in the logits' dtype.
 
     probs is zero outside the chosen experts (differentiable with respect to the logits);
     routing_map holds exactly `topk` True per token. ValueError for a score function other than
@@ -130,9 +145,11 @@ def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: 
 
     with P the router's scores over ALL experts (softmax of the logits; for sigmoid, the sigmoid
     scores normalised per token), c_i the number of tokens routed to expert i
-    (routing_map.sum(0)) and T the number of tokens. Its minimum, coeff, is reached when both the
-    routed counts and the average scores are uniform. A scalar, differentiable through P only
-    (the counts are integers).
+    (routing_map.sum(0)) and T the number of tokens. With f_i = c_i / (k T) the fraction of the
+    routed copies that go to expert i and p_i = mean_t P[t, i], loss = coeff * E * sum_i f_i p_i:
+    coeff when either is uniform, and, where the routing follows the scores (f = p), coeff * E *
+    sum_i p_i^2 >= coeff, smallest at uniform load. A scalar, differentiable through P only (the
+    counts are integers).
 
     Over several ranks (sequence, context or data parallel) pass the counts and token number of
     the whole set the loss is defined over (`tokens_per_expert`, `num_tokens`: summed over
