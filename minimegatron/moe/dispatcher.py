@@ -30,8 +30,14 @@ AllGatherDispatcher (MoEAllGatherTokenDispatcher): all-gather every rank's token
   token to every rank: (ep etp - 1) T h per rank each way, against about k T h (1 - 1/ep) for
   the all-to-all (chapter 05 measures both).
 
-Where this lives in Megatron-LM: megatron/core/transformer/moe/token_dispatcher.py (the
-dispatchers), moe_utils.py (permute, unpermute, sort_chunks_by_idxs).
+Where this lives in Megatron-LM (checked 2026-11-24, main at d98e8a6):
+megatron/core/transformer/moe/token_dispatcher.py (MoEAlltoAllTokenDispatcher,
+MoEAllGatherTokenDispatcher, and the "flex" dispatcher for DeepEP-style kernels, not in the
+book), moe_utils.py (permute, unpermute, sort_chunks_by_idxs). Two differences: Megatron
+exchanges the counts with one all-gather of the whole [ep, etp, E] count matrix over etp x ep
+where the book runs an all-to-all over ep (and an all-gather over etp); and Megatron applies each
+row's probability inside the expert, to the activation before fc2, where the book weights the
+expert's output when the row is back on its token's rank (the same without an fc2 bias).
 """
 
 from __future__ import annotations

@@ -28,10 +28,16 @@ SUM over that group, divided by dp x cp like every gradient (each rank's loss is
 its own tokens): Megatron's DDP scales expert buckets by the same 1/dp and all-reduces them over
 the expert-dp group (dp/ddp.py: expert_group).
 
-Megatron-LM: megatron/core/transformer/moe/experts.py (SequentialMLP, TEGroupedMLP, the etp
-split), moe_layer.py (MoELayer), megatron/core/parallel_state.py (the expert groups),
-megatron/core/distributed/distributed_data_parallel.py (the expert buffers and their scaling),
-finalize_model_grads.py (the expert-bias update after each step).
+Megatron-LM (checked 2026-11-24, main at d98e8a6): megatron/core/transformer/moe/experts.py
+(SequentialMLP, TEGroupedMLP, the etp split), moe_layer.py (MoELayer), megatron/core/
+parallel_state.py (the expert groups), megatron/core/distributed/distributed_data_parallel.py
+(the expert buffers and their scaling), finalize_model_grads.py (the expert-bias update after
+each step). Megatron's linear layers mark an expert's parameters allreduce=False only when
+ep > 1 or etp != tp (otherwise the expert-dp group is the dense one); the book marks them in
+every multi-rank layout, which reduces them over the same ranks in that case. Limits of the
+book, refused by name in check_expert_parallel_config: experts train with the bucketed DDP only
+(no ZeRO: Megatron's distributed optimizer shards expert and dense buffers separately), and
+etp > 1 needs bias-free experts.
 """
 
 from __future__ import annotations
