@@ -155,12 +155,12 @@ def build_optimizer(chunks: list[nn.Module], cfg: TrainConfig, layout: Layout) -
     model (tp, pp; for a mixture's experts etp, ep, pp). Under ZeRO the DistributedOptimizer over the wrapper's shards, whose norm
     also sums over the data-parallel group."""
     model_groups = [layout.tp_group, layout.pp_group]
-    if isinstance(chunks[0], (ZeroDataParallel, FullyShardedDataParallel)):       # ZeRO: pp == 1
-        return DistributedOptimizer(chunks[0], cfg, layout.tp_rank, model_groups)
     has_experts = unwrap(chunks[0]).config.num_experts is not None and layout.world > 1
+    expert_groups = [layout.etp_group, layout.ep_group, layout.pp_group] if has_experts else None
+    if isinstance(chunks[0], (ZeroDataParallel, FullyShardedDataParallel)):       # ZeRO: pp == 1
+        return DistributedOptimizer(chunks[0], cfg, layout.tp_rank, model_groups, expert_groups, layout.etp_rank)
     return Optimizer([p for chunk in chunks for p in chunk.parameters()], cfg, layout.tp_rank, model_groups,
-                     expert_grad_stats_groups=[layout.etp_group, layout.ep_group, layout.pp_group] if has_experts
-                     else None, expert_tp_rank=layout.etp_rank)
+                     expert_grad_stats_groups=expert_groups, expert_tp_rank=layout.etp_rank)
 
 
 def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -175,8 +175,13 @@ def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = Fa
     for chunk in chunks:
         model = unwrap(chunk)
         if isinstance(chunk, (ZeroDataParallel, FullyShardedDataParallel)) and grads:
-            # this rank's TP shards of the DP-averaged gradients, then gathered over TP
-            full = gather_full_tensors(chunk.gather_gradients(), dict(model.named_parameters()), layout.tp_group)
+            # this rank's TP shards of the DP-averaged gradients, then gathered over TP (experts:
+            # over etp and ep)
+            gathered, params = chunk.gather_gradients(), dict(model.named_parameters())
+            experts = {n for n, p in params.items() if getattr(p, "allreduce", True) is False}
+            full = gather_full_tensors({n: g for n, g in gathered.items() if n not in experts}, params,
+                                       layout.tp_group)
+            full.update(full_expert_tensors(model, layout, grads={n: gathered[n] for n in experts}))
         elif isinstance(chunk, FullyShardedDataParallel):
             full = chunk.gather_parameters()
         else:

@@ -153,7 +153,7 @@ def test_command_line_and_layout_checks():
         "needs sequence_parallel": dict(tensor_model_parallel_size=2),
         "is not divisible by expert_tensor_parallel_size=3 x expert_model_parallel_size=2":
             dict(expert_model_parallel_size=2, expert_tensor_parallel_size=3),
-        "zero_stage=1": dict(expert_model_parallel_size=2, zero_stage=1),
+        "zero_stage=2": dict(expert_model_parallel_size=2, zero_stage=2),
         "ddp_impl='naive'": dict(expert_model_parallel_size=2, ddp_impl="naive"),
     }
     for message, sizes in refusals.items():

@@ -57,15 +57,16 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
     zero_stage 3: FullyShardedDataParallel (the same).
 
     A mixture of experts (chapter 05) passes expert_group, the expert-data-parallel group: its
-    experts (marked allreduce=False) are reduced there, in buckets of their own; only the
-    bucketed DDP does that here (parallelize.validate_layout refuses the others with experts).
+    experts (marked allreduce=False) are reduced there, in buckets of their own; the bucketed DDP
+    and ZeRO-1 do that here (parallelize.validate_layout refuses the others with experts).
     """
     if comm.group_size(group) == 1 and (expert_group is None or comm.group_size(expert_group) == 1):
         return model
     if cfg.zero_stage == 3:
         return FullyShardedDataParallel(model, group)
     if cfg.zero_stage in (1, 2):                        # pair it with a DistributedOptimizer
-        return ZeroDataParallel(model, group, stage=cfg.zero_stage, bucket_size=cfg.ddp_bucket_size)
+        return ZeroDataParallel(model, group, stage=cfg.zero_stage, bucket_size=cfg.ddp_bucket_size,
+                                expert_group=expert_group)
     if cfg.ddp_impl == "naive":
         return NaiveDataParallel(model, group)
     element_size = next(model.parameters()).element_size()

@@ -122,15 +122,20 @@ class Bucket:
 
 
 def build_buckets(model: nn.Module, dp: int, rank: int, bucket_size: int | None = None,
-                  grad_buffer: bool = True) -> list[Bucket]:
+                  grad_buffer: bool = True, experts: bool | None = None) -> list[Bucket]:
     """Pack `model`'s parameters into padded flat buckets; the parameters become views of them.
 
     Parameters are taken in reverse order (the order backward produces their gradients) and
     split by weight decay (dim >= 2: decay); each group is cut into buckets of at least
     `bucket_size` elements (None: one bucket per group). With `grad_buffer` each parameter's
-    .grad becomes a view of a zeroed bucket.grad_data (stage 1).
+    .grad becomes a view of a zeroed bucket.grad_data (stage 1). experts=True / False: only the
+    parameters marked allreduce=False (a mixture's experts, chapter 05) / only the others.
     """
     named = list(model.named_parameters())[::-1]
+    if experts is not None:
+        named = [(n, p) for n, p in named if (getattr(p, "allreduce", True) is False) == experts]
+    if not named:
+        return []
     dtypes = {p.dtype for _, p in named}
     if len(dtypes) != 1:
         raise ValueError(f"build_buckets: one dtype per model expected, got {sorted(map(str, dtypes))}")
@@ -206,13 +211,25 @@ class ZeroDataParallel(DataParallel):
     bucket is complete, and frees its .grad; smaller buckets mean a smaller gradient peak.
     """
 
-    def __init__(self, module: nn.Module, group, stage: int = 1, bucket_size: int | None = None):
+    def __init__(self, module: nn.Module, group, stage: int = 1, bucket_size: int | None = None,
+                 expert_group=None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel: stage={stage} must be 1 or 2 (stage 3: FullyShardedDataParallel)")
         super().__init__(module, group)
         self.stage = stage
         self.dp, self.rank = group_size(group), group_rank(group)
-        self.buckets = build_buckets(module, self.dp, self.rank, bucket_size, grad_buffer=stage == 1)
+        has_experts = any(getattr(p, "allreduce", True) is False for p in module.parameters())
+        if has_experts and (expert_group is None or stage != 1):
+            raise ValueError("ZeroDataParallel with experts (parameters marked allreduce=False): stage 1 only, "
+                             "with the expert-data-parallel group as expert_group")
+        # a mixture's experts (chapter 05): buckets of their own, sharded over expert_group
+        self.expert_group = expert_group
+        self.expert_dp, self.expert_rank = (group_size(expert_group), group_rank(expert_group)) if has_experts \
+            else (1, 0)
+        self.expert_buckets = build_buckets(module, self.expert_dp, self.expert_rank, bucket_size, True,
+                                            experts=True) if has_experts else []
+        self.buckets = build_buckets(module, self.dp, self.rank, bucket_size, grad_buffer=stage == 1,
+                                     experts=False if has_experts else None)
         self._reduced: set[int] = set()  # buckets reduced since the last finish_grad_sync
         self._ready: dict[int, set[int]] = {}
         self.grad_bytes_peak = 0         # stage 2: most full-gradient bytes held during backward
@@ -224,7 +241,7 @@ class ZeroDataParallel(DataParallel):
 
     def forward(self, *args, **kwargs):
         if self.stage == 1:            # someone may have set .grad to None (model.zero_grad())
-            for b in self.buckets:
+            for b in self.buckets + self.expert_buckets:
                 for p, off in zip(b.params, b.offsets):
                     if p.grad is None:
                         p.grad = b.grad_data[off:off + p.numel()].view_as(p)
@@ -268,6 +285,12 @@ class ZeroDataParallel(DataParallel):
         self.check_can_sync()
         if self.stage == 1:
             reduce_scatter_gradients(self.buckets, self.group)     # exercise 1.3
+            # experts: the SUM over expert_group divided by the dense dp (ddp.py's rule), as an
+            # average over expert_group of the gradients scaled by expert_dp / dp (Megatron's
+            # expert scaling with average_in_collective)
+            for b in self.expert_buckets:
+                b.grad_data.mul_(self.expert_dp / self.dp)
+            reduce_scatter_gradients(self.expert_buckets, self.expert_group)
         else:
             for i in range(len(self.buckets)):
                 if i not in self._reduced:
@@ -279,15 +302,19 @@ class ZeroDataParallel(DataParallel):
     def optimizer_segments(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
         """(parameter shard, its gradient, weight decay?) for this rank, padding excluded."""
         return [(b.param_data[b.start:b.start + b.real], b.main_grad[:b.real], b.decay)
-                for b in self.buckets if b.real > 0]
+                for b in self.buckets + self.expert_buckets if b.real > 0]
+
+    def _bucket_groups(self):
+        return [(self.buckets, self.group), (self.expert_buckets, self.expert_group)]
 
     def after_optimizer_step(self) -> None:
         """All-gather every bucket's updated shard: all ranks hold the full parameters again."""
-        for b in self.buckets:
-            all_gather_into_tensor(b.param_data, b.shard_param, self.group, tag="params")
+        for buckets, group in self._bucket_groups():
+            for b in buckets:
+                all_gather_into_tensor(b.param_data, b.shard_param, group, tag="params")
 
     def zero_grad_buffers(self) -> None:
-        for b in self.buckets:
+        for b in self.buckets + self.expert_buckets:
             if b.grad_data is not None:
                 b.grad_data.zero_()
             else:
@@ -300,19 +327,21 @@ class ZeroDataParallel(DataParallel):
     def gather_gradients(self) -> dict[str, torch.Tensor]:
         """The full averaged gradient of every parameter (after finish_grad_sync), by name."""
         out = {}
-        for b in self.buckets:
-            full = torch.empty_like(b.param_data)
-            all_gather_into_tensor(full, b.main_grad, self.group, tag="inspect")
-            for name, p, off in zip(b.names, b.params, b.offsets):
-                out[name] = full[off:off + p.numel()].view_as(p).clone()
+        for buckets, group in self._bucket_groups():
+            for b in buckets:
+                full = torch.empty_like(b.param_data)
+                all_gather_into_tensor(full, b.main_grad, group, tag="inspect")
+                for name, p, off in zip(b.names, b.params, b.offsets):
+                    out[name] = full[off:off + p.numel()].view_as(p).clone()
         return out
 
-    def grad_shard_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def grad_shard_pieces(self, experts: bool = False) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, the part of its averaged gradient in this rank's shard) for every
         parameter that overlaps the shard (views of main_grad; padding excluded): the norm
-        reads the parameter's attributes to count each element once (optim.grads_for_norm)."""
+        reads the parameter's attributes to count each element once (optim.grads_for_norm).
+        experts=True: the experts' buckets instead."""
         pieces = []
-        for b in self.buckets:
+        for b in self.expert_buckets if experts else self.buckets:
             for p, off in zip(b.params, b.offsets):
                 lo, hi = max(off, b.start), min(off + p.numel(), b.end)
                 if lo < hi:
@@ -321,9 +350,10 @@ class ZeroDataParallel(DataParallel):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors that hold this rank's parameters and gradients (for measure_memory)."""
-        grads = [b.grad_data if b.grad_data is not None else b.main_grad for b in self.buckets]
-        grads += [p.grad for b in self.buckets for p in b.params if p.grad is not None]
-        return {"params": [b.param_data for b in self.buckets], "grads": grads}
+        buckets = self.buckets + self.expert_buckets
+        grads = [b.grad_data if b.grad_data is not None else b.main_grad for b in buckets]
+        grads += [p.grad for b in buckets for p in b.params if p.grad is not None]
+        return {"params": [b.param_data for b in buckets], "grads": grads}
 
 
 class DistributedOptimizer(Optimizer):
@@ -342,11 +372,15 @@ class DistributedOptimizer(Optimizer):
     groups and the data-parallel group: grad_stats_groups = model_groups + [dp group].
     """
 
-    def __init__(self, wrapper: nn.Module, cfg: TrainConfig, tp_rank: int = 0, model_groups=()):
+    def __init__(self, wrapper: nn.Module, cfg: TrainConfig, tp_rank: int = 0, model_groups=(),
+                 expert_model_groups=None, expert_tp_rank: int = 0):
         segments = wrapper.optimizer_segments()
         decay = {id(param) for param, _, d in segments if d}
+        experts = getattr(wrapper, "expert_buckets", [])
         super().__init__([param for param, _, _ in segments], cfg, tp_rank,
-                         [*model_groups, wrapper.group], decay=lambda p: id(p) in decay)
+                         [*model_groups, wrapper.group], decay=lambda p: id(p) in decay,
+                         expert_grad_stats_groups=[*expert_model_groups, wrapper.expert_group]
+                         if experts and expert_model_groups is not None else None, expert_tp_rank=expert_tp_rank)
         self.wrapper = wrapper
         for param, grad, _ in segments:
             param.grad = grad                    # a view of the wrapper's main_grad: set once
@@ -354,6 +388,9 @@ class DistributedOptimizer(Optimizer):
 
     def grads_for_norm(self) -> list[torch.Tensor]:
         return grads_for_norm(self.wrapper.grad_shard_pieces(), self.tp_rank)
+
+    def expert_grads_for_norm(self) -> list[torch.Tensor]:
+        return grads_for_norm(self.wrapper.grad_shard_pieces(experts=True), self.expert_tp_rank)
 
     def step(self) -> None:
         super().step()

@@ -8,9 +8,10 @@ Expert parallelism keeps E_l of a layer's E experts on each of the ep ranks of i
 (rank r holds experts r E_l .. (r+1) E_l - 1). Every rank routes its own tokens; then:
 
 AllToAllDispatcher (Megatron-Core's MoEAlltoAllTokenDispatcher), forward:
-  1. permute       copy each token once per chosen expert, sorted by expert: [N, h]
-  2. counts        N's split per expert [E]; all-to-all of the counts, so each rank learns
-                   how many rows each source sends each of its experts: [ep, E_l] (tag "moe-counts")
+  1. counts        this rank's routed pairs per expert [E]; all-to-all of the counts, so each
+                   rank learns how many rows each source sends each of its experts: [ep, E_l]
+                   (tag "moe-counts")
+  2. permute       copy each token once per chosen expert, sorted by expert: [N, h]
   3. dispatch      all-to-all of the rows, uneven splits: rank j gets the rows of its experts
                    from every source, ordered [source][local expert]: [R, h] (tag "moe-dispatch")
   4. (etp > 1)     all-gather of the received rows over "etp" (each etp rank holds a slice of

@@ -35,9 +35,9 @@ parallel_state.py (the expert groups), megatron/core/distributed/distributed_dat
 each step). Megatron's linear layers mark an expert's parameters allreduce=False only when
 ep > 1 or etp != tp (otherwise the expert-dp group is the dense one); the book marks them in
 every multi-rank layout, which reduces them over the same ranks in that case. Limits of the
-book, refused by name in check_expert_parallel_config: experts train with the bucketed DDP only
-(no ZeRO: Megatron's distributed optimizer shards expert and dense buffers separately), and
-etp > 1 needs bias-free experts.
+book, refused by name in check_expert_parallel_config: experts train with the bucketed DDP or
+ZeRO-1 (dp/zero.py: expert buckets sharded over the expert-dp group, as Megatron's distributed
+optimizer keeps them apart), not ZeRO-2/3 or the naive DDP; etp > 1 needs bias-free experts.
 """
 
 from __future__ import annotations
@@ -92,11 +92,11 @@ def check_expert_parallel_config(model_cfg: ModelConfig, cfg: TrainConfig, world
         raise ConfigError(f"expert_tensor_parallel_size={etp} with add_bias_linear: the etp ranks' partial "
                           f"outputs are summed, which would add an expert's fc2 bias etp times; use "
                           f"--disable-bias-linear (or expert_tensor_parallel_size 1)")
-    if world_size > 1 and (cfg.zero_stage or cfg.ddp_impl != "bucketed"):
+    if world_size > 1 and (cfg.zero_stage >= 2 or (cfg.zero_stage == 0 and cfg.ddp_impl != "bucketed")):
         raise ConfigError(f"num_experts={E} in a world of {world_size} ranks with zero_stage={cfg.zero_stage}, "
                           f"ddp_impl={cfg.ddp_impl!r}: experts reduce their gradients over the expert-data-"
-                          f"parallel group in buffers of their own, written here for the bucketed DDP only "
-                          f"(zero_stage 0, ddp_impl 'bucketed')")
+                          f"parallel group in buffers of their own, written here for the bucketed DDP and "
+                          f"ZeRO-1 (zero_stage 0 with ddp_impl 'bucketed', or zero_stage 1)")
 
 
 def _keep_slice(linear: nn.Module, dim: int, rank: int, size: int, stride: int) -> None:
@@ -156,13 +156,18 @@ def update_expert_bias(models: list[nn.Module], group) -> None:
         router.local_tokens_per_expert.zero_()
 
 
-def full_expert_tensors(model: nn.Module, layout, grads: bool = False) -> dict[str, torch.Tensor]:
-    """{single-device name: full tensor} of the routed experts' parameters (or gradients) of
-    `model`: each expert's etp slices all-gathered (tag "full"), then the ep ranks' experts
-    exchanged (torch.distributed.all_gather_object over ep: inspection plumbing, in no ledger).
-    Collective over the etp and ep groups."""
+def full_expert_tensors(model: nn.Module, layout, grads: bool | dict = False) -> dict[str, torch.Tensor]:
+    """{single-device name: full tensor} of the routed experts' parameters (or gradients; or the
+    tensors `grads` gives by name, e.g. ZeRO's gathered gradients) of `model`: each expert's etp
+    slices all-gathered (tag "full"), then the ep ranks' experts exchanged
+    (torch.distributed.all_gather_object over ep: inspection plumbing, in no ledger). Collective
+    over the etp and ep groups."""
     params = {n: p for n, p in model.named_parameters() if is_expert_parameter(p)}
-    named = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p for n, p in params.items()}
+    if isinstance(grads, dict):
+        named = grads
+    else:
+        named = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+                 for n, p in params.items()}
     mine = gather_full_tensors(named, params, layout.etp_group)
     if group_size(layout.ep_group) == 1:
         return mine
