@@ -34,7 +34,7 @@ DEMO_EXPERTS ?= 8
 # dispatch; each expert also cut over etp = TP ranks), the layers cut into PP=DEMO_PP pipeline
 # stages running 1F1B over 4 micro-batches, and DEMO_RANKS/(DEMO_TP*DEMO_CP*DEMO_PP) data-parallel
 # replicas (the experts' gradients summed over their own expert-data-parallel group). The global
-# batch stays 8 sequences per step. 16 ranks share the cores: about 11 minutes on 2 cores
+# batch stays 8 sequences per step. 16 ranks share the cores: about 14 minutes on 2 cores
 # (`make demo DEMO_EXPERTS=0 DEMO_EP=1`: chapter 04's dense 4D run; `make demo DEMO_RANKS=8 DEMO_CP=1
 # DEMO_EXPERTS=0 DEMO_EP=1`: chapter 03's 3D run, about 2).
 demo: $(STAMP)

@@ -52,6 +52,8 @@ JOBS = [
         "chapters/03_pp/demo.py --pp 4 --schedule 1f1b --quick --figure ''", r"^MATCH"),
     Job("ch04 sp cp --tp 2 --sp --cp 2 (4 ranks)", 4,
         "chapters/04_sp_cp/demo.py --tp 2 --sp --cp 2 --quick", r"^MATCH"),
+    Job("ch05 ep --tp 2 --sp --ep 2 (4 ranks)", 4,
+        "chapters/05_ep_moe/demo.py --tp 2 --sp --ep 2 --quick", r"^MATCH"),
     Job("train tiny tp 2 (4 ranks)", 4,
         "-m minimegatron.train --preset tiny --tensor-model-parallel-size 2 --train-iters 5 "
         "--out-dir {out}", r"^final train loss"),
