@@ -1,5 +1,5 @@
-"""The training loop trains a GPT-MoE under expert parallelism (chapter 05): EP x expert-DP with
-the expert bias, and TP+SP x EP with a shared expert, train the same model as the single-device
+"""The training loop trains a GPT-MoE under expert parallelism (chapter 05): TP+SP x EP x
+expert-DP with the expert bias and a shared expert trains the same model as the single-device
 loop (whose micro-batches are the data replicas' own: each is one token set of the
 load-balancing loss), resume bit for bit from their per-rank checkpoints (the expert bias
 included), and a checkpoint of another ep size is refused by name."""
@@ -16,14 +16,11 @@ MODEL = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, n
                           max_position_embeddings=16, params_dtype="float64", num_experts=4, moe_router_topk=2,
                           moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
                           moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                          moe_router_bias_update_rate=1e-2)
-SHARED = ModelConfig.llama(**{**MODEL.__dict__, "moe_shared_expert_intermediate_size": 32,
-                              "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False})
+                          moe_router_bias_update_rate=1e-2, moe_shared_expert_intermediate_size=32)
 CLIP = 0.05
-LAYOUTS = {   # name -> (model, data replicas, overrides); all on 4 ranks
-    "ep2-edp2-bias": (MODEL, 4, dict(expert_model_parallel_size=2)),
-    "tp2sp-ep2-shared": (SHARED, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                                         expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
+LAYOUTS = {   # name -> (model, data replicas, overrides); on 4 ranks: experts unsplit, expert-dp 2
+    "tp2sp-ep2-bias-shared": (MODEL, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                              expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
 }
 
 
@@ -45,8 +42,8 @@ def _worker(tmp) -> dict:
         resumed = train(model, _cfg(tmp, name + "-resumed", load_dir=str(ckpt), **extra))
         out[name] = (full.losses, full.eval_losses, resumed.losses, resumed.eval_losses)
     try:                                                   # ep 2 resumed as ep 4: the same 4 ranks
-        train(MODEL, _cfg(tmp, "other-ep", expert_model_parallel_size=4,
-                          load_dir=str(tmp / "ep2-edp2-bias" / "ckpt")))
+        train(MODEL, _cfg(tmp, "other-ep", **{**LAYOUTS["tp2sp-ep2-bias-shared"][2], "expert_model_parallel_size": 4},
+                          load_dir=str(tmp / "tp2sp-ep2-bias-shared" / "ckpt")))
         out["error"] = "no error"
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -68,7 +65,7 @@ def test_moe_training_loops_match_one_device_and_resume_exactly(tmp_path):
         # them: other sequences, so only the resume is compared there, above)
         state = torch.load(tmp_path / name / "ckpt" / "iter_0000004.pt", weights_only=True)
         GPTModel(model).load_state_dict(state["model"])     # single-device names and shapes, with the bias
-    saved = torch.load(tmp_path / "ep2-edp2-bias" / "ckpt" / "iter_0000002.pt", weights_only=True)["model"]
+    saved = torch.load(tmp_path / "tp2sp-ep2-bias-shared" / "ckpt" / "iter_0000002.pt", weights_only=True)["model"]
     assert max(saved[f"decoder.layers.{i}.mlp.router.expert_bias"].abs().max() for i in range(2)) > 0   # it moved
     assert "CheckpointError" in per_rank[0]["error"] and "expert_model_parallel_size" in per_rank[0]["error"], \
         per_rank[0]["error"]
