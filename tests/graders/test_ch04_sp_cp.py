@@ -28,6 +28,7 @@ from booktools.exercises import implementation
 from minimegatron.launch import spawn
 from minimegatron.testing import import_chapter_demo
 from workers import sp_cp as W                          # tests/workers/sp_cp.py
+from workers.checks import exercise_data
 
 ch04 = import_chapter_demo("04")                        # chapters/04_sp_cp/demo.py
 
@@ -48,12 +49,7 @@ def world():
 
 
 def _data(world, eid: str) -> list:
-    """Every rank's data for exercise `eid`, or an AssertionError with the ranks' tracebacks."""
-    failed = [f"--- rank {r} ---\n{res[eid]['error']}" for r, res in enumerate(world) if res[eid]["error"]]
-    if failed:
-        raise AssertionError(f"exercise {eid}: the checks stopped on {len(failed)} of {len(world)} ranks:\n"
-                             + "\n".join(failed))
-    return [res[eid]["data"] for res in world]
+    return exercise_data(world, eid)
 
 
 def _check_runs(runs, per_rank_runs, what: str) -> None:

@@ -31,6 +31,7 @@ from minimegatron.launch import spawn
 from minimegatron.moe.dispatcher import unsort_chunks_by_expert
 from minimegatron.testing import RunRecord, compare_runs, global_batches, single_device_run
 from workers import moe_graders as W                    # tests/workers/moe_graders.py
+from workers.checks import exercise_data
 
 WORLD = 4
 
@@ -41,12 +42,7 @@ def world():
 
 
 def _data(world, eid: str) -> list:
-    """Every rank's data for exercise `eid`, or an AssertionError with the ranks' tracebacks."""
-    failed = [f"--- rank {r} ---\n{res[eid]['error']}" for r, res in enumerate(world) if res[eid]["error"]]
-    if failed:
-        raise AssertionError(f"exercise {eid}: the checks stopped on {len(failed)} of {len(world)} ranks:\n"
-                             + "\n".join(failed))
-    return [res[eid]["data"] for res in world]
+    return exercise_data(world, eid)
 
 
 def _close(got, want, what: str, rtol=1e-10, atol=1e-12) -> None:

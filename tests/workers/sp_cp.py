@@ -15,17 +15,16 @@ and 4 ranks" runs on both, in the same world.
 
 from __future__ import annotations
 
-import traceback
-
 import torch
 import torch.distributed as dist
 
-from booktools.exercises import implementation, plug
+from booktools.exercises import implementation
 from minimegatron import comm
 from minimegatron.cp import cp_chunk_ids
 from minimegatron.cp.ring import ring_attention
 from minimegatron.testing import import_chapter_demo
 from minimegatron.tp import ColumnParallelLinear
+from workers.checks import run_exercise_checks
 
 ch04 = import_chapter_demo("04")              # chapters/04_sp_cp/demo.py
 
@@ -138,11 +137,4 @@ def grade_world(runs_42, runs_44) -> dict[str, dict]:
               "4.2": lambda: zigzag_training(runs_42),
               "4.4": lambda: [ch04.train_run(run) for run in runs_44],
               "4.1": lambda: ring_attention_results(groups)}
-    out = {}
-    for eid, check in checks.items():
-        try:
-            with plug(eid):
-                out[eid] = {"error": None, "data": check()}
-        except Exception:
-            out[eid] = {"error": traceback.format_exc(), "data": None}
-    return out
+    return run_exercise_checks(checks)
