@@ -150,14 +150,15 @@ def local_microbatch(batch: dict[str, torch.Tensor], train_cfg: TrainConfig, m: 
 
 
 def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batches: list[dict[str, torch.Tensor]],
-                 tags: tuple[str, ...] = (), after_build=None, load_balance: bool = True
+                 tags: tuple[str, ...] = (), after_build=None, load_balance: bool = True, split_batch=None
                  ) -> tuple[dict, list, object, object]:
     """Train `model_cfg` on this rank's share of `batches` (one global batch per step) with the
     training loop's own pieces, on the layout of `train_cfg` over the whole world (dp data
     replicas): train.initialize_layout, parallelize.build_model (then `after_build(chunks,
     layout)` if given), build_optimizer, and train.train_step on the micro-batches the loop's
-    data order gives this rank (local_microbatch, then cp.get_batch_on_this_cp_rank; zig-zag,
-    or contiguous with load_balance=False). Collective over every rank.
+    data order gives this rank (local_microbatch, then `split_batch`, by default
+    cp.get_batch_on_this_cp_rank; zig-zag, or contiguous with load_balance=False). Collective
+    over every rank.
 
     Returns (out, chunks, layout, optimizer); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank" (data
     replica), "ep_rank", "etp_rank", "losses" (per step, the global batch's mean), "grads"
@@ -171,6 +172,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     from .train import initialize_layout, train_step
     import torch.distributed as dist
 
+    split_batch = split_batch or get_batch_on_this_cp_rank
     world = dist.get_world_size() if dist.is_initialized() else 1
     t = train_cfg
     needed = t.tensor_model_parallel_size * t.context_parallel_size * t.pipeline_model_parallel_size * dp
@@ -188,8 +190,8 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
            "dp_rank": layout.data_parallel_rank, "ep_rank": layout.ep_rank, "etp_rank": layout.etp_rank,
            "losses": [], "grads": {}}
     for step, batch in enumerate(batches):
-        microbatches = [get_batch_on_this_cp_rank(local_microbatch(batch, t, m, layout.data_parallel_rank, dp),
-                                                  layout.cp, layout.cp_rank, load_balance)
+        microbatches = [split_batch(local_microbatch(batch, t, m, layout.data_parallel_rank, dp),
+                                    layout.cp, layout.cp_rank, load_balance)
                         for m in range(t.grad_accum_steps)]
 
         def keep_grads():
