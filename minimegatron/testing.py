@@ -161,7 +161,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     over every rank.
 
     Returns (out, chunks, layout, optimizer); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank" (data
-    replica), "ep_rank", "etp_rank", "losses" (per step, the global batch's mean), "grads"
+    replica), "ep_rank", "etp_rank", "expert_dp_rank", "losses" (per step, the global batch's mean), "grads"
     (first step) and "params" (final), full under single-device names, "ledger" (the first
     step's (op, tag, bytes) with a tag in `tags`), "microbatches" (the last step's)}."""
     from . import comm
@@ -188,6 +188,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
                         model_cfg.dtype) if layout.pp > 1 else None)
     out = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank,
            "dp_rank": layout.data_parallel_rank, "ep_rank": layout.ep_rank, "etp_rank": layout.etp_rank,
+           "expert_dp_rank": comm.group_rank(layout.expert_dp_group) if layout.expert_dp_group is not None else 0,
            "losses": [], "grads": {}}
     for step, batch in enumerate(batches):
         microbatches = [split_batch(local_microbatch(batch, t, m, layout.data_parallel_rank, dp),

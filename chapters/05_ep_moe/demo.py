@@ -249,7 +249,7 @@ class RunReport:
                             "routing)" if capacity else
                             "OK, equal to the formula" if mine == want else "DIFFERENT from the formula"))
             if r.dispatcher == "alltoall" and r.ep > 1:
-                lines.append(f"      over the ep group: dispatched {dispatched:,} B, combined {combined:,} B "
+                lines.append(f"      summed over the stage's ranks: dispatched {dispatched:,} B, combined {combined:,} B "
                              + ("(equal: every row comes back)" if dispatched == combined else "(DIFFERENT)"))
         T, h = tokens_per_rank(r), cfg.hidden_size
         lines.append(f"      bytes received per rank, MoE layer and micro-batch (T={T}, h={h}, uniform routing):")
@@ -304,8 +304,12 @@ def check_run(run: MoERun, per_rank: list[dict]) -> RunReport:
                                 f"unexpected {dict(got - want)}, missing {dict(want - got)}")
         dispatched = sum(b for r in ranks for op, tag, b in r["ledger"] if tag == "moe-dispatch")
         combined = sum(b for r in ranks for op, tag, b in r["ledger"] if tag == "moe-combine")
-        if dispatched != combined:
-            problems.append(f"stage {stage}: {dispatched} bytes dispatched but {combined} combined")
+        for group in {(r["etp_rank"], r["expert_dp_rank"]) for r in ranks}:     # each ep group of the stage
+            members = [r for r in ranks if (r["etp_rank"], r["expert_dp_rank"]) == group]
+            sent, back = (sum(b for r in members for _, tag, b in r["ledger"] if tag == name)
+                          for name in ("moe-dispatch", "moe-combine"))
+            if sent != back:
+                problems.append(f"stage {stage}, an ep group: {sent} bytes dispatched but {back} combined")
         ledger.append((stage, Counter(ranks[0]["ledger"]), want, dispatched, combined))
         formula = expert_elements_per_rank(run, stage)
         for r in ranks:
@@ -459,6 +463,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel replicas (default: world / (tp cp pp) under torchrun, else --ep)")
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1], default=0,
+                        help="1: ZeRO-1, the dense state sharded over dp x cp, the experts' over expert-dp")
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64, or 32 with --quick)")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
@@ -482,7 +488,7 @@ def build_run(args: argparse.Namespace, dp: int) -> MoERun:
                      moe_expert_capacity_factor=args.capacity_factor,
                      moe_shared_expert_intermediate_size=args.shared_expert, **router)
     return make_run(model, tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp, sp=args.sp,
-                    dispatcher=args.dispatcher, micro_batches=args.micro_batches,
+                    dispatcher=args.dispatcher, micro_batches=args.micro_batches, zero_stage=args.zero_stage,
                     steps=args.steps or (2 if args.quick else 3), seq=args.seq or (32 if args.quick else 64))
 
 
