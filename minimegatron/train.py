@@ -11,6 +11,10 @@
     torchrun --standalone --nproc_per_node=4 -m minimegatron.train --tensor-model-parallel-size 2  # 02
     torchrun --standalone --nproc_per_node=8 -m minimegatron.train --tensor-model-parallel-size 2 \
         --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8   # 03: 3D, dp 2, 4 micro-batches
+    torchrun --standalone --nproc_per_node=16 -m minimegatron.train --preset demo --num-layers 4 \
+        --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 \
+        --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --micro-batch-size 1 --grad-accum-steps 4   # 05: 5D GPT-MoE (make demo)
 
 The flags are Megatron-LM's where the book implements what they do (--global-batch-size with
 --micro-batch-size, switches such as --untie-embeddings-and-output-weights, --disable-bias-linear,
@@ -225,11 +229,13 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     """Train from scratch or resume from cfg.load_dir; returns the loss history.
 
     On one process this is the baseline. Under torchrun (or `launch.spawn`) with n ranks the
-    ranks form a tp x dp x pp grid (Megatron's order, tp fastest): every matrix split over tp
-    ranks (chapter 02), the layers cut into pp stages running cfg.pipeline_schedule over the
-    grad_accum_steps micro-batches (chapter 03), and dp = n / (tp pp) data-parallel replicas,
+    ranks form a tp x cp x dp x pp grid (Megatron's order, tp fastest): every matrix split over tp
+    ranks (chapter 02, with sequence parallelism if asked: chapter 04), every sequence over cp
+    ranks (chapter 04), the layers cut into pp stages running cfg.pipeline_schedule over the
+    grad_accum_steps micro-batches (chapter 03), and dp = n / (tp cp pp) data-parallel replicas,
     each taking its slice of every global batch of micro_batch_size x grad_accum_steps x dp
-    sequences, synced as cfg.zero_stage / cfg.ddp_impl ask (chapter 01).
+    sequences, synced as cfg.zero_stage / cfg.ddp_impl ask (chapter 01). A GPT-MoE's experts are
+    laid over the same ranks on their own grid, etp x ep x expert-dp x pp (chapter 05).
     """
     validate_layout(model_cfg, cfg, dist.get_world_size() if dist.is_initialized() else 1)
     layout = initialize_layout(cfg)
