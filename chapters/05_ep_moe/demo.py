@@ -34,9 +34,9 @@ their own over the expert-dp group) and runs train.train_step on its micro-batch
   [3/4] accounting: total and active parameters, FLOPs per token (training_flops against
         Megatron's formula), and the experts' parameters and Adam state on each rank against
         the formula total / (ep etp) per stage;
-  [4/4] load balance (one device, a short run on the book's text): tokens per expert with no
-        balancing, with the auxiliary loss and with the expert bias, and the fraction of routed
-        tokens dropped at capacity factors 0.5 .. 2;
+  [4/4] load balance (one device, a short run on chapters 00-02's text): tokens per expert with
+        no balancing, with the auxiliary loss and with the expert bias, and the fraction of
+        routed pairs dropped at capacity factors 0.5 .. 2;
 
 and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 """
@@ -49,6 +49,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -252,7 +253,7 @@ class RunReport:
                 lines.append(f"      summed over the stage's ranks: dispatched {dispatched:,} B, combined {combined:,} B "
                              + ("(equal: every row comes back)" if dispatched == combined else "(DIFFERENT)"))
         T, h = tokens_per_rank(r), cfg.hidden_size
-        lines.append(f"      bytes received per rank, MoE layer and micro-batch (T={T}, h={h}, uniform routing):")
+        lines.append(f"      bytes received per rank, MoE layer and micro-batch (formula, T={T}, h={h}, uniform routing):")
         for ep in (2, 4, 8, 16):
             v = dispatcher_volumes(T, h, cfg.num_experts, cfg.moe_router_topk, ep,
                                    torch.empty((), dtype=cfg.dtype).element_size())
@@ -376,22 +377,39 @@ def dropped_fraction(model: GPTModel, tokens: torch.Tensor, capacity_factor: flo
     return 1 - kept / routed
 
 
+# The load-balance runs read these chapters' texts only, so that editing chapter 05 (or anything
+# else) does not move their numbers; bytes as tokens (the byte tokenizer).
+BALANCE_TEXTS = ("chapters/00_single_device/README.md", "chapters/01_dp/README.md", "chapters/02_tp/README.md")
+
+
+def balance_batches(steps: int, batch: int, seq: int) -> tuple[list[dict], torch.Tensor]:
+    """(one training micro-batch {"tokens", "labels"} [batch, seq] per step, a held-out batch of
+    tokens [batch, seq]) cut from BALANCE_TEXTS as UTF-8 bytes: the training windows start at
+    random offsets (a fixed seed) in the first 90% of the text, the held-out ones in the rest."""
+    root = Path(__file__).resolve().parents[2]
+    data = torch.tensor(list(b"\n\n".join((root / name).read_bytes() for name in BALANCE_TEXTS)))
+    split = int(0.9 * len(data))
+    g = torch.Generator().manual_seed(0)
+
+    def windows(lo: int, hi: int) -> torch.Tensor:                              # [batch, seq + 1]
+        starts = torch.randint(lo, hi - seq - 1, (batch,), generator=g)
+        return torch.stack([data[i:i + seq + 1] for i in starts.tolist()])
+    train = [windows(0, split) for _ in range(steps)]
+    return [{"tokens": w[:, :-1], "labels": w[:, 1:]} for w in train], windows(split, len(data))[:, :-1]
+
+
 def load_balance(steps: int = 60, experts: int = 8, topk: int = 2, seq: int = 64, batch: int = 8) -> dict:
     """Train the same tiny GPT-MoE (float32, h 64, 2 MoE layers, `experts` experts, top-k) for
-    `steps` AdamW steps on the book's own text, once per BALANCING setting, on one device.
-    Returns {name: {"imbalance": [max / mean tokens per expert after each step, over the
+    `steps` AdamW steps on the book's text (balance_batches), once per BALANCING setting, on one
+    device. Returns {name: {"imbalance": [max / mean tokens per expert after each step, over the
     layers], "final": [fraction of the routed pairs per expert, layer 0, after the last step],
     "dropped": {capacity factor: fraction of pairs dropped}}}, all on a held-out batch."""
-    from minimegatron.data import batch_for_step
-    from minimegatron.train import build_datasets
-
     base = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                 vocab_size=257, max_position_embeddings=seq, params_dtype="float32", num_experts=experts,
                 moe_router_topk=topk, moe_ffn_hidden_size=64)
     train = TrainConfig(seq_length=seq, micro_batch_size=batch, train_iters=steps, lr=3e-3, lr_warmup_iters=0,
                         clip_grad=1.0, progress=False, eval_interval=0)
-    train_ds, valid_ds = build_datasets(ModelConfig.llama(**base), train)
-    held_out = batch_for_step(valid_ds, 0, batch, 0, 1)["tokens"]
+    batches, held_out = balance_batches(steps, batch, seq)
     results = {}
     for name, router in BALANCING.items():
         cfg = ModelConfig.llama(**{**base, **router})
@@ -399,8 +417,7 @@ def load_balance(steps: int = 60, experts: int = 8, topk: int = 2, seq: int = 64
         optimizer = Optimizer(model.parameters(), train)
         imbalance = []
         for step in range(steps):
-            train_step([model], optimizer, [batch_for_step(train_ds, step, batch, 0, 1)], Layout(),
-                       learning_rate(step, train), train.clip_grad)
+            train_step([model], optimizer, [batches[step]], Layout(), learning_rate(step, train), train.clip_grad)
             counts = routed_counts(model, held_out)
             imbalance.append(max(float(c.max() / c.float().mean()) for c in counts))
         final = routed_counts(model, held_out)[0]
@@ -410,7 +427,7 @@ def load_balance(steps: int = 60, experts: int = 8, topk: int = 2, seq: int = 64
 
 
 def load_balance_lines(results: dict) -> list[str]:
-    lines = ["[4/4] load balance, one device, the book's text: max/mean tokens per expert on a held-out batch "
+    lines = ["[4/4] load balance, one device, chapters 00-02's text: max/mean tokens per expert on a held-out batch "
              "(1 = balanced), and routed pairs dropped at capacity factor " + ", ".join(map(str, CAPACITY_FACTORS))]
     for name, r in results.items():
         curve = r["imbalance"]

@@ -9,9 +9,10 @@
                      all-gather, ep = 2 .. 64, from the demo's dispatcher_volumes (T = 4096 tokens,
                      h = 4096, 64 experts, top-2, bf16), checked against the closed forms
                      2 T k h e (ep - 1)/ep and 2 (ep - 1) T h e + (ep - 1) T E (e + 1)
-  load_balance.png   the demo's load_balance: the same tiny GPT-MoE trained 60 steps on the book's
-                     text with no balancing, the auxiliary loss, sigmoid scores, sigmoid scores with
-                     the expert bias (measured on one device)
+  load_balance.png   the demo's load_balance: the same tiny GPT-MoE trained 60 steps on the text of
+                     chapters 00-02 (bytes; not this chapter's, so editing it does not move the
+                     numbers) with no balancing, the auxiliary loss, sigmoid scores, sigmoid scores
+                     with the expert bias (measured on one device)
 It stops with an error (exit 1) if a number differs from its closed form.
 """
 
@@ -58,7 +59,7 @@ def main() -> int:
     results = ch05.load_balance(steps=60)
     print("\n".join(ch05.load_balance_lines(results)))
     plot_moe_load_balance(results, OUT / "load_balance.png",
-                          title="a tiny GPT-MoE (8 experts, top-2) trained 60 steps on the book's text, one device")
+                          title="a tiny GPT-MoE (8 experts, top-2) trained 60 steps on chapters 00-02's text, one device")
     print(f"wrote {', '.join(p.name for p in sorted(OUT.glob('*.png')))} in {OUT}")
     return 0
 

@@ -38,7 +38,8 @@ book), moe_utils.py (permute, unpermute, sort_chunks_by_idxs). Two differences: 
 exchanges the counts with one all-gather of the whole [ep, etp, E] count matrix over etp x ep
 where the book runs an all-to-all over ep (and an all-gather over etp); and Megatron applies each
 row's probability inside the expert, to the activation before fc2, where the book weights the
-expert's output when the row is back on its token's rank (the same without an fc2 bias).
+expert's output when the row is back on its token's rank (the same numbers: Megatron scales the
+fc2 bias by the probability too, megatron/core/transformer/mlp.py, MLP.forward).
 """
 
 from __future__ import annotations
