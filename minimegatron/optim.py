@@ -36,7 +36,7 @@ from torch import nn
 from . import comm
 from .config import TrainConfig
 
-__all__ = ["learning_rate", "set_learning_rate", "param_groups", "Optimizer", "param_is_not_shared",
+__all__ = ["learning_rate", "set_learning_rate", "param_groups", "Optimizer", "param_is_not_shared", "is_expert_parameter",
            "param_is_not_tensor_parallel_duplicate", "grads_for_norm", "get_grad_norm", "clip_grad_norm"]
 
 
@@ -66,6 +66,13 @@ def param_groups(params: Iterable[torch.Tensor], cfg: TrainConfig, decay=lambda 
 def param_is_not_shared(param: torch.Tensor) -> bool:
     """False for a pipeline's last-stage copy of a tied embedding (model/gpt.py marks it)."""
     return not getattr(param, "shared", False)
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """True for a routed expert's parameter of a mixture of experts: marked `allreduce = False`
+    (Megatron's attribute; moe.apply_expert_parallel sets it). Its gradient is reduced over the
+    expert-data-parallel group and counted in the norm over the experts' groups (chapter 05)."""
+    return getattr(param, "allreduce", True) is False
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
@@ -146,7 +153,7 @@ class Optimizer(torch.optim.AdamW):
     def _pieces(self, experts: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         split = self.expert_grad_stats_groups is not None
         return [(p, p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None
-                and (split and getattr(p, "allreduce", True) is False) == experts]
+                and (split and is_expert_parameter(p)) == experts]
 
     def grads_for_norm(self) -> list[torch.Tensor]:
         return grads_for_norm(self._pieces(experts=False), self.tp_rank)

@@ -29,7 +29,7 @@ from .config import ConfigError, ModelConfig, TrainConfig
 from .cp import apply_context_parallel, check_context_parallel_config, check_context_parallel_seq_length
 from .dp import DataParallel, DistributedOptimizer, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel
 from .model import GPTModel
-from .optim import Optimizer
+from .optim import Optimizer, is_expert_parameter
 from .moe import apply_expert_parallel, check_expert_parallel_config, full_expert_tensors
 from .parallel_state import Layout, rank_groups
 from .pp import check_schedule_args, stage_layers, virtual_stage
@@ -178,7 +178,7 @@ def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = Fa
             # this rank's TP shards of the DP-averaged gradients, then gathered over TP (experts:
             # over etp and ep)
             gathered, params = chunk.gather_gradients(), dict(model.named_parameters())
-            experts = {n for n, p in params.items() if getattr(p, "allreduce", True) is False}
+            experts = {n for n, p in params.items() if is_expert_parameter(p)}
             full = gather_full_tensors({n: g for n, g in gathered.items() if n not in experts}, params,
                                        layout.tp_group)
             full.update(full_expert_tensors(model, layout, grads={n: gathered[n] for n in experts}))

@@ -66,7 +66,7 @@ from torch import nn
 
 from ..comm import all_gather_into_tensor, group_rank, group_size, reduce_scatter_tensor
 from ..config import TrainConfig
-from ..optim import Optimizer, grads_for_norm
+from ..optim import Optimizer, grads_for_norm, is_expert_parameter
 from .ddp import assign_buckets
 from .naive import DataParallel
 
@@ -133,7 +133,7 @@ def build_buckets(model: nn.Module, dp: int, rank: int, bucket_size: int | None 
     """
     named = list(model.named_parameters())[::-1]
     if experts is not None:
-        named = [(n, p) for n, p in named if (getattr(p, "allreduce", True) is False) == experts]
+        named = [(n, p) for n, p in named if is_expert_parameter(p) == experts]
     if not named:
         return []
     dtypes = {p.dtype for _, p in named}
@@ -218,7 +218,7 @@ class ZeroDataParallel(DataParallel):
         super().__init__(module, group)
         self.stage = stage
         self.dp, self.rank = group_size(group), group_rank(group)
-        has_experts = any(getattr(p, "allreduce", True) is False for p in module.parameters())
+        has_experts = any(is_expert_parameter(p) for p in module.parameters())
         if has_experts and (expert_group is None or stage != 1):
             raise ValueError("ZeroDataParallel with experts (parameters marked allreduce=False): stage 1 only, "
                              "with the expert-data-parallel group as expert_group")

@@ -50,6 +50,7 @@ from ..comm import all_reduce, group_rank, group_size
 from ..config import ConfigError, ModelConfig, TrainConfig
 from ..model.moe import MoELayer
 from ..model.router import expert_bias_update
+from ..optim import is_expert_parameter
 from ..tp import gather_full_tensors
 from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
 
@@ -60,11 +61,6 @@ __all__ = ["check_expert_parallel_config", "apply_expert_parallel", "moe_layers"
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     """The MoE layers of a model (or pipeline stage), in model order."""
     return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
-def is_expert_parameter(param: torch.Tensor) -> bool:
-    """True for a routed expert's parameter (marked allreduce=False by apply_expert_parallel)."""
-    return getattr(param, "allreduce", True) is False
 
 
 def check_expert_parallel_config(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -> None:

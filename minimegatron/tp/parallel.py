@@ -79,6 +79,7 @@ from functools import partial
 from ..comm import all_gather, all_reduce, group_size, scatter_to_sequence_parallel_region
 from ..config import ConfigError, ModelConfig
 from ..model.moe import MoELayer
+from ..optim import is_expert_parameter
 from .cross_entropy import VocabParallelCrossEntropy
 from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
 from .random import get_rng_tracker
@@ -261,7 +262,7 @@ def gather_full_tensors(named: dict[str, torch.Tensor], params: dict[str, nn.Par
 
 
 def _dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if getattr(p, "allreduce", True) is not False}
+    return {n: p for n, p in model.named_parameters() if not is_expert_parameter(p)}
 
 
 def full_parameters(model: nn.Module, tp_group) -> dict[str, torch.Tensor]:
