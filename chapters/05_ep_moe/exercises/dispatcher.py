@@ -21,8 +21,10 @@ def sort_chunks_by_expert(rows: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     rows [R, h] arrive as S x E_l chunks in source-major order: chunk (s, j) holds counts[s, j]
     rows, the rows source s sent to local expert j. Return the same rows with the chunks in
     expert-major order (0, 0), (1, 0), ..., (S-1, 0), (0, 1), ...: each local expert's rows
-    contiguous, in source order inside. counts: an int tensor [S, E_l]."""
+    contiguous, in source order inside. counts: an int tensor [S, E_l], R = counts.sum(); any
+    count may be 0 (an empty chunk; even R = 0). The result stays in the autograd graph (the
+    rows' gradient flows back through it). The inverse, unsort_chunks_by_expert, is given."""
     # BEGIN EXERCISE 5.3: the all-to-all chunk re-sort
-    # hint: rows.split(counts.flatten().tolist()) gives the chunks source-major, chunk (s, j) at index s * E_l + j; concatenate them expert-major
+    # hint: cut rows into its S x E_l chunks (Tensor.split with the counts, source-major), then concatenate them reading the S x E_l grid column by column
     raise NotImplementedError("exercise 5.3")
     # END EXERCISE
