@@ -1,13 +1,15 @@
-"""The baseline model: shapes, dtypes, causality, GQA, RoPE, init, pipeline stages, errors."""
+"""The baseline model: shapes, dtypes, causality, GQA, RoPE, the loss, SwiGLU, init, pipeline stages, errors."""
 
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minimegatron.config import ConfigError, ModelConfig
-from minimegatron.model import (GPTModel, apply_rotary_pos_emb, causal_attention, initial_value, rope_cos_sin,
-                                 sdpa_attention)
+from minimegatron.model import (GPTModel, apply_rotary_pos_emb, causal_attention, initial_value, language_model_loss,
+                                 rope_cos_sin, sdpa_attention)
+from minimegatron.model.mlp import SwiGLU
 
 STYLES = {
     "gpt2": ModelConfig.gpt2(hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=16),
@@ -133,6 +135,54 @@ def test_sdpa_backend_does_not_copy_kv_heads():
         ops[backend] = {e.name for e in prof.events()}
     assert "aten::repeat_interleave" in ops["naive"]      # the check can see a copy
     assert "aten::repeat_interleave" not in ops["sdpa"], sorted(o for o in ops["sdpa"] if "attention" in o)
+
+
+def test_loss_equals_pytorch_cross_entropy():
+    """language_model_loss (CrossEntropy, whose backward works in place in what the forward
+    saved) gives F.cross_entropy's losses and gradients; float32 for 16-bit logits, the
+    gradient back in the logits' dtype; a second backward through the graph refuses."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 5), generator=g)
+    weights = torch.rand(3, 5, dtype=torch.float64, generator=g)      # as a loss mask / mean would
+    oracle = F.cross_entropy(logits.reshape(15, 11), labels.reshape(15), reduction="none").view(3, 5)
+    expected = torch.autograd.grad((oracle * weights).sum(), logits)[0]
+    loss = language_model_loss(logits, labels)
+    torch.testing.assert_close(loss, oracle, rtol=1e-14, atol=1e-14)
+    total = (loss * weights).sum()
+    torch.testing.assert_close(torch.autograd.grad(total, logits, retain_graph=True)[0], expected,
+                               rtol=1e-14, atol=1e-14)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(total, logits)            # the saved log-probabilities were consumed
+
+    half = logits.detach().bfloat16().requires_grad_()
+    loss = language_model_loss(half, labels)
+    assert loss.dtype == torch.float32
+    loss.sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+
+
+def test_swiglu_equals_autograd_on_its_halves_without_a_concatenation():
+    """The SwiGLU autograd function equals silu(gate) * up differentiated by autograd, and its
+    backward writes d[gate; up] in one tensor: no aten::cat (autograd's version has one)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-15), (torch.float32, 1e-6)):
+        y = torch.randn(3, 4, 2 * 6, dtype=dtype, generator=g, requires_grad=True)   # [.., 2f], f = 6
+        d_out = torch.randn(3, 4, 6, dtype=dtype, generator=g)
+        gate, up = y.chunk(2, dim=-1)
+        oracle = F.silu(gate) * up
+        out = SwiGLU.apply(y)
+        torch.testing.assert_close(out, oracle, rtol=tol, atol=tol)
+        torch.testing.assert_close(torch.autograd.grad(out, y, d_out)[0],
+                                   torch.autograd.grad(oracle, y, d_out)[0], rtol=tol, atol=tol)
+    ops = {}
+    for name, fn in (("autograd", lambda t: F.silu(t.chunk(2, -1)[0]) * t.chunk(2, -1)[1]), ("SwiGLU", SwiGLU.apply)):
+        y = torch.randn(8, 12, requires_grad=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn(y).sum().backward()
+        ops[name] = {e.name for e in prof.events()}
+    assert "aten::cat" in ops["autograd"]                 # the check can see the concatenation
+    assert "aten::cat" not in ops["SwiGLU"]
 
 
 def test_gqa_equals_multi_head_attention_with_repeated_kv_heads():

@@ -146,9 +146,8 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
       "rope_tables"         RoPE's cos and sin [s, d], shared by every layer: 2 s d e
       "final_norm"          see `_norm_bytes`
       "output_input"        the logits matmul saves its input b s h e
-      "log_softmax"         cross-entropy saves the log-probabilities   b s V c
-      "labels"              nll_loss saves the targets        b s 8
-      "loss_total_weight"   nll_loss's sum of weights, a 0-d tensor     c
+      "log_softmax"         the loss saves the log-probabilities   b s V c
+      "labels"              the loss saves the targets        b s 8   (model.gpt.CrossEntropy)
 
     The logits themselves (b s V e) are not saved: log-softmax keeps only its own output.
     Parameters are not activations and are excluded, even where an op saves one.
@@ -215,7 +214,6 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
         "output_input": b * s * h * e,
         "log_softmax": b * s * V * c,
         "labels": b * s * INDEX_BYTES,
-        "loss_total_weight": c,
     }
     outside["total"] = sum(outside.values())
     layers = L * per_layer["total"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig
 from .attention import SelfAttention
@@ -199,11 +200,45 @@ class LanguageModelLoss(nn.Module):
         return language_model_loss(logits, labels)
 
 
+class CrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy, logits z [N, V] and labels t [N] -> losses [N], whose backward
+    reuses the memory of what the forward saved.
+
+    forward:  log_probs = log_softmax(z) [N, V] (saved); loss = -log_probs[t]
+    backward: d loss / d z = (softmax(z) - onehot(t)) * d loss, computed in place in the saved
+              log_probs: exp_ gives the softmax, minus 1 at each target, times d loss.
+    The same values as F.cross_entropy(reduction="none"), whose backward instead fills a new
+    zero [N, V] tensor for nll_loss's gradient and runs log_softmax's backward over it: two
+    more passes over the largest tensor of the step ([b s, V]). Megatron-LM computes the
+    loss with its vocab-parallel cross-entropy also at tp = 1, and that writes the gradient
+    into the saved softmax the same way (megatron/core/tensor_parallel/cross_entropy.py,
+    calculate_gradients); tp.vocab_parallel_cross_entropy here does too.
+    The backward runs once: a second one through the same graph (retain_graph=True) raises,
+    because the saved tensor has been consumed.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        log_probs = torch.log_softmax(logits, dim=-1)                        # [N, V]
+        ctx.save_for_backward(log_probs, labels)
+        return -log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)       # [N]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        log_probs, labels = ctx.saved_tensors
+        grad = log_probs.exp_()                                              # [N, V] softmax
+        minus_one = torch.full_like(labels, -1, dtype=grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, labels.unsqueeze(-1), minus_one)               # - onehot(t)
+        return grad.mul_(grad_loss.unsqueeze(-1)), None                      # [N, V]
+
+
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy: logits [b, s, V], labels [b, s] -> losses [b, s].
 
     Computed in float32 for 16-bit logits (Megatron does the same), else in the logits' dtype.
+    Equal to F.cross_entropy(reduction="none"), values and gradients (CrossEntropy above).
     """
     b, s, v = logits.shape
     logits = logits.to(_compute_dtype(logits))
-    return F.cross_entropy(logits.reshape(b * s, v), labels.reshape(b * s), reduction="none").view(b, s)
+    return CrossEntropy.apply(logits.reshape(b * s, v), labels.reshape(b * s)).view(b, s)

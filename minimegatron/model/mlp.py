@@ -8,17 +8,56 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig
 from .linear import Linear
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up on y = [gate; up] [..., 2f] -> [..., f], with a hand-written backward.
+
+    The same function and gradients (the same kernels, in the same order) as autograd's
+    `gate, up = y.chunk(2, -1); F.silu(gate) * up`, whose backward computes d gate and d up
+    separately and then concatenates them into d y, one more pass over fc1's output, the
+    largest activation of the layer. Here both halves are written straight into one
+    [..., 2f] tensor:
+        d up   = d out * silu(gate)
+        d gate = d out * up * silu'(gate)           silu'(x) = sig(x) (1 + x (1 - sig(x)))
+    Saved for backward: y and silu(gate), what autograd's version keeps too.
+
+    Megatron-LM (megatron/core/fusions/fused_bias_swiglu.py, SwiGLUFunction; on by default
+    with --swiglu, off with --no-bias-swiglu-fusion) saves only y, recomputes the sigmoid in
+    its backward and returns torch.cat of the two halves, all inside one compiled function
+    (torch.compile), which fuses the elementwise work into one kernel on the GPU. Eager CPU
+    PyTorch fuses nothing, so here the saving comes from not concatenating.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        gate, up = y.chunk(2, dim=-1)                    # [..., f] each (views of y)
+        act = F.silu(gate)                               # [..., f]
+        ctx.save_for_backward(y, act)
+        return act * up                                  # [..., f]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        y, act = ctx.saved_tensors
+        gate, up = y.chunk(2, dim=-1)
+        grad_y = torch.empty_like(y)                     # [..., 2f]
+        grad_gate, grad_up = grad_y.chunk(2, dim=-1)     # views: written in place below
+        torch.mul(grad_out, act, out=grad_up)
+        # silu's own derivative kernel (the one autograd runs for F.silu), into the gate half
+        torch.ops.aten.silu_backward.grad_input(grad_out * up, gate, grad_input=grad_gate)
+        return grad_y
 
 
 def mlp_activation(y: torch.Tensor, swiglu: bool) -> torch.Tensor:
     """The MLP's nonlinearity on fc1's output y [..., f] (GELU) or [..., 2f] (SwiGLU: [gate; up]
     stacked on the last dim) -> [..., f]."""
     if swiglu:
-        gate, up = y.chunk(2, dim=-1)                    # [..., f] each
-        return F.silu(gate) * up
+        return SwiGLU.apply(y)                           # silu(gate) * up
     return F.gelu(y)
 
 

@@ -127,7 +127,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_labels, outside = ctx.saved_tensors
-        grad = softmax.clone()                                             # [b, s, Vp/tp]
+        grad = softmax          # [b, s, Vp/tp]: written in place, as Megatron does (the forward's
+                                # softmax is needed only here; a second backward would raise)
         # minus the one-hot of the target, only on the rank that owns it
         owned = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -owned)
