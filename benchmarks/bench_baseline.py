@@ -214,10 +214,10 @@ class Runner:
 
 def our_runner(name: str, cfg: ModelConfig, train_cfg: TrainConfig, batch: dict) -> Runner:
     model = GPTModel(cfg)
-    opt = Optimizer(model.parameters(), train_cfg)
+    opt = Optimizer([model], train_cfg)
 
     def step() -> float:            # the training loop's step, on the single device
-        loss, _ = train_step([model], opt, [batch], Layout(), train_cfg.lr, train_cfg.clip_grad)
+        loss, _ = train_step([model], opt, [batch], Layout(), train_cfg.lr)
         return loss
     return Runner(name, model, step)
 

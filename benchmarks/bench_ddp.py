@@ -15,7 +15,7 @@ apply_data_parallel leaves a model on one rank unwrapped):
   ddp             DistributedDataParallel: flat buckets of --bucket-size elements, each
                   bucket's all-reduce launched asynchronously during backward (overlap)
   ddp-no-overlap  the same buckets, all-reduced one after the other after backward
-  zero1           ZeRO-1 (DistributedOptimizer): reduce-scatter, AdamW on this rank's shard,
+  zero1           ZeRO-1 (the optimizer over its shards): reduce-scatter, AdamW on this rank's shard,
                   all-gather of the updated parameters
 
 Each world size runs in its own `minimegatron.launch.spawn` world (gloo, one intra-op thread
@@ -52,10 +52,10 @@ import torch
 import torch.distributed as dist
 
 from minimegatron.config import ModelConfig, TrainConfig
-from minimegatron.dp import DistributedDataParallel, DistributedOptimizer, NaiveDataParallel, ZeroDataParallel
+from minimegatron.dp import DistributedDataParallel, NaiveDataParallel, ZeroDataParallel
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
-from minimegatron.optim import Optimizer
+from minimegatron.optim import NormGroup, Optimizer
 from minimegatron.parallel_state import Layout
 from minimegatron.train import train_step
 from machine import cpu_model, load_average  # benchmarks/machine.py
@@ -81,10 +81,10 @@ def build_variant(variant: str, args: dict, group):
         wrapper = DistributedDataParallel(model, group, bucket_size_bytes=bucket * 4, overlap=variant == "ddp")
     elif variant == "zero1":
         wrapper = ZeroDataParallel(model, group, stage=1, bucket_size=bucket)
-        return wrapper, DistributedOptimizer(wrapper, cfg)
+        return wrapper, Optimizer([wrapper], cfg, [NormGroup(groups=(group,))])   # the shards' norm over dp
     else:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
-    return wrapper, Optimizer(model.parameters(), cfg)
+    return wrapper, Optimizer([wrapper], cfg)
 
 
 class Timed:
@@ -123,7 +123,7 @@ def bench_rank(variants: list[str], args: dict) -> dict:
 
     def step(v: str) -> None:
         wrapper, optimizer, _ = runners[v]
-        train_step([wrapper], optimizer, [batch], layout, 1e-4, 1.0)
+        train_step([wrapper], optimizer, [batch], layout, 1e-4)
 
     for v in variants:
         for _ in range(args["warmup"]):

@@ -86,7 +86,7 @@ from minimegatron.comm import record_communication
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
-from minimegatron.optim import Optimizer
+from minimegatron.optim import NormGroup, Optimizer
 from minimegatron.parallel_state import Layout
 from minimegatron.tp import apply_tensor_parallel, check_tensor_parallel_config, pad_vocab_size
 from minimegatron.train import train_step
@@ -188,14 +188,14 @@ def bench_rank(tp_sizes: list[int], threads: list[int], args: dict) -> dict:
             model = apply_tensor_parallel(GPTModel(cfg), groups[k])
             layout = Layout(world=k, rank=rank, tp=k, tp_rank=rank, tp_group=groups[k])
             norm_groups = [groups[k]]
-        optimizer = Optimizer(model.parameters(), train_cfg, layout.tp_rank, norm_groups)
+        optimizer = Optimizer([model], train_cfg, [NormGroup(groups=tuple(norm_groups), tp_rank=layout.tp_rank)])
         runners[name] = (model, optimizer, layout, n_threads)
 
     timer = CollectiveTimer()
 
     def step(name: str) -> float:
         model, optimizer, layout, _ = runners[name]
-        loss, _ = train_step([model], optimizer, [batch], layout, 1e-4, train_cfg.clip_grad)
+        loss, _ = train_step([model], optimizer, [batch], layout, 1e-4)
         return loss
 
     out = {name: {"windows": [], "blocked": [], "blocked_s": [], "loss0": None, "ledger": None, "calls": None,

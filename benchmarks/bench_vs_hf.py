@@ -111,11 +111,11 @@ class Runner:
 
 def our_runner(cfg: ModelConfig, train_cfg: TrainConfig, batch: dict, compiled: bool) -> Runner:
     model = GPTModel(cfg)
-    opt = Optimizer(model.parameters(), train_cfg)
+    opt = Optimizer([model], train_cfg)
     chunk = torch.compile(model) if compiled else model
 
     def step() -> float:
-        loss, _ = train_step([chunk], opt, [batch], Layout(), train_cfg.lr, train_cfg.clip_grad)
+        loss, _ = train_step([chunk], opt, [batch], Layout(), train_cfg.lr)
         return loss
     return Runner("minimegatron" + (" (compiled)" if compiled else ""), model, step)
 

@@ -1,9 +1,31 @@
-"""The optimizer side of a step, written once for every layout: AdamW and its parameter
-groups, the learning-rate schedule, the global gradient norm and clipping.
+"""The optimizer side of a step, written once for every layout: AdamW composed with where the
+gradients come from, the global gradient norm and clipping, and mixed precision.
 
-    optimizer = Optimizer(model.parameters(), cfg, tp_rank, grad_stats_groups)
-    norm = clip_grad_norm(optimizer, cfg.clip_grad)        # the norm of the WHOLE model
-    set_learning_rate(optimizer, learning_rate(step, cfg)); optimizer.step(); optimizer.zero_grad()
+    optimizer = Optimizer([model], cfg)                  # a bare model; parallelize.build_optimizer
+                                                         # composes it for any layout
+    set_learning_rate(optimizer, learning_rate(step, cfg))
+    grad_norm = optimizer.step()                         # the stages below, in order
+    optimizer.zero_grad()
+
+The stages of `Optimizer.step()` (Megatron's MegatronOptimizer.step: prepare_grads, clip,
+step, copy main params back):
+
+  1. gradients in     each Segment (a run of elements stepped together) says where its
+                      gradient lives: p.grad of a bare model, a data-parallel buffer's view
+                      (dp/), or this rank's shard of a ZeRO bucket. With 16-bit parameters the
+                      main parameters are float32 copies and their gradients float32 too (a
+                      copy, unless the buffer already holds them in float32: main_grad).
+  2. loss scale       with a grad_scaler: unscale, check every gradient for inf/nan on every
+                      rank that holds a part of the model, and skip the step together if one has.
+  3. clip             the norm of the WHOLE single-device gradient (below), then every gradient
+                      scaled by min(1, max_norm / norm).
+  4. AdamW            torch's AdamW on the main parameters (weight decay on matrices only).
+  5. copy back        main parameters into the model's 16-bit ones, then each gradient
+                      source's after-step work (ZeRO: all-gather the updated shards).
+
+Where the gradients come from is a `GradientSource`: a bare model (`ModelGradients`) or a
+data-parallel wrapper of dp/ (each says its segments, how to zero them, and what to do after
+the step), so one optimizer serves every layout, with no class per combination.
 
 The global gradient norm is the norm of the single-device model's gradient, whatever the
 layout. A rank holds only part of it, and some of what it holds is held by other ranks too:
@@ -14,30 +36,37 @@ layout. A rank holds only part of it, and some of what it holds is held by other
   - pipeline parallelism: each stage holds other layers (count them all), but the last stage's
     copy of a tied embedding is the first stage's matrix again (`shared`: count it once):
     `param_is_not_shared`;
-  - ZeRO: each data-parallel rank holds a slice of the averaged gradient (dp/zero.py's
-    DistributedOptimizer gives its slices, filtered the same way).
+  - ZeRO: each data-parallel rank holds a slice of the averaged gradient (count its slice);
+  - experts (chapter 05): split over etp x ep x pp instead of tp x pp.
 
-So: sum the squares of the counted gradients, all-reduce the one number over each group that
-splits the model (`grad_stats_groups`: tp, then pp, then dp under ZeRO), and take the root.
-Megatron-LM: megatron/core/optimizer/clip_grads.py (get_grad_norm_fp32, clip_grad_by_total_norm_fp32),
-optimizer.py (MegatronOptimizer.get_grads_for_grad_norm, _filter_grads_for_norm) and
-tensor_parallel/layers.py
-(param_is_not_tensor_parallel_duplicate); its filters have the same names.
+So: for each `NormGroup` (the dense parameters; the experts), sum the squares of the counted
+gradients, all-reduce the one number over each group that splits them, and add the groups up.
+The parameters' placement records (placement.py) say which is which.
+Megatron-LM: megatron/core/optimizer/optimizer.py (MegatronOptimizer, MixedPrecisionOptimizer,
+Float16OptimizerWithFloat16Params, get_grads_for_grad_norm), distrib_optimizer.py,
+clip_grads.py (get_grad_norm_fp32, clip_grad_by_total_norm_fp32), and
+tensor_parallel/layers.py (param_is_not_tensor_parallel_duplicate); its filters have the same
+names. Megatron builds one optimizer class per combination and chains the dense and expert
+ones (ChainedOptimizer); here one class takes the combination as data.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from . import comm
 from .config import TrainConfig
+from .placement import Placement, placement_of
 
-__all__ = ["learning_rate", "set_learning_rate", "param_groups", "Optimizer", "param_is_not_shared", "is_expert_parameter",
-           "param_is_not_tensor_parallel_duplicate", "grads_for_norm", "get_grad_norm", "clip_grad_norm"]
+__all__ = ["learning_rate", "set_learning_rate", "Segment", "NormGroup", "GradientSource", "ModelGradients",
+           "Optimizer", "param_is_not_shared", "is_expert_parameter", "param_is_not_tensor_parallel_duplicate",
+           "grads_for_norm", "get_grad_norm", "clip_grad_norm"]
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -50,45 +79,42 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_learning_rate(optimizer: "Optimizer", lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
 
-def param_groups(params: Iterable[torch.Tensor], cfg: TrainConfig, decay=lambda p: p.dim() >= 2) -> list[dict]:
-    """AdamW's two groups: weight decay on matrices only, not on biases and norm weights (as
-    Megatron). `decay(p)` says which group a tensor joins (ZeRO's shards decide by bucket)."""
-    params = list(params)
-    return [{"params": [p for p in params if decay(p)], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
+# ---------------------------------------------------------------------------------------
+# which gradients the norm counts
+# ---------------------------------------------------------------------------------------
+def param_is_not_shared(param: torch.Tensor | Placement) -> bool:
+    """False for a pipeline's last-stage copy of a tied embedding (its placement record is
+    marked `shared` by model/gpt.py). Takes a parameter or its record."""
+    return not placement_of(param).shared
 
 
-def param_is_not_shared(param: torch.Tensor) -> bool:
-    """False for a pipeline's last-stage copy of a tied embedding (model/gpt.py marks it)."""
-    return not getattr(param, "shared", False)
+def is_expert_parameter(param: torch.Tensor | Placement) -> bool:
+    """True for a routed expert's parameter of a mixture of experts: `allreduce = False` in its
+    placement record (Megatron's attribute; moe.apply_expert_parallel sets it). Its gradient is
+    reduced over the expert-data-parallel group and counted in the norm over the experts'
+    groups (chapter 05)."""
+    return not placement_of(param).allreduce
 
 
-def is_expert_parameter(param: torch.Tensor) -> bool:
-    """True for a routed expert's parameter of a mixture of experts: marked `allreduce = False`
-    (Megatron's attribute; moe.apply_expert_parallel sets it). Its gradient is reduced over the
-    expert-data-parallel group and counted in the norm over the experts' groups (chapter 05)."""
-    return getattr(param, "allreduce", True) is False
-
-
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
-    """True for a parameter split over the TP group (tp/layers.py marks it
-    tensor_model_parallel), and for a replicated one on TP rank 0 only."""
-    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor | Placement, tp_rank: int) -> bool:
+    """True for a parameter split over the TP group (its record has a split:
+    `tensor_model_parallel`), and for a replicated one on TP rank 0 only."""
+    return placement_of(param).tensor_model_parallel or tp_rank == 0
 
 
 def grads_for_norm(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], tp_rank: int) -> list[torch.Tensor]:
     """The gradients this rank counts toward the global norm.
 
     pieces: (parameter, gradient) pairs: every gradient this rank holds (a whole p.grad, or
-    under ZeRO the part of one in this rank's shard), with the parameter it belongs to, whose
-    attributes say how the model is split. tp_rank: this rank's index in its TP group.
-    Returns the gradients to count so that, summed over the ranks of the groups that split
-    the model, every element of the single-device gradient is counted exactly once:
+    under ZeRO the part of one in this rank's shard), with the parameter it belongs to (or its
+    placement record), which says how the model is split. tp_rank: this rank's index in its TP
+    group. Returns the gradients to count so that, summed over the ranks of the groups that
+    split the model, every element of the single-device gradient is counted exactly once:
     parameters that pass param_is_not_shared AND param_is_not_tensor_parallel_duplicate.
 
     Spot the bug (exercise 2.4): a first version of this body, and what it did when checked
@@ -112,54 +138,193 @@ def get_grad_norm(grads: list[torch.Tensor], groups: Iterable, dtype: torch.dtyp
     return squares.sqrt()
 
 
-def clip_grad_norm(optimizer: "Optimizer", max_norm: float) -> float:
-    """The global gradient norm before clipping; if max_norm > 0, scale every gradient the
-    optimizer steps by min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s rule)."""
-    norm = get_grad_norm(optimizer.grads_for_norm(), optimizer.grad_stats_groups, optimizer.norm_dtype)[0]
-    if getattr(optimizer, "expert_grad_stats_groups", None) is not None:
-        # a mixture's experts (chapter 05) are split over etp x ep x pp, not tp x pp: their sum of
-        # squares is taken over those groups and added (Megatron's ChainedOptimizer)
-        experts = get_grad_norm(optimizer.expert_grads_for_norm(), optimizer.expert_grad_stats_groups,
-                                optimizer.norm_dtype)[0]
-        norm = (norm.square() + experts.square()).sqrt()
+@dataclass(frozen=True)
+class NormGroup:
+    """The parameters whose gradients `select(record)` picks, split over `groups` (as everywhere
+    in comm, None is the whole world, and a group of one rank communicates nothing), counted
+    once by grads_for_norm with this rank's index `tp_rank` in the group that splits them."""
+    select: Callable[[Placement], bool] = lambda record: True
+    groups: tuple = ()
+    tp_rank: int = 0
+
+
+# ---------------------------------------------------------------------------------------
+# where the gradients come from
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Segment:
+    """Elements the optimizer steps together, and where their gradient lives.
+
+    param:   the model's storage of them: a parameter, or a view of a flat ZeRO shard.
+    grad:    () -> their gradient when the step runs (param's shape or numel), or None.
+    decay:   AdamW's weight decay applies (matrices; not biases and norm weights).
+    owners:  (record, lo, hi): the parameters these elements belong to, as the elements
+             [lo, hi) of the segment, each with its placement record (the norm reads them).
+    """
+    param: torch.Tensor
+    grad: Callable[[], torch.Tensor | None]
+    decay: bool
+    owners: list[tuple[Placement, int, int]] = field(default_factory=list)
+
+
+class GradientSource:
+    """What the optimizer asks of whoever holds the gradients: a bare model (ModelGradients)
+    or a data-parallel wrapper (dp/naive.py's DataParallel and its subclasses)."""
+
+    def optimizer_segments(self) -> list[Segment]:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def after_optimizer_step(self) -> None:
+        """Work after the parameters were updated (ZeRO: gather every rank's shard)."""
+
+
+def parameter_segment(p: nn.Parameter, grad: Callable[[], torch.Tensor | None] | None = None) -> Segment:
+    """One whole parameter as a segment; its gradient p.grad unless `grad` says otherwise."""
+    return Segment(p, grad or (lambda: p.grad), p.dim() >= 2, [(placement_of(p), 0, p.numel())])
+
+
+class ModelGradients(GradientSource):
+    """A model without a data-parallel wrapper: each parameter is a segment, its gradient p.grad."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def optimizer_segments(self) -> list[Segment]:
+        return [parameter_segment(p) for p in self.model.parameters() if p.requires_grad]
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------
+# the optimizer
+# ---------------------------------------------------------------------------------------
+class Optimizer:
+    """AdamW over the segments of `sources` (bare models or data-parallel wrappers), as the
+    module docstring's stages.
+
+    norm_groups:  how the gradient norm counts (default: one group, nothing split).
+    main_params_dtype: the dtype AdamW steps in; parameters of another dtype (bf16, fp16) get
+                  main copies in it, refreshed into the model after every step. None: the
+                  parameters' own dtype (no copies).
+    grad_scaler:  the loss-scaling slot (chapter 06's fp16): an object with `scale` (the factor
+                  the loss was multiplied by) and `update(found_inf)`; None: no scaling.
+    Attributes param_groups and state are torch AdamW's, over the main parameters.
+    """
+
+    def __init__(self, sources: Iterable[nn.Module | GradientSource], cfg: TrainConfig,
+                 norm_groups: Iterable[NormGroup] = (NormGroup(),), main_params_dtype: torch.dtype | None = None,
+                 grad_scaler=None):
+        self.sources = [s if isinstance(s, GradientSource) else ModelGradients(s) for s in sources]
+        self.segments = [seg for s in self.sources for seg in s.optimizer_segments()]
+        self.norm_groups, self.clip_grad, self.grad_scaler = list(norm_groups), cfg.clip_grad, grad_scaler
+        dtype = main_params_dtype
+        # 16-bit model parameters: AdamW steps float32 copies (Megatron's main params)
+        self.main_params = [seg.param if dtype in (None, seg.param.dtype) else seg.param.detach().to(dtype)
+                            for seg in self.segments]
+        groups = [{"params": [m for m, s in zip(self.main_params, self.segments) if s.decay == decay],
+                   "weight_decay": cfg.weight_decay if decay else 0.0} for decay in (True, False)]
+        self.adam = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        self.norm_dtype = dtype or (self.segments[0].param.dtype if self.segments else torch.float32)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adam.param_groups
+
+    @property
+    def state(self):
+        return self.adam.state
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _main_grads_in(self) -> None:
+        """Stage 1: every main parameter's .grad is its segment's gradient (a view when the
+        dtypes agree, else a copy in the main dtype)."""
+        for main, seg in zip(self.main_params, self.segments):
+            g = seg.grad()
+            main.grad = None if g is None else g.view_as(main) if g.dtype == main.dtype else g.to(main.dtype).view_as(main)
+
+    def grads_for_norm(self, norm_group: NormGroup) -> list[torch.Tensor]:
+        """This rank's gradient pieces that `norm_group` counts (grads_for_norm's filter)."""
+        pieces = [(record, main.grad.reshape(-1)[lo:hi]) for main, seg in zip(self.main_params, self.segments)
+                  if main.grad is not None for record, lo, hi in seg.owners if norm_group.select(record)]
+        return grads_for_norm(pieces, norm_group.tp_rank)
+
+    def _found_inf(self) -> bool:
+        """Stage 2: unscale, then: does any rank that holds part of the model hold a non-finite
+        gradient? One all-reduce (max) of one number per group of the norm (tag "found-inf")."""
+        grads = [m.grad for m in self.main_params if m.grad is not None]
+        for g in grads:
+            g.mul_(1.0 / self.grad_scaler.scale)
+        found = torch.tensor([float(any(not bool(torch.isfinite(g).all()) for g in grads))],
+                             device=self.main_params[0].device if self.main_params else None)
+        for group in dict.fromkeys(g for ng in self.norm_groups for g in ng.groups):
+            comm.all_reduce(found, group, op="max", tag="found-inf")
+        return bool(found.item())
+
+    @torch.no_grad()
+    def step(self) -> float | None:
+        """One update (the module docstring's stages). Returns the global gradient norm before
+        clipping, or None when the loss scaler found inf/nan and every rank skipped the step."""
+        self._main_grads_in()
+        if self.grad_scaler is not None:
+            found_inf = self._found_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return None
+        norm = clip_grad_norm(self, self.clip_grad)
+        self.adam.step()
+        for main, seg in zip(self.main_params, self.segments):
+            if main is not seg.param:
+                seg.param.copy_(main)                      # the model's 16-bit copy, refreshed
+        for source in self.sources:
+            source.after_optimizer_step()
+        return norm
+
+    def zero_grad(self) -> None:
+        for main in self.main_params:
+            main.grad = None
+        for source in self.sources:
+            source.zero_grad()
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (a copy): AdamW's, the main parameters when they are
+        copies, and the segments' layout (elements, decay), which a load checks."""
+        return {"segments": [(s.param.numel(), s.decay) for s in self.segments],
+                "main_params": [m.detach().clone() for m, s in zip(self.main_params, self.segments)
+                                if m is not s.param],
+                "optimizer": copy.deepcopy(self.adam.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = [(s.param.numel(), s.decay) for s in self.segments]
+        theirs = [tuple(x) for x in state["segments"]]
+        if theirs != mine:
+            raise ValueError(f"optimizer state of another layout: saved {len(theirs)} segments of "
+                             f"{sum(n for n, _ in theirs)} elements, this rank has {len(mine)} of "
+                             f"{sum(n for n, _ in mine)}")
+        with torch.no_grad():
+            for main, saved in zip([m for m, s in zip(self.main_params, self.segments) if m is not s.param],
+                                   state["main_params"]):
+                main.copy_(saved)
+        self.adam.load_state_dict(copy.deepcopy(state["optimizer"]))
+
+
+def clip_grad_norm(optimizer: Optimizer, max_norm: float) -> float:
+    """Stage 3: the global gradient norm (the sum over optimizer.norm_groups of each group's
+    squared norm, get_grad_norm), returned before clipping; if max_norm > 0, every gradient the
+    optimizer steps is scaled by min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_ rule).
+    Reads the main parameters' .grad (Optimizer.step sets them first)."""
+    squares = sum(get_grad_norm(optimizer.grads_for_norm(ng), ng.groups, optimizer.norm_dtype)[0] ** 2
+                  for ng in optimizer.norm_groups)
+    norm = torch.as_tensor(squares, dtype=optimizer.norm_dtype).sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        for main in optimizer.main_params:
+            if main.grad is not None:
+                main.grad.mul_(coef)
     return float(norm)
-
-
-class Optimizer(torch.optim.AdamW):
-    """torch's AdamW over this rank's parameters (param_groups: decay on matrices), plus what
-    `clip_grad_norm` needs: `grads_for_norm()` and `grad_stats_groups`, the process groups
-    that split the model (tp, pp; as everywhere in comm, None is the whole world, and a group
-    of one rank, or no torch.distributed at all, communicates nothing).
-    dp/zero.py's DistributedOptimizer is the same with sharded state."""
-
-    def __init__(self, params: Iterable[nn.Parameter], cfg: TrainConfig, tp_rank: int = 0,
-                 grad_stats_groups: Iterable = (), decay=lambda p: p.dim() >= 2,
-                 expert_grad_stats_groups: Iterable | None = None, expert_tp_rank: int = 0):
-        params = list(params)
-        super().__init__(param_groups(params, cfg, decay), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                         eps=cfg.adam_eps)
-        self.tp_rank, self.grad_stats_groups = tp_rank, list(grad_stats_groups)
-        # experts (marked allreduce=False, chapter 05): counted over their own groups (etp, ep, pp)
-        self.expert_grad_stats_groups = None if expert_grad_stats_groups is None else list(expert_grad_stats_groups)
-        self.expert_tp_rank = expert_tp_rank
-        self.norm_dtype = params[0].dtype if params else torch.float32
-
-    def _pieces(self, experts: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        split = self.expert_grad_stats_groups is not None
-        return [(p, p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None
-                and (split and is_expert_parameter(p)) == experts]
-
-    def grads_for_norm(self) -> list[torch.Tensor]:
-        return grads_for_norm(self._pieces(experts=False), self.tp_rank)
-
-    def expert_grads_for_norm(self) -> list[torch.Tensor]:
-        return grads_for_norm(self._pieces(experts=True), self.expert_tp_rank)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)

@@ -21,20 +21,21 @@ built and then transformed, so a reader sees what each parallelism changes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError, ModelConfig, TrainConfig
 from .cp import apply_context_parallel, check_context_parallel_config, check_context_parallel_seq_length
-from .dp import DataParallel, DistributedOptimizer, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel
-from .model import GPTModel
-from .optim import Optimizer, is_expert_parameter
-from .moe import apply_expert_parallel, check_expert_parallel_config, full_expert_tensors
+from .dp import apply_data_parallel, local_tensors, unwrap
+from .optim import NormGroup, Optimizer, is_expert_parameter
+from .moe import apply_expert_parallel, check_expert_parallel_config
 from .parallel_state import Layout, rank_groups
-from .pp import check_schedule_args, stage_layers, virtual_stage
-from .tp import (apply_tensor_parallel, check_tensor_parallel_config, full_gradients, full_parameters,
-                 gather_full_tensors)
+from .placement import gather_full_tensors
+from .pp import build_stage, check_schedule_args, stage_layers
+from .tp import apply_tensor_parallel, check_tensor_parallel_config
 
 __all__ = ["validate_layout", "build_model", "build_optimizer", "layout_device", "unwrap", "full_model_tensors"]
 
@@ -87,9 +88,10 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
         raise ConfigError(f"zero_stage=3 with tensor_model_parallel_size={tp}: parameter sharding (ZeRO-3) is not "
                           f"combined with tensor parallelism here (Megatron's distributed optimizer is ZeRO-1/2); "
                           f"use zero_stage 0, 1 or 2")
-    if pp > 1 and cfg.zero_stage:
-        raise ConfigError(f"zero_stage={cfg.zero_stage} with pipeline_model_parallel_size={pp}: ZeRO is not combined "
-                          f"with pipeline parallelism here; use zero_stage 0 (bucketed DDP per stage)")
+    if pp > 1 and cfg.zero_stage == 3:
+        raise ConfigError(f"zero_stage=3 with pipeline_model_parallel_size={pp}: ZeRO-3's units (dp/fsdp.py) are "
+                          f"not combined with pipeline stages here (the head's unit reads the tied embedding, which "
+                          f"another stage holds); use zero_stage 1 or 2")
     if pp > 1 or v > 1:
         try:
             check_schedule_args(cfg.pipeline_schedule, pp, 0, cfg.grad_accum_steps, v)
@@ -111,15 +113,11 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         raise ValueError(f"layout.world={layout.world} but torch.distributed has {dist.get_world_size()} ranks: "
                          "build the layout with parallel_state.get_layout() (Layout() is one process)")
     v = cfg.num_virtual_stages_per_pipeline_rank
-    last = layout.pp * v - 1
     chunks = []
     for c in range(v):
         # 1. pipeline (chapter 03): this chunk's layers; the embedding on virtual stage 0,
         #    the final norm, output layer and loss on the last one
-        stage = virtual_stage(layout.pp, layout.pp_rank, c)
-        layers = stage_layers(model_cfg.num_layers, layout.pp, layout.pp_rank, v, c)
-        model = GPTModel(model_cfg, pre_process=stage == 0, post_process=stage == last,
-                         layer_numbers=layers).to(layout_device(cfg))
+        model = build_stage(model_cfg, layout, c, v, device=layout_device(cfg))
         # 2. tensor parallel (chapter 02): every matrix cut over the TP group; with sequence
         #    parallelism (chapter 04) the regions between them cut along the sequence
         model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=cfg.sequence_parallel)
@@ -145,53 +143,37 @@ def layout_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu") if cfg.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
 
 
-def unwrap(chunk: nn.Module) -> nn.Module:
-    """The GPTModel inside a data-parallel wrapper (or the chunk itself)."""
-    return chunk.module if isinstance(chunk, DataParallel) else chunk
-
-
 def build_optimizer(chunks: list[nn.Module], cfg: TrainConfig, layout: Layout) -> Optimizer:
-    """AdamW over this rank's chunks; its gradient norm sums over the groups that split the
-    model (tp, pp; for a mixture's experts etp, ep, pp). Under ZeRO the DistributedOptimizer over the wrapper's shards, whose norm
-    also sums over the data-parallel group."""
-    model_groups = [layout.tp_group, layout.pp_group]
-    has_experts = unwrap(chunks[0]).config.num_experts is not None and layout.world > 1
-    expert_groups = [layout.etp_group, layout.ep_group, layout.pp_group] if has_experts else None
-    if isinstance(chunks[0], (ZeroDataParallel, FullyShardedDataParallel)):       # ZeRO: pp == 1
-        return DistributedOptimizer(chunks[0], cfg, layout.tp_rank, model_groups, expert_groups, layout.etp_rank)
-    return Optimizer([p for chunk in chunks for p in chunk.parameters()], cfg, layout.tp_rank, model_groups,
-                     expert_grad_stats_groups=expert_groups, expert_tp_rank=layout.etp_rank)
+    """One optim.Optimizer (AdamW) over every chunk's gradient source (the bare chunk, or its
+    data-parallel wrapper: under ZeRO this rank's shards), whose gradient norm counts the dense
+    parameters over the groups that split them (tp, pp) and a mixture's experts over theirs
+    (etp, ep, pp); under ZeRO each also over the data-parallel group that shards it (dp x cp;
+    the experts' expert-dp)."""
+    zero = cfg.zero_stage > 0
+    dense = NormGroup(groups=(layout.tp_group, layout.pp_group, *([layout.dp_group] if zero else [])),
+                      tp_rank=layout.tp_rank)
+    if unwrap(chunks[0]).config.num_experts is None or layout.world == 1:
+        return Optimizer(chunks, cfg, [dense])
+    experts = NormGroup(is_expert_parameter, (layout.etp_group, layout.ep_group, layout.pp_group,
+                                              *([layout.expert_dp_group] if zero else [])), layout.etp_rank)
+    return Optimizer(chunks, cfg, [dataclasses.replace(dense, select=lambda r: not is_expert_parameter(r)), experts])
 
 
 def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:
     """The single-device model's parameters (or gradients, after finalize_model_grads), by
-    single-device name and full shape, on every rank: TP shards all-gathered (tag "full"),
-    ZeRO shards gathered (tag "inspect"), the pipeline's stages exchanged
-    (torch.distributed.all_gather_object over the pipeline group: checkpoint plumbing, in no
-    ledger), a pipeline's copy of a tied embedding left out; a mixture's experts gathered over
-    etp and ep (moe.full_expert_tensors), saved buffers (a router's expert bias) copied.
-    Collective over every rank."""
+    single-device name and full shape, on every rank, read off the placement records: ZeRO's
+    shards gathered (tag "inspect"), tensor-parallel splits all-gathered (tag "full"), a
+    mixture's experts exchanged over ep and the pipeline's stages over pp
+    (torch.distributed.all_gather_object: checkpoint plumbing, in no ledger), a pipeline's
+    tied copy left out; saved buffers (a router's expert bias) copied. Collective over every
+    rank."""
     mine: dict[str, torch.Tensor] = {}
     for chunk in chunks:
-        model = unwrap(chunk)
-        if isinstance(chunk, (ZeroDataParallel, FullyShardedDataParallel)) and grads:
-            # this rank's TP shards of the DP-averaged gradients, then gathered over TP (experts:
-            # over etp and ep)
-            gathered, params = chunk.gather_gradients(), dict(model.named_parameters())
-            experts = {n for n, p in params.items() if is_expert_parameter(p)}
-            full = gather_full_tensors({n: g for n, g in gathered.items() if n not in experts}, params,
-                                       layout.tp_group)
-            full.update(full_expert_tensors(model, layout, grads={n: gathered[n] for n in experts}))
-        elif isinstance(chunk, FullyShardedDataParallel):
-            full = chunk.gather_parameters()
-        else:
-            full = (full_gradients if grads else full_parameters)(model, layout.tp_group)
-            full.update(full_expert_tensors(model, layout, grads))         # experts: over etp, ep
-            if not grads:                                                   # saved buffers (expert bias)
-                params = dict(model.named_parameters())
-                full.update({n: t.detach().clone() for n, t in model.state_dict().items() if n not in params})
-        shared = {n for n, p in model.named_parameters() if getattr(p, "shared", False)}
-        mine.update({n: t for n, t in full.items() if n not in shared})
+        mine.update(gather_full_tensors(local_tensors(chunk, grads)))
+        if not grads:                                                   # saved buffers (expert bias)
+            model = unwrap(chunk)
+            params = dict(model.named_parameters())
+            mine.update({n: t.detach().clone() for n, t in model.state_dict().items() if n not in params})
     if layout.pp == 1:
         return mine
     parts = [None] * layout.pp

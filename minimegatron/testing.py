@@ -21,11 +21,9 @@ float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
 
 from __future__ import annotations
 
-import importlib
-import math
-import sys
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -199,7 +197,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
             if not out["grads"]:
                 out["grads"] = full_model_tensors(chunks, layout, grads=True)
         with comm.record_communication() as ledger:
-            loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), t.clip_grad, p2p,
+            loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), p2p,
                                  on_grads=keep_grads)
         if step == 0:
             out["ledger"] = [(r.op, r.tag, r.nbytes) for r in ledger if r.tag in tags]
@@ -231,7 +229,7 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
 
     cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
     model = GPTModel(model_cfg)
-    optimizer = Optimizer(model.parameters(), cfg)
+    optimizer = Optimizer([model], cfg)
     losses, first_grads = [], {}
     def keep_first_grads():
         if not first_grads:
@@ -239,85 +237,24 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
 
     for step, batch in enumerate(batches):
         loss, _ = train_step([model], optimizer, split_microbatches(batch, grad_accum_steps), Layout(),
-                             learning_rate(step, cfg), cfg.clip_grad, on_grads=keep_first_grads)
+                             learning_rate(step, cfg), on_grads=keep_first_grads)
         losses.append(loss)
     params = {n: t.detach().clone() for n, t in model.state_dict().items()}    # with saved buffers (expert bias)
     return RunRecord(losses, first_grads, params)
 
 
+def wait_until(done: Callable[[], bool], timeout: float = 0.5, poll: float = 0.001) -> bool:
+    """Poll `done()` every `poll` seconds until it is true or `timeout` seconds have passed;
+    return its last value.
 
-# --------------------------------------------------------------------------------------
-# Shared demo helpers: the chapter demos (chapters/NN_x/demo.py) and their readers
-# --------------------------------------------------------------------------------------
-
-def data_parallel_size_under_torchrun(world: int, rank: int, sizes: dict[str, int], dp: int | None) -> int | None:
-    """The data-parallel size of a chapter demo started by torchrun with `world` ranks, whose
-    model-parallel sizes are `sizes` (e.g. {"tp": 2, "pp": 2}, in the demo's flag order): world
-    divided by their product, or `dp` when that was given and the product times dp is the world.
-    None when the ranks do not fit, after rank 0 printed which numbers must divide or equal
-    which (the demo then leaves with launch.finish_torchrun(2))."""
-    product = math.prod(sizes.values())
-    if world % product == 0 and (dp is None or product * dp == world):
-        return world // product
-    if rank == 0:
-        flags = " x ".join(f"--{name} {size}" for name, size in sizes.items())
-        names = " x ".join(sizes)
-        if dp is None:
-            need = f"{flags} = {product} must divide the number of ranks {world} (dp = ranks / ({names}))"
-        else:
-            need = f"{flags} x --dp {dp} = {product * dp} must equal the number of ranks {world}"
-        print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
-    return None
-
-
-def verdict_under_torchrun(result, report) -> int:
-    """The end of a chapter demo under torchrun, on every rank: gather every rank's `result`
-    on rank 0 (torch.distributed.gather_object: plumbing for the report, in no ledger), call
-    `report(per_rank)` there (it prints, and returns the exit status; a report that raises
-    prints its traceback and counts as MISMATCH, 1), broadcast rank 0's status to every rank,
-    leave the job with launch.finish_torchrun (the one teardown of every torchrun entry: it
-    frees every process group and its gloo threads before Python shuts down) and return the
-    status: every rank exits with rank 0's verdict."""
-    import traceback
-
-    import torch.distributed as dist
-
-    from . import comm
-    from .launch import finish_torchrun
-
-    rank = dist.get_rank()
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(result, gathered, dst=0)
-    code = 0
-    if rank == 0:
-        try:
-            code = report(gathered)
-        except Exception:                               # still tell the other ranks
-            traceback.print_exc()
-            print("MISMATCH: the report failed (traceback above)")
-            code = 1
-    verdict = torch.tensor([code])
-    comm.broadcast(verdict, 0, None, tag="verdict")
-    return finish_torchrun(int(verdict.item()))
-
-
-def import_chapter_demo(number: str):
-    """The module of chapter `number`'s demo, ``chapters/<number>_*/demo.py``, imported as
-    ``chapters.<folder>.demo`` (e.g. import_chapter_demo("00") -> chapters.00_single_device.demo).
-
-    A chapter's experiments live in its demo.py, next to its README; notebooks and graders
-    import them from there. The repository root (the folder holding ``minimegatron/`` and
-    ``chapters/``) goes on sys.path if it is not there yet; ``chapters/`` and its chapter
-    folders have no __init__.py (namespace packages). Because the module has a real dotted
-    name, a function defined in it can be sent to `minimegatron.launch.spawn`: the spawned
-    processes inherit sys.path and import it by that name.
-    Raises FileNotFoundError when no (or more than one) chapter folder matches.
+    For measurements of what is still alive: gloo's worker thread lets go of a finished
+    collective's tensors a moment after wait() returns, so a buffer just released may still
+    be referenced for a moment. A real leak survives the timeout and shows. Pass it as
+    `FullyShardedDataParallel.memory_profile(settle=wait_until)` for an exact profile.
     """
-    root = Path(__file__).resolve().parent.parent                  # this file is minimegatron/testing.py
-    folders = sorted(p.parent.name for p in (root / "chapters").glob(f"{number}_*/demo.py"))
-    if len(folders) != 1:
-        raise FileNotFoundError(f"chapter {number!r}: expected one chapters/{number}_*/demo.py under {root}, "
-                                f"found {folders}")
-    if not any(Path(p or ".").resolve() == root for p in sys.path):
-        sys.path.insert(0, str(root))
-    return importlib.import_module(f"chapters.{folders[0]}.demo")
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True

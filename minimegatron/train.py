@@ -25,8 +25,10 @@ One step (`train_step`, Megatron's train_step), the same code on every layout:
 
     forward and backward of the M micro-batches     pp > 1: the pipeline schedule
                                                     else: accumulate, DP sync on the last one
-    finalize_model_grads                            every group's gradient finishing
-    clip the global gradient norm; set the learning rate (warm-up, cosine); AdamW step
+    finalize_model_grads                            the gradient hooks the transformations
+                                                    registered (model/finalize.py)
+    set the learning rate (warm-up, cosine); optimizer.step(): clip the global gradient
+    norm, AdamW (optim.py)
 
 The data order, the learning rate and the dropout RNG are functions of the step number and
 of state saved in the checkpoint, so a run resumed at step k repeats the uninterrupted run's
@@ -54,78 +56,73 @@ from .comm import all_reduce, barrier
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
-from .dp import finish_grad_sync, no_sync
+from .dp import no_sync
 from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun
+from .model import finalize_model_grads
 from .model.moe import set_moe_aux_loss_scale
-from .moe import update_expert_bias
-from .optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
+from .optim import Optimizer, learning_rate, set_learning_rate
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
 from .cp import get_batch_on_this_cp_rank
 from .cp.attention import hierarchical_sizes
-from .pp import PipelineComm, allreduce_tied_embedding_grads, evaluate_pipelining, forward_backward_pipelining
-from .tp import allreduce_sequence_parallel_grads, get_rng_tracker, model_parallel_manual_seed
+from .pp import PipelineComm, evaluate_pipelining, forward_backward_pipelining
+from .tp import get_rng_tracker, model_parallel_manual_seed
 
 # ---------------------------------------------------------------------------------------
 # one step
 # ---------------------------------------------------------------------------------------
-def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str, torch.Tensor]]) -> float:
+def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str, torch.Tensor]],
+                                   loss_scale: float = 1.0) -> float:
     """Accumulate gradients over micro-batches; returns the mean loss of the global batch.
 
     Each micro-batch's mean token loss is divided by the number of micro-batches, so the
     accumulated gradient equals the gradient of the mean loss over the whole batch (all
     micro-batches have the same number of tokens). Under data parallelism every micro-batch
-    but the last runs under no_sync(): no communication while accumulating.
+    but the last runs under no_sync(): no communication while accumulating. The backward
+    starts from the loss times `loss_scale` (the optimizer's loss scaler; 1 without one).
     """
     total = 0.0
     for i, mb in enumerate(microbatches):
         with no_sync(model) if i < len(microbatches) - 1 else nullcontext():
             losses = model(mb["tokens"], position_ids=mb.get("position_ids"), labels=mb["labels"])   # [b, s]
             loss = losses.mean() / len(microbatches)                                                 # []
-            loss.backward()
+            (loss * loss_scale).backward()
         total += loss.item()
     return total
 
 
-def finalize_model_grads(chunks: list[nn.Module], layout: Layout) -> None:
-    """After the last backward of a step, finish every gradient (Megatron's
-    finalize_model_grads, megatron/core/distributed/finalize_model_grads.py):
-      1. data parallel: wait for (or run) each chunk's gradient reduction (finish_grad_sync),
-         over the dp x cp ranks (context parallel ranks hold the same weights);
-      2. sequence parallel: sum the norms' (and row-parallel biases') gradients over TP;
-      3. pipeline: sum the tied embedding's two gradients over the embedding group;
-      4. mixture of experts: move each router's expert bias from the step's routed counts, summed
-         over the stage's tp x dp x cp ranks (the experts' own gradients were summed over the
-         expert-data-parallel group in step 1, in buffers of their own).
-    Later chapters add their hooks here."""
-    for chunk in chunks:
-        finish_grad_sync(chunk)
-    allreduce_sequence_parallel_grads([unwrap(c) for c in chunks], layout.tp_group)   # no-op without SP
-    if layout.pp > 1:
-        allreduce_tied_embedding_grads([unwrap(c) for c in chunks], layout.embedding_group)
-    update_expert_bias([unwrap(c) for c in chunks], layout.tp_dp_cp_group)            # no-op without one
-
-
 def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list[dict[str, torch.Tensor]],
-               layout: Layout, lr: float, clip_grad: float, p2p: PipelineComm | None = None,
-               schedule: str = "1f1b", on_grads=None) -> tuple[float, float]:
-    """One optimizer step over the global batch's micro-batches (this rank's share of them).
+               layout: Layout, lr: float, p2p: PipelineComm | None = None, schedule: str = "1f1b",
+               on_grads=None, forward_backward=None) -> tuple[float, float | None]:
+    """One optimizer step over the global batch's micro-batches (this rank's share of them),
+    Megatron's train_step, the same code on every layout:
+
+        forward and backward of the micro-batches    pp > 1: the pipeline schedule
+                                                      else: accumulate, DP sync on the last one
+        model.finalize_model_grads                   every gradient hook the chunks registered
+        optimizer.step()                             (loss scale,) clip, AdamW, copy back
+        optimizer.zero_grad()
+
     Returns (the mean loss of this data-parallel rank's micro-batches, the global gradient
-    norm before clipping). `p2p` and `schedule` for a pipeline (layout.pp > 1). `on_grads()`,
-    if given, runs once the gradients are final and before they are clipped (tests and
-    demos read them there)."""
-    set_moe_aux_loss_scale(chunks, 1.0 / len(microbatches))     # MoE: aux losses weigh as the LM loss
-    if layout.pp > 1:
-        loss, _ = forward_backward_pipelining(chunks, microbatches, p2p, schedule, layout.pp_group)
+    norm before clipping, or None if the loss scaler skipped the step). `p2p` and `schedule`
+    for a pipeline (layout.pp > 1). `on_grads()`, if given, runs once the gradients are final
+    and before the optimizer reads them (tests and demos look at them there).
+    `forward_backward(chunks, microbatches) -> loss`, if given, replaces the forward and
+    backward (a chapter demo that writes them out, e.g. to record each micro-batch)."""
+    scale = optimizer.loss_scale
+    set_moe_aux_loss_scale(chunks, scale / len(microbatches))   # MoE: aux losses weigh as the LM loss
+    if forward_backward is not None:
+        loss = forward_backward(chunks, microbatches)
+    elif layout.pp > 1:
+        loss, _ = forward_backward_pipelining(chunks, microbatches, p2p, schedule, layout.pp_group, scale)
     else:
-        loss = forward_backward_no_pipelining(chunks[0], microbatches)
-    finalize_model_grads(chunks, layout)
+        loss = forward_backward_no_pipelining(chunks[0], microbatches, scale)
+    finalize_model_grads(chunks)
     if on_grads is not None:
         on_grads()
-    grad_norm = clip_grad_norm(optimizer, clip_grad)
     set_learning_rate(optimizer, lr)
-    optimizer.step()
+    grad_norm = optimizer.step()
     optimizer.zero_grad()
     return loss, grad_norm
 
@@ -283,8 +280,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
         microbatches = [local_microbatch(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout, device)
                         for m in range(cfg.grad_accum_steps)]
         lr = learning_rate(step, cfg)
-        loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, cfg.clip_grad, p2p,
-                                     cfg.pipeline_schedule)
+        loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, p2p, cfg.pipeline_schedule)
         loss_t = torch.tensor([loss], dtype=torch.float64, device=device)   # report the global batch's loss
         all_reduce(loss_t, layout.dp_group, op="avg", tag="loss")
         result.losses.append(loss_t.item())
@@ -292,7 +288,8 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
             result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
         if progress is not None:
-            progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}", gnorm=f"{grad_norm:.2f}")
+            progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
+                                 gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}")
             progress.update(1)
         if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
             result.checkpoint = _save(cfg, model_cfg, done, chunks, optimizer, result, layout)

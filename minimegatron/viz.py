@@ -10,11 +10,6 @@
     plot_sp_cp_activations activation bytes per rank against 1/(tp cp) and Korthikanti's formulas
     draw_sequence_parallel_regions   SP's regions and their collectives, a diagram
 
-and one measuring helper for them, `wait_until`: gloo's worker thread lets go of a finished
-collective's tensors a moment after wait() returns, so a measurement of what is still alive
-(FullyShardedDataParallel.memory_profile(settle=wait_until)) may poll for a moment first. The
-algorithms themselves never sleep or poll.
-
 Every function builds a matplotlib Figure on its own Agg canvas (no pyplot, no backend switch:
 a notebook's backend is left alone), saves it to `path` if given, and returns it.
 This module sits late in the import order: chapters, notebooks, tests and benchmarks import
@@ -25,8 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .analysis.report import GiB
 from .parallel_state import KEYS, rank_groups
@@ -37,7 +31,7 @@ if TYPE_CHECKING:                  # the records drawn here (only their fields a
     from .pp.timeline import Interval
 
 __all__ = ["draw_rank_grid", "plot_memory_breakdown", "plot_bucket_timeline", "plot_memory_profile",
-           "plot_timeline", "wait_until", "plot_losses", "plot_cp_load_balance", "plot_cp_comm_types",
+           "plot_timeline", "plot_losses", "plot_cp_load_balance", "plot_cp_comm_types",
            "plot_sp_cp_activations", "draw_sequence_parallel_regions", "plot_moe_load_balance",
            "plot_dispatcher_volumes"]
 
@@ -224,23 +218,6 @@ def plot_bucket_timeline(timeline: BucketTimeline, path: str | os.PathLike | Non
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
-
-
-def wait_until(done: Callable[[], bool], timeout: float = 0.5, poll: float = 0.001) -> bool:
-    """Poll `done()` every `poll` seconds until it is true or `timeout` seconds have passed;
-    return its last value.
-
-    For measurements of what is still alive: gloo's worker thread lets go of a finished
-    collective's tensors a moment after wait() returns, so a buffer just released may still
-    be referenced for a moment. A real leak survives the timeout and shows. Pass it as
-    `FullyShardedDataParallel.memory_profile(settle=wait_until)` for an exact profile.
-    """
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll)
-    return True
 
 
 def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike | None = None,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from minimegatron.analysis import count_parameters
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 
-ch01 = import_chapter_demo("01")       # chapters/01_dp/demo.py: the experiment and its CLI
+ch01 = import_chapter("01")       # chapters/01_dp/demo.py: the experiment and its CLI
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "chapters/01_dp/demo.py"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from minimegatron.launch import spawn
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 
-demo = import_chapter_demo("02")
+demo = import_chapter("02")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "chapters/02_tp/demo.py"

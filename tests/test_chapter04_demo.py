@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from minimegatron.launch import spawn
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "chapters/04_sp_cp/demo.py"
-ch04 = import_chapter_demo("04")
+ch04 = import_chapter("04")
 LLAMA, GPT2 = ch04.tiny_model("llama"), ch04.tiny_model("gpt2")      # llama: RoPE, 2 KV groups; gpt2: biases
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from minimegatron.launch import spawn
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "chapters/05_ep_moe/demo.py"
-ch05 = import_chapter_demo("05")
+ch05 = import_chapter("05")
 MOE = ch05.tiny_moe()                     # 4 experts, top-2, aux and z losses on, float64
 
 

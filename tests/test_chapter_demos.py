@@ -47,16 +47,16 @@ def test_chapter_00_demo_under_torchrun(tmp_path):
 
 
 def test_chapter_00_experiments_import_and_spawn():
-    """The notebook's way in: testing.import_chapter_demo("00") imports
+    """The notebook's way in: booktools.demo.import_chapter("00") imports
     chapters/00_single_device/demo.py as chapters.00_single_device.demo, and launch.spawn can
     run a function defined there on fresh ranks (they import it by that name)."""
     from minimegatron.launch import spawn
-    from minimegatron.testing import import_chapter_demo
+    from booktools.demo import import_chapter
 
-    ch00 = import_chapter_demo("00")
+    ch00 = import_chapter("00")
     assert ch00.__name__ == "chapters.00_single_device.demo"
     assert Path(ch00.__file__).resolve() == ROOT / "chapters" / "00_single_device" / "demo.py"
-    assert import_chapter_demo("00") is ch00
+    assert import_chapter("00") is ch00
     results = spawn(ch00.init_checksum_worker, 2, ch00.tiny_gpt2(num_layers=2), timeout=240.0)
     for r in results:
         assert bool((r["table"] == r["table"][0]).all())          # every rank: the same weights
@@ -64,15 +64,15 @@ def test_chapter_00_experiments_import_and_spawn():
     assert "output_layer.weight" in results[1]["stage_names"]      # the last stage's tied copy
 
 
-def test_import_chapter_demo_names_a_missing_chapter():
-    from minimegatron.testing import import_chapter_demo
+def test_import_chapter_names_a_missing_chapter():
+    from booktools.demo import import_chapter
 
     with pytest.raises(FileNotFoundError, match="chapters/99_"):
-        import_chapter_demo("99")
+        import_chapter("99")
 
 
 def test_a_torchrun_demo_names_the_sizes_that_do_not_fit_the_ranks(capsys):
-    from minimegatron.testing import data_parallel_size_under_torchrun
+    from booktools.demo import data_parallel_size_under_torchrun
     assert data_parallel_size_under_torchrun(8, 0, {"tp": 2, "pp": 2}, None) == 2
     assert data_parallel_size_under_torchrun(16, 0, {"tp": 2, "cp": 2, "pp": 2}, 2) == 2
     assert data_parallel_size_under_torchrun(6, 0, {"tp": 4}, None) is None

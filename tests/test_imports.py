@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # kernels) go between pp and analysis, in chapter order.
 LAYERS: list[list[str]] = [
     ["config", "comm", "parallel_state", "launch", "data", "checkpoint"],   # foundation
+    ["placement"],                  # where each parameter lives: the one record (read by everything after)
     ["model"],
     ["optim"],
     ["dp"],

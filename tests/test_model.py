@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from minimegatron.config import ConfigError, ModelConfig
+from minimegatron.placement import placement_of
 from minimegatron.model import (GPTModel, apply_rotary_pos_emb, causal_attention, initial_value, language_model_loss,
                                  rope_cos_sin, sdpa_attention)
 from minimegatron.model.mlp import SwiGLU
@@ -266,13 +267,21 @@ def test_pipeline_stages_chained_equal_the_full_model(style):
 
 def test_tied_output_layer_on_a_last_stage_without_the_embedding_is_a_shared_copy():
     """A pipeline's last stage of a tied model holds its own copy of the word embedding, as
-    output_layer.weight, marked shared (the gradient norm counts it once); it starts equal to
-    the embedding of the full model."""
+    output_layer.weight, its placement record marked shared (the gradient norm and the gatherer
+    count it once) and shared_embedding (ZeRO's own bucket), like the first stage's embedding (not
+    shared: the original); it starts equal to the embedding of the full model. A model that holds
+    both uses marks neither."""
     cfg = STYLES["gpt2"]
     full = GPTModel(cfg)
     last = GPTModel(cfg, pre_process=False, layer_numbers=[1])
+    first = GPTModel(cfg, post_process=False, layer_numbers=[0])
     weight = dict(last.named_parameters())["output_layer.weight"]
-    assert weight.shared is True
+    record = placement_of(weight)
+    assert (record.name, record.shape, record.shared, record.shared_embedding) == (
+        "output_layer.weight", (cfg.vocab_size, cfg.hidden_size), True, True)
+    embedding = placement_of(first.embedding.word_embeddings.weight)
+    assert (embedding.name, embedding.shared, embedding.shared_embedding) == ("embedding.word_embeddings.weight", False, True)
+    assert not any(placement_of(p).shared or placement_of(p).shared_embedding for p in full.parameters())
     assert last.output_weight() is weight
     assert torch.equal(weight, full.embedding.word_embeddings.weight)
 

@@ -111,10 +111,10 @@ def test_aux_losses_reach_the_router_with_the_step_scale_and_leave_the_output_al
 def test_train_step_scales_the_aux_losses_by_the_micro_batches():
     cfg = _config(moe_aux_loss_coeff=0.01)
     model = GPTModel(cfg)
-    optimizer = Optimizer(model.parameters(), TrainConfig(train_iters=1, lr_warmup_iters=0))
+    optimizer = Optimizer([model], TrainConfig(train_iters=1, lr_warmup_iters=0, clip_grad=0.0))
     tokens = torch.randint(0, 64, (4, 9))
     mbs = [{"tokens": tokens[i:i + 2, :-1], "labels": tokens[i:i + 2, 1:]} for i in (0, 2)]
-    train_step([model], optimizer, mbs, Layout(), 1e-3, 0.0)
+    train_step([model], optimizer, mbs, Layout(), 1e-3)
     assert all(m.aux_loss_scale == 0.5 for m in model.modules() if isinstance(m, MoELayer))
 
 

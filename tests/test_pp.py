@@ -12,9 +12,9 @@ from minimegatron.config import ConfigError
 from minimegatron.launch import spawn
 from minimegatron.pp import (bubble_fraction, idle_fraction, peak_in_flight, schedule, simulate,
                              stage_layers)
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 
-ch03 = import_chapter_demo("03")          # chapters/03_pp/demo.py: the chapter's runs and their checks
+ch03 = import_chapter("03")          # chapters/03_pp/demo.py: the chapter's runs and their checks
 
 
 def compact(ops):

@@ -21,11 +21,13 @@ from minimegatron.comm import record_communication
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
-from minimegatron.optim import Optimizer, learning_rate
+from minimegatron.optim import NormGroup, Optimizer, learning_rate
+from minimegatron.parallelize import full_model_tensors
+from minimegatron.placement import placement_of
 from minimegatron.parallel_state import Layout
 from minimegatron.testing import RunRecord, assert_equivalent, make_batches, single_device_run
 from workers.checks import rank_failures, run_named_checks
-from minimegatron.tp import apply_tensor_parallel, full_gradients, full_parameters, pad_vocab_size
+from minimegatron.tp import apply_tensor_parallel, pad_vocab_size
 from minimegatron.tp.random import model_parallel_manual_seed
 from minimegatron.train import train_step
 
@@ -59,8 +61,8 @@ def tp_model(cfg, group):
 
 
 def is_split(p) -> bool:
-    """Megatron's attribute: set on every parameter cut over the TP group."""
-    return getattr(p, "tensor_model_parallel", False)
+    """Megatron's attribute (a field of the placement record): set on every parameter cut over the TP group."""
+    return placement_of(p).tensor_model_parallel
 
 
 def plain_gather(t, group):
@@ -74,7 +76,7 @@ def tp_run(cfg, group, batches, train_cfg):
     """The same loop as single_device_run (train.train_step) on the TP model; its RunRecord."""
     model = tp_model(cfg, group)
     tp_rank = dist.get_rank(group)
-    optimizer = Optimizer(model.parameters(), train_cfg, tp_rank, [group])   # this rank's shards only
+    optimizer = Optimizer([model], train_cfg, [NormGroup(groups=(group,), tp_rank=tp_rank)])   # this rank's shards
     layout = Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=dist.get_world_size(group),
                     tp_rank=tp_rank, tp_group=group)
     losses, first_grads = [], {}
@@ -82,7 +84,7 @@ def tp_run(cfg, group, batches, train_cfg):
     def on_grads():
         if first_grads:
             return
-        first_grads.update(full_gradients(model, group))
+        first_grads.update(full_model_tensors([model], layout, grads=True))
         # replicated parameters: identical gradients on every TP rank, with no all-reduce
         for name, p in model.named_parameters():
             if not is_split(p):
@@ -90,10 +92,9 @@ def tp_run(cfg, group, batches, train_cfg):
                     assert torch.equal(other, p.grad), f"{name}: gradient differs across TP ranks"
 
     for step, batch in enumerate(batches):
-        loss, _ = train_step([model], optimizer, [batch], layout, learning_rate(step, train_cfg),
-                             train_cfg.clip_grad, on_grads=on_grads)
+        loss, _ = train_step([model], optimizer, [batch], layout, learning_rate(step, train_cfg), on_grads=on_grads)
         losses.append(loss)
-    return RunRecord(losses, first_grads, full_parameters(model, group))
+    return RunRecord(losses, first_grads, full_model_tensors([model], layout))
 
 
 # ---------------------------------------------------------------------- equivalence
@@ -122,7 +123,7 @@ def check_initial_parameters_and_logits_equal_single_device(rank, G):
         for cfg in (gpt2(), llama(tp)):
             ref = GPTModel(cfg)
             model = tp_model(cfg, group)
-            full = full_parameters(model, group)
+            full = full_model_tensors([model], Layout())
             assert set(full) == {n for n, _ in ref.named_parameters()}
             for name, p in ref.named_parameters():
                 assert torch.equal(full[name], p.detach()), name   # cut, not re-drawn

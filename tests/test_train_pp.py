@@ -1,5 +1,6 @@
-"""The training loop under pipeline parallelism (chapter 03): PP x DP (interleaved) and TP x PP
-train the same model as the single-device loop (same global batch, clipping active on every
+"""The training loop under pipeline parallelism (chapter 03): PP x DP (interleaved; with ZeRO-1,
+and 1F1B with ZeRO-2: the distributed optimizer over every chunk, the tied embedding in a bucket
+of its own on both stages) and TP x PP train the same model as the single-device loop (same global batch, clipping active on every
 step), resume bit for bit from their per-rank checkpoints, write a main checkpoint that loads
 into the single-device model, and bad layouts stop before training."""
 
@@ -18,6 +19,9 @@ CLIP = 0.05
 LAYOUTS = {   # name -> (micro-batch size per DP rank, train config overrides); all on 4 ranks
     "pp2xdp2-interleaved": (1, dict(pipeline_model_parallel_size=2, pipeline_schedule="interleaved",
                                     num_virtual_stages_per_pipeline_rank=2)),
+    "pp2xdp2-interleaved-zero1": (1, dict(pipeline_model_parallel_size=2, pipeline_schedule="interleaved",
+                                          num_virtual_stages_per_pipeline_rank=2, zero_stage=1)),
+    "pp2xdp2-1f1b-zero2": (1, dict(pipeline_model_parallel_size=2, zero_stage=2)),
     "tp2xpp2-1f1b": (2, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
     "pp4-gpipe": (2, dict(pipeline_model_parallel_size=4, pipeline_schedule="gpipe")),
 }
@@ -75,8 +79,10 @@ def test_bad_pipeline_configs_are_refused_before_training():
         validate_layout(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2,
                                            pipeline_schedule="interleaved", grad_accum_steps=3,
                                            num_virtual_stages_per_pipeline_rank=2), 2)
-    with pytest.raises(ConfigError, match="zero_stage=1 with pipeline_model_parallel_size=2"):
-        validate_layout(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2, zero_stage=1), 2)
+    with pytest.raises(ConfigError, match="zero_stage=3 with pipeline_model_parallel_size=2"):
+        validate_layout(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2, zero_stage=3), 2)
+    for stage in (1, 2):                         # ZeRO-1 and ZeRO-2 run with a pipeline
+        validate_layout(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2, zero_stage=stage), 4)
     with pytest.raises(ConfigError, match="world size 1 is not divisible by .*pipeline_model_parallel_size=2"):
         train(MODEL, TrainConfig(seq_length=16, pipeline_model_parallel_size=2, train_iters=1, lr_warmup_iters=0,
                                  progress=False))

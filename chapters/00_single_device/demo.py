@@ -8,11 +8,11 @@ tests use them too), then the command line.
     torchrun --nproc_per_node=1 chapters/00_single_device/demo.py
     torchrun --nproc_per_node=4 chapters/00_single_device/demo.py --quick
 
-From Python (a notebook, a test), through `minimegatron.testing.import_chapter_demo`, which
+From Python (a notebook, a test), through `booktools.demo.import_chapter`, which
 imports this file as `chapters.00_single_device.demo` (a name the ranks of
 `minimegatron.launch.spawn` can import too):
 
-    ch00 = import_chapter_demo("00")
+    ch00 = import_chapter("00")
     print(ch00.grad_accum_equivalence(torch.float64))     # MATCH ... / MISMATCH ...
     print(ch00.measure_budget(ch00.tiny_llama(), batch=4, seq=32))
     ch00.single_device_limits("gpt3-175b")                 # why one device is not enough
@@ -64,6 +64,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from booktools.demo import check_at_least_one, demo_parser, largest_differences
 from minimegatron import comm
 from minimegatron.analysis import (activation_memory, count_parameters, does_it_fit, flops_per_token_6n,
                                    measure_saved_activation_bytes, training_flops, training_memory)
@@ -71,10 +72,11 @@ from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.launch import finish_torchrun, init_from_torchrun
 from minimegatron.model import GPTModel, apply_rotary_pos_emb, rope_cos_sin
 from minimegatron.model.init import init_name
-from minimegatron.optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
+from minimegatron.optim import Optimizer, learning_rate
+from minimegatron.parallel_state import Layout
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, make_batches, single_device_run,
                                   split_microbatches)
-from minimegatron.train import train
+from minimegatron.train import train, train_step
 
 __all__ = [
     "tiny_gpt2", "tiny_llama", "parameter_table", "future_leak", "rope_scores",
@@ -261,22 +263,24 @@ def accumulate_gradients(model: torch.nn.Module, microbatches: list[dict[str, to
 def accumulation_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tensor]], micro_batches: int,
                      train_cfg: TrainConfig, scale_loss: bool = True) -> RunRecord:
     """Train with each global batch cut into `micro_batches` pieces, one optimizer step per
-    global batch: `accumulate_gradients`, then the optimizer side of the training loop's step
-    (`minimegatron.optim`: clip the global gradient norm, set the learning rate of the
-    schedule, AdamW step, zero the gradients).
+    global batch: the training loop's step (`train.train_step`: the gradient hooks, then the
+    optimizer: clip the global gradient norm, AdamW; zero the gradients) with its forward and
+    backward replaced by `accumulate_gradients`.
     Returns the `RunRecord` (losses, first-step gradients, final parameters) that
     `testing.compare_runs` compares."""
     model = GPTModel(model_cfg)
-    optimizer = Optimizer(model.parameters(), train_cfg)
+    optimizer = Optimizer([model], train_cfg)
     losses, first_grads = [], {}
+
+    def keep_first_grads():
+        if not first_grads:
+            first_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
     for step, batch in enumerate(batches):
-        losses.append(accumulate_gradients(model, split_microbatches(batch, micro_batches), scale_loss))
-        if step == 0:
-            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        clip_grad_norm(optimizer, train_cfg.clip_grad)
-        set_learning_rate(optimizer, learning_rate(step, train_cfg))
-        optimizer.step()
-        optimizer.zero_grad()
+        loss, _ = train_step([model], optimizer, split_microbatches(batch, micro_batches), Layout(),
+                             learning_rate(step, train_cfg), on_grads=keep_first_grads,
+                             forward_backward=lambda chunks, mbs: accumulate_gradients(chunks[0], mbs, scale_loss))
+        losses.append(loss)
     return RunRecord(losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
@@ -390,9 +394,9 @@ def measure_budget(config: ModelConfig, batch: int, seq: int, seed: int = 0) -> 
     counted = GPTModel(dataclasses.replace(config, attention_backend="naive"))
     with FlopCounterMode(display=False) as counter:
         counted(tokens, labels=labels).mean().backward()
-    model(tokens, labels=labels).mean().backward()
-    optimizer = Optimizer(model.parameters(), TrainConfig())
-    optimizer.step()
+    optimizer, grads = Optimizer([model], TrainConfig()), []             # one step of the training loop
+    train_step([model], optimizer, [{"tokens": tokens, "labels": labels}], Layout(), TrainConfig().lr,
+               on_grads=lambda: grads.extend(p.grad for p in params))
     state = [optimizer.state[p] for p in params]
 
     def nbytes(ts) -> int:
@@ -404,7 +408,7 @@ def measure_budget(config: ModelConfig, batch: int, seq: int, seed: int = 0) -> 
     rows = [
         BudgetRow("parameters (count)", counts["total"], sum(p.numel() for p in params), "p.numel()"),
         BudgetRow("parameters (bytes)", mem["params"], nbytes(params), "numel x itemsize"),
-        BudgetRow("gradients (bytes)", mem["grads"], nbytes(p.grad for p in params), "p.grad"),
+        BudgetRow("gradients (bytes)", mem["grads"], nbytes(grads), "p.grad"),
         BudgetRow("Adam m + v (bytes)", mem["exp_avg"] + mem["exp_avg_sq"],
                   nbytes([s["exp_avg"] for s in state] + [s["exp_avg_sq"] for s in state]), "AdamW state"),
         BudgetRow("activations (bytes)", activation_memory(config, batch, seq)["total"], saved,
@@ -442,11 +446,8 @@ def single_device_limits(name: str = "gpt3-175b", *, tokens: float = 300e9, devi
 # the demo: python chapters/00_single_device/demo.py [--quick] (or under torchrun)
 # ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="chapters/00_single_device/demo.py",
-        description="Chapter 00: train the single-device baseline, account for its memory and FLOPs, "
-                    "and check that gradient accumulation equals one big batch (float64).",
-        epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser = demo_parser("00", "Chapter 00: train the single-device baseline, account for its memory and FLOPs, "
+                               "and check that gradient accumulation equals one big batch (float64).")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny, fast run (smaller model, 15 training steps); what the tests use")
     parser.add_argument("--style", choices=["llama", "gpt2"], default="llama",
@@ -461,12 +462,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--forget-loss-scaling", action="store_true",
                         help="break the accumulation on purpose (no 1/k on the micro-batch losses) "
                              "to see the check fail")
-    args = parser.parse_args(argv)
-    if args.train_iters is not None and args.train_iters < 1:
-        parser.error(f"--train-iters={args.train_iters} must be at least 1")
-    if args.micro_batches < 1:
-        parser.error(f"--micro-batches={args.micro_batches} must be at least 1")
-    return args
+    return check_at_least_one(parser, parser.parse_args(argv), "train_iters", "micro_batches")
 
 
 def main(argv=None) -> int:
@@ -549,9 +545,7 @@ def main(argv=None) -> int:
     if not report.ok:
         failures.insert(0, "gradient accumulation differs from one big batch")
 
-    t = report.tolerance
-    diffs = (f"max |dloss| {report.max_loss_diff:.1e} (tol {t.loss:.0e}), max |dgrad| {report.max_grad_diff:.1e}, "
-             f"max |dparam| {report.max_param_diff:.1e} (rtol {t.rtol:.0e}, atol {t.atol:.0e})")
+    diffs = largest_differences([report])
     if failures:
         say(f"MISMATCH: {'; '.join(failures)}; {diffs}")
         return 1

@@ -8,7 +8,7 @@
     python chapters/01_dp/demo.py --quick --break-averaging     # the classic bug: MISMATCH
 
 This file is the chapter's experiment and its command line; the notebook imports the same
-functions (`ch01 = minimegatron.testing.import_chapter_demo("01")`):
+functions (`ch01 = booktools.demo.import_chapter("01")`):
 
     variants = ch01.chapter_variants(ch01.tiny_model(), micro_batches=2)  # naive .. zero3
     results = spawn(ch01.run_variants, 2, [(2, v) for v in variants])     # one world
@@ -18,7 +18,8 @@ functions (`ch01 = minimegatron.testing.import_chapter_demo("01")`):
 A `Variant` is one data-parallel training run: a model config and a TrainConfig whose
 zero_stage / ddp_impl / ddp_bucket_size pick the wrapper. Every rank builds the same tiny
 model from (seed, parameter name), wraps it as `python -m minimegatron.train --zero-stage`
-does (`dp.apply_data_parallel`; AdamW, or ZeRO's `dp.DistributedOptimizer`), and trains
+does (`dp.apply_data_parallel`, then `optim.Optimizer` over what the wrapper holds: under ZeRO
+this rank's shards), and trains
 `--steps` AdamW steps on its slice of a fixed global batch: `--micro-batches` M micro-batches
 of `--micro-batch-size` b sequences per rank, the first M-1 inside `no_sync()`. Then rank 0 (or the parent, without torchrun) judges each
 run (`check_variant`) against three things computed independently of the run, and prints:
@@ -36,10 +37,10 @@ run (`check_variant`) against three things computed independently of the run, an
         units padded to dp * S) and next to the ZeRO paper's formula
         `analysis.training_memory(config, zero_stage=, dp=)`; the difference is the padding.
 
-The training step is written out here on purpose, per micro-batch, so that the ledger of each
-micro-batch can be shown; its optimizer half is the training loop's (`optim.clip_grad_norm`,
-then AdamW), and the reference is the training loop's own step (`train.train_step`, inside
-`testing.single_device_run`).
+Every step is the training loop's own `train.train_step`, with its forward and backward
+written out here per micro-batch (its `forward_backward` argument) so that the ledger of each
+micro-batch can be shown; the reference is the same step on one device
+(`testing.single_device_run`).
 
 The last line starts with MATCH (exit status 0) or MISMATCH (exit status 1); under torchrun
 every rank exits with rank 0's verdict.
@@ -49,9 +50,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-import time
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -62,18 +61,19 @@ import torch.distributed as dist
 from minimegatron import comm
 from minimegatron.analysis import count_parameters, training_memory
 from minimegatron.config import ModelConfig, TrainConfig
-from minimegatron.dp import (DistributedOptimizer, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel,
-                             assign_buckets, finish_grad_sync, no_sync)
+from booktools.demo import check_at_least_one, demo_parser, import_chapter, largest_differences, run_demo
+from minimegatron.dp import (DistributedDataParallel, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel,
+                             assign_buckets, finish_grad_sync, local_tensors, no_sync, unwrap)
 from minimegatron.dp.ddp import megatron_default_bucket_size
 from minimegatron.dp.zero import storage_bytes
 from minimegatron.model import GPTModel
-from minimegatron.optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
-from minimegatron.parallelize import unwrap
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, import_chapter_demo,
-                                  local_microbatch, single_device_run, verdict_under_torchrun)
-from minimegatron.viz import wait_until
+from minimegatron.optim import NormGroup, Optimizer, learning_rate
+from minimegatron.parallel_state import Layout
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch,
+                                  single_device_run, wait_until)
+from minimegatron.train import train_step
 
-ch00 = import_chapter_demo("00")       # the tiny models and the fingerprint of a tensor
+ch00 = import_chapter("00")       # the tiny models and the fingerprint of a tensor
 
 __all__ = ["KINDS", "LEDGER_FORMULAS", "Variant", "make_variant", "chapter_variants", "tiny_model", "run_variants",
            "build_variant", "train_variant", "forget_averaging", "zero_bucket_numels", "zero3_unit_numels",
@@ -201,30 +201,19 @@ def forget_averaging(optimizer, dp: int) -> None:
     """The bug `Variant.break_averaging` plants: multiply every gradient the optimizer is about
     to step by dp, i.e. use the SUM over ranks where the mean belongs (no 1/dp scale)."""
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(dp)
+        for segment in optimizer.segments:               # where each gradient lives (optim.Segment)
+            grad = segment.grad()
+            if grad is not None:
+                grad.mul_(dp)
 
 
 def _calls(ledger) -> list[tuple[str, int, str]]:
-    return [(r.op, r.nbytes, r.tag) for r in ledger]
+    return [(r.op, r.nbytes, r.tag) for r in ledger if r.tag != "inspect"]   # not what we read off
 
 
-def _sharded(wrapper) -> bool:
-    return hasattr(wrapper, "memory_tensors")          # ZeroDataParallel, FullyShardedDataParallel
-
-
-def _full_gradients(wrapper, model) -> dict[str, torch.Tensor]:
-    if _sharded(wrapper):
-        return wrapper.gather_gradients()             # collective (tag "inspect", outside the ledgers)
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _full_parameters(wrapper, model) -> dict[str, torch.Tensor]:
-    if hasattr(wrapper, "gather_parameters"):         # ZeRO-3: the model holds no full weight
-        return wrapper.gather_parameters()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _full_tensors(wrapper, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient), whole, by name: ZeRO's shards gathered (tag "inspect")."""
+    return {n: t.detach().clone() for n, (_, t) in local_tensors(wrapper, grads).items()}
 
 
 def _parameters_at_rest(wrapper, model) -> list[torch.Tensor]:
@@ -232,92 +221,98 @@ def _parameters_at_rest(wrapper, model) -> list[torch.Tensor]:
     unit buffers that are still alive; gloo's worker thread lets go of a finished collective's
     buffers a moment after wait() returns (see fsdp.py), so give them up to 0.5 s to die. One
     that survives is real memory and is measured."""
-    if not _sharded(wrapper):
-        return list(model.parameters())
-    if hasattr(wrapper, "units"):
+    if isinstance(wrapper, FullyShardedDataParallel):
         wait_until(lambda: len(wrapper.memory_tensors()["params"]) <= len(wrapper.units))
-    return wrapper.memory_tensors()["params"]
+    return wrapper.memory_tensors()["params"] if _sharded(wrapper) else list(model.parameters())
 
 
-def build_variant(v: Variant, group) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _sharded(wrapper) -> bool:
+    return isinstance(wrapper, (ZeroDataParallel, FullyShardedDataParallel))
+
+
+def build_variant(v: Variant, group) -> tuple[torch.nn.Module, Optimizer]:
     """(model chunk, optimizer) of `v` on this rank, data parallel over `group`, as the training
     loop builds them (parallelize.build_model / build_optimizer, with nothing but DP): the one
     GPTModel wrapped by `dp.apply_data_parallel` as v.train asks (the bare model when the group
-    has one rank), and AdamW (`optim.Optimizer`), or under ZeRO the `dp.DistributedOptimizer`
-    over the wrapper's shards."""
-    model = GPTModel(v.model)
-    chunk = apply_data_parallel(model, v.train, group)
-    if isinstance(chunk, (ZeroDataParallel, FullyShardedDataParallel)):
-        return chunk, DistributedOptimizer(chunk, v.train)
-    return chunk, Optimizer(model.parameters(), v.train)
+    has one rank), and `optim.Optimizer` over it, which steps what the wrapper holds (under ZeRO
+    this rank's shards, whose gradient norm then also sums over `group`)."""
+    chunk = apply_data_parallel(GPTModel(v.model), v.train, group)
+    return chunk, Optimizer([chunk], v.train, [NormGroup(groups=(group,) if _sharded(chunk) else ())])
 
 
 def train_variant(v: Variant, group) -> dict:
     """Train `v` on this rank over the data-parallel `group`; return what `check_variant` needs.
 
-    Every step: micro-batches 0..M-2 inside no_sync(), the last one outside, then
-    finish_grad_sync(); then the optimizer half of train.train_step (the global norm clipped
-    by optim.clip_grad_norm, the learning rate, AdamW, zero_grad). The ledger
-    is recorded per phase (`phase_names`). Returns {"dp", "rank", "losses" (this rank's local
-    loss per step), "ledger" [step][phase] -> [(op, bytes, tag)], "fingerprints" {name: int}
-    of the final full parameters, "memory" {"params", "grads", "exp_avg", "exp_avg_sq",
-    "optimizer"} bytes measured on the tensors (gradients at the last sync, the rest after the
-    last step), "grad_peak" (ZeRO-2: the most full-gradient bytes held during the last step's
-    backward), "grads" (first step, full) and "params" (final, full) on rank 0 only,
-    "timeline" (DDP: the last step's BucketTimeline), "buckets" (DDP: parameter names per
-    bucket), "profile" (ZeRO-3: [(label, sharded bytes, gathered bytes)] of the first step,
-    each gathered buffer given up to 0.5 s to die: viz.wait_until)}.
+    Every step is the training loop's `train.train_step`, with its forward and backward written
+    out here per micro-batch (the `forward_backward` it accepts) so that each micro-batch's
+    communication can be shown: micro-batches 0..M-2 inside no_sync(), the last one outside;
+    then train_step's finalize_model_grads (finish_grad_sync), the optimizer step (the global
+    norm clipped, the learning rate, AdamW) and zero_grad. The ledger is split per phase
+    (`phase_names`). Returns {"dp", "rank", "losses" (this rank's local loss per step),
+    "ledger" [step][phase] -> [(op, bytes, tag)], "fingerprints" {name: int} of the final full
+    parameters, "memory" {"params", "grads", "exp_avg", "exp_avg_sq", "optimizer"} bytes
+    measured on the tensors (gradients at the last sync, the rest after the last step),
+    "grad_peak" (ZeRO-2: the most full-gradient bytes held during the last step's backward),
+    "grads" (first step, full) and "params" (final, full) on rank 0 only, "timeline" (DDP:
+    the last step's BucketTimeline), "buckets" (DDP: parameter names per bucket), "profile"
+    (ZeRO-3: [(label, sharded bytes, gathered bytes)] of the first step, each gathered buffer
+    given up to 0.5 s to die: testing.wait_until)}.
     """
     dp, rank = comm.group_size(group), comm.group_rank(group)
     wrapper, optimizer = build_variant(v, group)
     model = unwrap(wrapper)
     M = v.micro_batches
     out = {"dp": dp, "rank": rank, "losses": [], "ledger": [], "timeline": None, "profile": None}
-    if hasattr(wrapper, "buckets") and v.train.zero_stage == 0:
-        names = {p: n for n, p in model.named_parameters()}
-        out["buckets"] = [[names[p] for p in b.params] for b in wrapper.buckets]
+    ddp = isinstance(wrapper, DistributedDataParallel) and v.train.zero_stage == 0
+    if ddp:
+        out["buckets"] = [b.names for b in wrapper.buckets]
     batches = v.global_batches(dp)
     for step, batch in enumerate(batches):
-        profiling = isinstance(wrapper, FullyShardedDataParallel) and step == 0
-        phases, loss = [], 0.0
-        with wrapper.memory_profile(settle=wait_until) if profiling else nullcontext() as events:
-            for m in range(M):
-                mb = v.local_microbatch(batch, m, dp, rank)
+        marks: list[int] = []                     # where each phase starts in the step's ledger
+
+        def forward_backward(chunks, microbatches):
+            total = 0.0
+            for m, mb in enumerate(microbatches):
+                marks.append(len(ledger))
                 sync = m == M - 1 or v.sync_every_microbatch
-                with comm.record_communication() as ledger:
-                    with nullcontext() if sync else no_sync(wrapper):
-                        local = wrapper(mb["tokens"], labels=mb["labels"]).mean() / M
-                        local.backward()
-                    if sync:
-                        finish_grad_sync(wrapper)
-                loss += local.item()
-                phases.append(_calls(ledger))
+                with nullcontext() if sync else no_sync(wrapper):
+                    local = wrapper(mb["tokens"], labels=mb["labels"]).mean() / M
+                    local.backward()
+                if sync and m < M - 1:
+                    finish_grad_sync(wrapper)     # the mistake: a sync per micro-batch
+                total += local.item()
+            return total                          # the last sync: train_step's finalize_model_grads
+
+        def on_grads(step=step):
+            marks.append(len(ledger))             # the sync is done; the optimizer step comes next
+            if v.break_averaging:
+                forget_averaging(optimizer, dp)
+            if step == 0:
+                out["grads"] = _full_tensors(wrapper, grads=True)   # (tag "inspect", not a phase's)
+            if step == len(batches) - 1:          # gradients are held in full size from sync to step
+                grads = wrapper.memory_tensors()["grads"] if _sharded(wrapper) else [p.grad for p in model.parameters()]
+                out["memory"] = {"grads": storage_bytes(grads)}
+                out["grad_peak"] = wrapper.grad_bytes_peak if isinstance(wrapper, ZeroDataParallel) else None
+
+        profiling = isinstance(wrapper, FullyShardedDataParallel) and step == 0
+        microbatches = [v.local_microbatch(batch, m, dp, rank) for m in range(M)]
+        with wrapper.memory_profile(settle=wait_until) if profiling else nullcontext() as events:
+            with comm.record_communication() as ledger:
+                loss, _ = train_step([wrapper], optimizer, microbatches, Layout(), learning_rate(step, v.train),
+                                     on_grads=on_grads, forward_backward=forward_backward)
         if profiling:
             out["profile"] = [(e.label, e.sharded, e.gathered) for e in events]
-        if v.break_averaging:
-            forget_averaging(optimizer, dp)
-        if step == 0:
-            out["grads"] = _full_gradients(wrapper, model)
-        if step == len(batches) - 1:      # gradients are held in full size from sync to step
-            grads = wrapper.memory_tensors()["grads"] if _sharded(wrapper) else [p.grad for p in model.parameters()]
-            out["memory"] = {"grads": storage_bytes(grads)}
-            out["grad_peak"] = getattr(wrapper, "grad_bytes_peak", None)   # ZeRO-2; zero_grad resets it
-        with comm.record_communication() as ledger:      # the rest of train.train_step
-            clip_grad_norm(optimizer, v.train.clip_grad)
-            set_learning_rate(optimizer, learning_rate(step, v.train))
-            optimizer.step()
-            optimizer.zero_grad()
-        phases.append(_calls(ledger))
+        bounds = marks + [len(ledger)]
+        out["ledger"].append([_calls(list(ledger)[a:b]) for a, b in zip(bounds, bounds[1:])])
         out["losses"].append(loss)
-        out["ledger"].append(phases)
-        if getattr(wrapper, "timeline", None) is not None:
+        if ddp:
             out["timeline"] = wrapper.timeline
     params = _parameters_at_rest(wrapper, model)
     state = list(optimizer.state.values())
     out["memory"].update(params=storage_bytes(params), exp_avg=storage_bytes(s["exp_avg"] for s in state),
                          exp_avg_sq=storage_bytes(s["exp_avg_sq"] for s in state))
     out["memory"]["optimizer"] = out["memory"]["exp_avg"] + out["memory"]["exp_avg_sq"]
-    out["params"] = _full_parameters(wrapper, model)
+    out["params"] = _full_tensors(wrapper)
     out["fingerprints"] = {n: ch00.fingerprint(t) for n, t in out["params"].items()}
     if rank != 0:                          # full tensors come back from rank 0 only
         out["grads"], out["params"] = {}, {}
@@ -620,13 +615,7 @@ def check_variants(jobs: list[tuple[int, Variant]], results: list[dict[str, dict
 
 def summary_line(reports: list[VariantReport]) -> str:
     """The demo's last line: MATCH ... or MISMATCH ..., with the largest differences."""
-    worst = {k: max(getattr(r.equivalence, k) for r in reports)
-             for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
-    tol = reports[0].equivalence.tolerance
-    dtypes = sorted({r.variant.model.params_dtype for r in reports})
-    diffs = (f"max |dloss| {worst['max_loss_diff']:.1e} (tol {tol.loss:.0e}), max |dgrad| "
-             f"{worst['max_grad_diff']:.1e}, max |dparam| {worst['max_param_diff']:.1e} "
-             f"(rtol {tol.rtol:.0e}, atol {tol.atol:.0e})")
+    diffs = largest_differences([r.equivalence for r in reports])
     names = ", ".join(r.variant.name for r in reports)
     bad = [r for r in reports if not r.ok]
     if bad:
@@ -637,6 +626,7 @@ def summary_line(reports: list[VariantReport]) -> str:
             why.append(f"{r.variant.name} {' and '.join(parts)}")
         return f"MISMATCH: {'; '.join(why)}; {diffs}"
     dps = sorted({r.dp for r in reports})
+    dtypes = sorted({r.variant.model.params_dtype for r in reports})
     return (f"MATCH: {names} with dp={'/'.join(map(str, dps))} equal the single-device run "
             f"({'/'.join(dtypes)}): {diffs}; ledger and memory equal the formulas")
 
@@ -649,12 +639,9 @@ CLI_VARIANTS = {"0": None, "1": ["zero1"], "2": ["zero2"], "3": ["zero3"], "all"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="chapters/01_dp/demo.py",
-        description="Chapter 01: train a tiny model data-parallel (naive, bucketed DDP, ZeRO-1/2/3) and "
-                    "check it against the single-device run, the communication formulas and the "
-                    "memory formulas.",
-        epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser = demo_parser("01", "Chapter 01: train a tiny model data-parallel (naive, bucketed DDP, ZeRO-1/2/3) and "
+                               "check it against the single-device run, the communication formulas and the "
+                               "memory formulas.")
     parser.add_argument("--zero", choices=list(CLI_VARIANTS), default="all",
                         help="ZeRO stage: 0 (replicated; see --ddp), 1, 2, 3, or all (naive, bucketed, "
                              "1, 2 and 3 in one world; the default)")
@@ -678,32 +665,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--break-averaging", action="store_true",
                         help="the classic bug, on purpose: sum the gradients over ranks instead of "
                              "averaging them (no 1/dp); the check must say MISMATCH")
-    args = parser.parse_args(argv)
-    for name in ("micro_batches", "micro_batch_size", "ranks", "bucket_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps={args.steps} must be at least 1")
-    return args
+    return check_at_least_one(parser, parser.parse_args(argv), "micro_batches", "micro_batch_size", "ranks",
+                              "bucket_size", "steps")
 
 
-def build_jobs(args: argparse.Namespace, dp: int) -> list[tuple[int, Variant]]:
-    """The (dp, Variant) list every rank runs: the same on every rank."""
+@dataclass(frozen=True)
+class Jobs:
+    """The demo's run: every (dp, Variant) job, trained in one world of `world` ranks."""
+    jobs: list[tuple[int, Variant]]
+    world: int
+
+    def name(self) -> str:
+        return f"data parallelism, {len(self.jobs)} variant(s) ({', '.join(v.name for _, v in self.jobs)})"
+
+
+def build_jobs(args: argparse.Namespace, dp: int) -> Jobs:
+    """The jobs every rank runs: the same on every rank."""
     sizes = {} if args.quick else dict(hidden_size=64, num_layers=3, max_position_embeddings=32)
     model = tiny_model(args.style, args.dtype, **sizes)
     kinds = CLI_VARIANTS[args.zero] or ["naive" if args.ddp == "naive" else "ddp"]
     steps = args.steps or (2 if args.quick else 3)
-    return [(dp, make_variant(kind, model, micro_batches=args.micro_batches, steps=steps,
-                                micro_batch_size=args.micro_batch_size, bucket_size=args.bucket_size,
-                                break_averaging=args.break_averaging)) for kind in kinds]
+    return Jobs([(dp, make_variant(kind, model, micro_batches=args.micro_batches, steps=steps,
+                                   micro_batch_size=args.micro_batch_size, bucket_size=args.bucket_size,
+                                   break_averaging=args.break_averaging)) for kind in kinds], dp)
 
 
-def report(args, jobs, per_rank_results, how: str, seconds: float) -> int:
-    """Check every variant, print the reports and the verdict; return the exit status."""
+def train_jobs(run: Jobs) -> dict[str, dict]:
+    """run_variants of the jobs (what each rank runs under torchrun or spawn)."""
+    return run_variants(run.jobs)
+
+
+def report(args, run: Jobs, per_rank_results: list[dict]) -> str:
+    """Check every variant, print the reports; return the verdict line."""
+    jobs = run.jobs
     dp, first = jobs[0][0], jobs[0][1]
     cfg, t = first.model, first.train
     n = count_parameters(cfg)["total"]
-    print(f"Chapter 01: data parallelism on {dp} rank(s) ({how}), {len(jobs)} variant(s) trained in {seconds:.1f} s")
     print(f"model: {args.style}, h={cfg.hidden_size} L={cfg.num_layers}, {n:,} parameters, {cfg.params_dtype}"
           + (f" (AdamW eps {t.adam_eps:g})" if cfg.params_dtype == "float32" else "")
           + f"; global batch {t.micro_batch_size} x {t.grad_accum_steps} x {dp} = "
@@ -718,36 +715,11 @@ def report(args, jobs, per_rank_results, how: str, seconds: float) -> int:
             print(f"      bucket timeline of the last step, rank 0 (buckets launched during backward: "
                   f"{r.timeline.launched_during_backward()}):")
             print("      " + r.timeline.table().replace("\n", "\n      "))
-    print()
-    line = summary_line(reports)
-    print(line)
-    return 0 if line.startswith("MATCH") else 1
-
-
-def main_torchrun(args) -> int:
-    from minimegatron.launch import init_from_torchrun
-
-    rank, world = init_from_torchrun()
-    jobs = build_jobs(args, world)
-    start = time.perf_counter()
-    return verdict_under_torchrun(run_variants(jobs),
-                                  lambda per_rank: report(args, jobs, per_rank, "torchrun",
-                                                          time.perf_counter() - start))
-
-
-def main_spawn(args) -> int:
-    from minimegatron.launch import spawn
-
-    jobs = build_jobs(args, args.ranks)
-    start = time.perf_counter()
-    results = spawn(run_variants, args.ranks, jobs, timeout=600)
-    return report(args, jobs, results, "spawned by this script; torchrun works too", time.perf_counter() - start)
+    return summary_line(reports)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    return main_torchrun(args) if "RANK" in os.environ else main_spawn(args)
+    return run_demo(parse_args(argv), "01", build_jobs, train_jobs, report, spawn_dp=lambda args: args.ranks)
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again

@@ -4,7 +4,7 @@
     python chapters/01_dp/make_figures.py --out /tmp/figs      # somewhere else
 
 Two spawned gloo worlds (minimegatron.launch.spawn), each step the training loop's
-(`train.train_step`, or the chapter demo's written-out step with the same optimizer half):
+(`train.train_step`, the chapter demo's with its forward and backward written out):
 
   2 ranks   the benchmark's model (LLaMA style, h=256, L=4, 2.9M parameters, s=128, b=4 per
             rank) under DistributedDataParallel, buckets of 500,000 elements, 2 warm-up and 7
@@ -52,11 +52,11 @@ from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.optim import Optimizer
 from minimegatron.parallel_state import Layout
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 from minimegatron.train import train_step
 from minimegatron.viz import plot_bucket_timeline, plot_memory_profile
 
-ch01 = import_chapter_demo("01")      # the chapter's experiment: variants, runs, formulas
+ch01 = import_chapter("01")      # the chapter's experiment: variants, runs, formulas
 
 OUT = Path(__file__).resolve().parent / "figures"
 
@@ -85,15 +85,13 @@ def timeline_rank() -> dict:
     for overlap in (True, False):
         model = GPTModel(ModelConfig.llama(**TIMELINE_MODEL))
         ddp = DistributedDataParallel(model, layout.dp_group, bucket_size_bytes=4 * TIMELINE_BUCKET, overlap=overlap)
-        opt = Optimizer(model.parameters(), cfg)
+        opt = Optimizer([ddp], cfg)
         recorded = []
         for step in range(2 + TIMELINE_STEPS):   # the first 2 warm up the allocator and AdamW
-            train_step([ddp], opt, [batch], layout, 1e-4, 1.0)
+            train_step([ddp], opt, [batch], layout, 1e-4)
             if step >= 2:
                 recorded.append(ddp.timeline)
-        names = {p: n for n, p in model.named_parameters()}
-        out[overlap] = {"timelines": recorded,
-                        "buckets": [[names[p] for p in b.params] for b in ddp.buckets]}
+        out[overlap] = {"timelines": recorded, "buckets": [b.names for b in ddp.buckets]}
     return out
 
 

@@ -7,9 +7,9 @@
     python chapters/02_tp/demo.py --quick --tp 2 --dp 1 --style gpt2     # a few seconds
 
 This one file is the chapter's experiment and its command line. The notebook and the graders
-import it too (`minimegatron.testing.import_chapter_demo("02")`):
+import it too (`booktools.demo.import_chapter("02")`):
 
-    demo = import_chapter_demo("02")
+    demo = import_chapter("02")
     run = demo.make_run(demo.tiny_model("llama"), tp=2, dp=2)        # 4 ranks
     per_rank = spawn(demo.train_run, 4, run)
     print(demo.check_run(run, per_rank))   # equivalence, ledger and memory against the formulas
@@ -40,9 +40,7 @@ every rank exits with rank 0's verdict.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -50,16 +48,15 @@ import torch
 
 from minimegatron import comm
 from minimegatron.analysis import count_parameters, tensor_parallel_parameters
-from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.optim import learning_rate
 from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
-                                  global_batches, import_chapter_demo,
-                                  local_microbatch, single_device_run, verdict_under_torchrun)
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch, single_device_run)
+from booktools.demo import check_at_least_one, demo_parser, import_chapter, run_demo, verdict_line
 from minimegatron.train import initialize_layout, train_step
 
-ch00 = import_chapter_demo("00")         # fingerprint: bit-identical replicas
-ch01 = import_chapter_demo("01")         # gradient_sync_ledger: the data-parallel formula
+ch00 = import_chapter("00")         # fingerprint: bit-identical replicas
+ch01 = import_chapter("01")         # gradient_sync_ledger: the data-parallel formula
 
 Call = tuple[str, str, int, str]          # (op, "tp" or "dp", bytes, tag)
 
@@ -95,6 +92,9 @@ class TPRun:
     @property
     def micro_batches(self) -> int:
         return self.train.grad_accum_steps
+
+    def name(self) -> str:
+        return f"tensor parallelism on tp={self.tp} x dp={self.dp}"
 
     def global_batches(self) -> list[dict[str, torch.Tensor]]:
         """One global batch of b * M * dp sequences per step: what the single device sees."""
@@ -184,7 +184,7 @@ def train_run(run: TPRun) -> dict:
         with comm.record_communication() as ledger:
             hook = model.register_forward_pre_hook(lambda module, args: starts.append(len(ledger.records)))
             loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, run.train),
-                                 run.train.clip_grad, on_grads=on_grads)
+                                 on_grads=on_grads)
             hook.remove()
         bounds = [0] + starts[1:] + [final[0]]
         phases = [calls(ledger.records[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -328,32 +328,16 @@ def check_run(run: TPRun, per_rank: list[dict]) -> RunReport:
 
 def summary_line(reports: list[RunReport]) -> str:
     """The demo's last line: MATCH ... or MISMATCH ..., with the largest differences."""
-    worst = {k: max(getattr(r.equivalence, k) for r in reports)
-             for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
-    tol = reports[0].equivalence.tolerance
-    diffs = (f"max |dloss| {worst['max_loss_diff']:.1e} (tol {tol.loss:.0e}), max |dgrad| "
-             f"{worst['max_grad_diff']:.1e}, max |dparam| {worst['max_param_diff']:.1e} "
-             f"(rtol {tol.rtol:.0e}, atol {tol.atol:.0e})")
-    layouts = ", ".join(f"tp={r.run.tp} x dp={r.run.dp} (ZeRO {r.run.train.zero_stage})" for r in reports)
-    bad = [r for r in reports if not r.ok]
-    if bad:
-        why = [f"tp={r.run.tp} x dp={r.run.dp}: "
-               + " and ".join((["differs from the single-device run"] if not r.equivalence.ok else [])
-                              + (["ledger/parameters/replicas differ from the formula"] if r.problems else []))
-               for r in bad]
-        return f"MISMATCH: {'; '.join(why)}; {diffs}"
-    return f"MATCH: {layouts} equal the single-device run: {diffs}; ledger and parameter counts equal the formulas"
+    return verdict_line(reports, lambda r: f"tp={r.run.tp} x dp={r.run.dp} (ZeRO {r.run.train.zero_stage})",
+                        "ledger and parameter counts equal the formulas")
 
 
 # ---------------------------------------------------------------------------------------
 # the command line
 # ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="chapters/02_tp/demo.py",
-        description="Chapter 02: train a tiny model tensor-parallel (x data-parallel) and check it against "
-                    "the single-device run, the communication formula and the parameter formula.",
-        epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser = demo_parser("02", "Chapter 02: train a tiny model tensor-parallel (x data-parallel) and check it against "
+                               "the single-device run, the communication formula and the parameter formula.")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2; 2 or 4 for this model)")
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel size (default: world / tp under torchrun, 2 without)")
@@ -367,15 +351,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="float64 (tight tolerances, the default) or float32 (AdamW eps 1e-5)")
     parser.add_argument("--style", choices=["llama", "gpt2"], default="llama", help="model style (default llama)")
     parser.add_argument("--quick", action="store_true", help="h=32, sequences of 16, 2 steps (what the tests run)")
-    args = parser.parse_args(argv)
-    for name in ("tp", "micro_batches", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
-    if args.dp is not None and args.dp < 1:
-        parser.error(f"--dp={args.dp} must be at least 1")
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps={args.steps} must be at least 1")
-    return args
+    return check_at_least_one(parser, parser.parse_args(argv), "tp", "dp", "micro_batches", "micro_batch_size",
+                              "steps")
 
 
 def build_run(args: argparse.Namespace, dp: int) -> TPRun:
@@ -386,11 +363,9 @@ def build_run(args: argparse.Namespace, dp: int) -> TPRun:
                     micro_batch_size=args.micro_batch_size, steps=args.steps or (2 if args.quick else 3))
 
 
-def report(run: TPRun, per_rank: list[dict], how: str, seconds: float) -> int:
-    """Check the run, print the report and the verdict; return the exit status."""
+def report(args, run: TPRun, per_rank: list[dict]) -> str:
+    """Check the run, print the report; return the verdict line."""
     cfg = run.model
-    print(f"Chapter 02: tensor parallelism on tp={run.tp} x dp={run.dp} = {run.world} rank(s) ({how}), "
-          f"trained in {seconds:.1f} s")
     print(f"model: {cfg.normalization}/{cfg.activation}, h={cfg.hidden_size} L={cfg.num_layers} "
           f"a={cfg.num_attention_heads} g={cfg.query_groups} V={cfg.vocab_size}, "
           f"{count_parameters(cfg)['total']:,} parameters, {cfg.params_dtype}"
@@ -398,42 +373,12 @@ def report(run: TPRun, per_rank: list[dict], how: str, seconds: float) -> int:
     print()
     result = check_run(run, per_rank)
     print(result)
-    print()
-    line = summary_line([result])
-    print(line)
-    return 0 if line.startswith("MATCH") else 1
-
-
-def main_torchrun(args) -> int:
-    from minimegatron.launch import finish_torchrun, init_from_torchrun
-
-    rank, world = init_from_torchrun()
-    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp}, args.dp)
-    if dp is None:
-        return finish_torchrun(2)
-    run = build_run(args, dp)
-    start = time.perf_counter()
-    return verdict_under_torchrun(train_run(run),
-                                  lambda per_rank: report(run, per_rank, "torchrun", time.perf_counter() - start))
-
-
-def main_spawn(args) -> int:
-    from minimegatron.launch import spawn
-
-    run = build_run(args, 2 if args.dp is None else args.dp)     # errors before any process starts
-    start = time.perf_counter()
-    per_rank = spawn(train_run, run.world, run, timeout=600)
-    return report(run, per_rank, "spawned by this script; torchrun works too", time.perf_counter() - start)
+    return summary_line([result])
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    try:
-        return main_torchrun(args) if "RANK" in os.environ else main_spawn(args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_demo(parse_args(argv), "02", build_run, train_run, report,
+                    model_parallel=lambda args: {"tp": args.tp}, spawn_dp=lambda args: args.dp or 2)
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again

@@ -53,6 +53,7 @@ from minimegatron.config import ModelConfig, TrainConfig  # noqa: E402
 from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.model import GPTModel  # noqa: E402
 from minimegatron.parallelize import build_model, build_optimizer, unwrap  # noqa: E402
+from minimegatron.placement import placement_of  # noqa: E402
 from minimegatron.testing import make_batches  # noqa: E402
 from minimegatron.tp import apply_tensor_parallel, pad_vocab_size  # noqa: E402
 from minimegatron.train import initialize_layout, train_step  # noqa: E402
@@ -120,7 +121,7 @@ def tp_rank() -> dict:
             with record_communication() as bwd:
                 losses.mean().backward()
             # Megatron's attribute marks what apply_tensor_parallel split; the rest is replicated
-            split = sum(p.numel() for p in model.parameters() if getattr(p, "tensor_model_parallel", False))
+            split = sum(p.numel() for p in model.parameters() if placement_of(p).tensor_model_parallel)
             out["ledger"][(tp, style)] = {"fwd": _records(fwd), "bwd": _records(bwd),
                                           "loss": losses.detach().mean().item()}
             out["params"][(tp, style)] = (split, sum(p.numel() for p in model.parameters()) - split)
@@ -137,7 +138,7 @@ def tp_rank() -> dict:
     batch = make_batches(cfg, 1, 2 * B, S, seed=2)[0]                  # the global batch
     mine = {k: v[layout.dp_rank * B:(layout.dp_rank + 1) * B] for k, v in batch.items()}
     with record_communication() as step:
-        train_step(chunks, optimizer, [mine], layout, train_cfg.lr, train_cfg.clip_grad)
+        train_step(chunks, optimizer, [mine], layout, train_cfg.lr)
     out["step"] = [(r.op, r.tag, r.nbytes, r.group_ranks) for r in step]
     out["step_groups"] = {"tp": parallel_state.get_group_ranks("tp"), "dp": parallel_state.get_group_ranks("dp")}
     out["step_params"] = sum(p.numel() for p in unwrap(chunks[0]).parameters())

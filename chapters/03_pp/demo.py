@@ -4,6 +4,7 @@
     torchrun --standalone --nproc_per_node=4 chapters/03_pp/demo.py --pp 4 --schedule gpipe
     torchrun --standalone --nproc_per_node=4 chapters/03_pp/demo.py --pp 2 --schedule interleaved --chunks 2 --dp 2
     torchrun --standalone --nproc_per_node=8 chapters/03_pp/demo.py --tp 2 --pp 2 --dp 2      # 3D
+    torchrun --standalone --nproc_per_node=4 chapters/03_pp/demo.py --pp 2 --dp 2 --zero-stage 1   # ZeRO x PP
     python chapters/03_pp/demo.py                     # no torchrun: spawns the ranks (pp 4, 1f1b) itself
     python chapters/03_pp/demo.py --quick --pp 2      # a few seconds
 
@@ -11,19 +12,19 @@ This file is the chapter's experiment and its command line. The tests, the grade
 notebook and make_figures.py run the same experiment from Python:
 
     from minimegatron.launch import spawn
-    from minimegatron.testing import import_chapter_demo
-    ch03 = import_chapter_demo("03")              # this file, as chapters.03_pp.demo
+    from booktools.demo import import_chapter
+    ch03 = import_chapter("03")              # this file, as chapters.03_pp.demo
     run = ch03.make_run(ch03.tiny_model("gpt2"), pp=4, kind="1f1b", micro_batches=8)
     per_rank = spawn(ch03.train_run, 4, run)
     report = ch03.check_run(run, per_rank)        # equivalence, p2p ledger, in-flight micro-batches
 
 A `PPRun` trains one model on tp x pp x dp ranks (Megatron's order: tp fastest, pp slowest).
 Every rank builds its chunks as the training loop does (parallelize.build_model: the layers
-cut from the single-device model, pp.stage_layers -> tensor parallel -> chapter 01's bucketed
-DDP), and runs `--steps` AdamW steps of train.train_step's pieces: the schedule `--schedule`
-over `--micro-batches` micro-batches (pp.forward_backward_pipelining), train.finalize_model_grads
-(the DP sync, the tied embedding's sum), the global gradient norm and clipping (optim), the
-update. `train_run` trains it on every rank; `check_run` judges it, in the parent (or on rank 0
+cut from the single-device model, pp.build_stage -> tensor parallel -> chapter 01's bucketed
+DDP), and runs `--steps` AdamW steps of train.train_step: the schedule `--schedule` over
+`--micro-batches` micro-batches (pp.forward_backward_pipelining), model.finalize_model_grads
+(the gradient hooks: the DP sync, the tied embedding's sum), the optimizer step (the global
+gradient norm and clipping, AdamW). `train_run` trains it on every rank; `check_run` judges it, in the parent (or on rank 0
 under torchrun), against independent references:
 
   [1/4] equivalence: losses, first-step gradients and final parameters, gathered from the
@@ -46,9 +47,7 @@ runs/ch03_timeline.png), and ends with a line starting MATCH (exit 0) or MISMATC
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,20 +57,19 @@ import torch
 import minimegatron.pp as pipeline
 from minimegatron import comm
 from minimegatron.analysis import count_parameters
-from minimegatron.config import ConfigError, ModelConfig, TrainConfig
-from minimegatron.dp import apply_data_parallel
-from minimegatron.model import GPTModel
-from minimegatron.optim import clip_grad_norm, learning_rate, param_is_not_shared, set_learning_rate
+from minimegatron.config import ModelConfig, TrainConfig
+from minimegatron.dp import apply_data_parallel, local_tensors, unwrap
+from minimegatron.optim import learning_rate, param_is_not_shared
 from minimegatron.parallel_state import Layout
-from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
+from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, validate_layout
+from minimegatron.placement import gather_full_tensors
 from minimegatron.pp import (KINDS, Interval, PipelineComm, bubble_fraction, check_schedule_args, idle_fraction,
                              peak_in_flight, simulate)
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
-                                  global_batches, local_microbatch,
-                                  single_device_run, verdict_under_torchrun)
-from minimegatron.tp import apply_tensor_parallel, full_parameters
-from minimegatron.train import finalize_model_grads, initialize_layout
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch, single_device_run)
+from minimegatron.tp import apply_tensor_parallel
+from minimegatron.train import initialize_layout, train_step
 from minimegatron.viz import plot_timeline
+from booktools.demo import check_at_least_one, demo_parser, run_demo, verdict_line
 
 # A rank calls exercise 3.2 (stage_layers) as pipeline.stage_layers, an attribute of the
 # package minimegatron.pp: a grader's plug (booktools.exercises) swaps it there.
@@ -128,6 +126,10 @@ class PPRun:
     def micro_batches(self) -> int:
         return self.train.grad_accum_steps
 
+    def name(self) -> str:
+        return ("pipeline parallelism on " + (f"tp={self.tp} x " if self.tp > 1 else "") + f"pp={self.pp} x dp={self.dp}"
+                + (f" (ZeRO-{self.train.zero_stage})" if self.train.zero_stage else ""))
+
     def global_batches(self) -> list[dict[str, torch.Tensor]]:
         return global_batches(self.model, self.train, self.dp, self.seed)
 
@@ -138,11 +140,13 @@ class PPRun:
 
 def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *, num_chunks: int = 1,
              micro_batches: int = 4, micro_batch_size: int = 2, steps: int = 2, clip_grad: float = 0.05,
-             layers_per_stage: list[int] | None = None, seed: int = 0, tp: int = 1) -> PPRun:
+             layers_per_stage: list[int] | None = None, seed: int = 0, tp: int = 1, zero_stage: int = 0) -> PPRun:
     """A validated PPRun: ValueError / ConfigError naming the numbers for a schedule or a
     partition that cannot work (checked before any process starts; parallelize.validate_layout
     for even splits, as train.py). clip_grad 0.05 is below the tiny model's gradient norm: every
-    step clips, so the norm summed over the stages (tied embedding counted once) is checked too."""
+    step clips, so the norm summed over the stages (tied embedding counted once) is checked too.
+    zero_stage 1 or 2: chapter 01's ZeRO over each stage's data-parallel ranks, one optimizer
+    over every chunk (the tied embedding in a bucket of its own, sharded alike on both stages)."""
     check_schedule_args(kind, pp, 0, micro_batches, num_chunks)
     for r in range(pp):
         for c in range(num_chunks):
@@ -151,7 +155,7 @@ def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *
                         grad_accum_steps=micro_batches, train_iters=steps, lr_warmup_iters=0, clip_grad=clip_grad,
                         adam_eps=1e-5 if model.params_dtype == "float32" else 1e-8, progress=False,
                         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_schedule=kind,
-                        num_virtual_stages_per_pipeline_rank=num_chunks, eval_interval=0)
+                        num_virtual_stages_per_pipeline_rank=num_chunks, eval_interval=0, zero_stage=zero_stage)
     if layers_per_stage is None:
         validate_layout(model, train, tp * pp * dp)
     else:                                                # build_model cuts evenly only: see build_chunks
@@ -165,19 +169,12 @@ def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *
 def build_chunks(run: PPRun, layout: Layout) -> list[torch.nn.Module]:
     """This rank's model chunks. Even splits: parallelize.build_model, as train.py builds them.
     Uneven (run.layers_per_stage): build_model cuts evenly only, so its three steps by hand:
-    GPTModel with the virtual stage's layers (pp.stage_layers with the counts), then
-    tp.apply_tensor_parallel, then dp.apply_data_parallel."""
+    pp.build_stage with the counts, then tp.apply_tensor_parallel, then dp.apply_data_parallel."""
     if run.layers_per_stage is None:
         return build_model(run.model, run.train, layout)
-    chunks, last = [], layout.pp * run.num_chunks - 1
-    for c in range(run.num_chunks):
-        stage = pipeline.virtual_stage(layout.pp, layout.pp_rank, c)
-        layers = pipeline.stage_layers(run.model.num_layers, layout.pp, layout.pp_rank, run.num_chunks, c,
-                                       list(run.layers_per_stage))
-        model = GPTModel(run.model, pre_process=stage == 0, post_process=stage == last, layer_numbers=layers)
-        model = apply_tensor_parallel(model, layout.tp_group)
-        chunks.append(apply_data_parallel(model, run.train, layout.dp_group))
-    return chunks
+    return [apply_data_parallel(apply_tensor_parallel(
+        pipeline.build_stage(run.model, layout, c, run.num_chunks, list(run.layers_per_stage)), layout.tp_group),
+        run.train, layout.dp_group) for c in range(run.num_chunks)]
 
 
 def train_run(run: PPRun) -> dict:
@@ -192,9 +189,10 @@ def train_run(run: PPRun) -> dict:
     micro-batch-chunk, first step), "intervals" and "t0" (last step), "layers" (per chunk),
     "tied_copy" (the last stage's output layer, when tied)}.
 
-    One step is train.train_step written out, to keep forward_backward_pipelining's
-    StepRecord (the timings and the saved bytes) and to read the gradients between
-    finalize_model_grads and clipping outside the ledger."""
+    Every step is train.train_step, its forward and backward the schedule's
+    (pp.forward_backward_pipelining) called here to keep its StepRecord (the timings and the
+    saved bytes); the gradients are read between finalize_model_grads and the optimizer
+    (on_grads), their gathers left out of the ledger."""
     import torch.distributed as dist
 
     if dist.get_world_size() != run.world:
@@ -213,27 +211,33 @@ def train_run(run: PPRun) -> dict:
            "names": [n for m in models for n, p in m.named_parameters() if param_is_not_shared(p)],
            "numel": sum(p.numel() for m in models for p in m.parameters())}
     for step, batch in enumerate(run.global_batches()):
-        with comm.record_communication() as ledger:     # the schedule, the DP and embedding syncs
-            loss, rec = pipeline.forward_backward_pipelining(chunks, run.local_microbatches(batch, layout.dp_rank),
-                                                             p2p, run.kind, layout.pp_group)
-            finalize_model_grads(chunks, layout)
+        records = []
+
+        def forward_backward(chunks, microbatches):
+            loss, rec = pipeline.forward_backward_pipelining(chunks, microbatches, p2p, run.kind, layout.pp_group)
+            records.append(rec)
+            return loss
+
+        def on_grads(step=step):
+            if step == 0:
+                out["grads"] = full_model_tensors(chunks, layout, grads=True)     # (tag "full": left out)
+
+        with comm.record_communication() as ledger:     # the schedule, the DP and embedding syncs, the norm
+            loss, _ = train_step(chunks, optimizer, run.local_microbatches(batch, layout.dp_rank), layout,
+                                 learning_rate(step, t), p2p, run.kind, on_grads=on_grads,
+                                 forward_backward=forward_backward)
+        rec = records[0]
         if step == 0:
-            out["grads"] = full_model_tensors(chunks, layout, grads=True)   # (outside the ledger)
             out["saved_bytes"] = dict(rec.saved_bytes)
-        with comm.record_communication() as ledger_step:          # the norm
-            clip_grad_norm(optimizer, t.clip_grad)
-            set_learning_rate(optimizer, learning_rate(step, t))
-            optimizer.step()
-            optimizer.zero_grad()
         out["losses"].append(loss)
-        out["ledger"].append([(r.op, r.nbytes, r.tag) for r in [*ledger, *ledger_step]])
+        out["ledger"].append([(r.op, r.nbytes, r.tag) for r in ledger if r.tag != "full"])
         out["peak_in_flight"] = max(out["peak_in_flight"], rec.peak_in_flight)
         out["peak_bytes"] = max(out["peak_bytes"], rec.peak_bytes)
         out["intervals"], out["t0"] = rec.intervals, rec.t0
     out["params"] = full_model_tensors(chunks, layout)
     for model in models:                           # the last stage's copy of a tied embedding
         if model.post_process and not model.pre_process and not run.model.untie_embeddings_and_output_weights:
-            out["tied_copy"] = full_parameters(model, layout.tp_group)["output_layer.weight"]
+            out["tied_copy"] = gather_full_tensors(local_tensors(model), copies=True)["output_layer.weight"]
     return out
 
 
@@ -327,19 +331,8 @@ class RunReport:
 
 def summary_line(reports: list[RunReport]) -> str:
     """The demo's last line: MATCH ... or MISMATCH ..."""
-    worst = {k: max(getattr(r.equivalence, k) for r in reports)
-             for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
-    tol = reports[0].equivalence.tolerance
-    diffs = (f"max |dloss| {worst['max_loss_diff']:.1e} (tol {tol.loss:.0e}), max |dgrad| {worst['max_grad_diff']:.1e}, "
-             f"max |dparam| {worst['max_param_diff']:.1e} (rtol {tol.rtol:.0e}, atol {tol.atol:.0e})")
-    names = ", ".join(f"{r.run.kind} " + (f"tp={r.run.tp} x " if r.run.tp > 1 else "") + f"pp={r.run.pp} x dp={r.run.dp}"
-                      for r in reports)
-    bad = [r for r in reports if not r.ok]
-    if bad:
-        return ("MISMATCH: " + "; ".join(f"{r.run.kind} pp={r.run.pp}: " + (r.problems[0] if r.problems else
-                                                                           "differs from the single-device run")
-                                         for r in bad) + f"; {diffs}")
-    return f"MATCH: {names} equal the single-device run: {diffs}; in-flight counts and p2p bytes equal the formulas"
+    return verdict_line(reports, lambda r: f"{r.run.kind} " + r.run.name().removeprefix("pipeline parallelism on "),
+                        "in-flight counts and p2p bytes equal the formulas")
 
 
 def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
@@ -385,12 +378,9 @@ def check_run(run: PPRun, per_rank: list[dict]) -> RunReport:
 # the command line
 # ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="chapters/03_pp/demo.py",
-        description="Chapter 03: train a tiny model pipeline-parallel (optionally x tensor x data parallel) and "
-                    "check it against the single-device run, the bubble formula, the in-flight micro-batches "
-                    "and the p2p formula.",
-        epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser = demo_parser("03", "Chapter 03: train a tiny model pipeline-parallel (optionally x tensor x data parallel) "
+                               "and check it against the single-device run, the bubble formula, the in-flight "
+                               "micro-batches and the p2p formula.")
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages (default 4)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size inside each stage (default 1)")
     parser.add_argument("--dp", type=int, default=None,
@@ -404,17 +394,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--style", choices=["llama", "gpt2"], default="gpt2",
                         help="model style (default gpt2: tied embeddings, the first and last stage share them)")
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0,
+                        help="chapter 01's ZeRO over each stage's data-parallel ranks (default 0: bucketed DDP)")
     parser.add_argument("--figure", default="runs/ch03_timeline.png", help="where to draw the timelines ('' : none)")
     parser.add_argument("--quick", action="store_true", help="h=32, sequences of 16, 2 steps (what the tests run)")
     args = parser.parse_args(argv)
     if args.chunks is None:
         args.chunks = 2 if args.schedule == "interleaved" else 1
-    for name in ("pp", "tp", "chunks", "micro_batches", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
-    if args.dp is not None and args.dp < 1:
-        parser.error(f"--dp={args.dp} must be at least 1")
-    return args
+    return check_at_least_one(parser, args, "pp", "tp", "chunks", "micro_batches", "micro_batch_size", "dp")
 
 
 def build_run(args: argparse.Namespace, dp: int) -> PPRun:
@@ -425,7 +412,7 @@ def build_run(args: argparse.Namespace, dp: int) -> PPRun:
     model = tiny_model(args.style, args.dtype, num_layers=layers, **sizes, **extra)
     return make_run(model, pp=args.pp, dp=dp, tp=args.tp, kind=args.schedule, num_chunks=args.chunks,
                     micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                    steps=args.steps or (2 if args.quick else 3))
+                    steps=args.steps or (2 if args.quick else 3), zero_stage=args.zero_stage)
 
 
 def draw(run: PPRun, per_rank: list[dict], path: str) -> None:
@@ -445,10 +432,8 @@ def draw(run: PPRun, per_rank: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def report(args, run: PPRun, per_rank: list[dict], how: str, seconds: float) -> int:
+def report(args, run: PPRun, per_rank: list[dict]) -> str:
     cfg = run.model
-    print("Chapter 03: pipeline parallelism on " + (f"tp={run.tp} x " if run.tp > 1 else "")
-          + f"pp={run.pp} x dp={run.dp} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
     print(f"model: {cfg.normalization}/{cfg.activation}, h={cfg.hidden_size} L={cfg.num_layers} "
           f"({cfg.num_layers // (run.pp * run.num_chunks)} per virtual stage), V={cfg.vocab_size}, "
           f"{count_parameters(cfg)['total']:,} parameters, {cfg.params_dtype}"
@@ -459,42 +444,12 @@ def report(args, run: PPRun, per_rank: list[dict], how: str, seconds: float) -> 
     if args.figure:
         draw(run, per_rank, args.figure)
         print(f"      timelines: {args.figure}")
-    print()
-    line = summary_line([result])
-    print(line)
-    return 0 if line.startswith("MATCH") else 1
-
-
-def main_torchrun(args) -> int:
-    from minimegatron.launch import finish_torchrun, init_from_torchrun
-
-    rank, world = init_from_torchrun()
-    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp, "pp": args.pp}, args.dp)
-    if dp is None:
-        return finish_torchrun(2)
-    run = build_run(args, dp)
-    start = time.perf_counter()
-    return verdict_under_torchrun(train_run(run),
-                                  lambda per_rank: report(args, run, per_rank, "torchrun", time.perf_counter() - start))
-
-
-def main_spawn(args) -> int:
-    from minimegatron.launch import spawn
-
-    run = build_run(args, 1 if args.dp is None else args.dp)     # errors before any process starts
-    start = time.perf_counter()
-    per_rank = spawn(train_run, run.world, run, timeout=600)
-    return report(args, run, per_rank, "spawned by this script; torchrun works too", time.perf_counter() - start)
+    return summary_line([result])
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    try:
-        return main_torchrun(args) if "RANK" in os.environ else main_spawn(args)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_demo(parse_args(argv), "03", build_run, train_run, report,
+                    model_parallel=lambda args: {"tp": args.tp, "pp": args.pp})
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again

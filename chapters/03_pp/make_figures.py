@@ -17,7 +17,7 @@ v = 2, 3, 4 for interleaving, m == pp included).
 
 One spawned gloo world of 4 ranks (minimegatron.launch.spawn) trains, with the training
 loop's own pieces (train_runs of chapters/03_pp/demo.py: parallelize.build_model,
-pp.forward_backward_pipelining, train.finalize_model_grads, optim.clip_grad_norm), the demo's
+pp.forward_backward_pipelining, model.finalize_model_grads, the optimizer's clipping), the demo's
 tiny GPT-2 style model (tied embeddings, h = 64, L = 8, V = 257, b = 2, s = 32, float64, 3
 AdamW steps, clipping on):
   * gpipe, 1f1b and interleaved (v = 2) on pp = 4, m = 8;
@@ -52,10 +52,10 @@ from minimegatron import parallel_state  # noqa: E402
 from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.pp import (bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
                              peak_in_flight, schedule, simulate)
-from minimegatron.testing import import_chapter_demo  # noqa: E402
+from booktools.demo import import_chapter  # noqa: E402
 from minimegatron.viz import draw_rank_grid, plot_timeline  # noqa: E402
 
-ch03 = import_chapter_demo("03")        # chapters/03_pp/demo.py: the runs and their checks
+ch03 = import_chapter("03")        # chapters/03_pp/demo.py: the runs and their checks
 
 OUT = Path(__file__).resolve().parent / "figures"
 P, M, V = 4, 8, 2                       # the chapter's pipeline: 4 stages, 8 micro-batches, 2 chunks

@@ -11,8 +11,8 @@ This file is the chapter's experiment and its command line. The tests, the grade
 notebook and make_figures.py run the same experiment from Python:
 
     from minimegatron.launch import spawn
-    from minimegatron.testing import import_chapter_demo
-    ch04 = import_chapter_demo("04")              # this file, as chapters.04_sp_cp.demo
+    from booktools.demo import import_chapter
+    ch04 = import_chapter("04")              # this file, as chapters.04_sp_cp.demo
     run = ch04.make_run(ch04.tiny_model(), cp=2, cp_comm_type="p2p")
     per_rank = spawn(ch04.train_run, run.world, run)
     print(ch04.check_run(run, per_rank))          # equivalence, ledger vs formulas, memory
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -52,16 +51,17 @@ import torch.distributed as dist
 
 from minimegatron import comm, parallel_state
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
-from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from booktools.demo import check_at_least_one, demo_parser, run_demo, verdict_line
+from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.cp import (CP_COMM_TYPES, ContextParallelAttention, apply_context_parallel, causal_work_per_rank,
                              cp_chunk_ids, get_batch_on_this_cp_rank, positions_on_rank)
 from minimegatron.cp.attention import hierarchical_sizes
 from minimegatron.model import GPTModel
 from minimegatron.model.linear import RMSNorm
 from minimegatron.parallelize import build_model, unwrap, validate_layout
+from minimegatron.placement import set_placement
 from minimegatron.pp import stage_layers
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
-                                  global_batches, single_device_run, train_layout, verdict_under_torchrun)
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, single_device_run, train_layout)
 from minimegatron.tp import ColumnParallelLinear, allreduce_sequence_parallel_grads
 from minimegatron.tp.layers import SEQUENCE_DIM
 
@@ -378,16 +378,7 @@ def sp_against_tp(run: SeqRun) -> dict:
 
 def summary_line(reports: list[RunReport]) -> str:
     """The demo's last line: MATCH ... or MISMATCH ..."""
-    bad = [r for r in reports if not r.ok]
-    worst = max(max(r.equivalence.max_loss_diff, r.equivalence.max_grad_diff, r.equivalence.max_param_diff)
-                for r in reports)
-    names = "; ".join(r.run.name() for r in reports)
-    if bad:
-        reasons = "; ".join(f"{r.run.name()}: " + (r.problems[0] if r.problems else "differs from the single-device "
-                                                   "run") for r in bad)
-        return f"MISMATCH: {reasons}"
-    return (f"MATCH: {names} equal the single-device run (largest difference {worst:.1e}); every message of the "
-            f"ledger equals the formulas")
+    return verdict_line(reports, lambda r: r.run.name(), "every message of the ledger equals the formulas")
 
 
 # ---------------------------------------------------------------------------------------
@@ -414,7 +405,7 @@ def sp_norm_and_column_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight
     norm = RMSNorm(x.shape[-1], eps=1e-5).to(x.dtype)
     with torch.no_grad():
         norm.weight.copy_(norm_weight)
-    norm.weight.sequence_parallel = True                   # what apply_tensor_parallel marks
+    set_placement(norm.weight, sequence_parallel=True)     # what apply_tensor_parallel marks
     linear = ColumnParallelLinear(x.shape[-1], weight.shape[0], group, sequence_parallel=True,
                                   params_dtype=x.dtype)
     linear.load_full(weight, bias)
@@ -467,12 +458,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
 # the command line
 # ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="chapters/04_sp_cp/demo.py",
-        description="Chapter 04: train a tiny model with sequence and/or context parallelism (x pipeline x data "
-                    "parallel) and check it against the single-device run, the communication formulas and the "
-                    "activation memory.",
-        epilog="world = tp x cp x pp x dp. Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser = demo_parser("04", "Chapter 04: train a tiny model with sequence and/or context parallelism (x pipeline x "
+                               "data parallel) and check it against the single-device run, the communication "
+                               "formulas and the activation memory.")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--cp", type=int, default=None, help="context-parallel size (default 2 without torchrun "
@@ -493,18 +481,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
     parser.add_argument("--quick", action="store_true", help="sequences of 32, 2 steps (what the tests run)")
     args = parser.parse_args(argv)
-    for name in ("tp", "pp", "micro_batches"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
-    for name in ("cp", "dp"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name}={getattr(args, name)} must be at least 1")
-    return args
+    if args.cp is None:           # cp 1 under torchrun or with tp; without them the demo shows cp 2
+        args.cp = 1 if "RANK" in os.environ or args.tp > 1 else 2
+    return check_at_least_one(parser, args, "tp", "pp", "micro_batches", "cp", "dp")
 
 
 def build_run(args: argparse.Namespace, dp: int) -> SeqRun:
     """The run every rank trains; ConfigError naming the numbers if it cannot."""
-    cp = args.cp or 1
+    cp = args.cp
     model = tiny_model(args.style, args.dtype, num_layers=2 * args.pp)
     return make_run(model, tp=args.tp, cp=cp, pp=args.pp, dp=dp, sp=args.sp, cp_comm_type=args.cp_comm_type,
                     hierarchical=tuple(args.hierarchical_context_parallel_sizes)
@@ -513,49 +497,15 @@ def build_run(args: argparse.Namespace, dp: int) -> SeqRun:
                     seq=args.seq or (32 if args.quick else 64), load_balance=not args.contiguous)
 
 
-def report(run: SeqRun, per_rank: list[dict], how: str, seconds: float) -> int:
-    print(f"Chapter 04: {run.name()} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
+def report(args, run: SeqRun, per_rank: list[dict]) -> str:
     result = check_run(run, per_rank)
     print(result)
-    print()
-    line = summary_line([result])
-    print(line)
-    return 0 if line.startswith("MATCH") else 1
-
-
-def main_torchrun(args) -> int:
-    from minimegatron.launch import finish_torchrun, init_from_torchrun
-
-    rank, world = init_from_torchrun()
-    args.cp = args.cp or 1
-    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp, "cp": args.cp, "pp": args.pp}, args.dp)
-    if dp is None:
-        return finish_torchrun(2)
-    run = build_run(args, dp)
-    start = time.perf_counter()
-    return verdict_under_torchrun(train_run(run),
-                                  lambda per_rank: report(run, per_rank, "torchrun", time.perf_counter() - start))
-
-
-def main_spawn(args) -> int:
-    from minimegatron.launch import spawn
-
-    if args.cp is None:
-        args.cp = 1 if args.tp > 1 else 2
-    run = build_run(args, args.dp or 1)            # errors before any process starts
-    start = time.perf_counter()
-    per_rank = spawn(train_run, run.world, run, timeout=600)
-    return report(run, per_rank, "spawned by this script; torchrun works too", time.perf_counter() - start)
+    return summary_line([result])
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    try:
-        return main_torchrun(args) if "RANK" in os.environ else main_spawn(args)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_demo(parse_args(argv), "04", build_run, train_run, report,
+                    model_parallel=lambda args: {"tp": args.tp, "cp": args.cp, "pp": args.pp})
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again

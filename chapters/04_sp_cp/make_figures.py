@@ -44,12 +44,12 @@ from minimegatron.cp.attention import hierarchical_sizes
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.parallelize import build_model, unwrap
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 from minimegatron.train import initialize_layout
 from minimegatron.viz import (draw_sequence_parallel_regions, plot_cp_comm_types, plot_cp_load_balance,
                               plot_sp_cp_activations)
 
-ch04 = import_chapter_demo("04")        # chapters/04_sp_cp/demo.py: the runs and their formulas
+ch04 = import_chapter("04")        # chapters/04_sp_cp/demo.py: the runs and their formulas
 
 OUT = Path(__file__).resolve().parent / "figures"
 SEQ = 4096

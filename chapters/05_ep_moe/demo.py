@@ -10,8 +10,8 @@ This file is the chapter's experiment and its command line; the tests, the grade
 notebook and make_figures.py run it from Python:
 
     from minimegatron.launch import spawn
-    from minimegatron.testing import import_chapter_demo
-    ch05 = import_chapter_demo("05")              # this file, as chapters.05_ep_moe.demo
+    from booktools.demo import import_chapter
+    ch05 = import_chapter("05")              # this file, as chapters.05_ep_moe.demo
     run = ch05.make_run(ch05.tiny_moe(), ep=2, dp=2)
     per_rank = spawn(ch05.train_run, run.world, run)
     print(ch05.check_run(run, per_rank))
@@ -44,9 +44,7 @@ and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +52,8 @@ from pathlib import Path
 import torch
 
 from minimegatron.analysis import count_parameters, megatron_mlp_flops, training_flops
-from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from booktools.demo import check_at_least_one, demo_parser, run_demo, verdict_line
+from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.model import GPTModel, MoELayer
 from minimegatron.model.router import apply_token_dropping
 from minimegatron.moe import is_expert_parameter
@@ -62,8 +61,7 @@ from minimegatron.optim import Optimizer, learning_rate
 from minimegatron.parallel_state import Layout
 from minimegatron.parallelize import unwrap, validate_layout
 from minimegatron.pp import stage_layers
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, data_parallel_size_under_torchrun,
-                                  global_batches, single_device_run, train_layout, verdict_under_torchrun)
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, single_device_run, train_layout)
 from minimegatron.train import train_step
 
 MOE_TAGS = ("moe-counts", "moe-dispatch", "moe-combine", "moe-dispatch-bwd", "moe-combine-bwd", "moe-etp",
@@ -414,10 +412,10 @@ def load_balance(steps: int = 60, experts: int = 8, topk: int = 2, seq: int = 64
     for name, router in BALANCING.items():
         cfg = ModelConfig.llama(**{**base, **router})
         model = GPTModel(cfg)
-        optimizer = Optimizer(model.parameters(), train)
+        optimizer = Optimizer([model], train)
         imbalance = []
         for step in range(steps):
-            train_step([model], optimizer, [batches[step]], Layout(), learning_rate(step, train), train.clip_grad)
+            train_step([model], optimizer, [batches[step]], Layout(), learning_rate(step, train))
             counts = routed_counts(model, held_out)
             imbalance.append(max(float(c.max() / c.float().mean()) for c in counts))
         final = routed_counts(model, held_out)[0]
@@ -438,31 +436,20 @@ def load_balance_lines(results: dict) -> list[str]:
 
 def summary_line(reports: list[RunReport]) -> str:
     """The demo's last line: MATCH ... or MISMATCH ..."""
-    bad = [r for r in reports if not r.ok]
-    if bad:
-        reasons = "; ".join(f"{r.run.name()}: " + (r.problems[0] if r.problems else "differs from the single-device "
-                                                   "run") for r in bad)
-        return f"MISMATCH: {reasons}"
-    worst = max(max(r.equivalence.max_loss_diff, r.equivalence.max_grad_diff, r.equivalence.max_param_diff)
-                for r in reports)
-    names = "; ".join(r.run.name() for r in reports)
     compared = all(r.run.model.moe_expert_capacity_factor is None for r in reports)
-    return (f"MATCH: {names} equal the single-device run (largest difference {worst:.1e}); "
-            + ("the dispatcher's messages equal the formulas; " if compared else "")
-            + "every rank holds the experts the formula says")
+    return verdict_line(reports, lambda r: r.run.name(), ("the dispatcher's messages equal the formulas; " if compared
+                                                           else "") + "every rank holds the experts the formula says")
 
 
 # ---------------------------------------------------------------------------------------
 # the command line
 # ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="chapters/05_ep_moe/demo.py",
-        description="Chapter 05: train a tiny GPT-MoE with expert parallelism (x tensor, sequence, context, pipeline "
-                    "and data parallelism) and check it against the single-device run, the dispatcher's formulas, "
-                    "the accounting, and show the load balance.",
-        epilog="world = tp x cp x pp x dp; the experts' grid: etp x ep x expert-dp x pp over the same ranks. Ends with "
-               "a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    parser = demo_parser("05", "Chapter 05: train a tiny GPT-MoE with expert parallelism (x tensor, sequence, "
+                               "context, pipeline and data parallelism) and check it against the single-device run, "
+                               "the dispatcher's formulas, the accounting, and show the load balance.")
+    parser.epilog = "world = tp x cp x pp x dp; the experts' grid: etp x ep x expert-dp x pp over the same ranks. " \
+                    + parser.epilog
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
     parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     parser.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default 4, or ep if more)")
@@ -489,11 +476,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--balance-steps", type=int, default=None,
                         help="steps of the load-balance runs (default 60, or 0 with --quick: not run)")
     parser.add_argument("--quick", action="store_true", help="sequences of 32, 2 steps, no load-balance runs")
-    args = parser.parse_args(argv)
-    for name in ("ep", "topk", "tp", "cp", "pp", "micro_batches"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
-    return args
+    return check_at_least_one(parser, parser.parse_args(argv), "ep", "topk", "tp", "cp", "pp", "micro_batches")
 
 
 def build_run(args: argparse.Namespace, dp: int) -> MoERun:
@@ -509,50 +492,19 @@ def build_run(args: argparse.Namespace, dp: int) -> MoERun:
                     steps=args.steps or (2 if args.quick else 3), seq=args.seq or (32 if args.quick else 64))
 
 
-def report(run: MoERun, per_rank: list[dict], how: str, seconds: float, balance_steps: int) -> int:
-    print(f"Chapter 05: {run.name()} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
+def report(args, run: MoERun, per_rank: list[dict]) -> str:
     result = check_run(run, per_rank)
     print(result)
+    balance_steps = args.balance_steps if args.balance_steps is not None else (0 if args.quick else 60)
     if balance_steps:
         print("\n".join(load_balance_lines(load_balance(steps=balance_steps))))
-    print()
-    line = summary_line([result])
-    print(line)
-    return 0 if line.startswith("MATCH") else 1
-
-
-def main_torchrun(args) -> int:
-    from minimegatron.launch import finish_torchrun, init_from_torchrun
-
-    rank, world = init_from_torchrun()
-    dp = data_parallel_size_under_torchrun(world, rank, {"tp": args.tp, "cp": args.cp, "pp": args.pp}, args.dp)
-    if dp is None:
-        return finish_torchrun(2)
-    run = build_run(args, dp)
-    start = time.perf_counter()
-    balance = args.balance_steps if args.balance_steps is not None else (0 if args.quick else 60)
-    return verdict_under_torchrun(train_run(run), lambda per_rank: report(
-        run, per_rank, "torchrun", time.perf_counter() - start, balance))
-
-
-def main_spawn(args) -> int:
-    from minimegatron.launch import spawn
-
-    run = build_run(args, args.dp or max(args.ep * (args.etp or args.tp) // (args.tp * args.cp), 1))
-    start = time.perf_counter()
-    per_rank = spawn(train_run, run.world, run, timeout=600)
-    balance = args.balance_steps if args.balance_steps is not None else (0 if args.quick else 60)
-    return report(run, per_rank, "spawned by this script; torchrun works too", time.perf_counter() - start, balance)
+    return summary_line([result])
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    try:
-        return main_torchrun(args) if "RANK" in os.environ else main_spawn(args)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_demo(parse_args(argv), "05", build_run, train_run, report,
+                    model_parallel=lambda args: {"tp": args.tp, "cp": args.cp, "pp": args.pp},
+                    spawn_dp=lambda args: args.dp or max(args.ep * (args.etp or args.tp) // (args.tp * args.cp), 1))
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again

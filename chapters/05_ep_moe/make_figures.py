@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 from minimegatron.viz import draw_rank_grid, plot_dispatcher_volumes, plot_moe_load_balance
 
-ch05 = import_chapter_demo("05")        # chapters/05_ep_moe/demo.py: the formulas and the runs
+ch05 = import_chapter("05")        # chapters/05_ep_moe/demo.py: the formulas and the runs
 
 OUT = Path(__file__).resolve().parent / "figures"
 T, H, E, K, BF16 = 4096, 4096, 64, 2, 2

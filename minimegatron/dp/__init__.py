@@ -4,10 +4,13 @@ Read in this order; each file is one idea, each checked against the one before i
 
   naive.py     average every gradient with one all-reduce per parameter (and the hook
                variant that does it during backward)
+  buffer.py    the flat buffer they all keep gradients (and ZeRO parameters) in: buckets,
+               padding, this rank's shard, a gradient dtype of its own
   ddp.py       Megatron/PyTorch DDP: gradients in flat buckets, each bucket's all-reduce
                launched during backward as soon as it is complete (timeline.py draws it)
-  zero.py      ZeRO-1 and ZeRO-2: optimizer state (and gradients) sharded over the group;
-               reduce-scatter, AdamW on the shard, all-gather (Megatron's distributed optimizer)
+  zero.py      ZeRO-1 and ZeRO-2: DDP with sharded buckets: optimizer state (and gradients)
+               sharded over the group; reduce-scatter, AdamW on the shard, all-gather
+               (Megatron's distributed optimizer)
   fsdp.py      ZeRO-3: parameters sharded too, gathered around each layer's forward and backward
 
 Every wrapper has the same interface, which is all the training loop uses:
@@ -15,8 +18,8 @@ Every wrapper has the same interface, which is all the training loop uses:
     wrapper(tokens, labels=labels)              the model's forward
     with wrapper.no_sync(): loss.backward()     accumulate a micro-batch, no communication
     loss.backward(); wrapper.finish_grad_sync() the last micro-batch: gradients reduced
-    optim.clip_grad_norm(optimizer, max_norm)   the global norm (clipped in place)
-    optimizer.step(); optimizer.zero_grad()
+    optimizer.step(); optimizer.zero_grad()     optim.Optimizer over the wrapper (a GradientSource:
+                                                its segments, zero_grad, after_optimizer_step)
 
 `apply_data_parallel` picks the variant from a TrainConfig (zero_stage, ddp_impl,
 ddp_bucket_size).
@@ -28,23 +31,13 @@ from torch import nn
 
 from .. import comm
 from ..config import TrainConfig
+from .buffer import Bucket, make_bucket, shard_range
 from .ddp import DistributedDataParallel, assign_buckets, reduction_groups
 from .naive import (DataParallel, HookedDataParallel, NaiveDataParallel, allreduce_gradients, broadcast_parameters,
-                    finish_grad_sync, no_sync)
+                    finish_grad_sync, grad_of, local_tensors, no_sync, unwrap)
 from .timeline import BucketTimeline
 from .fsdp import FullyShardedDataParallel
-from .zero import DistributedOptimizer, ZeroDataParallel, measure_memory, reduce_scatter_gradients, shard_range
-
-
-def build_zero(model: nn.Module, group, stage: int, cfg: TrainConfig, bucket_size: int | None = None,
-               tp_rank: int = 0, model_groups=()) -> tuple[nn.Module, DistributedOptimizer]:
-    """(wrapper, optimizer) for ZeRO stage 1, 2 or 3 of `model` over `group`; tp_rank and
-    model_groups (the groups that split the model, e.g. [tp group]) as DistributedOptimizer."""
-    if stage == 3:
-        wrapper = FullyShardedDataParallel(model, group)
-    else:
-        wrapper = ZeroDataParallel(model, group, stage=stage, bucket_size=bucket_size)
-    return wrapper, DistributedOptimizer(wrapper, cfg, tp_rank, model_groups)
+from .zero import ZeroDataParallel, measure_memory, reduce_scatter_gradients
 
 
 def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=None) -> nn.Module:
@@ -53,7 +46,7 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
 
     zero_stage 0: `ddp_impl` "naive" (NaiveDataParallel) or "bucketed"
                   (DistributedDataParallel, buckets of `ddp_bucket_size` elements);
-    zero_stage 1, 2: ZeroDataParallel (pair it with a DistributedOptimizer);
+    zero_stage 1, 2: ZeroDataParallel (its shards are what the optimizer steps);
     zero_stage 3: FullyShardedDataParallel (the same).
 
     A mixture of experts (chapter 05) passes expert_group, the expert-data-parallel group: its
@@ -64,7 +57,7 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
         return model
     if cfg.zero_stage == 3:
         return FullyShardedDataParallel(model, group)
-    if cfg.zero_stage in (1, 2):                        # pair it with a DistributedOptimizer
+    if cfg.zero_stage in (1, 2):
         return ZeroDataParallel(model, group, stage=cfg.zero_stage, bucket_size=cfg.ddp_bucket_size,
                                 expert_group=expert_group)
     if cfg.ddp_impl == "naive":
@@ -74,8 +67,8 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
     return DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes, expert_group=expert_group)
 
 
-__all__ = ["DataParallel", "no_sync", "finish_grad_sync", "NaiveDataParallel", "HookedDataParallel",
-           "DistributedDataParallel", "ZeroDataParallel", "DistributedOptimizer", "broadcast_parameters",
-           "allreduce_gradients", "assign_buckets", "reduction_groups", "shard_range", "build_zero", "apply_data_parallel", "measure_memory",
-           "BucketTimeline", "FullyShardedDataParallel",
+__all__ = ["DataParallel", "no_sync", "finish_grad_sync", "grad_of", "local_tensors", "unwrap", "NaiveDataParallel",
+           "HookedDataParallel", "DistributedDataParallel", "ZeroDataParallel", "broadcast_parameters",
+           "allreduce_gradients", "assign_buckets", "reduction_groups", "Bucket", "make_bucket", "shard_range",
+           "apply_data_parallel", "measure_memory", "BucketTimeline", "FullyShardedDataParallel",
            "reduce_scatter_gradients"]

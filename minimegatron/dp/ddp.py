@@ -45,26 +45,36 @@ Timeline: each step's launches and completions are timed by a timeline.TimelineR
 algorithm calls it at five points and holds no clock) into `self.timeline`
 (timeline.BucketTimeline); viz.plot_bucket_timeline draws it.
 
-Requirements: all parameters have one dtype (Megatron keeps one buffer per dtype pair), and every parameter that
-requires grad receives a gradient in the last micro-batch's backward (a bucket that never
-completes is launched by finish_grad_sync, which is correct only if every rank agrees).
+The buffer (buffer.py) holds the gradients in `grad_dtype`: the parameters' dtype by default,
+or float32 beside 16-bit parameters (Megatron's --accumulate-allreduce-grads-in-fp32): the
+hook adds the 16-bit .grad into the float32 view, so the micro-batches are summed and reduced
+in float32; p.grad then cannot be the view (torch wants a parameter's dtype there), so the
+gradient is read through `grad_of(p)` (Megatron's param.main_grad), as the optimizer does.
+
+Requirements: all parameters have one dtype (Megatron keeps one buffer per dtype pair), and
+every parameter that requires grad receives a gradient in the last micro-batch's backward (a
+bucket that never completes is launched by finish_grad_sync, which is correct only if every
+rank agrees).
 
 Where this lives in Megatron-LM: megatron/core/distributed/distributed_data_parallel.py
 (the wrapper, the hooks, no_sync, finish_grad_sync) and
 megatron/core/distributed/param_and_grad_buffer.py (the buffer, the bucket rule, the
-scaled all-reduce of a bucket, start_grad_sync / finish_grad_sync).
+scaled all-reduce of a bucket, start_grad_sync / finish_grad_sync). ZeRO-1/2 (zero.py) are
+this wrapper with sharded buckets, as Megatron's DDP with use_distributed_optimizer.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from .. import comm
+from ..placement import placement_of
+from ..optim import Segment, parameter_segment
+from .buffer import Bucket, make_bucket
 from .naive import DataParallel, broadcast_parameters
 from .timeline import BucketTimeline, TimelineRecorder
 
@@ -112,9 +122,9 @@ def reduction_groups(params: Sequence[nn.Parameter], dp_group, expert_dp_group
                      ) -> list[tuple[list[nn.Parameter], object]]:
     """Which gradients are reduced where: [(dense parameters, dp_group), (expert parameters,
     expert_dp_group)], always these two entries in this order, each list in the order of
-    `params` (an empty list when there is none of its kind). An expert parameter is one marked
-    `allreduce = False` (moe.apply_expert_parallel, Megatron's attribute); every other parameter
-    is dense. dp_group: the dense data-parallel group (the dp x cp ranks that hold the same dense
+    `params` (an empty list when there is none of its kind). An expert parameter is one whose
+    placement record says `allreduce = False` (placement.placement_of(p).allreduce; set by
+    moe.apply_expert_parallel, Megatron's attribute); every other parameter is dense. dp_group: the dense data-parallel group (the dp x cp ranks that hold the same dense
     parameters); expert_dp_group: the expert-data-parallel group (the ranks that hold the same
     experts). ValueError if there are experts but expert_dp_group is None.
 
@@ -122,8 +132,8 @@ def reduction_groups(params: Sequence[nn.Parameter], dp_group, expert_dp_group
     against the single-device run, are in chapters/05_ep_moe/exercises/spot_the_bug.md.
     """
     # BEGIN EXERCISE 5.4: spot the bug in the experts' gradient group | hint: an expert lives on the ranks of one expert-data-parallel group only; which group holds the other copies of its gradient?
-    experts = [p for p in params if getattr(p, "allreduce", True) is False]
-    dense = [p for p in params if getattr(p, "allreduce", True) is not False]
+    experts = [p for p in params if not placement_of(p).allreduce]
+    dense = [p for p in params if placement_of(p).allreduce]
     if experts and expert_dp_group is None:
         raise ValueError(f"{len(experts)} parameter(s) are marked allreduce=False (experts) but no "
                          "expert_dp_group was given: pass the expert-data-parallel group")
@@ -134,19 +144,6 @@ def reduction_groups(params: Sequence[nn.Parameter], dp_group, expert_dp_group
 def megatron_default_bucket_size(dp_size: int) -> int:
     """Megatron's default bucket size in elements: max(40M, 1M * dp) (tiny models: one bucket)."""
     return max(40_000_000, 1_000_000 * dp_size)
-
-
-@dataclass
-class Bucket:
-    """One all-reduce worth of gradients: a contiguous slice of the flat gradient buffer."""
-    index: int
-    params: list[nn.Parameter]          # in buffer order (backward order)
-    grad_data: torch.Tensor             # [numel], a view of DistributedDataParallel.grad_buffer
-    ready: set[int] = field(default_factory=set)   # ids of params whose gradient has arrived
-    work: object | None = None          # the async all-reduce in flight, if any
-    group: object = None                # where it is reduced: the data-parallel group, or for
-                                        # experts the expert-data-parallel group
-    experts: bool = False               # a bucket of expert gradients (ledger tag "expert-grads")
 
 
 class DistributedDataParallel(DataParallel):
@@ -165,27 +162,29 @@ class DistributedDataParallel(DataParallel):
       expert_group:      the expert-data-parallel group, where the gradients of parameters
                          marked allreduce=False (a mixture's experts, chapter 05) are summed,
                          in a buffer and buckets of their own (expert_grad_buffer).
+      grad_dtype:        the buffer's dtype (default: the parameters'; float32 beside 16-bit
+                         parameters, see the module docstring).
 
-    Attributes: buckets (list[Bucket], in buffer order), grad_buffer ([N] all gradients),
-    main_grad (dict param -> its [shape] view of the buffer), timeline (BucketTimeline of
-    the last finish_grad_sync, or None).
+    Attributes: buckets (list[buffer.Bucket], in buffer order), grad_buffer ([N] all
+    gradients; each bucket's grad_data is a slice), main_grad (dict param -> its [shape] view
+    of the buffer), timeline (BucketTimeline of the last finish_grad_sync, or None).
 
     Interface (shared by every DP wrapper): forward = module's forward; no_sync();
-    finish_grad_sync() (afterwards p.grad is the DP average, a view of the buffer);
-    zero_grad_buffer(); broadcast_params().
+    finish_grad_sync() (afterwards the buffer holds the DP average; p.grad is its view when
+    the dtypes agree); grad_of(p); zero_grad_buffer(); broadcast_params().
     """
 
     def __init__(self, module: nn.Module, group, bucket_size_bytes: int | None = None,
-                 overlap: bool = True, expert_group=None):
+                 overlap: bool = True, expert_group=None, grad_dtype: torch.dtype | None = None):
         super().__init__(module, group)
         self.overlap = overlap
         params = [p for p in module.parameters() if p.requires_grad]
         dtypes = sorted({str(p.dtype) for p in params})
         if len(dtypes) != 1:
-            raise ValueError(f"DistributedDataParallel needs one parameter dtype, found {dtypes} "
+            raise ValueError(f"{type(self).__name__} needs one parameter dtype, found {dtypes} "
                              "(Megatron keeps one buffer per dtype; this book uses one)")
-        dtype = params[0].dtype
-        element_size = torch.empty((), dtype=dtype).element_size()
+        self.grad_dtype = grad_dtype or params[0].dtype
+        element_size = torch.empty((), dtype=self.grad_dtype).element_size()
         if bucket_size_bytes is None:
             bucket_numel = megatron_default_bucket_size(self.dp_size)
         elif bucket_size_bytes <= 0:
@@ -201,11 +200,12 @@ class DistributedDataParallel(DataParallel):
         # member, and the sum over them, divided by dp, is the single-device gradient.
         (dense, dense_group), (experts, experts_group) = reduction_groups(params, group, expert_group)
         self.expert_group = expert_group
-        self.main_grad: dict[nn.Parameter, torch.Tensor] = {}
-        self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self.buckets: list[Bucket] = []
         self.grad_buffer = self._make_buckets(dense, dense_group, bucket_numel)
         self.expert_grad_buffer = self._make_buckets(experts, experts_group, bucket_numel, True) if experts else None
+        self.main_grad = {p: b.view(b.grad_data, i) for b in self.buckets if b.grad_data is not None
+                          for i, p in enumerate(b.params)}
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
 
         self._synced = False                # finish_grad_sync done: the next forward starts a step
         self.recorder = TimelineRecorder(overlap)   # the times of the timeline (timeline.py)
@@ -217,7 +217,7 @@ class DistributedDataParallel(DataParallel):
                       ) -> torch.Tensor:
         """One flat gradient buffer for `params`, cut into buckets reduced over `group`, appended
         to self.buckets; returns the buffer."""
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=self.grad_dtype, device=params[0].device)
         order = params[::-1]                                # backward produces these first
         groups = assign_buckets([p.numel() for p in order], bucket_numel)
         if [i for g in groups for i in g] != list(range(len(order))) or not all(groups):
@@ -227,12 +227,9 @@ class DistributedDataParallel(DataParallel):
         for group_indices in groups:
             members = [order[i] for i in group_indices]
             numel = sum(p.numel() for p in members)
-            bucket = Bucket(len(self.buckets), members, buffer[offset:offset + numel], group=group, experts=experts)
-            for p in members:
-                self.main_grad[p] = buffer[offset:offset + p.numel()].view_as(p)
-                self._bucket_of[p] = bucket
-                offset += p.numel()
-            self.buckets.append(bucket)
+            self.buckets.append(make_bucket(len(self.buckets), members, group, experts=experts,
+                                            grad_data=buffer[offset:offset + numel]))
+            offset += numel
         return buffer
 
     # ------------------------------------------------------------------ forward / backward
@@ -276,8 +273,9 @@ class DistributedDataParallel(DataParallel):
     # ------------------------------------------------------------------ the interface
     def finish_grad_sync(self) -> None:
         """Launch any bucket not launched yet (in bucket order), wait for all of them, and
-        point every p.grad at its buffer view, which now holds the DP-averaged gradient.
-        (no_sync, from DataParallel: backward accumulates into the buffer, launches nothing.)"""
+        point every p.grad at its buffer view (when the dtypes agree), which now holds the
+        DP-averaged gradient. (no_sync, from DataParallel: backward accumulates into the
+        buffer, launches nothing.)"""
         self.check_can_sync()
         self.recorder.sync_started()
         for bucket in self.buckets:
@@ -289,9 +287,21 @@ class DistributedDataParallel(DataParallel):
             bucket.work = None
             bucket.ready.clear()
         for p, view in self.main_grad.items():
-            p.grad = view
+            if view.dtype == p.dtype:
+                p.grad = view
         self._synced = True
         self.timeline = self.recorder.finish()
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor:
+        """The gradient of `param` as this wrapper holds it: its view of the buffer."""
+        return self.main_grad[param]
+
+    def optimizer_segments(self) -> list[Segment]:
+        return [parameter_segment(p, lambda p=p: self.main_grad[p]) for p in self.module.parameters()
+                if p in self.main_grad]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_buffer()
 
     def zero_grad_buffer(self) -> None:
         """Start a new step: zero the buffer, drop every p.grad (Megatron's zero_grad_buffer)."""

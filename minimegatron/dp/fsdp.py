@@ -8,7 +8,7 @@ borrowed. The model is cut into *units*; for the GPT of model/gpt.py:
     head                decoder.final_layernorm.* and output_layer.* (untied)
 
 Each unit's parameters are flattened (matrices first, then vectors: the two weight-decay
-groups), padded to dp * S elements and cut like a ZeRO-1 bucket (zero.shard_range): rank r
+groups), padded to dp * S elements and cut like a ZeRO-1 bucket (buffer.shard_range): rank r
 keeps only `unit.shard` [S], its slice. The model's own parameters are deleted; between
 forwards no rank holds any full weight.
 
@@ -50,43 +50,34 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..comm import all_gather_into_tensor, group_rank, group_size, reduce_scatter_tensor
+from ..optim import Segment
+from ..placement import Placement
+from .buffer import Bucket, make_bucket
 from .naive import DataParallel
-from .zero import shard_range
 
 
 @dataclass
-class Unit:
-    """One sharded unit: its parameters' layout in the flat buffer and this rank's shard.
+class Unit(Bucket):
+    """One sharded unit: a buffer.Bucket laid out like ZeRO's (records, shapes, offsets, padding
+    to dp * shard_numel, this rank's [start, end), main_grad: this rank's slice of the averaged
+    gradient, accumulating), whose parameters the model no longer holds (`params` is empty), and:
 
-    names/shapes/numels/offsets: the unit's parameters in flat order (global names).
-    slots: (module, attribute) where each parameter is read by the model.
-    numel (real elements), decay_numel (the first decay_numel are matrices),
-    padded_numel = dp * shard_numel; start, end: this rank's shard_range.
+    name: the plan's name of the unit. slots: (module, attribute) where each parameter is read.
+    decay_numel: the first decay_numel elements are matrices (weight decay), the rest not.
     shard [shard_numel]: nn.Parameter, this rank's slice of the flat parameters (padding is 0).
-    main_grad [shard_numel]: this rank's slice of the averaged gradient (accumulates).
     pending [padded_numel] or None: local unreduced gradients accumulated under no_sync.
     """
-    name: str
-    names: list[str]
-    shapes: list[torch.Size]
-    numels: list[int]
-    offsets: list[int]
-    slots: list[tuple[nn.Module, str]]
-    numel: int
-    decay_numel: int
-    padded_numel: int
-    shard_numel: int
-    start: int
-    end: int
-    shard: nn.Parameter
-    main_grad: torch.Tensor
+    name: str = ""
+    slots: list[tuple[nn.Module, str]] = field(default_factory=list)
+    decay_numel: int = 0
+    shard: nn.Parameter | None = None
     pending: torch.Tensor | None = None
 
 
@@ -116,25 +107,23 @@ def gpt_unit_plan(model: nn.Module) -> list[UnitPlan]:
     return plan
 
 
-def _build_unit(name: str, members: list[tuple[str, nn.Parameter]], model: nn.Module, dp: int, rank: int) -> Unit:
+def _build_unit(name: str, members: list[tuple[str, nn.Parameter]], model: nn.Module, group,
+                grad_dtype: torch.dtype | None) -> Unit:
     """Flatten `members` (matrices first), keep this rank's slice, delete the model's parameters."""
     members = [m for m in members if m[1].dim() >= 2] + [m for m in members if m[1].dim() < 2]
-    numels = [p.numel() for _, p in members]
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
-    numel = sum(numels)
-    start, end = shard_range(numel, dp, rank)
-    flat = torch.zeros(dp * (end - start), dtype=members[0][1].dtype, device=members[0][1].device)
+    bucket = make_bucket(0, [p for _, p in members], group, group_size(group), group_rank(group),
+                         grad_dtype=grad_dtype, hold_grads=False)
+    flat = bucket.main_grad.new_zeros(bucket.padded_numel, dtype=members[0][1].dtype)
     slots = []
-    for (pname, p), off in zip(members, offsets):
-        flat[off:off + p.numel()] = p.detach().reshape(-1)
+    for i, (pname, p) in enumerate(members):
+        bucket.view(flat, i).copy_(p.detach())
         module_name, _, attr = pname.rpartition(".")
         module = model.get_submodule(module_name)
         del module._parameters[attr]               # the model keeps no full weight
         slots.append((module, attr))
-    shard = nn.Parameter(flat[start:end].clone())
     decay_numel = sum(p.numel() for _, p in members if p.dim() >= 2)
-    return Unit(name, [n for n, _ in members], [p.shape for _, p in members], numels, offsets, slots,
-                numel, decay_numel, len(flat), end - start, start, end, shard, torch.zeros_like(shard.detach()))
+    return Unit(**{**vars(bucket), "params": []}, name=name, slots=slots, decay_numel=decay_numel,
+                shard=nn.Parameter(flat[bucket.start:bucket.end].clone()))
 
 
 def gather_unit_parameters(unit: Unit, group, tag: str = "fwd") -> list[torch.Tensor]:
@@ -215,13 +204,15 @@ class MemoryEvent:
 class FullyShardedDataParallel(DataParallel):
     """ZeRO-3: parameters, gradients and optimizer state sharded over `group`.
 
-    Same use as zero.ZeroDataParallel (forward, no_sync, finish_grad_sync) with a
-    zero.DistributedOptimizer. `plan` cuts the model (default: gpt_unit_plan). After wrapping,
+    Same use as zero.ZeroDataParallel (forward, no_sync, finish_grad_sync) with an
+    optim.Optimizer over its shards. `plan` cuts the model (default: gpt_unit_plan); grad_dtype:
+    the gradient shards' dtype (default the parameters', see buffer.py). After wrapping,
     the model's own parameters are gone: `wrapper.parameters()` are the shards, and
     `state_dict()` is this rank's shards; `gather_parameters()` rebuilds the full weights.
     """
 
-    def __init__(self, module: nn.Module, group, plan: list[UnitPlan] | None = None):
+    def __init__(self, module: nn.Module, group, plan: list[UnitPlan] | None = None,
+                 grad_dtype: torch.dtype | None = None):
         super().__init__(module, group)
         self.dp, self.rank = group_size(group), group_rank(group)
         plan = gpt_unit_plan(module) if plan is None else plan
@@ -230,7 +221,7 @@ class FullyShardedDataParallel(DataParallel):
         for p in plan:
             members = [(n, q) for n, q in named if n.startswith(p.prefixes)]
             if members:
-                self.units[p.name] = _build_unit(p.name, members, module, self.dp, self.rank)
+                self.units[p.name] = _build_unit(p.name, members, module, group, grad_dtype)
         missing = sorted({n for n, _ in named} - {n for u in self.units.values() for n in u.names})
         if missing:
             raise ValueError(f"FullyShardedDataParallel: parameters in no unit: {missing[:5]}")
@@ -305,7 +296,7 @@ class FullyShardedDataParallel(DataParallel):
             self._in_backward.remove(use)
             self._event(f"bwd free {use.unit.name}")
         unit = use.unit
-        flat = unit.shard.new_zeros(unit.padded_numel)
+        flat = unit.main_grad.new_zeros(unit.padded_numel)
         for g, off, n in zip(grads, unit.offsets, unit.numels):
             if g is not None:
                 flat[off:off + n] = g.reshape(-1)
@@ -329,48 +320,41 @@ class FullyShardedDataParallel(DataParallel):
             if unit.pending is not None:
                 self._reduce(unit, torch.zeros_like(unit.pending))
 
-    # ---- what DistributedOptimizer asks of a wrapper ---------------------------------------
-    def optimizer_segments(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    # ---- what the optimizer asks of a wrapper ----------------------------------------------
+    def optimizer_segments(self) -> list[Segment]:
         """This rank's shard of each unit, cut at the decay / no-decay boundary, padding excluded."""
         segments = []
         for u in self.units.values():
             for lo, hi, decay in ((0, u.decay_numel, True), (u.decay_numel, u.numel, False)):
                 a, b = max(lo, u.start) - u.start, min(hi, u.end) - u.start
                 if a < b:
-                    segments.append((u.shard.detach()[a:b], u.main_grad[a:b], decay))
+                    segments.append(Segment(u.shard.detach()[a:b], lambda u=u, a=a, b=b: u.main_grad[a:b], decay,
+                                            u.shard_owners(a, b)))
         return segments
 
-    def grad_shard_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(owner, piece) pairs of this rank's gradient shards for optim.grads_for_norm: the
-        model's parameters are gone, so each unit's shard stands for them (ZeRO-3 is not
-        combined with tensor parallelism here: nothing in it is a TP duplicate)."""
-        return [(u.shard, u.main_grad[:max(0, min(u.end, u.numel) - u.start)]) for u in self.units.values()]
-
-    def after_optimizer_step(self) -> None:
-        """Nothing: the parameters stay sharded; the next forward gathers them."""
-
-    def zero_grad_buffers(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for u in self.units.values():
             u.main_grad.zero_()
             u.pending = None
 
     # ---- inspection (tests, demos, export): collective, tag "inspect" ----------------------
-    def _gather_full(self, shard_of) -> dict[str, torch.Tensor]:
+    def local_tensors(self, grads: bool = False) -> dict[str, tuple[Placement, torch.Tensor]]:
+        """The parameters (or averaged gradients) by single-device name, each unit gathered from
+        every rank's shard (one all-gather per unit, tag "inspect")."""
         out = {}
         for u in self.units.values():
-            full = u.shard.new_empty(u.padded_numel)
-            all_gather_into_tensor(full, shard_of(u).detach(), self.group, tag="inspect")
-            for name, off, n, shape in zip(u.names, u.offsets, u.numels, u.shapes):
-                out[name] = full[off:off + n].view(shape).clone()
+            full = u.main_grad.new_empty(u.padded_numel) if grads else u.shard.new_empty(u.padded_numel)
+            all_gather_into_tensor(full, (u.main_grad if grads else u.shard).detach(), self.group, tag="inspect")
+            out.update({r.name: (r, u.view(full, i).clone()) for i, r in enumerate(u.records)})
         return out
 
     def gather_parameters(self) -> dict[str, torch.Tensor]:
         """The full parameters by single-device name (e.g. for a single-device checkpoint)."""
-        return self._gather_full(lambda u: u.shard)
+        return {name: t for name, (_, t) in self.local_tensors().items()}
 
     def gather_gradients(self) -> dict[str, torch.Tensor]:
         """The full averaged gradients by name (after finish_grad_sync)."""
-        return self._gather_full(lambda u: u.main_grad)
+        return {name: t for name, (_, t) in self.local_tensors(grads=True).items()}
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         gathered = [r() for r in self._gathered if r() is not None]
@@ -388,7 +372,7 @@ class FullyShardedDataParallel(DataParallel):
         tensors a moment after wait() returns, so a buffer released just now may still count;
         `settle(released)`, if given, is called before each measurement and may wait until
         `released()` (self.released: nothing this wrapper let go of is alive any more), e.g.
-        viz.wait_until, which gives it up to 0.5 s: a real leak survives and shows.
+        testing.wait_until, which gives it up to 0.5 s: a real leak survives and shows.
         viz.plot_memory_profile draws the events.
         """
         self.profile, self._settle = [], settle

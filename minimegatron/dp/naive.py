@@ -52,9 +52,13 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..model.finalize import register_grad_finalizer
+from ..optim import GradientSource, Segment, parameter_segment
+from ..placement import Placement, name_placements, placement_of
+from ..placement import local_tensors as placement_local_tensors
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, GradientSource):
     """What every data-parallel wrapper of the book shares (naive, hooked, bucketed DDP, ZeRO
     1/2, ZeRO-3): `module` (this rank's model), `group` (the data-parallel group), the
     module's forward, and the switch the training step uses for gradient accumulation:
@@ -63,13 +67,18 @@ class DataParallel(nn.Module):
         ...backward...; wrapper.finish_grad_sync()  the last one: gradients reduced
 
     Subclasses say what "reduced" means (finish_grad_sync) and read `self.syncing` (False
-    inside no_sync) in their hooks."""
+    inside no_sync) in their hooks. As an optim.GradientSource a wrapper also says where the
+    reduced gradients are: `grad_of(p)`, `optimizer_segments()` (here: every parameter whole,
+    its gradient p.grad), `zero_grad()`, `after_optimizer_step()`; and `local_tensors(grads)`,
+    this rank's parameters or gradients by single-device name, for gathering full tensors."""
 
     def __init__(self, module: nn.Module, group):
         super().__init__()
         self.module, self.group = module, group
         self.dp_size = comm.group_size(group)
         self.syncing = True
+        name_placements(module)             # records named (a model built outside GPTModel too)
+        register_grad_finalizer(self, "data-parallel", finish_grad_syncs)    # finalize_model_grads
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -91,6 +100,22 @@ class DataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         raise NotImplementedError
 
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The gradient of `param` as this wrapper holds it after finish_grad_sync."""
+        return param.grad
+
+    def optimizer_segments(self) -> list[Segment]:
+        return [parameter_segment(p, lambda p=p: self.grad_of(p)) for p in self.module.parameters() if p.requires_grad]
+
+    def local_tensors(self, grads: bool = False) -> dict[str, tuple[Placement, torch.Tensor]]:
+        """{single-device name: (record, tensor)} of this rank's parameters, or of their
+        gradients after finish_grad_sync (zeros where there is none)."""
+        out = {}
+        for p in self.module.parameters():
+            g = self.grad_of(p) if grads else p
+            out[placement_of(p).name] = (placement_of(p), torch.zeros_like(p) if g is None else g.view_as(p))
+        return out
+
 
 def no_sync(model: nn.Module):
     """model.no_sync() for a data-parallel wrapper; nothing to hold back for a bare model."""
@@ -101,6 +126,29 @@ def finish_grad_sync(model: nn.Module) -> None:
     """model.finish_grad_sync() for a data-parallel wrapper; nothing for a bare model."""
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
+
+
+def finish_grad_syncs(chunks: list[nn.Module]) -> None:
+    """finish_grad_sync of every chunk: the "data-parallel" gradient hook (model/finalize.py)."""
+    for chunk in chunks:
+        finish_grad_sync(chunk)
+
+
+def grad_of(model: nn.Module, param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient of `param` (of `model`'s) as the data-parallel wrapper holds it (a bucket's
+    view, ZeRO-2's shard), or p.grad for a bare model: what the gradient hooks of
+    finalize_model_grads reduce further."""
+    return model.grad_of(param) if isinstance(model, DataParallel) else param.grad
+
+
+def local_tensors(model: nn.Module, grads: bool = False) -> dict[str, tuple[Placement, torch.Tensor]]:
+    """DataParallel.local_tensors, or placement.local_tensors for a bare model."""
+    return model.local_tensors(grads) if isinstance(model, DataParallel) else placement_local_tensors(model, grads)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a data-parallel wrapper (or the model itself)."""
+    return model.module if isinstance(model, DataParallel) else model
 
 
 def broadcast_parameters(model: nn.Module, group, tag: str = "params") -> None:

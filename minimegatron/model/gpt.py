@@ -34,11 +34,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig
+from ..placement import name_placements, set_placement
 from .attention import SelfAttention
 from .init import init_parameters
 from .linear import Linear, _compute_dtype, build_norm
 from .mlp import MLP
-from .moe import MoELayer
+from .finalize import register_grad_finalizer
+from .moe import MoELayer, moe_layers, update_expert_bias
 from .rope import rope_cos_sin
 
 
@@ -141,9 +143,9 @@ class GPTModel(nn.Module):
                                         if post_process else None)
         # The output layer. Tied on the stage that holds the embedding: no weight of its own,
         # forward reads the word embedding. Tied on a pipeline's last stage without the
-        # embedding: its own copy, marked `shared` (Megatron's name): it starts equal to the
-        # embedding, its gradient is summed with the embedding's (finalize_model_grads), and
-        # the gradient norm counts it once (optim.grads_for_norm).
+        # embedding: its own copy, marked `shared` in its placement record (Megatron's name): it
+        # starts equal to the embedding, its gradient is summed with the embedding's
+        # (finalize_model_grads), and the gradient norm counts it once (optim.grads_for_norm).
         self.output_layer, self.loss = None, None
         if post_process:
             tied = not config.untie_embeddings_and_output_weights
@@ -153,8 +155,13 @@ class GPTModel(nn.Module):
 
         init_parameters(self, config)
         self.to(config.dtype)
-        if post_process and self.output_layer.weight is not None and not config.untie_embeddings_and_output_weights:
-            self.output_layer.weight.shared = True
+        name_placements(self)                    # every parameter's record: its name and shape
+        if not config.untie_embeddings_and_output_weights and pre_process != post_process:
+            # a tied embedding cut between pipeline stages: a copy on each (Megatron's marks)
+            copy = self.output_layer.weight if post_process else self.embedding.word_embeddings.weight
+            set_placement(copy, shared_embedding=True, shared=post_process)
+        if moe_layers(self):                     # chapter 05's routers: the expert-bias update
+            register_grad_finalizer(self, "expert-bias", update_expert_bias)
 
     def output_weight(self) -> torch.Tensor:
         """[V, h] (or this rank's [Vp/tp, h]): the matrix that turns hidden states into logits."""

@@ -36,10 +36,10 @@ from torch import nn
 from ..comm import all_reduce, group_size
 from ..config import ModelConfig
 from .mlp import MLP, mlp_activation
-from .router import apply_token_dropping, aux_loss, sequence_aux_loss, topk_routing, z_loss
+from .router import apply_token_dropping, aux_loss, expert_bias_update, sequence_aux_loss, topk_routing, z_loss
 
 __all__ = ["MoELayer", "MoEAuxLossAutoScaler", "experts_loop", "experts_grouped", "experts_on_sorted_tokens",
-           "set_moe_aux_loss_scale"]
+           "moe_layers", "set_moe_aux_loss_scale", "update_expert_bias"]
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -226,10 +226,33 @@ class MoELayer(nn.Module):
         return MoEAuxLossAutoScaler.apply(out, balance + stability, self.aux_loss_scale * self.aux_grad_scale)
 
 
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The MoE layers of a model (or pipeline stage, or its data-parallel wrapper), in model order."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
 def set_moe_aux_loss_scale(models: list[nn.Module], scale: float) -> None:
     """Give every MoE layer of `models` the backward scale of its auxiliary losses (the training
     step: 1 / number of micro-batches, the same share as each micro-batch's language-model loss)."""
     for model in models:
-        for module in model.modules():
-            if isinstance(module, MoELayer):
-                module.aux_loss_scale = scale
+        for layer in moe_layers(model):
+            layer.aux_loss_scale = scale
+
+
+@torch.no_grad()
+def update_expert_bias(models: list[nn.Module], group=None) -> None:
+    """After a step's backward: every MoE layer's expert bias moves by its rate towards balance
+    (router.expert_bias_update), from the routed counts of the whole step, summed over `group`
+    (every rank of this pipeline stage: tp x dp x cp; None on one device) in one all-reduce of
+    the stacked counts (tag "moe-bias"); the counts are then reset. The "expert-bias" gradient
+    hook (finalize.py): GPTModel registers it, moe.apply_expert_parallel gives it its group.
+    Megatron-LM: finalize_model_grads.py, _update_router_expert_bias. A no-op without expert biases."""
+    routers = [layer.router for m in models for layer in moe_layers(m) if layer.router.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])          # [layers, E]
+    if group is not None and group_size(group) > 1:
+        all_reduce(counts, group, op="sum", tag="moe-bias")
+    for router, c in zip(routers, counts):
+        router.expert_bias.copy_(expert_bias_update(c, router.expert_bias, router.bias_update_rate))
+        router.local_tokens_per_expert.zero_()

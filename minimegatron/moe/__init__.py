@@ -14,7 +14,7 @@ ranks. Read in this order:
 
 from .dispatcher import (AllGatherDispatcher, AllToAllDispatcher, permute, sort_chunks_by_expert, unpermute,
                          unsort_chunks_by_expert)
-from .expert_parallel import (apply_expert_parallel, check_expert_parallel_config, full_expert_tensors,
+from .expert_parallel import (apply_expert_parallel, check_expert_parallel_config,
                               is_expert_parameter, moe_layers, update_expert_bias)
 from .router import (SCORE_FUNCTIONS, apply_token_dropping, aux_loss, expert_bias_update, expert_capacity,
                      sequence_aux_loss, topk_routing, z_loss)
@@ -22,5 +22,5 @@ from .router import (SCORE_FUNCTIONS, apply_token_dropping, aux_loss, expert_bia
 __all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "sequence_aux_loss", "z_loss", "expert_capacity",
            "apply_token_dropping", "expert_bias_update", "permute", "unpermute", "sort_chunks_by_expert",
            "unsort_chunks_by_expert", "AllToAllDispatcher", "AllGatherDispatcher", "apply_expert_parallel",
-           "check_expert_parallel_config", "moe_layers", "update_expert_bias", "full_expert_tensors",
+           "check_expert_parallel_config", "moe_layers", "update_expert_bias",
            "is_expert_parameter"]

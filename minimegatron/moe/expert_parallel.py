@@ -43,24 +43,18 @@ optimizer keeps them apart), not ZeRO-2/3 or the naive DDP; etp > 1 needs bias-f
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_reduce, group_rank, group_size
+from ..comm import group_rank, group_size
 from ..config import ConfigError, ModelConfig, TrainConfig
-from ..model.moe import MoELayer
-from ..model.router import expert_bias_update
+from ..model.finalize import register_grad_finalizer
+from ..model.moe import moe_layers, update_expert_bias
 from ..optim import is_expert_parameter
-from ..tp import gather_full_tensors
+from ..placement import Split, set_placement
 from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
 
 __all__ = ["check_expert_parallel_config", "apply_expert_parallel", "moe_layers", "update_expert_bias",
-           "full_expert_tensors", "is_expert_parameter"]
-
-
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    """The MoE layers of a model (or pipeline stage), in model order."""
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+           "is_expert_parameter"]
 
 
 def check_expert_parallel_config(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -> None:
@@ -95,14 +89,16 @@ def check_expert_parallel_config(model_cfg: ModelConfig, cfg: TrainConfig, world
                           f"ZeRO-1 (zero_stage 0 with ddp_impl 'bucketed', or zero_stage 1)")
 
 
-def _keep_slice(linear: nn.Module, dim: int, rank: int, size: int, stride: int) -> None:
-    """Replace linear.weight by this etp rank's 1/size of it along `dim` (stride blocks each cut
-    alike: SwiGLU's [gate; up]), marked like a tensor-parallel shard so it can be gathered back."""
+def _keep_slice(linear: nn.Module, dim: int, group, stride: int) -> None:
+    """Replace linear.weight by this etp rank's part of it along `dim` (stride blocks each cut
+    alike: SwiGLU's [gate; up]), its record split over the etp group like a tensor-parallel shard
+    (so it can be gathered back)."""
+    size, rank = group_size(group), group_rank(group)
     with torch.no_grad():
         blocks = linear.weight.chunk(stride, dim)
         shard = torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim).clone()
-    linear.weight = nn.Parameter(shard)
-    linear.weight.tensor_model_parallel, linear.weight.partition_dim, linear.weight.partition_stride = True, dim, stride
+    old, linear.weight = linear.weight, nn.Parameter(shard)
+    set_placement(linear.weight, like=old, split=Split(dim, group, size, rank, stride))
 
 
 def apply_expert_parallel(model: nn.Module, layout, dispatcher: str = "alltoall") -> nn.Module:
@@ -112,8 +108,7 @@ def apply_expert_parallel(model: nn.Module, layout, dispatcher: str = "alltoall"
     layers = moe_layers(model)
     if not layers or layout.world == 1:
         return model
-    ep, etp = group_size(layout.ep_group), group_size(layout.etp_group)
-    ep_rank, etp_rank = group_rank(layout.ep_group), group_rank(layout.etp_group)
+    ep, etp, ep_rank = group_size(layout.ep_group), group_size(layout.etp_group), group_rank(layout.ep_group)
     for layer in layers:
         per_rank = layer.config.num_experts // ep
         mine = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
@@ -121,52 +116,15 @@ def apply_expert_parallel(model: nn.Module, layout, dispatcher: str = "alltoall"
             del layer.experts.local_experts[key]
         for expert in layer.experts.local_experts.values():
             if etp > 1:
-                _keep_slice(expert.linear_fc1, 0, etp_rank, etp, 2 if expert.swiglu else 1)
-                _keep_slice(expert.linear_fc2, 1, etp_rank, etp, 1)
-            for p in expert.parameters():
-                p.allreduce = False                                   # Megatron's marking
+                _keep_slice(expert.linear_fc1, 0, layout.etp_group, 2 if expert.swiglu else 1)
+                _keep_slice(expert.linear_fc2, 1, layout.etp_group, 1)
+            for p in expert.parameters():                             # Megatron's allreduce=False
+                set_placement(p, allreduce=False, ep_group=layout.ep_group)
         if ep * etp > 1:
             layer.token_dispatcher = (AllToAllDispatcher(layer.config.num_experts, layout.ep_group, layout.etp_group)
                                       if dispatcher == "alltoall" else AllGatherDispatcher(layout.etp_ep_group))
         if group_size(layout.tp_cp_group) > 1:
             layer.aux_group = layout.tp_cp_group
         layer.aux_grad_scale = layout.cp
+    register_grad_finalizer(model, "expert-bias", lambda chunks: update_expert_bias(chunks, layout.tp_dp_cp_group))
     return model
-
-
-@torch.no_grad()
-def update_expert_bias(models: list[nn.Module], group) -> None:
-    """After a step's backward: every MoE layer's expert bias moves by its rate towards balance
-    (model/router.expert_bias_update), from the routed counts of the whole step, summed over
-    `group` (every rank of this pipeline stage: tp x dp x cp) in one all-reduce of the stacked
-    counts (tag "moe-bias"); the counts are then reset. Megatron-LM:
-    finalize_model_grads.py, _update_router_expert_bias. A no-op without expert biases."""
-    routers = [layer.router for m in models for layer in moe_layers(m) if layer.router.expert_bias is not None]
-    if not routers:
-        return
-    counts = torch.stack([r.local_tokens_per_expert for r in routers])          # [layers, E]
-    if group is not None and group_size(group) > 1:
-        all_reduce(counts, group, op="sum", tag="moe-bias")
-    for router, c in zip(routers, counts):
-        router.expert_bias.copy_(expert_bias_update(c, router.expert_bias, router.bias_update_rate))
-        router.local_tokens_per_expert.zero_()
-
-
-def full_expert_tensors(model: nn.Module, layout, grads: bool | dict = False) -> dict[str, torch.Tensor]:
-    """{single-device name: full tensor} of the routed experts' parameters (or gradients; or the
-    tensors `grads` gives by name, e.g. ZeRO's gathered gradients) of `model`: each expert's etp
-    slices all-gathered (tag "full"), then the ep ranks' experts exchanged
-    (torch.distributed.all_gather_object over ep: inspection plumbing, in no ledger). Collective
-    over the etp and ep groups."""
-    params = {n: p for n, p in model.named_parameters() if is_expert_parameter(p)}
-    if isinstance(grads, dict):
-        named = grads
-    else:
-        named = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
-                 for n, p in params.items()}
-    mine = gather_full_tensors(named, params, layout.etp_group)
-    if group_size(layout.ep_group) == 1:
-        return mine
-    parts = [None] * group_size(layout.ep_group)
-    dist.all_gather_object(parts, mine, group=layout.ep_group)
-    return {name: t for part in parts for name, t in part.items()}

@@ -13,9 +13,10 @@ schedules.schedule) for one global batch of M micro-batches:
 Gradients accumulate in p.grad over the micro-batches. With data parallelism each chunk is
 wrapped in a chapter-01 wrapper and every backward but the chunk's LAST one runs inside
 no_sync(): the data-parallel all-reduce happens once per step, during (bucketed DDP) or after
-(finish_grad_sync) the last backward, as Megatron does. Then train.finalize_model_grads makes
-the tied embedding's two copies agree (allreduce_tied_embedding_grads): the first stage's word embedding and the last stage's output
-layer are one parameter of the single-device model, so their gradients are all-reduced over
+(finish_grad_sync) the last backward, as Megatron does. Then finalize_model_grads
+(model/finalize.py) makes the tied embedding's two copies agree (stages.py's
+allreduce_tied_embedding_grads, the "tied-embedding" gradient hook build_stage registers): the first stage's word
+embedding and the last stage's output layer are one parameter of the single-device model, so their gradients are all-reduced over
 the embedding group (first and last stage of the pipeline; Megatron's
 _allreduce_word_embedding_grads in megatron/core/distributed/finalize_model_grads.py).
 
@@ -38,15 +39,16 @@ from .p2p import PipelineComm
 from .schedules import schedule
 from .timeline import StepRecord
 
-__all__ = ["run_pipeline_step", "forward_backward_pipelining", "evaluate_pipelining", "allreduce_tied_embedding_grads"]
+__all__ = ["run_pipeline_step", "forward_backward_pipelining", "evaluate_pipelining"]
 
 
 def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]], microbatches: list[dict],
-                      p2p: PipelineComm, rank: int = 0) -> StepRecord:
+                      p2p: PipelineComm, rank: int = 0, loss_scale: float = 1.0) -> StepRecord:
     """Run `ops` (this rank's schedule) over `microbatches` (M dicts {"tokens", "labels"}, the
     same on every stage of the pipeline). engines[c] is chunk c: a GPTModel stage or a
     data-parallel wrapper of one (then its gradient sync runs with the last backward of the
-    chunk; call train.finalize_model_grads after). Returns the StepRecord;
+    chunk; call model.finalize_model_grads after). The last stage's backward starts from its
+    loss times `loss_scale` (the optimizer's loss scaler; 1 without one). Returns the StepRecord;
     gradients are left accumulated in the parameters (DP-synced where wrapped)."""
     M = len(microbatches)
     rec = StepRecord(rank, params={p.untyped_storage().data_ptr() for e in engines for p in e.parameters()})
@@ -83,7 +85,7 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
                     grad = p2p.recv_backward(mb, c)                           # [b, s, h]
             with rec.span("B", mb, c):
                 with nullcontext() if i == last_backward[c] else no_sync(engine):   # DP: sync on the last
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out * loss_scale if grad is None else out, grad)
             if x is not None:
                 with rec.span("send", mb, c):
                     p2p.send_backward(x.grad, mb, c)                          # asynchronous
@@ -92,48 +94,17 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
     return rec
 
 
-def allreduce_tied_embedding_grads(chunks: list[nn.Module], embedding_group) -> None:
-    """Make the two copies of a tied embedding get the single-device gradient.
-
-    With tied embeddings the single-device model has ONE matrix E [V, h] used twice: by the
-    embedding lookup (first virtual stage) and by the output layer (logits = x E^T, last
-    virtual stage). Under pipeline parallelism each of the two stages holds a copy, and after
-    the backward each copy holds only the gradient of ITS use: the first stage's
-    chunk.embedding.word_embeddings.weight.grad = dE_lookup, the last stage's
-    chunk.output_layer.weight.grad = dE_logits. The single-device gradient is their sum.
-
-    chunks: this rank's model chunks (GPTModel stages, not wrapped); a chunk's pre_process
-    says it is the first virtual stage, its post_process that it is the last.
-
-    The spec. On the chunk that is the first virtual stage (and not the last) and on the chunk
-    that is the last virtual stage (and not the first), exactly one comm.all_reduce (sum) of
-    that copy's gradient over `embedding_group` (the two ranks), tag "embedding-grads"; both
-    copies then hold dE_lookup + dE_logits (in their tensor-parallel shards, under 3D). Nothing
-    for untied embeddings, when one chunk is both first and last, or on the other chunks.
-
-    Spot the bug (exercise 3.4): a first version of this body, and what it did when checked
-    against the single-device run, are in chapters/03_pp/exercises/spot_the_bug.md.
-    """
-    # BEGIN EXERCISE 3.4: spot the bug in the tied-embedding gradient sync | hint: each copy holds the gradient of one use; the single-device gradient is the sum of the two. Which chunks hold a copy, and which hold both uses?
-    for chunk in chunks:
-        if chunk.config.untie_embeddings_and_output_weights or chunk.pre_process == chunk.post_process:
-            continue                        # untied, a middle chunk, or one chunk with both uses
-        copy = chunk.embedding.word_embeddings.weight if chunk.pre_process else chunk.output_layer.weight
-        comm.all_reduce(copy.grad, embedding_group, op="sum", tag="embedding-grads")
-    # END EXERCISE
-
-
 def forward_backward_pipelining(chunks: list[nn.Module], microbatches: list[dict], p2p: PipelineComm,
-                                kind: str, pp_group) -> tuple[float, StepRecord]:
+                                kind: str, pp_group, loss_scale: float = 1.0) -> tuple[float, StepRecord]:
     """One step's forwards and backwards on this rank's model chunks (chunks[c] = chunk c,
     each a GPTModel stage or a data-parallel wrapper of one), in the order of
     schedules.schedule(kind, ...) over the M micro-batches; then waits for its sends.
     Returns (the mean loss of this pipeline's micro-batches, the same on every stage: the
     last stage's, all-reduced over `pp_group`, tag "loss"; the StepRecord). Gradients are
     left accumulated, DP-synced where wrapped; the tied embedding's are finished by
-    train.finalize_model_grads."""
+    model.finalize_model_grads."""
     ops = schedule(kind, p2p.pp_size, p2p.pp_rank, len(microbatches), len(chunks))
-    rec = run_pipeline_step(chunks, ops, microbatches, p2p, p2p.pp_rank)
+    rec = run_pipeline_step(chunks, ops, microbatches, p2p, p2p.pp_rank, loss_scale)
     p2p.wait_sends()
     loss = torch.tensor([sum(rec.losses.values()) if rec.losses else 0.0], dtype=torch.float64, device=p2p.device)
     comm.all_reduce(loss, pp_group, op="sum", tag="loss")             # only the last stage has it

@@ -23,9 +23,14 @@ exactly a piece of the single-device model.
 
 from __future__ import annotations
 
-from ..config import ConfigError
+import torch
 
-__all__ = ["stage_layers", "virtual_stage"]
+from .. import comm
+from ..config import ConfigError, ModelConfig
+from ..dp import grad_of, unwrap
+from ..model import GPTModel, register_grad_finalizer
+
+__all__ = ["stage_layers", "virtual_stage", "build_stage", "allreduce_tied_embedding_grads"]
 
 
 def virtual_stage(pp_size: int, pp_rank: int, chunk: int) -> int:
@@ -68,4 +73,54 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 
     k = virtual_stage(pp_size, pp_rank, chunk)
     start = sum(layers_per_stage[:k])
     return list(range(start, start + layers_per_stage[k]))
+    # END EXERCISE
+
+
+def build_stage(config: ModelConfig, layout, chunk: int = 0, num_chunks: int = 1,
+                layers_per_stage: list[int] | None = None, device: torch.device | str = "cpu") -> GPTModel:
+    """Chunk `chunk` (of num_chunks) of this rank's pipeline stage (layout.pp, layout.pp_rank):
+    the GPTModel of its layers (stage_layers), with the embedding on virtual stage 0 and the
+    final norm, output layer and loss on the last; in a pipeline of several stages it registers
+    the "tied-embedding" gradient hook over layout.embedding_group (model/finalize.py)."""
+    stage, last = virtual_stage(layout.pp, layout.pp_rank, chunk), layout.pp * num_chunks - 1
+    layers = stage_layers(config.num_layers, layout.pp, layout.pp_rank, num_chunks, chunk, layers_per_stage)
+    model = GPTModel(config, pre_process=stage == 0, post_process=stage == last, layer_numbers=layers).to(device)
+    if layout.pp > 1:
+        register_grad_finalizer(model, "tied-embedding",     # (looked up when called: a grader may swap it)
+                                lambda chunks: allreduce_tied_embedding_grads(chunks, layout.embedding_group))
+    return model
+
+
+def allreduce_tied_embedding_grads(chunks: list[nn.Module], embedding_group) -> None:
+    """Make the two copies of a tied embedding get the single-device gradient.
+
+    With tied embeddings the single-device model has ONE matrix E [V, h] used twice: by the
+    embedding lookup (first virtual stage) and by the output layer (logits = x E^T, last
+    virtual stage). Under pipeline parallelism each of the two stages holds a copy, and after
+    the backward each copy holds only the gradient of ITS use: the first stage's
+    chunk.embedding.word_embeddings.weight.grad = dE_lookup, the last stage's
+    chunk.output_layer.weight.grad = dE_logits. The single-device gradient is their sum.
+
+    chunks: this rank's model chunks: GPTModel stages, bare or in their data-parallel wrapper
+    (dp.unwrap(chunk) is the GPTModel; dp.grad_of(chunk, p) is where p's gradient is: p.grad
+    of a bare model, a bucket's view under DDP and ZeRO-1, the parameter's own shard under
+    ZeRO-2, which gives each copy a bucket of its own sharded alike on both stages). A
+    GPTModel's pre_process says it is the first virtual stage, its post_process the last.
+
+    The spec. On the chunk that is the first virtual stage (and not the last) and on the chunk
+    that is the last virtual stage (and not the first), exactly one comm.all_reduce (sum) of
+    that copy's gradient (grad_of) over `embedding_group` (the two ranks), tag "embedding-grads";
+    both copies then hold dE_lookup + dE_logits (in their tensor-parallel shards, under 3D).
+    Nothing for untied embeddings, when one chunk is both first and last, or on the other chunks.
+
+    Spot the bug (exercise 3.4): a first version of this body, and what it did when checked
+    against the single-device run, are in chapters/03_pp/exercises/spot_the_bug.md.
+    """
+    # BEGIN EXERCISE 3.4: spot the bug in the tied-embedding gradient sync | hint: each copy holds the gradient of one use; the single-device gradient is the sum of the two. Which chunks hold a copy, and which hold both uses?
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if model.config.untie_embeddings_and_output_weights or model.pre_process == model.post_process:
+            continue                        # untied, a middle chunk, or one chunk with both uses
+        copy = model.embedding.word_embeddings.weight if model.pre_process else model.output_layer.weight
+        comm.all_reduce(grad_of(chunk, copy), embedding_group, op="sum", tag="embedding-grads")
     # END EXERCISE

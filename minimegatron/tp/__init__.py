@@ -4,14 +4,13 @@ Read in this order:
 
   layers.py         cutting a weight matrix by columns (ColumnParallelLinear) and by rows
                     (RowParallelLinear), the vocabulary-split embedding, the shard helpers
-                    and Megatron's attributes on split parameters
+                    and the placement record of a split parameter
   cross_entropy.py  the loss over a split vocabulary with three all-reduces of [b, s]
                     numbers instead of gathering the [b, s, V] logits
   random.py         two random streams: one shared by the tensor-parallel group (dropout on
                     replicated activations), one per rank (dropout inside split regions)
   parallel.py       apply_tensor_parallel: the one model, its layers swapped by a plan (with
-                    sequence_parallel, chapter 04: the regions between them cut along s); and
-                    the helpers that reassemble full parameters and gradients
+                    sequence_parallel, chapter 04: the regions between them cut along s)
 
 The communication operators they use (copy and reduce, the 2019 paper's f and g; split and gather) live in
 minimegatron/comm/regions.py, with every call recorded in the ledger.
@@ -22,7 +21,7 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
                      set_tensor_model_parallel_attributes, shard_cols,
                      shard_rows, vocab_range)
 from .parallel import (TENSOR_PARALLEL_PLAN, allreduce_sequence_parallel_grads, apply_tensor_parallel,
-                       check_tensor_parallel_config, full_gradients, full_parameters, gather_full_tensors)
+                       check_tensor_parallel_config)
 from .random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
@@ -30,5 +29,4 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "set_tensor_model_parallel_attributes",
            "RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "TENSOR_PARALLEL_PLAN",
            "allreduce_sequence_parallel_grads",
-           "apply_tensor_parallel", "check_tensor_parallel_config", "gather_full_tensors",
-           "full_parameters", "full_gradients"]
+           "apply_tensor_parallel", "check_tensor_parallel_config"]

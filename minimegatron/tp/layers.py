@@ -27,9 +27,9 @@ rank looks up the ids it owns, writes zeros for the others, and one all-reduce (
 Initialisation (the book's rule 3): a layer is built with zeros of its shard's shape and set
 from the full single-device tensor with ``load_full`` (apply_tensor_parallel passes the
 weights the single-device model was initialised with), so any TP layout starts from exactly
-the single-device weights. Nothing here draws random numbers per rank. Split parameters carry
-Megatron's attributes (set_tensor_model_parallel_attributes), which the gradient norm and the
-gathering of full tensors read.
+the single-device weights. Nothing here draws random numbers per rank. A split parameter's
+placement record says how it was cut (set_tensor_model_parallel_attributes, Megatron's name;
+minimegatron/placement.py), which the gradient norm and the gathering of full tensors read.
 
 Sequence parallelism (chapter 04, `sequence_parallel=True`, Megatron's argument): the
 activations between layers are cut along the sequence, [b, s/tp, h]. A column-parallel layer
@@ -58,6 +58,7 @@ from torch import nn
 from ..comm import (all_gather, all_reduce, gather_from_tensor_model_parallel_region, group_rank, group_size,
                     reduce_from_tensor_model_parallel_region, reduce_scatter, reduce_scatter_to_sequence_parallel_region,
                     scatter_to_tensor_model_parallel_region)
+from ..placement import Split, set_placement
 
 __all__ = ["set_tensor_model_parallel_attributes", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
            "LinearWithSequenceParallelGather",
@@ -259,17 +260,19 @@ def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: tor
     # END EXERCISE
 
 
-def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1,
+def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int, group, stride: int = 1,
                                          unpadded_size: int | None = None) -> None:
-    """Mark `param` as split over the tensor-parallel group, with Megatron's attribute names:
-    tensor_model_parallel=True, partition_dim (the dimension cut), partition_stride (the
-    number of stacked blocks each cut separately, see shard_rows). unpadded_size: the size of
-    that dimension on one device, when the split tensor was padded first (the vocabulary).
-    Gathering full tensors, the gradient norm's duplicate filter and the checkpoints read
-    these attributes; a parameter without them is replicated on every rank of the group."""
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, partition_dim, stride
-    if unpadded_size is not None:
-        param.unpadded_size = unpadded_size
+    """Record that `param` is this rank's part of a tensor split over `group` (Megatron's
+    function, which sets the attributes tensor_model_parallel, partition_dim and
+    partition_stride; here they are fields of the one record, placement.Placement): cut along
+    `partition_dim` into stride blocks each cut alike (see shard_rows). unpadded_size: the
+    single-device size of that dimension when it was padded first (the vocabulary); otherwise
+    it is the local size times the group's size. Gathering full tensors, the gradient norm's
+    duplicate filter and the checkpoints read the record; a parameter without a split is
+    replicated on every rank of the group."""
+    tp, shape = group_size(group), list(param.shape)
+    shape[partition_dim] = unpadded_size if unpadded_size is not None else shape[partition_dim] * tp
+    set_placement(param, shape=tuple(shape), split=Split(partition_dim, group, tp, group_rank(group), stride))
 
 
 class _ParallelLinear(nn.Module):
@@ -324,7 +327,7 @@ class ColumnParallelLinear(_ParallelLinear):
                      (self.output_size_per_partition,) if bias else None, params_dtype, skip_weight_param_allocation)
         for p in (self.weight, self.bias):
             if p is not None:
-                set_tensor_model_parallel_attributes(p, 0, stride, unpadded_size)
+                set_tensor_model_parallel_attributes(p, 0, group, stride, unpadded_size)
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         return shard_rows(full, self.group, self.stride)
@@ -380,9 +383,9 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
         self._create((out_features, self.input_size_per_partition),
                      (out_features,) if bias else None, params_dtype)
-        set_tensor_model_parallel_attributes(self.weight, 1)      # the bias is replicated
+        set_tensor_model_parallel_attributes(self.weight, 1, group)      # the bias is replicated
         if sequence_parallel and self.bias is not None:
-            self.bias.sequence_parallel = True
+            set_placement(self.bias, sequence_parallel=True)
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         return shard_cols(full, self.group)
@@ -432,7 +435,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index, self.vocab_end_index = vocab_range(self.padded_vocab_size, r, tp)
         self.weight = nn.Parameter(torch.zeros(self.padded_vocab_size // tp, embedding_dim,
                                                dtype=params_dtype or torch.get_default_dtype()))
-        set_tensor_model_parallel_attributes(self.weight, 0, unpadded_size=num_embeddings)
+        set_tensor_model_parallel_attributes(self.weight, 0, group, unpadded_size=num_embeddings)
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         """The full table [V, h] with zero padding rows appended: [Vp, h]."""

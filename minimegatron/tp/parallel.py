@@ -76,17 +76,17 @@ from torch import nn
 
 from functools import partial
 
-from ..comm import all_gather, all_reduce, group_size, scatter_to_sequence_parallel_region
+from ..comm import all_reduce, group_size, scatter_to_sequence_parallel_region
 from ..config import ConfigError, ModelConfig
+from ..model.finalize import register_grad_finalizer
 from ..model.moe import MoELayer
-from ..optim import is_expert_parameter
+from ..placement import name_placements, placement_of, set_placement
 from .cross_entropy import VocabParallelCrossEntropy
 from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
 from .random import get_rng_tracker
 
 __all__ = ["TENSOR_PARALLEL_PLAN", "apply_tensor_parallel", "check_tensor_parallel_config",
-           "allreduce_sequence_parallel_grads",
-           "gather_full_tensors", "full_parameters", "full_gradients"]
+           "allreduce_sequence_parallel_grads"]
 
 # Inside every transformer layer: which linear is cut by its output rows ("column") and which
 # by its input columns ("row"). A column-parallel layer followed by a row-parallel one needs
@@ -139,7 +139,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     With `sequence_parallel`, also cut the regions between the linear layers along the
     sequence (chapter 04): the model then takes and returns this rank's s/tp tokens between
     pipeline stages, and its `sequence_parallel` parameters need
-    allreduce_sequence_parallel_grads after the backward.
+    allreduce_sequence_parallel_grads after the backward (registered as the model's
+    "sequence-parallel" gradient hook, model/finalize.py).
     A no-op when the group has one rank. ConfigError before anything changes when the
     model does not split over the group's size."""
     tp, cfg = group_size(tp_group), model.config
@@ -157,6 +158,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
                                            cfg.make_vocab_size_divisible_by, params_dtype=table.dtype,
                                            reduce_scatter_embeddings=sp and not learned_positions).to(table.device)
         embedding.load_full(table)
+        set_placement(embedding.weight, shared_embedding=placement_of(table).shared_embedding)
         model.embedding.word_embeddings = embedding
         if sp:
             if learned_positions:       # positions are added to the full [b, s, h], then it is cut
@@ -184,10 +186,13 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
                                             ).to(model.decoder.final_layernorm.weight.device)
         if full is not None:
             output_layer.load_full(_pad_rows(full, Vp))
-            if getattr(full, "shared", False):
-                output_layer.weight.shared = True          # a pipeline's copy of the embedding
+            set_placement(output_layer.weight, shared=placement_of(full).shared,       # a pipeline's
+                          shared_embedding=placement_of(full).shared_embedding)     # tied copy
         model.output_layer = output_layer
         model.loss = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)
+    name_placements(model)                                 # the new parameters' single-device names
+    if sp:      # the norms' gradients, after each step (looked up when called: a grader may swap it)
+        register_grad_finalizer(model, "sequence-parallel", lambda chunks: allreduce_sequence_parallel_grads(chunks, tp_group))
     return model
 
 
@@ -206,7 +211,7 @@ def _plan_of(layer: nn.Module) -> dict[str, str]:
 def _mark_sequence_parallel(*norms: nn.Module) -> None:
     for norm in norms:
         for p in norm.parameters():
-            p.sequence_parallel = True                       # Megatron's attribute
+            set_placement(p, sequence_parallel=True)         # Megatron's attribute, in the record
 
 
 def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None:
@@ -217,12 +222,13 @@ def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None
     parallelism. Megatron-LM: _allreduce_non_tensor_model_parallel_grads in
     megatron/core/distributed/finalize_model_grads.py (also one coalesced all-reduce).
 
-    models: this rank's model chunks (not wrapped). In place: afterwards every marked p.grad
+    models: this rank's model chunks (bare, or in a data-parallel wrapper after its sync, which
+    left p.grad the reduced gradient). In place: afterwards every marked p.grad
     is the single-device gradient, the same on every rank of the group. Parameters without a
     gradient are left out; a group of one rank communicates nothing."""
     # BEGIN EXERCISE 4.4: spot the bug in the norm-gradient all-reduce | hint: each rank's copy of a norm weight saw only its own s/tp tokens: what does the single-device gradient do with the shares? And which parameters are marked sequence_parallel?
     grads = [p.grad for m in models for p in m.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+             if placement_of(p).sequence_parallel and p.grad is not None]
     if not grads or group_size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])                  # one message, not one per norm
@@ -232,51 +238,3 @@ def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
     # END EXERCISE
-
-
-# ---- the single-device view ---------------------------------------------------------------
-def gather_full_tensors(named: dict[str, torch.Tensor], params: dict[str, nn.Parameter], tp_group,
-                        tag: str = "full") -> dict[str, torch.Tensor]:
-    """{name: full single-device tensor} from this rank's tensors `named` (parameters or their
-    gradients), using each parameter's attributes (`params[name]`): a split one is
-    all-gathered along partition_dim over `tp_group` (one all-gather each, ledger tag `tag`),
-    its stride blocks put back in order and its padding (unpadded_size) cut off; a replicated
-    one is copied. Collective: every rank of the group must call it."""
-    tp, out = group_size(tp_group), {}
-    for name, t in named.items():
-        t = t.detach()
-        if tp == 1 or not getattr(params[name], "tensor_model_parallel", False):
-            out[name] = t.clone()
-            continue
-        p = params[name]
-        dim, stride = p.partition_dim, p.partition_stride
-        gathered = all_gather(t.contiguous(), tp_group, dim=dim, tag=tag)
-        if stride > 1:
-            # rank-major [r0: b0 b1 | r1: b0 b1 ...] -> block-major [b0: r0 r1 | b1: r0 r1]
-            per_rank = [chunk.chunk(stride, dim) for chunk in gathered.chunk(tp, dim)]
-            gathered = torch.cat([torch.cat([pr[k] for pr in per_rank], dim) for k in range(stride)], dim)
-        if getattr(p, "unpadded_size", None) is not None:
-            gathered = gathered.narrow(dim, 0, p.unpadded_size)
-        out[name] = gathered.contiguous()
-    return out
-
-
-def _dense_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if not is_expert_parameter(p)}
-
-
-def full_parameters(model: nn.Module, tp_group) -> dict[str, torch.Tensor]:
-    """{single-device name: full tensor}, as the unsplit GPTModel's named_parameters would give.
-    One all-gather (tag "full") per split parameter; collective over `tp_group`. A mixture's
-    routed experts (marked allreduce=False) are left out: moe.full_expert_tensors gathers them."""
-    params = _dense_parameters(model)
-    return gather_full_tensors(params, params, tp_group)
-
-
-def full_gradients(model: nn.Module, tp_group) -> dict[str, torch.Tensor]:
-    """{single-device name: full gradient}: the gradients the unsplit model would hold after
-    the same backward (replicated ones from this rank: they are identical on every rank).
-    Collective, as full_parameters (experts left out as there)."""
-    params = _dense_parameters(model)
-    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
-    return gather_full_tensors(grads, params, tp_group)

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from booktools.exercises import plugged
 from minimegatron.launch import spawn
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 from workers import tp as W                          # tests/workers/tp.py
 
-demo = import_chapter_demo("02")                     # chapters/02_tp/demo.py
+demo = import_chapter("02")                     # chapters/02_tp/demo.py
 
 WORLD = 4
 

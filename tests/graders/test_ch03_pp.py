@@ -21,9 +21,9 @@ from booktools.exercises import implementation, plugged
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.pp.timeline import idle_fraction, simulate
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 
-ch03 = import_chapter_demo("03")          # chapters/03_pp/demo.py: the chapter's runs and their checks
+ch03 = import_chapter("03")          # chapters/03_pp/demo.py: the chapter's runs and their checks
 
 WORLD = 4
 

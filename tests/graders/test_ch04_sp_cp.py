@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 from booktools.exercises import implementation
 from minimegatron.launch import spawn
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 from workers import sp_cp as W                          # tests/workers/sp_cp.py
 from workers.checks import exercise_data
 
-ch04 = import_chapter_demo("04")                        # chapters/04_sp_cp/demo.py
+ch04 = import_chapter("04")                        # chapters/04_sp_cp/demo.py
 
 WORLD = 4
 # 4.2: zig-zag over 4 ranks (RoPE: the positions reach the rotation) and over 2 x dp 2 with the

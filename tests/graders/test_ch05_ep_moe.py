@@ -29,6 +29,7 @@ from booktools.exercises import implementation
 from minimegatron.config import TrainConfig
 from minimegatron.launch import spawn
 from minimegatron.moe.dispatcher import unsort_chunks_by_expert
+from minimegatron.placement import set_placement
 from minimegatron.testing import RunRecord, compare_runs, global_batches, single_device_run
 from workers import moe_graders as W                    # tests/workers/moe_graders.py
 from workers.checks import exercise_data
@@ -402,12 +403,13 @@ def test_all_to_all_dispatcher_with_your_resort_equals_the_experts_on_one_device
 # 5.4 spot the bug: the experts' gradient group
 # --------------------------------------------------------------------------------------
 def _params(marks: list[bool | None]) -> list[nn.Parameter]:
-    """Parameters of distinct sizes; True/False set `allreduce`, None leaves it unset."""
+    """Parameters of distinct sizes; True/False set `allreduce` in their placement records, None
+    leaves the record as it is (no record: allreduce is True)."""
     out = []
     for i, mark in enumerate(marks):
         p = nn.Parameter(torch.zeros(i + 1))
         if mark is not None:
-            p.allreduce = mark
+            set_placement(p, allreduce=mark)
         out.append(p)
     return out
 

@@ -25,7 +25,7 @@ from minimegatron.dp import naive
 from minimegatron.dp.ddp import DistributedDataParallel
 from minimegatron.dp.naive import HookedDataParallel, NaiveDataParallel
 from minimegatron.model import GPTModel
-from minimegatron.optim import Optimizer, clip_grad_norm, learning_rate, set_learning_rate
+from minimegatron.optim import Optimizer, learning_rate, set_learning_rate
 from minimegatron.testing import RunRecord, assert_equivalent, local_microbatch, make_batches, single_device_run
 
 
@@ -91,7 +91,7 @@ def train_data_parallel(case: DPCase, group) -> dict:
     cfg, train_cfg = case.model_config(), case.train_config()
     model = GPTModel(cfg)
     wrapper = build_wrapper(case, model, group)
-    optimizer = Optimizer(model.parameters(), train_cfg)
+    optimizer = Optimizer([wrapper], train_cfg)
     names = {p: n for n, p in model.named_parameters()}
     out = {"losses": [], "ledger": [], "timelines": [], "num_params": len(names),
            "grad_bytes": sum(p.numel() * p.element_size() for p in names),
@@ -112,12 +112,11 @@ def train_data_parallel(case: DPCase, group) -> dict:
         with comm.record_communication() as ledger:
             wrapper.finish_grad_sync()
         out["ledger"].append({"microbatches": per_microbatch, "finish": _records(ledger)})
-        if getattr(wrapper, "timeline", None) is not None:
+        if isinstance(wrapper, DistributedDataParallel):
             out["timelines"].append(wrapper.timeline)
         if step == 0:
             out["grads"] = {names[p]: p.grad.detach().clone() for p in names}
-        # the rest of train.train_step, as it runs it
-        clip_grad_norm(optimizer, train_cfg.clip_grad)
+        # the rest of train.train_step, as it runs it (the step clips)
         set_learning_rate(optimizer, learning_rate(step, train_cfg))
         optimizer.step()
         optimizer.zero_grad()

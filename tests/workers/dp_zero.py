@@ -26,14 +26,14 @@ import torch.distributed as dist
 
 from minimegatron.comm import record_communication
 from minimegatron.config import ModelConfig, TrainConfig
-from minimegatron.dp import FullyShardedDataParallel, build_zero, measure_memory
+from minimegatron.dp import FullyShardedDataParallel, ZeroDataParallel, measure_memory
 from minimegatron.dp.fsdp import gather_unit_parameters
 from minimegatron.model import GPTModel
-from minimegatron.optim import learning_rate
+from minimegatron.optim import NormGroup, Optimizer, learning_rate
 from minimegatron.parallel_state import Layout
 from minimegatron.testing import local_microbatch, make_batches
 from minimegatron.train import train_step
-from minimegatron.viz import wait_until
+from minimegatron.testing import wait_until
 
 SEQ = 16
 
@@ -89,12 +89,14 @@ def _train(case: dict, batches, start: int = 0, stop: int | None = None, state: 
     cfg = tiny_config(case["style"], case.get("dtype", "float64"))
     tcfg = case_train_config(case)
     model = GPTModel(cfg)
-    wrapper, opt = build_zero(model, layout.dp_group, case["stage"], tcfg, bucket_size=case.get("bucket_size"))
+    wrapper = (FullyShardedDataParallel(model, layout.dp_group) if case["stage"] == 3 else
+               ZeroDataParallel(model, layout.dp_group, case["stage"], bucket_size=case.get("bucket_size")))
+    opt = Optimizer([wrapper], tcfg, [NormGroup(groups=(layout.dp_group,))])      # the shards' norm: over dp
     if state is not None:
         (wrapper if case["stage"] == 3 else model).load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
     out = {"losses": [], "norms": [], "ledger": [], "grads": {}, "synced_grads_freed": True,
-           "buckets": [(b.numel, b.padded_numel, b.shard_numel) for b in getattr(wrapper, "buckets", [])]}
+           "buckets": [(b.numel, b.padded_numel, b.shard_numel) for b in (wrapper.buckets if case["stage"] < 3 else [])]}
     for step in range(start, len(batches) if stop is None else stop):
 
         def on_grads(step=step):
@@ -103,14 +105,13 @@ def _train(case: dict, batches, start: int = 0, stop: int | None = None, state: 
                 out["synced_grads_freed"] &= all(p.grad is None for p in model.parameters())
             if step == 0:
                 out["grads"] = wrapper.gather_gradients()         # tag "inspect": not in the ledger rows
-            out["grad_peak"] = getattr(wrapper, "grad_bytes_peak", None)   # zero_grad resets it
+            out["grad_peak"] = wrapper.grad_bytes_peak if case["stage"] < 3 else None   # zero_grad resets it
 
         microbatches = [local_microbatch(batches[step], tcfg, m, layout.dp_rank, layout.dp) for m in range(case["M"])]
         profile_ctx = (wrapper.memory_profile(settle=wait_until) if case["stage"] == 3 and step == start
                        else nullcontext())
         with record_communication() as ledger, profile_ctx as events:
-            loss, norm = train_step([wrapper], opt, microbatches, layout, learning_rate(step, tcfg), tcfg.clip_grad,
-                                    on_grads=on_grads)
+            loss, norm = train_step([wrapper], opt, microbatches, layout, learning_rate(step, tcfg), on_grads=on_grads)
         if events is not None:
             out["profile"] = [(e.label, e.sharded, e.gathered) for e in events]
         out["losses"].append(loss)

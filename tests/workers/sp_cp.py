@@ -22,11 +22,11 @@ from booktools.exercises import implementation
 from minimegatron import comm
 from minimegatron.cp import cp_chunk_ids
 from minimegatron.cp.ring import ring_attention
-from minimegatron.testing import import_chapter_demo
+from booktools.demo import import_chapter
 from minimegatron.tp import ColumnParallelLinear
 from workers.checks import run_exercise_checks
 
-ch04 = import_chapter_demo("04")              # chapters/04_sp_cp/demo.py
+ch04 = import_chapter("04")              # chapters/04_sp_cp/demo.py
 
 # attention: batch, query heads, key/value groups, head size, sequence (divisible by 2 x 4)
 B, A, G, D, S = 2, 4, 2, 8, 16

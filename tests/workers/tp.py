@@ -16,12 +16,13 @@ from torch import nn
 
 from minimegatron import comm
 from minimegatron.config import TrainConfig
-from minimegatron.optim import Optimizer, clip_grad_norm
-from minimegatron.testing import import_chapter_demo
+from minimegatron.optim import NormGroup, Optimizer, clip_grad_norm
+from minimegatron.placement import set_placement
+from booktools.demo import import_chapter
 from minimegatron.tp import (ColumnParallelLinear, RowParallelLinear, pad_vocab_size,
                              set_tensor_model_parallel_attributes, vocab_parallel_cross_entropy)
 
-train_run = import_chapter_demo("02").train_run
+train_run = import_chapter("02").train_run
 
 B, S, IN, OUT = 2, 3, 8, 12           # tiny layer shapes; tp 2, 3, 4 divide OUT (and 2, 4 IN)
 
@@ -114,7 +115,7 @@ def grade_vocab_parallel_loss(runs=()) -> dict:
 def grad_norm_parameters(rank: int) -> list[nn.Parameter]:
     """Hand-made parameters of a rank, their gradients set, as a TP model would hold them:
       norm.weight   replicated (no TP attributes), grad [3., 4.] on every rank: squares 25;
-      w             split (tensor_model_parallel), this rank's shard of the gradient:
+      w             split (tensor_model_parallel in its record), this rank's shard of the gradient:
                     [k, 2k], k = rank + 1: squares 5 k^2;
       output copy   a pipeline's last-stage copy of a tied embedding (`shared`), split too,
                     grad [10., 10.] on every rank: the embedding's gradient again, so it
@@ -122,8 +123,8 @@ def grad_norm_parameters(rank: int) -> list[nn.Parameter]:
     k = float(rank + 1)
     norm, w, copy = (nn.Parameter(torch.zeros(2, dtype=torch.float64)) for _ in range(3))
     for p in (w, copy):
-        set_tensor_model_parallel_attributes(p, 0)
-    copy.shared = True
+        set_tensor_model_parallel_attributes(p, 0, dist.group.WORLD)
+    set_placement(copy, shared=True)
     for p, grad in ((norm, [3.0, 4.0]), (w, [k, 2 * k]), (copy, [10.0, 10.0])):
         p.grad = torch.tensor(grad, dtype=torch.float64)
     return [norm, w, copy]
@@ -137,7 +138,7 @@ def grade_grad_norm(runs=()) -> dict:
     (train_run)."""
     rank = dist.get_rank()
     params = grad_norm_parameters(rank)
-    optimizer = Optimizer(params, TrainConfig(), tp_rank=rank, grad_stats_groups=[dist.group.WORLD])
+    optimizer = Optimizer([nn.ParameterList(params)], TrainConfig(), [NormGroup(groups=(dist.group.WORLD,), tp_rank=rank)])
     with comm.record_communication() as ledger:
         norm = clip_grad_norm(optimizer, 0.0)
     return {"squares": norm ** 2, "ledger": _calls(ledger), "runs": [train_run(run) for run in runs]}

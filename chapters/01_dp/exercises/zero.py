@@ -13,22 +13,22 @@ Grade the whole chapter with `make grade CH=01`; start a stub over with
 from __future__ import annotations
 
 from minimegatron.comm import reduce_scatter_tensor
-from minimegatron.dp.zero import Bucket
+from minimegatron.dp.buffer import Bucket
 
 
 def reduce_scatter_gradients(buckets: list[Bucket], group) -> None:
     """ZeRO-1's gradient sync (what ZeroDataParallel.finish_grad_sync runs at stage 1): from
     every rank's local gradients to this rank's shard of their average, bucket by bucket.
 
-    For each bucket b of `buckets`, in list order (see `Bucket`; S = b.shard_numel, dp = the
-    size of `group`, this rank owns the elements [b.start, b.end) of the bucket):
+    For each bucket b of `buckets`, in list order (see `buffer.Bucket`; S = b.shard_numel, dp =
+    the size of `group`, this rank owns the elements [b.start, b.end) of the bucket):
       before: b.grad_data [dp*S] holds this rank's local gradient of the whole bucket,
-              accumulated by backward (the model's .grad are views of it; the padding is 0);
+              accumulated by backward (the padding is 0);
       after:  b.main_grad [S] holds the average over the ranks of `group` of their
-              b.grad_data[b.start:b.end]: the gradient shard the DistributedOptimizer clips
-              and steps with. main_grad IS the view b.grad_data[b.start:b.end], so the
-              result lands in place, in the bucket's own buffer (as Megatron's distributed
-              optimizer does); the rest of grad_data is not read again before zero_grad.
+              b.grad_data[b.start:b.end]: the gradient shard the optimizer clips and steps
+              with. main_grad IS the view b.grad_data[b.start:b.end], so the result lands in
+              place, in the bucket's own buffer (as Megatron's distributed optimizer does);
+              the rest of grad_data is not read again before zero_grad.
     Collectives: exactly one comm.reduce_scatter_tensor per bucket, over `group`, op "avg",
     tag "grads", in bucket order (every rank issues the same calls in the same order).
     Ledger: len(buckets) reduce_scatter records of dp*S*e bytes each (e bytes per element).

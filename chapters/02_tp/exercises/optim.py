@@ -21,10 +21,10 @@ def grads_for_norm(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], tp_rank:
     """The gradients this rank counts toward the global norm.
 
     pieces: (parameter, gradient) pairs: every gradient this rank holds (a whole p.grad, or
-    under ZeRO the part of one in this rank's shard), with the parameter it belongs to, whose
-    attributes say how the model is split. tp_rank: this rank's index in its TP group.
-    Returns the gradients to count so that, summed over the ranks of the groups that split
-    the model, every element of the single-device gradient is counted exactly once:
+    under ZeRO the part of one in this rank's shard), with the parameter it belongs to (or its
+    placement record), which says how the model is split. tp_rank: this rank's index in its TP
+    group. Returns the gradients to count so that, summed over the ranks of the groups that
+    split the model, every element of the single-device gradient is counted exactly once:
     parameters that pass param_is_not_shared AND param_is_not_tensor_parallel_duplicate.
 
     Spot the bug (exercise 2.4): a first version of this body, and what it did when checked

@@ -5,6 +5,7 @@ Do not edit the signatures or the docstrings: the docstring is the spec. Fill in
 body between its BEGIN/END EXERCISE markers, then grade it:
 
     3.2  the stage partition  ->  stage_layers()   make grade EX=3.2
+    3.4  spot the bug in the tied-embedding gradient sync  ->  allreduce_tied_embedding_grads()   make grade EX=3.4
 
 Grade the whole chapter with `make grade CH=03`; start a stub over with
 `make exercises-reset CH=03` (this discards your work in the chapter).
@@ -12,7 +13,9 @@ Grade the whole chapter with `make grade CH=03`; start a stub over with
 
 from __future__ import annotations
 
+from minimegatron import comm
 from minimegatron.config import ConfigError
+from minimegatron.dp import grad_of, unwrap
 from minimegatron.pp.stages import virtual_stage
 
 
@@ -42,4 +45,35 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 
     # BEGIN EXERCISE 3.2: the stage partition
     # hint: k = chunk * pp + rank; even: n = L // (pp v), layers [k n, (k+1) n); uneven: start = sum of the counts before k
     raise NotImplementedError("exercise 3.2")
+    # END EXERCISE
+
+
+def allreduce_tied_embedding_grads(chunks: list[nn.Module], embedding_group) -> None:
+    """Make the two copies of a tied embedding get the single-device gradient.
+
+    With tied embeddings the single-device model has ONE matrix E [V, h] used twice: by the
+    embedding lookup (first virtual stage) and by the output layer (logits = x E^T, last
+    virtual stage). Under pipeline parallelism each of the two stages holds a copy, and after
+    the backward each copy holds only the gradient of ITS use: the first stage's
+    chunk.embedding.word_embeddings.weight.grad = dE_lookup, the last stage's
+    chunk.output_layer.weight.grad = dE_logits. The single-device gradient is their sum.
+
+    chunks: this rank's model chunks: GPTModel stages, bare or in their data-parallel wrapper
+    (dp.unwrap(chunk) is the GPTModel; dp.grad_of(chunk, p) is where p's gradient is: p.grad
+    of a bare model, a bucket's view under DDP and ZeRO-1, the parameter's own shard under
+    ZeRO-2, which gives each copy a bucket of its own sharded alike on both stages). A
+    GPTModel's pre_process says it is the first virtual stage, its post_process the last.
+
+    The spec. On the chunk that is the first virtual stage (and not the last) and on the chunk
+    that is the last virtual stage (and not the first), exactly one comm.all_reduce (sum) of
+    that copy's gradient (grad_of) over `embedding_group` (the two ranks), tag "embedding-grads";
+    both copies then hold dE_lookup + dE_logits (in their tensor-parallel shards, under 3D).
+    Nothing for untied embeddings, when one chunk is both first and last, or on the other chunks.
+
+    Spot the bug (exercise 3.4): a first version of this body, and what it did when checked
+    against the single-device run, are in chapters/03_pp/exercises/spot_the_bug.md.
+    """
+    # BEGIN EXERCISE 3.4: spot the bug in the tied-embedding gradient sync
+    # hint: each copy holds the gradient of one use; the single-device gradient is the sum of the two. Which chunks hold a copy, and which hold both uses?
+    raise NotImplementedError("exercise 3.4")
     # END EXERCISE

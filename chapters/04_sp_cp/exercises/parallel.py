@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from minimegatron.comm import all_reduce, group_size
+from minimegatron.placement import placement_of
 
 
 def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None:
@@ -25,7 +26,8 @@ def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None
     parallelism. Megatron-LM: _allreduce_non_tensor_model_parallel_grads in
     megatron/core/distributed/finalize_model_grads.py (also one coalesced all-reduce).
 
-    models: this rank's model chunks (not wrapped). In place: afterwards every marked p.grad
+    models: this rank's model chunks (bare, or in a data-parallel wrapper after its sync, which
+    left p.grad the reduced gradient). In place: afterwards every marked p.grad
     is the single-device gradient, the same on every rank of the group. Parameters without a
     gradient are left out; a group of one rank communicates nothing."""
     # BEGIN EXERCISE 4.4: spot the bug in the norm-gradient all-reduce

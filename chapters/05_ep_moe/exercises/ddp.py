@@ -14,15 +14,16 @@ from __future__ import annotations
 
 from typing import Sequence
 from torch import nn
+from minimegatron.placement import placement_of
 
 
 def reduction_groups(params: Sequence[nn.Parameter], dp_group, expert_dp_group
                      ) -> list[tuple[list[nn.Parameter], object]]:
     """Which gradients are reduced where: [(dense parameters, dp_group), (expert parameters,
     expert_dp_group)], always these two entries in this order, each list in the order of
-    `params` (an empty list when there is none of its kind). An expert parameter is one marked
-    `allreduce = False` (moe.apply_expert_parallel, Megatron's attribute); every other parameter
-    is dense. dp_group: the dense data-parallel group (the dp x cp ranks that hold the same dense
+    `params` (an empty list when there is none of its kind). An expert parameter is one whose
+    placement record says `allreduce = False` (placement.placement_of(p).allreduce; set by
+    moe.apply_expert_parallel, Megatron's attribute); every other parameter is dense. dp_group: the dense data-parallel group (the dp x cp ranks that hold the same dense
     parameters); expert_dp_group: the expert-data-parallel group (the ranks that hold the same
     experts). ValueError if there are experts but expert_dp_group is None.
 

@@ -1,0 +1,182 @@
+"""What every chapter demo shares, written once: finding a chapter's module, its command line's
+frame, the torchrun-or-spawn entry, and the verdict. A chapter's demo.py keeps only its
+experiment (the run, what each rank records, the report):
+
+    def main(argv=None) -> int:
+        args = parse_args(argv)                            # demo_parser(...) + the chapter's flags
+        return run_demo(args, "02", build_run, train_run, report, model_parallel=lambda a: {"tp": a.tp})
+
+`run_demo` runs the experiment under torchrun (every rank trains, rank 0 reports, every rank
+exits with rank 0's verdict) or, without torchrun, spawns the run's ranks itself and reports
+in this process. A report prints what it found and returns its last line, which starts with
+MATCH (exit 0) or MISMATCH (exit 1); a configuration that cannot run is named before any
+process starts (exit 2).
+
+Notebooks, graders and make_figures.py reach a chapter's experiments with
+`import_chapter("03")` (chapters/03_pp/demo.py as the module chapters.03_pp.demo), which spawned
+ranks can import again by that name. This lives here, beside the exercise tools, because it is
+the book's machinery: the package `minimegatron` never imports a chapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent                 # the repository: minimegatron/, chapters/
+
+__all__ = ["import_chapter", "demo_parser", "check_at_least_one", "largest_differences", "verdict_line",
+           "data_parallel_size_under_torchrun", "verdict_under_torchrun", "run_demo"]
+
+
+def import_chapter(number: str, module: str = "demo"):
+    """The module chapters/<number>_*/<module>.py, imported as chapters.<folder>.<module> (e.g.
+    import_chapter("00") -> chapters.00_single_device.demo). The repository root goes on sys.path
+    if it is not there; chapters/ and its folders have no __init__.py (namespace packages).
+    Because the module has a real dotted name, a function defined in it can be sent to
+    minimegatron.launch.spawn. FileNotFoundError when no (or more than one) folder matches."""
+    folders = sorted(p.parent.name for p in (ROOT / "chapters").glob(f"{number}_*/{module}.py"))
+    if len(folders) != 1:
+        raise FileNotFoundError(f"chapter {number!r}: expected one chapters/{number}_*/{module}.py under {ROOT}, "
+                                f"found {folders}")
+    if not any(Path(p or ".").resolve() == ROOT for p in sys.path):
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"chapters.{folders[0]}.{module}")
+
+
+def demo_parser(chapter: str, description: str) -> argparse.ArgumentParser:
+    """The parser of chapters/<chapter>_*/demo.py, with the verdict's promise as its epilog."""
+    folder = next((ROOT / "chapters").glob(f"{chapter}_*")).name
+    return argparse.ArgumentParser(prog=f"chapters/{folder}/demo.py", description=description,
+                                   epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+
+
+def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> argparse.Namespace:
+    """parser.error for every flag among `names` that was given (not None) below 1; returns args."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}={value} must be at least 1")
+    return args
+
+
+def largest_differences(equivalences) -> str:
+    """The largest loss, gradient and parameter differences of testing.EquivalenceReport's, with
+    the tolerance, in one line."""
+    worst = {k: max(getattr(e, k) for e in equivalences) for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
+    tol = equivalences[0].tolerance
+    return (f"max |dloss| {worst['max_loss_diff']:.1e} (tol {tol.loss:.0e}), max |dgrad| {worst['max_grad_diff']:.1e}, "
+            f"max |dparam| {worst['max_param_diff']:.1e} (rtol {tol.rtol:.0e}, atol {tol.atol:.0e})")
+
+
+def verdict_line(reports, name: Callable, claim: str) -> str:
+    """A demo's last line from its reports (each with .ok, .equivalence and .problems): "MATCH:
+    <names> equal the single-device run: <differences>; <claim>", or "MISMATCH: <why>; <differences>"
+    naming every report that failed and its first problem."""
+    diffs = largest_differences([r.equivalence for r in reports])
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        why = "; ".join(f"{name(r)}: " + (r.problems[0] if r.problems else "differs from the single-device run")
+                        for r in bad)
+        return f"MISMATCH: {why}; {diffs}"
+    return f"MATCH: {', '.join(name(r) for r in reports)} equal the single-device run: {diffs}; {claim}"
+
+
+def data_parallel_size_under_torchrun(world: int, rank: int, sizes: dict[str, int], dp: int | None) -> int | None:
+    """The data-parallel size of a chapter demo started by torchrun with `world` ranks, whose
+    model-parallel sizes are `sizes` (e.g. {"tp": 2, "pp": 2}, in the demo's flag order): world
+    divided by their product, or `dp` when that was given and the product times dp is the world.
+    None when the ranks do not fit, after rank 0 printed which numbers must divide or equal
+    which (the demo then leaves with launch.finish_torchrun(2))."""
+    product = math.prod(sizes.values())
+    if world % product == 0 and (dp is None or product * dp == world):
+        return world // product
+    if rank == 0:
+        flags = " x ".join(f"--{name} {size}" for name, size in sizes.items())
+        names = " x ".join(sizes)
+        if dp is None:
+            need = f"{flags} = {product} must divide the number of ranks {world} (dp = ranks / ({names}))"
+        else:
+            need = f"{flags} x --dp {dp} = {product * dp} must equal the number of ranks {world}"
+        print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
+    return None
+
+
+def verdict_under_torchrun(result, report: Callable[[list], int]) -> int:
+    """The end of a chapter demo under torchrun, on every rank: gather every rank's `result`
+    on rank 0 (torch.distributed.gather_object: plumbing for the report, in no ledger), call
+    `report(per_rank)` there (it prints, and returns the exit status; a report that raises
+    prints its traceback and counts as MISMATCH, 1), broadcast rank 0's status to every rank,
+    leave the job with launch.finish_torchrun (the one teardown of every torchrun entry: it
+    frees every process group and its gloo threads before Python shuts down) and return the
+    status: every rank exits with rank 0's verdict."""
+    import torch.distributed as dist
+
+    from minimegatron import comm
+    from minimegatron.launch import finish_torchrun
+
+    rank = dist.get_rank()
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    code = 0
+    if rank == 0:
+        try:
+            code = report(gathered)
+        except Exception:                               # still tell the other ranks
+            traceback.print_exc()
+            print("MISMATCH: the report failed (traceback above)")
+            code = 1
+    verdict = torch.tensor([code])
+    comm.broadcast(verdict, 0, None, tag="verdict")
+    return finish_torchrun(int(verdict.item()))
+
+
+def run_demo(args: argparse.Namespace, chapter: str, build: Callable, train: Callable, report: Callable, *,
+             model_parallel: Callable[[argparse.Namespace], dict[str, int]] = lambda args: {},
+             spawn_dp: Callable[[argparse.Namespace], int] = lambda args: args.dp or 1) -> int:
+    """The main of a chapter demo; returns the exit status.
+
+    build(args, dp) -> the run (with .world, its ranks, and .name()); a configuration that cannot
+        run raises ConfigError or ValueError here, before any process starts (exit 2).
+    train(run) -> this rank's record, on every rank (a top-level function: spawned ranks import it).
+    report(args, run, per_rank) -> the verdict line, after printing what it checked.
+    Under torchrun (RANK set) dp = ranks / the product of model_parallel(args) (or args.dp when
+    it fits); otherwise this process spawns run.world ranks with dp = spawn_dp(args)."""
+    from minimegatron.config import ConfigError
+    from minimegatron.launch import finish_torchrun, init_from_torchrun, spawn
+
+    torch.set_num_threads(1)
+    torchrun = "RANK" in os.environ
+    try:
+        if torchrun:
+            rank, world = init_from_torchrun()
+            dp = data_parallel_size_under_torchrun(world, rank, model_parallel(args), vars(args).get("dp"))
+            if dp is None:
+                return finish_torchrun(2)
+            run, start = build(args, dp), time.perf_counter()
+            return verdict_under_torchrun(train(run), lambda per_rank: _report(
+                chapter, report, args, run, per_rank, "torchrun", time.perf_counter() - start))
+        run, start = build(args, spawn_dp(args)), time.perf_counter()
+        per_rank = spawn(train, run.world, run, timeout=600)
+        return _report(chapter, report, args, run, per_rank, "spawned by this script; torchrun works too",
+                       time.perf_counter() - start)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return finish_torchrun(2) if torchrun else 2
+
+
+def _report(chapter, report, args, run, per_rank, how: str, seconds: float) -> int:
+    print(f"Chapter {chapter}: {run.name()} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
+    line = report(args, run, per_rank)
+    print()
+    print(line)
+    return 0 if line.startswith("MATCH") else 1
