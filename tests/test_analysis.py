@@ -20,7 +20,9 @@ from minimegatron.analysis import (REAL_MODELS, activation_memory, adam_bytes_pe
                                    training_memory)
 from minimegatron.config import ModelConfig
 from minimegatron.model import GPTModel
-from minimegatron.viz import plot_memory_breakdown
+from booktools.demo import import_chapter
+
+plot_memory_breakdown = import_chapter("00", "make_figures").plot_memory_breakdown
 
 # The formulas count the written-out ("naive") attention, whose matmuls FlopCounterMode and the
 # saved-tensor hooks see one by one; cases that need the fused kernel say attention_backend="sdpa".

@@ -29,7 +29,9 @@ from minimegatron.dp.naive import NaiveDataParallel
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.testing import RunRecord, assert_equivalent, single_device_run
-from minimegatron.viz import plot_bucket_timeline
+from booktools.demo import import_chapter
+
+plot_bucket_timeline = import_chapter("01", "make_figures").plot_bucket_timeline
 from workers.dp_ddp import DPCase, check_equivalent, check_ledger, check_run, run_world, tiny_config
 
 MID = 65536     # bytes: 8192 float64 elements, 4 buckets for either tiny model

@@ -297,7 +297,8 @@ def test_zero3_memory_profile_untied():
 
 def test_zero3_memory_profile_tied_and_plot(tmp_path):
     from minimegatron.dp.fsdp import MemoryEvent
-    from minimegatron.viz import plot_memory_profile
+    from booktools.demo import import_chapter
+    plot_memory_profile = import_chapter("01", "make_figures").plot_memory_profile
 
     dp, i = 3, 5
     c = CASES[dp][i]

@@ -18,8 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
@@ -29,6 +27,7 @@ from minimegatron.analysis import (GiB, activation_memory, count_parameters,  # 
 from minimegatron.config import ModelConfig  # noqa: E402
 from minimegatron.model import GPTModel  # noqa: E402
 from minimegatron.arguments import PRESETS  # noqa: E402
+from minimegatron.viz import new_figure  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "figures"
 
@@ -130,7 +129,53 @@ def plot_flops() -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------
+# the figures (drawn from the records the code keeps; the notebook and the tests draw them too)
+# ---------------------------------------------------------------------------------------
+def plot_memory_breakdown(reports: dict[str, dict] | dict, path: str | None = None, *,
+                          device_memory_gib: float | None = None, title: str | None = None,
+                          unit: str = "auto"):
+    """A stacked bar chart of params / grads / optimizer / activations.
+
+    reports: one analysis.memory_report, or {label: memory_report} for several bars (e.g. the
+      ZeRO stages of chapter 01, or several micro-batch sizes).
+    path: save a PNG there. device_memory_gib: draw a dashed line at one device's memory.
+    unit: "KiB", "MiB", "GiB", "TiB", or "auto" (the largest unit in which the tallest bar
+      is at least 1).
+    Returns the matplotlib Figure (Agg canvas).
+    """
+    if "total" in reports:                         # a single report
+        reports = {reports.get("model", "model"): reports}
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    if unit == "auto":
+        tallest = max(report["total"] for report in reports.values())
+        unit = next((u for u in reversed(units) if tallest >= units[u]), "KiB")
+    scale = units[unit]
+
+    parts = ("params", "grads", "optimizer", "activations")
+    colors = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+    fig = new_figure(figsize=(3.0 + 1.2 * len(reports), 4.2))
+    ax = fig.add_subplot()
+    labels = list(reports)
+    bottoms = [0.0] * len(labels)
+    for part, color in zip(parts, colors):
+        heights = [reports[label][part] / scale for label in labels]
+        ax.bar(labels, heights, bottom=bottoms, color=color, label=part, width=0.6)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    if device_memory_gib is not None:
+        line = device_memory_gib * GiB / scale
+        ax.axhline(line, color="black", linestyle="--", linewidth=1, label=f"one device ({device_memory_gib:g} GiB)")
+    ax.set_ylabel(unit)
+    ax.set_title(title or "training memory per device", fontsize="medium")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
 def main() -> None:
+    plt.switch_backend("Agg")       # a script: no screen (importing this file leaves the backend alone)
     OUT.mkdir(parents=True, exist_ok=True)
     plot_memory()
     plot_flops()

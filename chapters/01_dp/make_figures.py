@@ -40,6 +40,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import os
 import torch
 import torch.distributed as dist
 
@@ -54,7 +55,8 @@ from minimegatron.optim import Optimizer
 from minimegatron.parallel_state import Layout
 from booktools.demo import import_chapter
 from minimegatron.train import train_step
-from minimegatron.viz import plot_bucket_timeline, plot_memory_profile
+from minimegatron.dp.timeline import BucketTimeline
+from minimegatron.viz import new_figure
 
 ch01 = import_chapter("01")      # the chapter's experiment: variants, runs, formulas
 
@@ -188,6 +190,78 @@ def plot_zero_memory(measured: dict[int, dict], formula: dict[int, dict], n_tiny
 # ---------------------------------------------------------------------------------------
 def fmt(n: float) -> str:
     return f"{n:,.0f}"
+
+
+# ---------------------------------------------------------------------------------------
+# the figures (drawn from the records the code keeps; the notebook and the tests draw them too)
+# ---------------------------------------------------------------------------------------
+def plot_bucket_timeline(timeline: BucketTimeline, path: str | os.PathLike | None = None,
+                         title: str | None = None):
+    """Draw backward and each bucket's all-reduce (dp.timeline.BucketTimeline) as bars on one
+    time axis (milliseconds).
+
+    Row "backward": 0 .. backward_end. Row "sync": finish_grad_sync. One row per bucket, in
+    launch order: a bar from launch to completion (hatched where finish_grad_sync waited for
+    it). Saves a PNG to `path` if given; returns the matplotlib Figure (Agg canvas).
+    """
+    events = timeline.buckets
+    rows = ["backward", "finish_grad_sync"] + [f"bucket {e.bucket}" for e in events]
+    fig = new_figure(figsize=(7.5, 1.3 + 0.38 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    ms = 1e3
+    span = max(timeline.sync_end, timeline.backward_end, 1e-9)
+    y = {name: len(rows) - 1 - i for i, name in enumerate(rows)}      # first row on top
+    ax.barh(y["backward"], timeline.backward_end * ms, left=0, height=0.6, color="tab:blue",
+            label="backward (gradient computation)")
+    ax.barh(y["finish_grad_sync"], (timeline.sync_end - timeline.sync_start) * ms,
+            left=timeline.sync_start * ms, height=0.6, color="tab:gray", label="finish_grad_sync")
+    hatched = False
+    for e in events:
+        end = e.completed if e.completed is not None else timeline.sync_end
+        ax.barh(y[f"bucket {e.bucket}"], max(end - e.launched, 1e-6) * ms, left=e.launched * ms,
+                height=0.6, color="tab:orange",
+                label="all-reduce (launch .. done)" if e is events[0] else None)
+        if e.waited > 0.01 * span and e.wait_start is not None:   # communication the step waited for
+            ax.barh(y[f"bucket {e.bucket}"], e.waited * ms, left=e.wait_start * ms, height=0.6,
+                    fill=False, hatch="///", edgecolor="black", linewidth=0,
+                    label=None if hatched else "waited for in finish_grad_sync")
+            hatched = True
+    ax.axvline(timeline.backward_end * ms, color="tab:blue", linestyle=":", linewidth=1)
+    ax.set_yticks([y[r] for r in rows], rows)
+    ax.set_xlabel("milliseconds after backward started")
+    ax.set_title(title or f"DDP bucket all-reduces ({'overlapped with' if timeline.overlap else 'after'} backward)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike | None = None,
+                        unsharded_bytes: int | None = None, title: str = "ZeRO-3 parameter memory over one step"):
+    """A step chart of the parameter bytes one rank holds at each event of a ZeRO-3 step
+    (FullyShardedDataParallel.memory_profile: own shards, and gathered units on top);
+    `unsharded_bytes` draws the full parameters as a dashed line. Returns the Figure (Agg
+    canvas) and saves it to `path` if given."""
+    x = range(len(profile))
+    sharded = [e.sharded / 1024 for e in profile]
+    total = [(e.sharded + e.gathered) / 1024 for e in profile]
+    fig = new_figure(figsize=(max(6.0, 0.35 * len(profile)), 4))
+    ax = fig.add_subplot()
+    ax.fill_between(x, 0, sharded, step="post", color="tab:blue", alpha=0.6, label="own shards")
+    ax.fill_between(x, sharded, total, step="post", color="tab:orange", alpha=0.6, label="gathered units")
+    if unsharded_bytes:
+        ax.axhline(unsharded_bytes / 1024, color="k", ls="--", lw=1, label="full parameters (ZeRO-0/1/2)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([e.label for e in profile], rotation=75, ha="right", fontsize=7)
+    ax.set_ylabel("parameter memory per rank (KiB)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv=None) -> int:

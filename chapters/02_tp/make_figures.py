@@ -39,8 +39,6 @@ import sys
 from pathlib import Path
 
 import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
@@ -398,6 +396,7 @@ def fmt(n: float) -> str:
 
 
 def main() -> int:
+    plt.switch_backend("Agg")       # a script: no screen (importing this file leaves the backend alone)
     OUT.mkdir(parents=True, exist_ok=True)
     plot_column_row_split()
     plot_tp_layer()

@@ -68,8 +68,7 @@ from minimegatron.pp import (KINDS, Interval, PipelineComm, bubble_fraction, che
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch, single_device_run)
 from minimegatron.tp import apply_tensor_parallel
 from minimegatron.train import initialize_layout, train_step
-from minimegatron.viz import plot_timeline
-from booktools.demo import check_at_least_one, demo_parser, run_demo, verdict_line
+from booktools.demo import check_at_least_one, demo_parser, import_chapter, run_demo, verdict_line
 
 # A rank calls exercise 3.2 (stage_layers) as pipeline.stage_layers, an attribute of the
 # package minimegatron.pp: a grader's plug (booktools.exercises) swaps it there.
@@ -415,23 +414,6 @@ def build_run(args: argparse.Namespace, dp: int) -> PPRun:
                     steps=args.steps or (2 if args.quick else 3), zero_stage=args.zero_stage)
 
 
-def draw(run: PPRun, per_rank: list[dict], path: str) -> None:
-    """The last real step's timeline above the unit-cost simulation of the same schedules."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    title = f"{run.kind}, pp={run.pp}, m={run.micro_batches}" + (f", v={run.num_chunks}" if run.num_chunks > 1 else "")
-    fig, (real, sim) = plt.subplots(2, 1, figsize=(11, 1.1 * run.pp + 2.5))
-    plot_timeline(measured_timeline(per_rank), f"measured, last step (grey: waiting for a receive): {title}",
-                  unit="seconds", ax=real)
-    plot_timeline(simulate(run.kind, run.pp, run.micro_batches, run.num_chunks),
-                  f"simulated with t_f = 1, t_b = 2: {title}", unit="time units", ax=sim)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def report(args, run: PPRun, per_rank: list[dict]) -> str:
     cfg = run.model
     print(f"model: {cfg.normalization}/{cfg.activation}, h={cfg.hidden_size} L={cfg.num_layers} "
@@ -441,8 +423,8 @@ def report(args, run: PPRun, per_rank: list[dict]) -> str:
     print()
     result = check_run(run, per_rank)
     print(result)
-    if args.figure:
-        draw(run, per_rank, args.figure)
+    if args.figure:               # the figure code lives with the chapter's other figures
+        import_chapter("03", "make_figures").draw_run(run, per_rank, args.figure)
         print(f"      timelines: {args.figure}")
     return summary_line([result])
 

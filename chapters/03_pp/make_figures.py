@@ -43,8 +43,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.patches  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -53,7 +51,7 @@ from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.pp import (bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
                              peak_in_flight, schedule, simulate)
 from booktools.demo import import_chapter  # noqa: E402
-from minimegatron.viz import draw_rank_grid, plot_timeline  # noqa: E402
+from minimegatron.viz import draw_rank_grid, new_figure  # noqa: E402
 
 ch03 = import_chapter("03")        # chapters/03_pp/demo.py: the runs and their checks
 
@@ -389,7 +387,60 @@ def draw_activations(real: dict) -> None:
 # ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------
+# the figures (drawn from the records the code keeps; the notebook and the tests draw them too)
+# ---------------------------------------------------------------------------------------
+def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: str = "time", ax=None):
+    """Draw a pipeline schedule (pp.timeline.simulate, or a measured run): one row per rank
+    (rank 0 on top), F boxes light, B boxes dark, each labelled with its micro-batch (and
+    chunk when there are several); waiting for a receive grey, handing an output to a send
+    orange, idle white.
+    Draws into `ax` if given, else into a new Figure (Agg canvas; saved to `path` if given);
+    returns the Figure."""
+    ranks = sorted({i.rank for i in intervals})
+    chunks = max(i.chunk for i in intervals) + 1
+    colors = {"F": ["#9ecae1", "#c6dbef", "#deebf7"], "B": ["#3182bd", "#6baed6", "#08519c"]}
+    if ax is None:
+        fig = new_figure(figsize=(10, 0.55 * len(ranks) + 1.2))
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    for i in intervals:
+        color = colors[i.op][i.chunk % 3] if i.op in colors else "#fdae6b" if i.op == "send" else "#d9d9d9"
+        y = len(ranks) - 1 - ranks.index(i.rank)
+        ax.barh(y, i.end - i.start, left=i.start, height=0.8, color=color, edgecolor="black", linewidth=0.4)
+        if i.op in ("F", "B"):
+            label = f"{i.microbatch}" + (f".{i.chunk}" if chunks > 1 else "")
+            ax.text((i.start + i.end) / 2, y, label, ha="center", va="center", fontsize=7,
+                    color="white" if i.op == "B" else "black")
+    ax.set_yticks(range(len(ranks)), [f"stage {r}" for r in reversed(ranks)])
+    ax.set_xlabel(unit)
+    ax.set_title(title)
+    if path is not None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def draw_run(run: ch03.PPRun, per_rank: list[dict], path: str) -> None:
+    """The demo's --figure: the last real step's timeline above the unit-cost simulation of the
+    same schedule."""
+    title = f"{run.kind}, pp={run.pp}, m={run.micro_batches}" + (f", v={run.num_chunks}" if run.num_chunks > 1 else "")
+    fig = new_figure(figsize=(11, 1.1 * run.pp + 2.5))
+    real, sim = fig.subplots(2, 1)
+    plot_timeline(ch03.measured_timeline(per_rank), f"measured, last step (grey: waiting for a receive): {title}",
+                  unit="seconds", ax=real)
+    plot_timeline(simulate(run.kind, run.pp, run.micro_batches, run.num_chunks),
+                  f"simulated with t_f = 1, t_b = 2: {title}", unit="time units", ax=sim)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
+    plt.switch_backend("Agg")       # a script: no screen (importing this file leaves the backend alone)
     simulated_only = "--simulated-only" in (sys.argv[1:] if argv is None else argv)
     OUT.mkdir(parents=True, exist_ok=True)
     print(f"chapter 03 figures, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")

@@ -35,6 +35,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import os
 import torch
 
 from minimegatron import comm
@@ -46,8 +47,7 @@ from minimegatron.model import GPTModel
 from minimegatron.parallelize import build_model, unwrap
 from booktools.demo import import_chapter
 from minimegatron.train import initialize_layout
-from minimegatron.viz import (draw_sequence_parallel_regions, plot_cp_comm_types, plot_cp_load_balance,
-                              plot_sp_cp_activations)
+from minimegatron.viz import colour, finish_figure, new_figure
 
 ch04 = import_chapter("04")        # chapters/04_sp_cp/demo.py: the runs and their formulas
 
@@ -268,6 +268,138 @@ def naive_vs_sdpa_section(me) -> None:
         fail(f"the naive core should save more than one [b, a, s, s] fp32 tensor per layer over sdpa: {n1} vs {f1}")
     if n2 != f2:
         fail(f"under cp = 2 naive ({n2}) and sdpa ({f2}) should save the same bytes")
+
+
+# ---------------------------------------------------------------------------------------
+# the figures (drawn from the records the code keeps; the notebook and the tests draw them too)
+# ---------------------------------------------------------------------------------------
+def plot_cp_load_balance(work: dict[int, dict[str, list[int]]], path: str | os.PathLike | None = None,
+                         title: str = ""):
+    """Causal attention work per context-parallel rank (cp.causal_work_per_rank): one panel per
+    cp size, a pair of bars per rank (contiguous split, zig-zag split), each in units of the
+    mean over the ranks, with the mean (1) dashed. work: {cp: {"contiguous": [W_0, ...],
+    "zig-zag": [W_0, ...]}}. Returns the Figure (saved to `path` if given)."""
+    sizes = sorted(work)
+    fig = new_figure(figsize=(3.6 * len(sizes) + 0.6, 3.4))
+    axes = fig.subplots(1, len(sizes), sharey=True, squeeze=False)[0]
+    colors = {"contiguous": "#C44E52", "zig-zag": "#4C72B0"}
+    for ax, cp in zip(axes, sizes):
+        width = 0.4
+        for i, (name, per_rank) in enumerate(work[cp].items()):
+            mean = sum(per_rank) / len(per_rank)
+            xs = [r + (i - 0.5) * width for r in range(cp)]
+            ax.bar(xs, [w / mean for w in per_rank], width=width, color=colors.get(name, colour(i, 2)),
+                   label=f"{name} (max/mean {max(per_rank) / mean:.3f})")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+        ax.set_xticks(range(cp), [str(r) for r in range(cp)])
+        ax.set_xlabel("cp rank")
+        ax.set_title(f"cp = {cp}", fontsize="medium")
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0].set_ylabel("unmasked scores / mean")
+    return finish_figure(fig, path, title)
+
+
+def plot_cp_comm_types(rows: dict[str, dict[int, dict[str, float]]], path: str | os.PathLike | None = None,
+                       unit: str = "bytes", title: str = ""):
+    """The context-parallel communication types side by side as cp grows: three panels, bytes
+    sent per rank and layer in the forward, the same in the backward, and the number of
+    communication steps (forward + backward). rows: {comm_type: {cp: {"fwd": bytes, "bwd":
+    bytes, "steps": n}}}; `unit` labels the byte axes. Returns the Figure."""
+    fig = new_figure(figsize=(13, 3.8))
+    axes = fig.subplots(1, 3)
+    markers = "osD^v"
+    for i, (name, by_cp) in enumerate(rows.items()):
+        cps = sorted(by_cp)
+        for ax, key in zip(axes, ("fwd", "bwd", "steps")):
+            ax.plot(cps, [by_cp[c][key] for c in cps], marker=markers[i % len(markers)], color=colour(i, len(rows)),
+                    label=name)
+    for ax, label in zip(axes, (f"forward: sent per rank and layer ({unit})",
+                                f"backward: sent per rank and layer ({unit})",
+                                "communication steps per layer (fwd + bwd)")):
+        ax.set_title(label, fontsize="medium")
+        ax.set_xlabel("cp")
+        ax.grid(alpha=0.3)
+        ax.set_xticks(sorted({c for by_cp in rows.values() for c in by_cp}))
+    axes[0].legend(fontsize=8)
+    return finish_figure(fig, path, title)
+
+
+def plot_sp_cp_activations(tp_panel: dict, cp_panel: dict, path: str | os.PathLike | None = None):
+    """Activation bytes per rank, measured, against the ideal cut and the paper's formulas.
+
+    tp_panel: {"tp": [t, ...], "measured_tp": [...], "measured_sp": [...] (bytes per rank /
+      single-device bytes), "korthikanti_tp": [...], "korthikanti_sp": [...] (the same
+      ratios from the formulas), "label": str}.
+    cp_panel: {"cp": [c, ...], "measured": [bytes per rank], "single": bytes on one device,
+      "label": str}.
+    Left: fractions of the single device against tp, with 1/tp dashed; right: MiB per rank
+    against cp, with single / cp dashed. Returns the Figure."""
+    fig = new_figure(figsize=(11, 4))
+    left, right = fig.subplots(1, 2)
+    t = tp_panel["tp"]
+    left.plot(t, [1 / x for x in t], "k--", linewidth=0.8, label="1 / tp")
+    left.plot(t, tp_panel["korthikanti_tp"], "-", color="#C44E52", alpha=0.6, label="Korthikanti TP formula")
+    left.plot(t, tp_panel["korthikanti_sp"], "-", color="#4C72B0", alpha=0.6, label="Korthikanti TP+SP formula")
+    left.plot(t, tp_panel["measured_tp"], "o", color="#C44E52", label="measured, TP")
+    left.plot(t, tp_panel["measured_sp"], "s", color="#4C72B0", label="measured, TP + SP")
+    left.set_xticks(t)
+    left.set_xlabel("tp")
+    left.set_ylabel("saved activations per rank / one device")
+    left.set_ylim(0, 1.05)
+    left.set_title(tp_panel.get("label", ""), fontsize="medium")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    c, mib = cp_panel["cp"], 2 ** 20
+    right.plot(c, [cp_panel["single"] / x / mib for x in c], "k--", linewidth=0.8, label="one device / cp")
+    right.plot(c, [m / mib for m in cp_panel["measured"]], "o-", color="#55A868", label="measured per rank")
+    right.set_xticks(c)
+    right.set_xlabel("cp")
+    right.set_ylabel("saved activations per rank (MiB)")
+    right.set_ylim(0, None)
+    right.set_title(cp_panel.get("label", ""), fontsize="medium")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    return finish_figure(fig, path)
+
+
+def draw_sequence_parallel_regions(path: str | os.PathLike | None = None):
+    """A diagram of one transformer layer under sequence parallelism (Korthikanti et al. 2022;
+    tp/layers.py): the sequence-parallel regions ([b, s/tp, h], this rank's tokens: norms,
+    dropout, residual adds) and the tensor-parallel regions ([b, s, .../tp], all tokens, this
+    rank's heads or MLP columns), with the collective at each boundary (forward, and in
+    brackets backward). Returns the Figure (saved to `path` if given)."""
+    import matplotlib.patches as patches
+
+    fig = new_figure(figsize=(14, 3.6))
+    ax = fig.add_subplot()
+    ax.set_xlim(0, 14)
+    ax.set_ylim(0, 3.6)
+    ax.axis("off")
+    sp_colour, tp_colour = "#dbe9f6", "#fde0c5"
+    # (x, width, label, region)
+    boxes = [(0.1, 1.5, "LayerNorm\ninput_layernorm", "sp"),
+             (2.6, 2.4, "linear_qkv (column)\ncore attention\n(a/tp heads)", "tp"),
+             (5.2, 1.3, "linear_proj\n(row)", "tp"), (7.3, 1.9, "+ bias, dropout,\nresidual;\npre_mlp_layernorm", "sp"),
+             (10.2, 1.9, "linear_fc1 (column)\nactivation", "tp"), (12.3, 1.3, "linear_fc2\n(row)", "tp")]
+    for x, w, label, region in boxes:
+        ax.add_patch(patches.FancyBboxPatch((x, 1.2), w, 1.2, boxstyle="round,pad=0.05",
+                                            facecolor=sp_colour if region == "sp" else tp_colour, edgecolor="black"))
+        ax.text(x + w / 2, 1.8, label, ha="center", va="center", fontsize=8)
+    arrows = [(1.65, 2.55, "all-gather\n(bwd: reduce-scatter;\nre-gather of the shard)"),
+              (5.0, 5.15, ""), (6.55, 7.25, "reduce-scatter\n(bwd: all-gather)"),
+              (9.25, 10.15, "all-gather\n(bwd: reduce-scatter;\nre-gather of the shard)"),
+              (12.15, 12.25, ""), (13.65, 13.95, "")]
+    for x0, x1, label in arrows:
+        ax.annotate("", xy=(x1, 1.8), xytext=(x0, 1.8), arrowprops=dict(arrowstyle="->", lw=1.2))
+        if label:
+            ax.text((x0 + x1) / 2, 0.8, label, ha="center", va="center", fontsize=7.5, color="#7f2704")
+    ax.text(13.8, 0.8, "reduce-scatter\n(bwd: all-gather)", ha="center", va="center", fontsize=7.5, color="#7f2704")
+    handles = [patches.Patch(facecolor=sp_colour, edgecolor="black",
+                             label="sequence-parallel region: [b, s/tp, h], this rank's tokens, whole in h"),
+               patches.Patch(facecolor=tp_colour, edgecolor="black",
+                             label="tensor-parallel region: all s tokens, a/tp heads or f/tp MLP columns")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1.02), ncol=2, fontsize=8, frameon=False)
+    return finish_figure(fig, path)
 
 
 def main(argv=None) -> int:

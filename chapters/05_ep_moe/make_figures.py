@@ -21,10 +21,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import os
 import torch
 
 from booktools.demo import import_chapter
-from minimegatron.viz import draw_rank_grid, plot_dispatcher_volumes, plot_moe_load_balance
+from minimegatron.viz import colour, draw_rank_grid, finish_figure, new_figure
 
 ch05 = import_chapter("05")        # chapters/05_ep_moe/demo.py: the formulas and the runs
 
@@ -36,6 +37,56 @@ EP_SIZES = (2, 4, 8, 16, 32, 64)
 def fail(message: str) -> None:
     print(f"MISMATCH: {message}", file=sys.stderr)
     sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------
+# the figures (drawn from the records the code keeps; the notebook and the tests draw them too)
+# ---------------------------------------------------------------------------------------
+def plot_moe_load_balance(results: dict[str, dict], path: str | os.PathLike | None = None, title: str = ""):
+    """Three panels of a mixture's load balance (chapter 05's demo, load_balance): the largest
+    expert's tokens over the mean after each training step, per balancing setting; the share of
+    the routed pairs each expert got after the last step (layer 0); the fraction of routed pairs
+    a capacity factor drops. results: {setting: {"imbalance": [...], "final": [...],
+    "dropped": {factor: fraction}}}. Returns the Figure (saved to `path` if given)."""
+    fig = new_figure(figsize=(13.5, 3.6))
+    ax_steps, ax_final, ax_drop = fig.subplots(1, 3)
+    n = len(results)
+    for i, (name, r) in enumerate(results.items()):
+        line = colour(i, max(n, 3))
+        ax_steps.plot(range(1, len(r["imbalance"]) + 1), r["imbalance"], color=line, label=name)
+        experts = len(r["final"])
+        width = 0.8 / n
+        ax_final.bar([e + (i - (n - 1) / 2) * width for e in range(experts)], r["final"], width=width,
+                     color=line, label=name)
+        factors = sorted(r["dropped"])
+        ax_drop.plot(factors, [r["dropped"][f] for f in factors], marker="o", color=line, label=name)
+    ax_steps.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    ax_steps.set(xlabel="training step", ylabel="max / mean tokens per expert",
+                 title="imbalance (held-out batch, worst layer)")
+    experts = len(next(iter(results.values()))["final"])
+    ax_final.axhline(1 / experts, color="black", linestyle="--", linewidth=0.8)
+    ax_final.set(xlabel="expert", ylabel="share of routed pairs", title="after the last step (layer 0)")
+    ax_final.set_xticks(range(experts))
+    ax_drop.set(xlabel="capacity factor", ylabel="routed pairs dropped", title="dropped at capacity")
+    ax_drop.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+    ax_steps.legend(fontsize=7)
+    return finish_figure(fig, path, title)
+
+
+def plot_dispatcher_volumes(rows: dict[str, dict[int, float]], path: str | os.PathLike | None = None,
+                            title: str = ""):
+    """Bytes one rank receives per MoE layer and micro-batch against the expert-parallel size,
+    one line per dispatcher (rows: {dispatcher: {ep: bytes}}), log-scaled x. Returns the Figure."""
+    fig = new_figure(figsize=(5.4, 3.6))
+    ax = fig.subplots()
+    for i, (name, by_ep) in enumerate(rows.items()):
+        sizes = sorted(by_ep)
+        ax.plot(sizes, [by_ep[ep] / 2**20 for ep in sizes], marker="o", color=colour(i, 3), label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(ep) for ep in sizes])
+    ax.set(xlabel="expert-parallel size ep", ylabel="MiB received per rank")
+    ax.legend(fontsize=8)
+    return finish_figure(fig, path, title)
 
 
 def main() -> int:

@@ -38,16 +38,14 @@ import math
 
 import torch
 
+from ..model.linear import compute_dtype
+
 __all__ = ["attention_block_forward", "attention_block_backward", "merge_attention", "flash_kernel_available"]
 
 
 def flash_kernel_available(t: torch.Tensor) -> bool:
     """True when PyTorch's CPU flash-attention kernel (with lse) can run on `t`."""
     return t.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
 def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -57,7 +55,7 @@ def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _scores(q, k, causal):
     """Scaled scores [b, a, sq, sk] in the compute dtype, -inf above the diagonal if causal."""
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     scores = (q.to(dtype) @ _repeat_kv(k, q.shape[1]).to(dtype).transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:
         sq, sk = scores.shape[-2:]
@@ -73,7 +71,7 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     with torch.no_grad():
         if backend == "sdpa" and flash_kernel_available(q):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-            return out, lse.to(_compute_dtype(q))
+            return out, lse.to(compute_dtype(q))
         scores = _scores(q, k, causal)                                         # [b, a, sq, sk]
         lse = torch.logsumexp(scores, dim=-1)                                  # [b, a, sq]
         probs = torch.exp(scores - lse.unsqueeze(-1))
@@ -90,10 +88,9 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     with torch.no_grad():
         if backend == "sdpa" and flash_kernel_available(q):
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.contiguous(), q, k, v, out.contiguous(), lse.to(torch.float32 if q.dtype in (
-                    torch.float16, torch.bfloat16) else q.dtype).contiguous(), 0.0, causal)
+                dout.contiguous(), q, k, v, out.contiguous(), lse.to(compute_dtype(q)).contiguous(), 0.0, causal)
             return dq, dk, dv
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         heads, groups = q.shape[1], k.shape[1]
         probs = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1).to(dtype))  # [b, a, sq, sk]
         dout_, q_ = dout.to(dtype), q.to(dtype)

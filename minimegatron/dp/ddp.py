@@ -43,7 +43,7 @@ all-reduces are issued, in bucket order, inside finish_grad_sync().
 
 Timeline: each step's launches and completions are timed by a timeline.TimelineRecorder (the
 algorithm calls it at five points and holds no clock) into `self.timeline`
-(timeline.BucketTimeline); viz.plot_bucket_timeline draws it.
+(timeline.BucketTimeline); chapters/01_dp/make_figures.py draws it (plot_bucket_timeline).
 
 The buffer (buffer.py) holds the gradients in `grad_dtype`: the parameters' dtype by default,
 or float32 beside 16-bit parameters (Megatron's --accumulate-allreduce-grads-in-fp32): the

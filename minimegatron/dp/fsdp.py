@@ -195,7 +195,7 @@ class _GatherUnit(torch.autograd.Function):
 
 @dataclass
 class MemoryEvent:
-    """One point of FullyShardedDataParallel.memory_profile (viz.plot_memory_profile draws them)."""
+    """One point of FullyShardedDataParallel.memory_profile (chapter 01's make_figures.plot_memory_profile draws them)."""
     label: str          # e.g. "fwd gather decoder.layers.0"
     sharded: int        # bytes of this rank's parameter shards
     gathered: int       # bytes of gathered unit buffers alive at this moment
@@ -373,7 +373,7 @@ class FullyShardedDataParallel(DataParallel):
         `settle(released)`, if given, is called before each measurement and may wait until
         `released()` (self.released: nothing this wrapper let go of is alive any more), e.g.
         testing.wait_until, which gives it up to 0.5 s: a real leak survives and shows.
-        viz.plot_memory_profile draws the events.
+        chapter 01's make_figures.plot_memory_profile draws the events.
         """
         self.profile, self._settle = [], settle
         try:

@@ -1,4 +1,4 @@
-"""When did each bucket's all-reduce run, relative to backward? The record (viz.plot_bucket_timeline
+"""When did each bucket's all-reduce run, relative to backward? The record (chapters/01_dp/make_figures.py's plot_bucket_timeline
 draws it).
 
 `DistributedDataParallel` (ddp.py) fills one `BucketTimeline` per optimizer step, for the

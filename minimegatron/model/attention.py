@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .linear import Linear
+from .linear import Linear, compute_dtype
 from .rope import apply_rotary_pos_emb
 
 
@@ -42,9 +42,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     scores = query @ key.transpose(-2, -1) / math.sqrt(d)                     # [b, n, s, s]
     future = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)  # [s, s], j > i
     scores = scores.masked_fill(future, float("-inf"))
-    if scores.dtype in (torch.bfloat16, torch.float16):
-        scores = scores.float()
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)                     # [b, n, s, s]
+    probs = torch.softmax(scores.to(compute_dtype(scores)), dim=-1).to(query.dtype)                     # [b, n, s, s]
     probs = F.dropout(probs, p=dropout_p, training=training)
     return probs @ value                                                      # [b, n, s, d]
     # END EXERCISE

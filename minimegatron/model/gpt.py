@@ -37,7 +37,7 @@ from ..config import ModelConfig
 from ..placement import name_placements, set_placement
 from .attention import SelfAttention
 from .init import init_parameters
-from .linear import Linear, _compute_dtype, build_norm
+from .linear import Linear, build_norm, compute_dtype
 from .mlp import MLP
 from .finalize import register_grad_finalizer
 from .moe import MoELayer, moe_layers, update_expert_bias
@@ -247,5 +247,5 @@ def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     Equal to F.cross_entropy(reduction="none"), values and gradients (CrossEntropy above).
     """
     b, s, v = logits.shape
-    logits = logits.to(_compute_dtype(logits))
+    logits = logits.to(compute_dtype(logits))
     return CrossEntropy.apply(logits.reshape(b * s, v), labels.reshape(b * s)).view(b, s)

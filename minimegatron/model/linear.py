@@ -1,4 +1,18 @@
-"""The small building blocks: a linear layer with Megatron's weight layout, and the norms.
+"""The small building blocks: the two seams every precision and kernel plugs into, a linear
+layer with Megatron's weight layout, and the norms.
+
+The seams (chapters 06 and 07 swap what they return; tp/, moe/ and the model stay as they are):
+
+  compute_dtype(x)   the dtype a norm, a softmax or a loss computes in: float32 for 16-bit
+                     inputs, the input's own otherwise (Megatron's --attention-softmax-in-fp32
+                     and fp32 residual arithmetic, in one place)
+  Gemm               the three matrix products of a linear layer y = x W^T + b: the forward
+                     (fprop), the input's gradient (dgrad) and the weight's (wgrad). Every
+                     weight matmul of the book goes through a layer's `gemm`: this Linear, the
+                     tensor-parallel layers' hand-written backwards (tp/layers.py) and the
+                     experts' batched form (model/moe.py). `GEMM` is the plain one; an FP8
+                     transformation gives a layer one of its own (TE and torchao call these
+                     three products fprop, dgrad and wgrad too).
 
 Parameters are created empty here; their values are set by `minimegatron.model.init`,
 which derives each one from (seed, parameter name) only.
@@ -11,9 +25,40 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """Norms and losses run in float32 for 16-bit inputs, in the input dtype otherwise."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Norms, softmaxes and losses run in float32 for 16-bit inputs, in the input dtype otherwise."""
     return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+
+
+class Gemm:
+    """The matrix products of a linear layer, W: [out, in] (shape legend of model/gpt.py).
+
+    fprop(x, w, b)  x [.., in] -> x W^T + b [.., out]   (inside a hand-written forward)
+    dgrad(dy, w)    dy [.., out] -> dy W [.., in]        (the input's gradient)
+    wgrad(dy, x)    dy^T x [out, in], the leading dimensions of dy [.., out] and x [.., in]
+                    flattened into one (the weight's gradient)
+    linear(x, w, b) fprop as an autograd op (a module's forward; w may be a stack [E, out, in]
+                    of the experts' weights with x [E, .., in]); here torch's own backward,
+                    whose products are dgrad and wgrad's
+    The default products are torch's; they hold no state, so every layer shares `GEMM`."""
+
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return dy @ w
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if w.dim() == 2:
+            return F.linear(x, w, b)
+        y = x @ w.transpose(-2, -1)                                 # [E, .., in] x [E, in, out]
+        return y if b is None else y + b.unsqueeze(-2)
+
+
+GEMM = Gemm()
 
 
 class Linear(nn.Module):
@@ -21,6 +66,7 @@ class Linear(nn.Module):
 
     skip_weight_param_allocation: hold no weight of its own; forward is then given one (a
     tied output layer reads the word embedding, as Megatron's ColumnParallelLinear does).
+    gemm: its matrix products (the seam above).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -28,10 +74,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.gemm = GEMM
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        return F.linear(x, weight, self.bias)                      # [.., in] -> [.., out]
+        return self.gemm.linear(x, weight, self.bias)               # [.., in] -> [.., out]
 
 
 class LayerNorm(nn.Module):
@@ -44,8 +91,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.to(_compute_dtype(x)), x.shape[-1:], self.weight.to(_compute_dtype(x)),
-                         self.bias.to(_compute_dtype(x)), self.eps)
+        dtype = compute_dtype(x)
+        y = F.layer_norm(x.to(dtype), x.shape[-1:], self.weight.to(dtype), self.bias.to(dtype), self.eps)
         return y.to(x.dtype)
 
 
@@ -58,7 +105,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc = x.to(_compute_dtype(x))
+        xc = x.to(compute_dtype(x))
         y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(xc.dtype)).to(x.dtype)
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..comm import all_reduce, group_size
 from ..config import ModelConfig
+from .linear import GEMM
 from .mlp import MLP, mlp_activation
 from .router import apply_token_dropping, aux_loss, expert_bias_update, sequence_aux_loss, topk_routing, z_loss
 
@@ -90,8 +91,9 @@ def experts_on_sorted_tokens(x: torch.Tensor, counts: list[int], experts: list[n
     for experts[1], ... (N = sum counts) -> [N, h], unweighted (what a dispatcher hands its
     local experts). grouped=False: one expert at a time (Megatron's SequentialMLP); True: the
     rows padded to [E_local, C, h] (C the largest count) and every expert in one batched product,
-    fc1 and fc2 stacked into [E_local, f1, h] and [E_local, h, f] (a grouped GEMM without the
-    padding: Megatron's TEGroupedMLP)."""
+    fc1 and fc2 stacked into [E_local, f1, h] and [E_local, h, f] and multiplied by the first
+    expert's gemm (model/linear.py's seam; a grouped GEMM without the padding: Megatron's
+    TEGroupedMLP)."""
     if not grouped:
         return torch.cat([expert(chunk) for expert, chunk in zip(experts, x.split(counts))])
     counts_t = torch.tensor(counts, device=x.device)
@@ -99,13 +101,13 @@ def experts_on_sorted_tokens(x: torch.Tensor, counts: list[int], experts: list[n
     position = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[expert_slot]
     padded = x.new_zeros(len(counts), max(counts, default=0), x.shape[-1])    # [E_local, C, h]
     padded[expert_slot, position] = x
-    first = experts[0]
-    y = padded @ torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)   # [E_local, C, f1]
-    if first.linear_fc1.bias is not None:
-        y = y + torch.stack([e.linear_fc1.bias for e in experts]).unsqueeze(1)
-    y = mlp_activation(y, first.swiglu) @ torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
-    if first.linear_fc2.bias is not None:                                     # [E_local, C, h]
-        y = y + torch.stack([e.linear_fc2.bias for e in experts]).unsqueeze(1)
+    first, bias = experts[0], experts[0].linear_fc1.bias is not None
+    w1 = torch.stack([e.linear_fc1.weight for e in experts])                              # [E_local, f1, h]
+    w2 = torch.stack([e.linear_fc2.weight for e in experts])                              # [E_local, h, f]
+    b1 = torch.stack([e.linear_fc1.bias for e in experts]) if bias else None              # [E_local, f1]
+    b2 = torch.stack([e.linear_fc2.bias for e in experts]) if bias else None              # [E_local, h]
+    y = first.linear_fc1.gemm.linear(padded, w1, b1)                                      # [E_local, C, f1]
+    y = first.linear_fc2.gemm.linear(mlp_activation(y, first.swiglu), w2, b2)            # [E_local, C, h]
     return y[expert_slot, position]
 
 
@@ -120,6 +122,7 @@ class TopKRouter(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.gemm = GEMM
         self.bias_update_rate = config.moe_router_bias_update_rate
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
@@ -129,7 +132,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = self.local_tokens_per_expert = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return tokens @ self.weight.t()
+        return self.gemm.linear(tokens, self.weight)                             # [T, E]
 
 
 class MoELayer(nn.Module):

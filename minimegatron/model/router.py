@@ -40,6 +40,8 @@ import math
 
 import torch
 
+from .linear import compute_dtype
+
 __all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "sequence_aux_loss", "z_loss", "expert_capacity", "apply_token_dropping",
            "expert_bias_update"]
 
@@ -47,7 +49,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def _compute(logits: torch.Tensor) -> torch.Tensor:
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return logits.to(compute_dtype(logits))
 
 
 def _topk(scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_reduce, group_rank, group_size
-from ..model.linear import _compute_dtype
+from ..model.linear import compute_dtype
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_loss"]
 
@@ -111,7 +111,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                              f"[{int(labels.min())}, {int(labels.max())}]")
 
         # float32 for 16-bit logits, as the single-device loss (language_model_loss) does
-        z = logits_shard.to(_compute_dtype(logits_shard))
+        z = logits_shard.to(compute_dtype(logits_shard))
         n_real = max(0, vocab_size - start)              # real ids on this rank (all, some, none)
         if n_real < per_rank:
             z = z.clone()                                # never write into the caller's logits

@@ -58,6 +58,7 @@ from torch import nn
 from ..comm import (all_gather, all_reduce, gather_from_tensor_model_parallel_region, group_rank, group_size,
                     reduce_from_tensor_model_parallel_region, reduce_scatter, reduce_scatter_to_sequence_parallel_region,
                     scatter_to_tensor_model_parallel_region)
+from ..model.linear import GEMM, Gemm
 from ..placement import Split, set_placement
 
 __all__ = ["set_tensor_model_parallel_attributes", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
@@ -131,12 +132,14 @@ def vocab_range(padded_vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
 # ======================================================================================
 
 def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                    has_bias: bool, group):
+                                    has_bias: bool, group, gemm: Gemm = GEMM):
     """The backward of a column-parallel linear y = x W_r^T + b_r, written out by hand.
 
     grad_output dy [..., out/tp]: the gradient of this rank's output slice.
     x [..., in]: the layer's input, the same on every rank of ``group``.
     weight W_r [out/tp, in]: this rank's rows of the full W.
+    gemm: the layer's matrix products (model/linear.py's seam): grad_x = gemm.dgrad(dy, W_r),
+    grad_weight = gemm.wgrad(dy, x).
     Returns (grad_x [..., in], grad_weight [out/tp, in], grad_bias [out/tp] or None), in the
     dtypes of x and weight.
 
@@ -149,13 +152,11 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
     launch its all-reduce asynchronously (async_op=True), compute the weight gradient while
     it travels, then wait: communication overlapped with a matmul.
     """
-    # BEGIN EXERCISE 2.1: the column-parallel linear's backward | hint: dx = dy @ W; handle = all_reduce(dx, group, tag="bwd", async_op=True); dW = dy^T x with leading dims flattened; db = dy summed over them; handle.wait()
-    grad_x = grad_output @ weight                                        # [..., in], partial
+    # BEGIN EXERCISE 2.1: the column-parallel linear's backward | hint: dx = gemm.dgrad(dy, W); handle = all_reduce(dx, group, tag="bwd", async_op=True); dW = gemm.wgrad(dy, x); db = dy summed over all but its last dim; handle.wait()
+    grad_x = gemm.dgrad(grad_output, weight)                             # [..., in], partial
     handle = all_reduce(grad_x, group, op="sum", tag="bwd", async_op=True)   # in place, later full
-    dy_2d = grad_output.reshape(-1, grad_output.shape[-1])               # [b*s, out/tp]
-    x_2d = x.reshape(-1, x.shape[-1])                                    # [b*s, in]
-    grad_weight = dy_2d.t() @ x_2d                                       # [out/tp, in], local
-    grad_bias = dy_2d.sum(dim=0) if has_bias else None                   # [out/tp], local
+    grad_weight = gemm.wgrad(grad_output, x)                             # [out/tp, in], local
+    grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if has_bias else None   # [out/tp]
     handle.wait()                                                        # grad_x is now the sum
     # END EXERCISE
     return grad_x, grad_weight, grad_bias
@@ -167,21 +168,21 @@ class LinearWithGradAllReduce(torch.autograd.Function):
     W, b)``, with the backward in view (Megatron fuses it for the overlap)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, gemm=GEMM):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.group, ctx.has_bias, ctx.gemm = group, bias is not None, gemm
+        return gemm.fprop(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_x, grad_weight, grad_bias = column_parallel_linear_backward(
-            grad_output, x, weight, ctx.has_bias, ctx.group)
-        return grad_x, grad_weight, grad_bias, None
+            grad_output, x, weight, ctx.has_bias, ctx.group, ctx.gemm)
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                      has_bias: bool, group):
+                                      has_bias: bool, group, gemm: Gemm = GEMM):
     """The backward of the column-parallel linear under sequence parallelism
     (LinearWithSequenceParallelGather in minimegatron/tp/layers.py), written out by hand.
 
@@ -189,7 +190,8 @@ def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor
     sequence (the forward gathered the sequence before the GEMM).
     x (x_r) [b, s/tp, in]: the saved input, only this rank's s/tp tokens (rank r of ``group``
     holds positions [r s/tp, (r+1) s/tp) of dim 1, SEQUENCE_DIM).
-    weight W_r [out/tp, in]: this rank's rows of the full W.
+    weight W_r [out/tp, in]: this rank's rows of the full W. gemm: the layer's matrix products
+    (model/linear.py's seam: dgrad and wgrad).
     Returns (grad_x [b, s/tp, in], grad_weight [out/tp, in], grad_bias [out/tp] or None):
     grad_x the single-device gradient of x restricted to this rank's tokens, grad_weight and
     grad_bias exactly this rank's rows of the single-device gradients.
@@ -201,13 +203,12 @@ def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor
     group and leaves each rank its own s/tp tokens. Exactly these two collectives, one
     all_gather of the [b, s/tp, in] shard and one reduce_scatter of [b, s, in], nothing else.
     """
-    # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward | hint: total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather"); dx = reduce_scatter(dy @ W, group, dim=SEQUENCE_DIM, tag="bwd"); dW = dy^T total with b, s flattened; db = dy summed over them
+    # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward | hint: total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather"); dx = reduce_scatter(gemm.dgrad(dy, W), group, dim=SEQUENCE_DIM, tag="bwd"); dW = gemm.wgrad(dy, total); db = dy summed over b and s
     total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather")       # [b, s, in]
-    grad_total = grad_output @ weight                                                 # [b, s, in], partial
+    grad_total = gemm.dgrad(grad_output, weight)                                      # [b, s, in], partial
     grad_x = reduce_scatter(grad_total, group, dim=SEQUENCE_DIM, tag="bwd")          # [b, s/tp, in], summed
-    dy_2d = grad_output.reshape(-1, grad_output.shape[-1])                            # [b*s, out/tp]
-    grad_weight = dy_2d.t() @ total.reshape(-1, total.shape[-1])                      # [out/tp, in]
-    grad_bias = dy_2d.sum(dim=0) if has_bias else None                                # [out/tp]
+    grad_weight = gemm.wgrad(grad_output, total)                                      # [out/tp, in]
+    grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if has_bias else None   # [out/tp]
     # END EXERCISE
     return grad_x, grad_weight, grad_bias
 
@@ -226,35 +227,36 @@ class LinearWithSequenceParallelGather(torch.autograd.Function):
     exists to avoid (Korthikanti et al. 2022). The price is a second all-gather in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, gemm=GEMM):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.gemm = group, bias is not None, gemm
         total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="fwd")        # [b, s, in]
-        return F.linear(total, weight, bias)                                            # [b, s, out/tp]
+        return gemm.fprop(total, weight, bias)                                          # [b, s, out/tp]
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_x, grad_weight, grad_bias = sequence_parallel_linear_backward(
-            grad_output, x, weight, ctx.has_bias, ctx.group)
-        return grad_x, grad_weight, grad_bias, None
+            grad_output, x, weight, ctx.has_bias, ctx.group, ctx.gemm)
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                group) -> torch.Tensor:
+                                group, gemm: Gemm = GEMM) -> torch.Tensor:
     """The forward of a row-parallel linear: y = sum over ranks of x_r W_r^T, plus b once.
 
     x [..., in/tp]: this rank's input features (e.g. a column-parallel output).
     weight W_r [out, in/tp]: this rank's columns of the full W. bias [out] (the full bias,
-    replicated) or None.
+    replicated) or None. gemm: the layer's matrix products (model/linear.py's seam; its
+    autograd op `gemm.linear` computes x W_r^T with its backward).
     Returns y [..., out], the same on every rank: the single-device x W^T + b.
     Communication: ONE all-reduce (sum) of the [..., out] partial sums through
     comm.reduce_from_tensor_model_parallel_region (the reduce operator, the paper's g: identity backward, so every rank's x_r gets the
     full dy), and nothing else. The bias is added after the all-reduce; added before, it
     would be summed tp times.
     """
-    # BEGIN EXERCISE 2.2: the row-parallel linear's forward | hint: partial = F.linear(x, weight) with NO bias; y = reduce_from_tensor_model_parallel_region(partial, group); add the bias (if any) after
-    partial = F.linear(x, weight)                    # [..., out], a partial sum
+    # BEGIN EXERCISE 2.2: the row-parallel linear's forward | hint: partial = gemm.linear(x, weight) with NO bias; y = reduce_from_tensor_model_parallel_region(partial, group); add the bias (if any) after
+    partial = gemm.linear(x, weight)                 # [..., out], a partial sum
     y = reduce_from_tensor_model_parallel_region(partial, group)           # g: all-reduce now, identity later
     return y + bias if bias is not None else y
     # END EXERCISE
@@ -283,6 +285,7 @@ class _ParallelLinear(nn.Module):
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.zeros(weight_shape, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(bias_shape, dtype=dtype)) if bias_shape else None
+        self.gemm = GEMM                                      # its matrix products (model/linear.py)
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
@@ -339,9 +342,9 @@ class ColumnParallelLinear(_ParallelLinear):
         """weight: use this [out/tp, in] instead of self.weight (a tied output layer)."""
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
-            y = LinearWithSequenceParallelGather.apply(x, weight, self.bias, self.group)  # [b, s, out/tp]
+            y = LinearWithSequenceParallelGather.apply(x, weight, self.bias, self.group, self.gemm)  # [b, s, out/tp]
         else:
-            y = LinearWithGradAllReduce.apply(x, weight, self.bias, self.group)        # [..., out/tp]
+            y = LinearWithGradAllReduce.apply(x, weight, self.bias, self.group, self.gemm)        # [..., out/tp]
         if self.gather_output:
             # only for a consumer that needs every feature (rare: it costs an all-gather
             # and every rank then holds the whole activation); stride must be 1 for the
@@ -397,10 +400,10 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group, dim=-1)  # [..., in/tp]; dx all-gathered later
         if self.sequence_parallel:
-            partial = F.linear(x, self.weight)                                              # [b, s, out], partial
+            partial = self.gemm.linear(x, self.weight)                                      # [b, s, out], partial
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group, dim=SEQUENCE_DIM)  # [b, s/tp, out]
             return y + self.bias if self.bias is not None else y
-        return row_parallel_linear_forward(x, self.weight, self.bias, self.group)
+        return row_parallel_linear_forward(x, self.weight, self.bias, self.group, self.gemm)
 
 
 # ======================================================================================

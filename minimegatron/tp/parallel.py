@@ -125,6 +125,7 @@ def _parallel_linear(full: nn.Module, style: str, tp_group, stride: int = 1,
     layer = cls(in_features, out_features, tp_group, bias=full.bias is not None,
                 params_dtype=full.weight.dtype, sequence_parallel=sequence_parallel, **kwargs).to(full.weight.device)
     layer.load_full(full.weight, full.bias)
+    layer.gemm = full.gemm                                # its matrix products go with it
     return layer
 
 

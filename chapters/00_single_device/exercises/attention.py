@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import torch
 import torch.nn.functional as F
+from minimegatron.model.linear import compute_dtype
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -14,17 +14,19 @@ Grade the whole chapter with `make grade CH=02`; start a stub over with
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from minimegatron.comm import all_reduce, reduce_from_tensor_model_parallel_region
+from minimegatron.model.linear import GEMM, Gemm
 
 
 def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                    has_bias: bool, group):
+                                    has_bias: bool, group, gemm: Gemm = GEMM):
     """The backward of a column-parallel linear y = x W_r^T + b_r, written out by hand.
 
     grad_output dy [..., out/tp]: the gradient of this rank's output slice.
     x [..., in]: the layer's input, the same on every rank of ``group``.
     weight W_r [out/tp, in]: this rank's rows of the full W.
+    gemm: the layer's matrix products (model/linear.py's seam): grad_x = gemm.dgrad(dy, W_r),
+    grad_weight = gemm.wgrad(dy, x).
     Returns (grad_x [..., in], grad_weight [out/tp, in], grad_bias [out/tp] or None), in the
     dtypes of x and weight.
 
@@ -38,19 +40,20 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
     it travels, then wait: communication overlapped with a matmul.
     """
     # BEGIN EXERCISE 2.1: the column-parallel linear's backward
-    # hint: dx = dy @ W; handle = all_reduce(dx, group, tag="bwd", async_op=True); dW = dy^T x with leading dims flattened; db = dy summed over them; handle.wait()
+    # hint: dx = gemm.dgrad(dy, W); handle = all_reduce(dx, group, tag="bwd", async_op=True); dW = gemm.wgrad(dy, x); db = dy summed over all but its last dim; handle.wait()
     raise NotImplementedError("exercise 2.1")
     # END EXERCISE
     return grad_x, grad_weight, grad_bias
 
 
 def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                group) -> torch.Tensor:
+                                group, gemm: Gemm = GEMM) -> torch.Tensor:
     """The forward of a row-parallel linear: y = sum over ranks of x_r W_r^T, plus b once.
 
     x [..., in/tp]: this rank's input features (e.g. a column-parallel output).
     weight W_r [out, in/tp]: this rank's columns of the full W. bias [out] (the full bias,
-    replicated) or None.
+    replicated) or None. gemm: the layer's matrix products (model/linear.py's seam; its
+    autograd op `gemm.linear` computes x W_r^T with its backward).
     Returns y [..., out], the same on every rank: the single-device x W^T + b.
     Communication: ONE all-reduce (sum) of the [..., out] partial sums through
     comm.reduce_from_tensor_model_parallel_region (the reduce operator, the paper's g: identity backward, so every rank's x_r gets the
@@ -58,6 +61,6 @@ def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: tor
     would be summed tp times.
     """
     # BEGIN EXERCISE 2.2: the row-parallel linear's forward
-    # hint: partial = F.linear(x, weight) with NO bias; y = reduce_from_tensor_model_parallel_region(partial, group); add the bias (if any) after
+    # hint: partial = gemm.linear(x, weight) with NO bias; y = reduce_from_tensor_model_parallel_region(partial, group); add the bias (if any) after
     raise NotImplementedError("exercise 2.2")
     # END EXERCISE

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 from minimegatron.comm import all_gather, reduce_scatter
+from minimegatron.model.linear import GEMM, Gemm
 from minimegatron.tp.layers import SEQUENCE_DIM
 
 
 def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                      has_bias: bool, group):
+                                      has_bias: bool, group, gemm: Gemm = GEMM):
     """The backward of the column-parallel linear under sequence parallelism
     (LinearWithSequenceParallelGather in minimegatron/tp/layers.py), written out by hand.
 
@@ -26,7 +27,8 @@ def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor
     sequence (the forward gathered the sequence before the GEMM).
     x (x_r) [b, s/tp, in]: the saved input, only this rank's s/tp tokens (rank r of ``group``
     holds positions [r s/tp, (r+1) s/tp) of dim 1, SEQUENCE_DIM).
-    weight W_r [out/tp, in]: this rank's rows of the full W.
+    weight W_r [out/tp, in]: this rank's rows of the full W. gemm: the layer's matrix products
+    (model/linear.py's seam: dgrad and wgrad).
     Returns (grad_x [b, s/tp, in], grad_weight [out/tp, in], grad_bias [out/tp] or None):
     grad_x the single-device gradient of x restricted to this rank's tokens, grad_weight and
     grad_bias exactly this rank's rows of the single-device gradients.
@@ -39,7 +41,7 @@ def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor
     all_gather of the [b, s/tp, in] shard and one reduce_scatter of [b, s, in], nothing else.
     """
     # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward
-    # hint: total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather"); dx = reduce_scatter(dy @ W, group, dim=SEQUENCE_DIM, tag="bwd"); dW = dy^T total with b, s flattened; db = dy summed over them
+    # hint: total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather"); dx = reduce_scatter(gemm.dgrad(dy, W), group, dim=SEQUENCE_DIM, tag="bwd"); dW = gemm.wgrad(dy, total); db = dy summed over b and s
     raise NotImplementedError("exercise 4.3")
     # END EXERCISE
     return grad_x, grad_weight, grad_bias
