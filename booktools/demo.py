@@ -27,15 +27,19 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from minimegatron.config import ModelConfig, TrainConfig
+
 ROOT = Path(__file__).resolve().parent.parent                 # the repository: minimegatron/, chapters/
 
-__all__ = ["import_chapter", "demo_parser", "check_at_least_one", "largest_differences", "verdict_line",
-           "data_parallel_size_under_torchrun", "verdict_under_torchrun", "run_demo"]
+__all__ = ["import_chapter", "Run", "demo_parser", "add_training_flags", "check_at_least_one", "model_line",
+           "largest_differences", "verdict_line", "data_parallel_size_under_torchrun", "verdict_under_torchrun",
+           "run_demo"]
 
 
 def import_chapter(number: str, module: str = "demo"):
@@ -53,11 +57,62 @@ def import_chapter(number: str, module: str = "demo"):
     return importlib.import_module(f"chapters.{folders[0]}.{module}")
 
 
+@dataclass(frozen=True)
+class Run:
+    """One training run of a chapter demo: `model` trained on tp x cp x pp x dp ranks as `train`
+    says (its tensor / context / pipeline sizes, grad_accum_steps micro-batches of
+    micro_batch_size rows, train_iters steps: the training loop's own fields), dp data-parallel
+    replicas; seed: the random token batches. A chapter's run (TPRun, PPRun, ...) adds its name."""
+    model: ModelConfig
+    train: TrainConfig
+    dp: int
+    seed: int = 0
+
+    tp = property(lambda self: self.train.tensor_model_parallel_size)
+    cp = property(lambda self: self.train.context_parallel_size)
+    pp = property(lambda self: self.train.pipeline_model_parallel_size)
+    sp = property(lambda self: self.train.sequence_parallel)
+    world = property(lambda self: self.tp * self.cp * self.pp * self.dp)
+    micro_batches = property(lambda self: self.train.grad_accum_steps)
+
+    def global_batches(self) -> list[dict[str, torch.Tensor]]:
+        """One global batch of micro_batch_size x micro-batches x dp sequences per step: what the
+        single device sees (testing.global_batches)."""
+        from minimegatron.testing import global_batches
+        return global_batches(self.model, self.train, self.dp, self.seed)
+
+
 def demo_parser(chapter: str, description: str) -> argparse.ArgumentParser:
     """The parser of chapters/<chapter>_*/demo.py, with the verdict's promise as its epilog."""
     folder = next((ROOT / "chapters").glob(f"{chapter}_*")).name
     return argparse.ArgumentParser(prog=f"chapters/{folder}/demo.py", description=description,
                                    epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+
+
+def add_training_flags(parser: argparse.ArgumentParser, *, style: str = "llama", micro_batches: int = 2,
+                       micro_batch_size: bool = True) -> None:
+    """The flags every distributed demo shares: --micro-batches (per step and data-parallel rank;
+    the first M-1 inside no_sync()), --micro-batch-size (if asked), --steps, --dtype, --style
+    (default `style`) and --quick."""
+    parser.add_argument("--micro-batches", type=int, default=micro_batches,
+                        help=f"M micro-batches per step and data-parallel rank; the first M-1 run inside no_sync() "
+                             f"(default {micro_batches})")
+    if micro_batch_size:
+        parser.add_argument("--micro-batch-size", type=int, default=2, help="b sequences per micro-batch (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                        help="float64 (tight tolerances, the default) or float32 (AdamW eps 1e-5)")
+    parser.add_argument("--style", choices=["llama", "gpt2"], default=style, help=f"model style (default {style})")
+    parser.add_argument("--quick", action="store_true", help="a smaller run of 2 steps (what the tests run)")
+
+
+def model_line(cfg: ModelConfig, detail: str = "") -> str:
+    """One line describing a demo's model: norm/activation, sizes, parameters, dtype."""
+    from minimegatron.analysis import count_parameters
+    return (f"model: {cfg.normalization}/{cfg.activation}, h={cfg.hidden_size} L={cfg.num_layers}{detail} "
+            f"a={cfg.num_attention_heads} g={cfg.query_groups} V={cfg.vocab_size}, "
+            f"{count_parameters(cfg)['total']:,} parameters, {cfg.params_dtype}"
+            + ("" if cfg.untie_embeddings_and_output_weights else ", tied embeddings"))
 
 
 def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> argparse.Namespace:

@@ -7,8 +7,8 @@ gradients come from, the global gradient norm and clipping, and mixed precision.
     grad_norm = optimizer.step()                         # the stages below, in order
     optimizer.zero_grad()
 
-The stages of `Optimizer.step()` (Megatron's MegatronOptimizer.step: prepare_grads, clip,
-step, copy main params back):
+The stages of `Optimizer.step()` (Megatron's MixedPrecisionOptimizer.step: prepare_grads,
+which unscales and checks for inf/nan, clip, step, copy main params back):
 
   1. gradients in     each Segment (a run of elements stepped together) says where its
                       gradient lives: p.grad of a bare model, a data-parallel buffer's view
@@ -16,7 +16,8 @@ step, copy main params back):
                       main parameters are float32 copies and their gradients float32 too (a
                       copy, unless the buffer already holds them in float32: main_grad).
   2. loss scale       with a grad_scaler: unscale, check every gradient for inf/nan on every
-                      rank that holds a part of the model, and skip the step together if one has.
+                      rank that holds a part of the model (the norm's groups; Megatron's
+                      grad-stats group), and skip the step together if one has.
   3. clip             the norm of the WHOLE single-device gradient (below), then every gradient
                       scaled by min(1, max_norm / norm).
   4. AdamW            torch's AdamW on the main parameters (weight decay on matrices only).

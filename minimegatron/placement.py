@@ -27,8 +27,10 @@ names here as the record's fields; for checkpoints each module's `sharded_state_
 them into ShardedTensors (megatron/core/dist_checkpointing/mapping.py: key, global_shape,
 global_offset), which `local_pieces` gives here. In torch a DTensor carries
 `placements=[Shard(dim) | Replicate()]` over a DeviceMesh: a split is Shard(partition_dim) on
-the tp mesh dimension (DTensor has no stride: torchtitan cuts SwiGLU's w1 and w3 apart),
-everything else Replicate, and a ZeRO shard is FSDP2's Shard(0) of the flattened tensor.
+the tp mesh dimension (DTensor has no public strided placement: torchtitan keeps SwiGLU's w1
+and w3 as separate weights), everything else Replicate. A ZeRO shard here is a contiguous 1/dp
+slice of a flat bucket, which may cut a parameter (as Megatron's distributed optimizer's);
+FSDP2 instead shards each parameter on its own, Shard(0) on its original shape.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The package's shape, read from its source (no module is imported): imports go one way.
 
-DESIGN.md, "Architecture", rule 2: config, comm, parallel_state, launch, data, checkpoint ->
-model -> optim -> dp -> tp -> pp -> parallelize -> train; an earlier layer never imports a
-later one, and nothing in the library imports the training loop. The figures come just before
-the loop (it draws its loss curve); the harness and the exercise tool come last. Every `import x` and `from x import y` counts, including the
+docs/ARCHITECTURE.md, section 1: config, comm, parallel_state, launch, data, checkpoint ->
+placement -> model -> optim -> dp -> tp -> pp -> cp -> moe -> analysis -> parallelize -> train;
+an earlier layer never imports a later one, and nothing in the library imports the training
+loop. The figures come just before the loop (it draws its loss curve); the harness comes last. Every `import x` and `from x import y` counts, including the
 ones inside functions (a lazy import is still a dependency: it only moves the failure to run
 time).
 

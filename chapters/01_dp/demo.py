@@ -61,7 +61,8 @@ import torch.distributed as dist
 from minimegatron import comm
 from minimegatron.analysis import count_parameters, training_memory
 from minimegatron.config import ModelConfig, TrainConfig
-from booktools.demo import check_at_least_one, demo_parser, import_chapter, largest_differences, run_demo
+from booktools.demo import (add_training_flags, check_at_least_one, demo_parser, import_chapter, largest_differences,
+                            run_demo)
 from minimegatron.dp import (DistributedDataParallel, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel,
                              assign_buckets, finish_grad_sync, local_tensors, no_sync, unwrap)
 from minimegatron.dp.ddp import megatron_default_bucket_size
@@ -648,20 +649,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ddp", choices=["naive", "bucketed"], default="bucketed",
                         help="with --zero 0: one all-reduce per parameter after backward (naive) or "
                              "per bucket during backward (bucketed, the default)")
-    parser.add_argument("--micro-batches", type=int, default=2,
-                        help="M micro-batches per step and rank; the first M-1 run inside no_sync() (default 2)")
-    parser.add_argument("--micro-batch-size", type=int, default=2, help="b sequences per micro-batch (default 2)")
-    parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
-    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                        help="float64 (tight tolerances, the default) or float32 (AdamW eps 1e-5)")
-    parser.add_argument("--style", choices=["llama", "gpt2"], default="llama", help="model style (default llama)")
+    add_training_flags(parser)
     parser.add_argument("--bucket-size", type=int, default=8192,
                         help="elements per bucket for DDP and ZeRO-1/2 (default 8192: several buckets; "
                              "Megatron's default of 40M would make one)")
     parser.add_argument("--ranks", type=int, default=2,
                         help="without torchrun: how many ranks to spawn (default 2); torchrun sets its own")
-    parser.add_argument("--quick", action="store_true",
-                        help="h=32, sequences of 16, 2 steps: a few seconds (what the tests run)")
     parser.add_argument("--break-averaging", action="store_true",
                         help="the classic bug, on purpose: sum the gradients over ranks instead of "
                              "averaging them (no 1/dp); the check must say MISMATCH")

@@ -47,12 +47,13 @@ from dataclasses import dataclass, field
 import torch
 
 from minimegatron import comm
-from minimegatron.analysis import count_parameters, tensor_parallel_parameters
+from minimegatron.analysis import tensor_parallel_parameters
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.optim import learning_rate
 from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch, single_device_run)
-from booktools.demo import check_at_least_one, demo_parser, import_chapter, run_demo, verdict_line
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, local_microbatch, single_device_run)
+from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
+                            run_demo, verdict_line)
 from minimegatron.train import initialize_layout, train_step
 
 ch00 = import_chapter("00")         # fingerprint: bit-identical replicas
@@ -75,30 +76,13 @@ def tiny_model(style: str = "llama", dtype: str = "float64", **overrides) -> Mod
 
 
 @dataclass(frozen=True)
-class TPRun:
-    """One run: `model` trained on tp x dp ranks with `train` (zero_stage picks chapter 01's
-    data-parallel variant; grad_accum_steps = M micro-batches of micro_batch_size = b rows of
-    seq_length tokens per data-parallel rank; train_iters = steps). seed: the token batches."""
-    model: ModelConfig
-    tp: int
-    dp: int
-    train: TrainConfig
-    seed: int = 0
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.dp
-
-    @property
-    def micro_batches(self) -> int:
-        return self.train.grad_accum_steps
+class TPRun(Run):
+    """One run (booktools.demo.Run): `model` trained on tp x dp ranks with `train` (zero_stage
+    picks chapter 01's data-parallel variant; grad_accum_steps = M micro-batches of
+    micro_batch_size = b rows of seq_length tokens per data-parallel rank; train_iters = steps)."""
 
     def name(self) -> str:
         return f"tensor parallelism on tp={self.tp} x dp={self.dp}"
-
-    def global_batches(self) -> list[dict[str, torch.Tensor]]:
-        """One global batch of b * M * dp sequences per step: what the single device sees."""
-        return global_batches(self.model, self.train, self.dp, self.seed)
 
     def local_microbatch(self, batch: dict, m: int, dp_rank: int) -> dict:
         """Micro-batch m of a global batch for data-parallel rank dp_rank (every rank of its
@@ -123,7 +107,7 @@ def make_run(model: ModelConfig, tp: int = 2, dp: int = 1, *, zero_stage: int = 
                         ddp_bucket_size=bucket_size, tensor_model_parallel_size=tp, progress=False,
                         eval_interval=0)
     validate_layout(model, train, tp * dp)
-    return TPRun(model, tp, dp, train, seed)
+    return TPRun(model, train, dp, seed)
 
 
 def phase_names(micro_batches: int) -> list[str]:
@@ -343,14 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="data-parallel size (default: world / tp under torchrun, 2 without)")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
                         help="chapter 01's DP variant: 0 bucketed DDP (default), 1 or 2 ZeRO")
-    parser.add_argument("--micro-batches", type=int, default=2,
-                        help="M micro-batches per step and DP rank; the first M-1 run inside no_sync() (default 2)")
-    parser.add_argument("--micro-batch-size", type=int, default=2, help="b sequences per micro-batch (default 2)")
-    parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
-    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                        help="float64 (tight tolerances, the default) or float32 (AdamW eps 1e-5)")
-    parser.add_argument("--style", choices=["llama", "gpt2"], default="llama", help="model style (default llama)")
-    parser.add_argument("--quick", action="store_true", help="h=32, sequences of 16, 2 steps (what the tests run)")
+    add_training_flags(parser)
     return check_at_least_one(parser, parser.parse_args(argv), "tp", "dp", "micro_batches", "micro_batch_size",
                               "steps")
 
@@ -365,11 +342,7 @@ def build_run(args: argparse.Namespace, dp: int) -> TPRun:
 
 def report(args, run: TPRun, per_rank: list[dict]) -> str:
     """Check the run, print the report; return the verdict line."""
-    cfg = run.model
-    print(f"model: {cfg.normalization}/{cfg.activation}, h={cfg.hidden_size} L={cfg.num_layers} "
-          f"a={cfg.num_attention_heads} g={cfg.query_groups} V={cfg.vocab_size}, "
-          f"{count_parameters(cfg)['total']:,} parameters, {cfg.params_dtype}"
-          + ("" if cfg.untie_embeddings_and_output_weights else ", tied embeddings"))
+    print(model_line(run.model))
     print()
     result = check_run(run, per_rank)
     print(result)

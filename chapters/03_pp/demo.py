@@ -50,13 +50,11 @@ import argparse
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 import minimegatron.pp as pipeline
 from minimegatron import comm
-from minimegatron.analysis import count_parameters
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.dp import apply_data_parallel, local_tensors, unwrap
 from minimegatron.optim import learning_rate, param_is_not_shared
@@ -65,10 +63,11 @@ from minimegatron.parallelize import build_model, build_optimizer, full_model_te
 from minimegatron.placement import gather_full_tensors
 from minimegatron.pp import (KINDS, Interval, PipelineComm, bubble_fraction, check_schedule_args, idle_fraction,
                              peak_in_flight, simulate)
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch, single_device_run)
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, local_microbatch, single_device_run)
 from minimegatron.tp import apply_tensor_parallel
 from minimegatron.train import initialize_layout, train_step
-from booktools.demo import check_at_least_one, demo_parser, import_chapter, run_demo, verdict_line
+from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
+                            run_demo, verdict_line)
 
 # A rank calls exercise 3.2 (stage_layers) as pipeline.stage_layers, an attribute of the
 # package minimegatron.pp: a grader's plug (booktools.exercises) swaps it there.
@@ -89,48 +88,20 @@ def tiny_model(style: str = "gpt2", dtype: str = "float64", **overrides) -> Mode
 # the run
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class PPRun:
-    """One run: `model` on tp x pp x dp ranks, as `train` says (its tensor_model_parallel_size,
-    pipeline_model_parallel_size, pipeline_schedule and num_virtual_stages_per_pipeline_rank:
-    the training loop's own fields; grad_accum_steps = M micro-batches of micro_batch_size = b
-    rows per step and pipeline; train_iters steps), `dp` data-parallel pipelines, optional
-    uneven layers_per_stage; seed: the batches."""
-    model: ModelConfig
-    train: TrainConfig
-    dp: int
+class PPRun(Run):
+    """One run (booktools.demo.Run): `model` on tp x pp x dp ranks, as `train` says (its
+    tensor_model_parallel_size, pipeline_model_parallel_size, pipeline_schedule and
+    num_virtual_stages_per_pipeline_rank: the training loop's own fields; grad_accum_steps = M
+    micro-batches of micro_batch_size = b rows per step and pipeline; train_iters steps), `dp`
+    data-parallel pipelines, optional uneven layers_per_stage."""
     layers_per_stage: tuple[int, ...] | None = None
-    seed: int = 0
 
-    @property
-    def tp(self) -> int:
-        return self.train.tensor_model_parallel_size
-
-    @property
-    def pp(self) -> int:
-        return self.train.pipeline_model_parallel_size
-
-    @property
-    def kind(self) -> str:
-        return self.train.pipeline_schedule
-
-    @property
-    def num_chunks(self) -> int:
-        return self.train.num_virtual_stages_per_pipeline_rank
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def micro_batches(self) -> int:
-        return self.train.grad_accum_steps
+    kind = property(lambda self: self.train.pipeline_schedule)
+    num_chunks = property(lambda self: self.train.num_virtual_stages_per_pipeline_rank)
 
     def name(self) -> str:
         return ("pipeline parallelism on " + (f"tp={self.tp} x " if self.tp > 1 else "") + f"pp={self.pp} x dp={self.dp}"
                 + (f" (ZeRO-{self.train.zero_stage})" if self.train.zero_stage else ""))
-
-    def global_batches(self) -> list[dict[str, torch.Tensor]]:
-        return global_batches(self.model, self.train, self.dp, self.seed)
 
     def local_microbatches(self, batch: dict, dp_rank: int) -> list[dict]:
         """This data-parallel rank's M micro-batches (every stage of its pipeline reads them)."""
@@ -159,7 +130,7 @@ def make_run(model: ModelConfig, pp: int = 2, dp: int = 1, kind: str = "1f1b", *
         validate_layout(model, train, tp * pp * dp)
     else:                                                # build_model cuts evenly only: see build_chunks
         train.validate(model.validate())
-    return PPRun(model, train, dp, None if layers_per_stage is None else tuple(layers_per_stage), seed)
+    return PPRun(model, train, dp, seed, None if layers_per_stage is None else tuple(layers_per_stage))
 
 
 # ---------------------------------------------------------------------------------------
@@ -387,16 +358,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--schedule", choices=KINDS, default="1f1b", help="default 1f1b")
     parser.add_argument("--chunks", type=int, default=None,
                         help="model chunks per rank for --schedule interleaved (default 2)")
-    parser.add_argument("--micro-batches", type=int, default=8, help="m micro-batches per step (default 8)")
-    parser.add_argument("--micro-batch-size", type=int, default=2, help="b sequences per micro-batch (default 2)")
-    parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
-    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    parser.add_argument("--style", choices=["llama", "gpt2"], default="gpt2",
-                        help="model style (default gpt2: tied embeddings, the first and last stage share them)")
+    add_training_flags(parser, style="gpt2", micro_batches=8)      # gpt2: tied, first and last stage share it
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0,
                         help="chapter 01's ZeRO over each stage's data-parallel ranks (default 0: bucketed DDP)")
     parser.add_argument("--figure", default="runs/ch03_timeline.png", help="where to draw the timelines ('' : none)")
-    parser.add_argument("--quick", action="store_true", help="h=32, sequences of 16, 2 steps (what the tests run)")
     args = parser.parse_args(argv)
     if args.chunks is None:
         args.chunks = 2 if args.schedule == "interleaved" else 1
@@ -415,11 +380,7 @@ def build_run(args: argparse.Namespace, dp: int) -> PPRun:
 
 
 def report(args, run: PPRun, per_rank: list[dict]) -> str:
-    cfg = run.model
-    print(f"model: {cfg.normalization}/{cfg.activation}, h={cfg.hidden_size} L={cfg.num_layers} "
-          f"({cfg.num_layers // (run.pp * run.num_chunks)} per virtual stage), V={cfg.vocab_size}, "
-          f"{count_parameters(cfg)['total']:,} parameters, {cfg.params_dtype}"
-          + ("" if cfg.untie_embeddings_and_output_weights else ", tied embeddings"))
+    print(model_line(run.model, f" ({run.model.num_layers // (run.pp * run.num_chunks)} per virtual stage)"))
     print()
     result = check_run(run, per_rank)
     print(result)

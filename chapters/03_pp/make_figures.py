@@ -48,7 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from minimegatron import parallel_state  # noqa: E402
 from minimegatron.launch import spawn  # noqa: E402
-from minimegatron.pp import (bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
+from minimegatron.pp import (Interval, bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
                              peak_in_flight, schedule, simulate)
 from booktools.demo import import_chapter  # noqa: E402
 from minimegatron.viz import draw_rank_grid, new_figure  # noqa: E402

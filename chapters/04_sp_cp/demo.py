@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from minimegatron import comm, parallel_state
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
-from booktools.demo import check_at_least_one, demo_parser, run_demo, verdict_line
+from booktools.demo import Run, add_training_flags, check_at_least_one, demo_parser, run_demo, verdict_line
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.cp import (CP_COMM_TYPES, ContextParallelAttention, apply_context_parallel, causal_work_per_rank,
                              cp_chunk_ids, get_batch_on_this_cp_rank, positions_on_rank)
@@ -61,7 +61,7 @@ from minimegatron.model.linear import RMSNorm
 from minimegatron.parallelize import build_model, unwrap, validate_layout
 from minimegatron.placement import set_placement
 from minimegatron.pp import stage_layers
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, single_device_run, train_layout)
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, single_device_run, train_layout)
 from minimegatron.tp import ColumnParallelLinear, allreduce_sequence_parallel_grads
 from minimegatron.tp.layers import SEQUENCE_DIM
 
@@ -78,19 +78,12 @@ def tiny_model(style: str = "llama", dtype: str = "float64", **overrides) -> Mod
 
 
 @dataclass(frozen=True)
-class SeqRun:
-    model: ModelConfig
-    train: TrainConfig
-    dp: int                                   # data-parallel replicas (each takes other sequences)
-    seed: int = 0
-    load_balance: bool = True                 # zig-zag (the training loop's, Megatron's); False: contiguous
+class SeqRun(Run):
+    """One run (booktools.demo.Run) on tp x cp x pp x dp ranks; load_balance: the zig-zag cut
+    (the training loop's, Megatron's), or False: contiguous."""
+    load_balance: bool = True
 
-    tp = property(lambda self: self.train.tensor_model_parallel_size)
-    cp = property(lambda self: self.train.context_parallel_size)
-    pp = property(lambda self: self.train.pipeline_model_parallel_size)
-    sp = property(lambda self: self.train.sequence_parallel)
     comm_type = property(lambda self: self.train.cp_comm_type)
-    world = property(lambda self: self.tp * self.cp * self.pp * self.dp)
 
     def name(self) -> str:
         parts = [f"tp={self.tp}" + ("+sp" if self.sp else "")] if self.tp > 1 else []
@@ -99,8 +92,6 @@ class SeqRun:
         parts += [f"pp={self.pp}"] if self.pp > 1 else []
         return " x ".join(parts + [f"dp={self.dp}"])
 
-    def global_batches(self) -> list[dict[str, torch.Tensor]]:
-        return global_batches(self.model, self.train, dp=self.dp, seed=self.seed)
 
 
 def make_run(model: ModelConfig, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *, sp: bool = False,
@@ -474,12 +465,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--dp", type=int, default=None,
                         help="data-parallel replicas (default: world / (tp cp pp) under torchrun, 1 without)")
-    parser.add_argument("--style", choices=["llama", "gpt2"], default="llama", help="default llama (RoPE, GQA)")
-    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64, or 32 with --quick)")
-    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
-    parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="sequences of 32, 2 steps (what the tests run)")
+    add_training_flags(parser, micro_batch_size=False)
     args = parser.parse_args(argv)
     if args.cp is None:           # cp 1 under torchrun or with tp; without them the demo shows cp 2
         args.cp = 1 if "RANK" in os.environ or args.tp > 1 else 2

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from minimegatron.analysis import count_parameters, megatron_mlp_flops, training_flops
-from booktools.demo import check_at_least_one, demo_parser, run_demo, verdict_line
+from booktools.demo import Run, check_at_least_one, demo_parser, run_demo, verdict_line
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.model import GPTModel, MoELayer
 from minimegatron.model.router import apply_token_dropping
@@ -61,7 +61,7 @@ from minimegatron.optim import Optimizer, learning_rate
 from minimegatron.parallel_state import Layout
 from minimegatron.parallelize import unwrap, validate_layout
 from minimegatron.pp import stage_layers
-from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, single_device_run, train_layout)
+from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, single_device_run, train_layout)
 from minimegatron.train import train_step
 
 MOE_TAGS = ("moe-counts", "moe-dispatch", "moe-combine", "moe-dispatch-bwd", "moe-combine-bwd", "moe-etp",
@@ -80,20 +80,12 @@ def tiny_moe(dtype: str = "float64", **overrides) -> ModelConfig:
 
 
 @dataclass(frozen=True)
-class MoERun:
-    model: ModelConfig
-    train: TrainConfig
-    dp: int                                   # data-parallel replicas (each takes other sequences)
-    seed: int = 0
-
-    tp = property(lambda self: self.train.tensor_model_parallel_size)
-    cp = property(lambda self: self.train.context_parallel_size)
-    pp = property(lambda self: self.train.pipeline_model_parallel_size)
+class MoERun(Run):
+    """One run (booktools.demo.Run) on tp x cp x pp x dp ranks, its experts on the second grid
+    etp x ep x expert-dp x pp."""
     ep = property(lambda self: self.train.expert_model_parallel_size)
     etp = property(lambda self: self.train.etp)
-    sp = property(lambda self: self.train.sequence_parallel)
     dispatcher = property(lambda self: self.train.moe_token_dispatcher_type)
-    world = property(lambda self: self.tp * self.cp * self.pp * self.dp)
     expert_dp = property(lambda self: self.world // (self.etp * self.ep * self.pp))
 
     def name(self) -> str:
@@ -105,8 +97,6 @@ class MoERun:
         zero = [f"ZeRO-{self.train.zero_stage}"] if self.train.zero_stage else []
         return " x ".join(parts + [f"dp={self.dp}", f"expert-dp={self.expert_dp}"] + zero)
 
-    def global_batches(self) -> list[dict[str, torch.Tensor]]:
-        return global_batches(self.model, self.train, dp=self.dp, seed=self.seed)
 
 
 def make_run(model: ModelConfig, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *, ep: int = 2,

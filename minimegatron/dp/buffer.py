@@ -18,15 +18,17 @@ A sharded bucket of n elements is padded with zeros to dp * S elements, S = ceil
 rank r owns [r S, (r+1) S) (`shard_range`): reduce-scatter and all-gather need equal parts.
 
 The gradient dtype may differ from the parameters': 16-bit parameters with float32 gradient
-buffers (Megatron's --accumulate-allreduce-grads-in-fp32, its default with --bf16: the
-micro-batches' gradients are summed and reduced in float32, and the optimizer reads them
-without a copy), or the parameters' own dtype (--grad-reduce-in-bf16). The backward writes a
+buffers (Megatron's --accumulate-allreduce-grads-in-fp32, which its validate_args turns on
+with --bf16 unless --grad-reduce-in-bf16 is given: the micro-batches' gradients are summed and
+reduced in float32, and the optimizer reads them without a copy), or the parameters' own dtype
+(--grad-reduce-in-bf16). The backward writes a
 parameter's .grad in the parameter's dtype; a post-accumulate-grad hook adds it into the
 buffer view (ddp.py).
 
-Megatron-LM: megatron/core/distributed/param_and_grad_buffer.py (_ParamAndGradBuffer: one
-buffer per (param dtype, grad dtype) pair, buckets, padding, shard_buffer; a bucket group is
-one collective).
+Megatron-LM: megatron/core/distributed/param_and_grad_buffer.py (group_params_for_buffers:
+one buffer per (param dtype, grad dtype, expert-parallel, ...) key; _ParamAndGradBuffer,
+buckets, shard_buffer; a bucket group is one collective); the padding, with the distributed
+optimizer, in megatron/core/optimizer/distrib_optimizer.py.
 """
 
 from __future__ import annotations

@@ -55,11 +55,12 @@ Memory per rank (measured by `measure_memory`, compared with analysis.memory.tra
     grads            stage 1: sum_b dp * S_b * e;  stage 2: sum_b S_b * e     (N e; ceil(N/dp) e)
     optimizer state  2 * real_r * e, real_r = this rank's unpadded elements   (2 ceil(N/dp) e)
 
-Where this lives in Megatron-LM: megatron/core/distributed/param_and_grad_buffer.py
-(_ParamAndGradBuffer, _ParamAndGradBucketGroup.start_grad_sync / start_param_sync, shard_buffer,
-_does_param_require_new_bucket for the shared embedding) and
-megatron/core/optimizer/distrib_optimizer.py (DistributedOptimizer: the shard ranges, the main
-parameters, the param all-gather).
+Where this lives in Megatron-LM (main, checked 2026-11-27): megatron/core/distributed/
+param_and_grad_buffer.py (_ParamAndGradBuffer, _ParamAndGradBucketGroup.start_grad_sync /
+start_param_sync, shard_buffer) and megatron/core/optimizer/distrib_optimizer.py
+(DistributedOptimizer: the shard ranges, the main parameters, the param all-gather; its
+_compute_per_buffer_param_layout pads the buckets and gives `shared_embedding` parameters a
+bucket of their own, _does_param_require_new_bucket).
 """
 
 from __future__ import annotations

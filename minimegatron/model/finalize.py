@@ -21,7 +21,9 @@ same order. A new chapter registers its hook; finalize_model_grads does not chan
 
 Megatron-LM: megatron/core/distributed/finalize_model_grads.py, one function that calls each
 step in turn (finish_grad_sync, _allreduce_conditional_embedding_grads,
-_allreduce_non_tensor_model_parallel_grads, _allreduce_embedding_grads, _update_router_expert_bias).
+_allreduce_non_tensor_model_parallel_grads, _allreduce_word_embedding_grads,
+_allreduce_position_embedding_grads, _update_router_expert_bias, ...), edited per feature;
+here each feature registers its step.
 """
 
 from __future__ import annotations

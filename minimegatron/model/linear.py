@@ -11,8 +11,9 @@ The seams (chapters 06 and 07 swap what they return; tp/, moe/ and the model sta
                      weight matmul of the book goes through a layer's `gemm`: this Linear, the
                      tensor-parallel layers' hand-written backwards (tp/layers.py) and the
                      experts' batched form (model/moe.py). `GEMM` is the plain one; an FP8
-                     transformation gives a layer one of its own (TE and torchao call these
-                     three products fprop, dgrad and wgrad too).
+                     transformation gives a layer one of its own (Transformer Engine calls the
+                     three fprop, dgrad and wgrad, as in its recipes' fp8_gemm_fprop/dgrad/wgrad;
+                     torchao output, grad_input and grad_weight).
 
 Parameters are created empty here; their values are set by `minimegatron.model.init`,
 which derives each one from (seed, parameter name) only.

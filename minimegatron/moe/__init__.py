@@ -5,7 +5,8 @@ router, experts in a loop and grouped, shared expert, auxiliary losses) and
 minimegatron/model/router.py (the routing functions). This package spreads the experts over
 ranks. Read in this order:
 
-  router.py            the routing functions where DESIGN.md's contract names them
+  router.py            the routing functions where the book's contract names them
+                       (docs/ARCHITECTURE.md, "Contracts")
   dispatcher.py        the token dispatchers: all-to-all (permute, exchange counts, exchange
                        rows, re-sort by expert, and back) and all-gather
   expert_parallel.py   apply_expert_parallel (experts over ep, cut over etp, marked

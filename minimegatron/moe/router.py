@@ -1,4 +1,5 @@
-"""The router's functions, where DESIGN.md's contract names them (minimegatron.moe.router).
+"""The router's functions, where the book's contract names them: minimegatron.moe.router
+(docs/ARCHITECTURE.md, "Contracts").
 
 They live in minimegatron/model/router.py: the single-device GPT-MoE (model/moe.py) routes
 with them, and the model may not import a later chapter's package (tests/test_imports.py).

@@ -24,6 +24,7 @@ exactly a piece of the single-device model.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .. import comm
 from ..config import ConfigError, ModelConfig

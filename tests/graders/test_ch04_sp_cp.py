@@ -10,7 +10,7 @@ active) equals the single-device run (`check_run` of chapters/04_sp_cp/demo.py, 
 holds the ledger of a step against the chapter's formulas); ring attention over 2 and 4 ranks
 equals single-device causal attention computed here with torch's softmax and autograd; the
 layer's gradients equal autograd on full tensors; softmax over the full scores in float64;
-the layout's contract written out from DESIGN.md; and the ledger (which collectives ran).
+the layout's contract written out from docs/ARCHITECTURE.md ("Contracts"); and the ledger (which collectives ran).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def test_ring_attention_built_on_your_merge_is_causal_attention(world):
 # 4.2 the zig-zag positions
 # --------------------------------------------------------------------------------------
 def _contract(s: int, cp: int, r: int) -> list[int]:
-    """DESIGN.md: the sequence cut into 2 cp chunks; rank r keeps chunk r and chunk 2 cp-1-r, in that order."""
+    """docs/ARCHITECTURE.md, "Contracts": the sequence cut into 2 cp chunks; rank r keeps chunk r and chunk 2 cp-1-r, in that order."""
     c = s // (2 * cp)
     chunks = [list(range(i * c, (i + 1) * c)) for i in range(2 * cp)]
     return chunks[r] + chunks[2 * cp - 1 - r]
