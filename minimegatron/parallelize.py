@@ -84,10 +84,6 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
     if sp and (cfg.seq_length // cp) % tp:
         raise ConfigError(f"sequence_parallel: seq_length={cfg.seq_length} / context_parallel_size={cp} = "
                           f"{cfg.seq_length // cp} tokens per rank is not divisible by tensor_model_parallel_size={tp}")
-    if tp > 1 and cfg.zero_stage == 3:
-        raise ConfigError(f"zero_stage=3 with tensor_model_parallel_size={tp}: parameter sharding (ZeRO-3) is not "
-                          f"combined with tensor parallelism here (Megatron's distributed optimizer is ZeRO-1/2); "
-                          f"use zero_stage 0, 1 or 2")
     if pp > 1 and cfg.zero_stage == 3:
         raise ConfigError(f"zero_stage=3 with pipeline_model_parallel_size={pp}: ZeRO-3's units (dp/fsdp.py) are "
                           f"not combined with pipeline stages here (the head's unit reads the tied embedding, which "

@@ -56,7 +56,7 @@ from .comm import all_reduce, barrier
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
-from .dp import no_sync
+from .dp import local_tensors, no_sync
 from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun
 from .model import finalize_model_grads
@@ -311,11 +311,12 @@ def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> st
 
     The main file's "model" is always the single-device state (names and full shapes: the
     shards gathered, a collective). When the model is split (TP or PP) each rank's own file
-    also holds its chunks' own state dicts, which is what a resume with the same layout loads."""
+    also holds its chunks' own state dicts (ZeRO-3's parameters gathered over dp: collective),
+    which is what a resume with the same layout loads."""
     split = holds_part_of_model(layout)
     model_state = full_model_tensors(chunks, layout)                      # collective
     own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "tp_rng": get_rng_tracker().get_states(),
-           **({"model": [unwrap(c).state_dict() for c in chunks]} if split else {})}
+           **({"model": [chunk_state(c) for c in chunks]} if split else {})}
     if layout.world > 1:
         save_rank_state(cfg.save_dir, step, layout.rank, own)
         barrier(None, tag="checkpoint")                           # all rank files exist
@@ -328,6 +329,16 @@ def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> st
     if layout.world > 1:
         barrier(None, tag="checkpoint")                           # nobody runs ahead of `latest`
     return str(path)
+
+
+def chunk_state(chunk: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of this rank's GPTModel chunk, as build_model loads it: its parameters as
+    this rank holds them (dp.local_tensors: ZeRO-3's gathered over dp, a collective) and its
+    saved buffers."""
+    model = unwrap(chunk)
+    params = dict(model.named_parameters())                  # (none left under ZeRO-3)
+    state = {n: t.detach().clone() for n, (_, t) in local_tensors(chunk).items()}
+    return state | {n: t for n, t in model.state_dict().items() if n not in params}
 
 
 def _progress_bar(start: int, cfg: TrainConfig):

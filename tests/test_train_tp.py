@@ -1,5 +1,5 @@
 """The training loop under tensor x data parallelism (chapter 02): TP=2 x DP=2 (with the DP of
-chapter 01: replicated, ZeRO-1, ZeRO-2) and TP=4 x DP=1 train the same model as the
+chapter 01: replicated, ZeRO-1, ZeRO-2, ZeRO-3) and TP=4 x DP=1 train the same model as the
 single-device loop (same global batch, gradient clipping active; LLaMA untied and GPT-2 tied;
 float64 and float32; hidden dropout), resume bit for bit from their checkpoints (also with
 ZeRO's sharded optimizer state and the per-rank attention-dropout stream), and bad layouts
@@ -33,6 +33,7 @@ LAYOUTS = {
     "tp4xdp1": (4, MODEL, {}, True, "equal"),
     "tp2xdp2-zero1": (2, MODEL, {"zero_stage": 1, "ddp_bucket_size": 3000}, True, "equal"),
     "tp2xdp2-zero2-gpt2-tied": (2, GPT2_TIED, {"zero_stage": 2}, False, "equal"),
+    "tp2xdp2-zero3-gpt2-tied": (2, GPT2_TIED, {"zero_stage": 3}, True, "equal"),
     "tp2xdp2-float32": (2, FP32, {"adam_eps": 1e-5}, False, "equal"),
     # tp 4 x dp 1 draws hidden-dropout masks of the single device's shape from the same seed
     "tp4xdp1-hidden-dropout": (4, ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.2}), {}, False, "equal"),
@@ -114,8 +115,9 @@ def test_tensor_x_data_parallel_trains_like_one_device_and_resumes_exactly(tmp_p
 
 
 def test_bad_tensor_parallel_configs_are_refused_before_training():
-    with pytest.raises(ConfigError, match="zero_stage=3 with tensor_model_parallel_size=2"):
-        validate_layout(MODEL, TrainConfig(seq_length=16, tensor_model_parallel_size=2, zero_stage=3), 2)
+    with pytest.raises(ConfigError, match="sequence_parallel with zero_stage=3"):
+        validate_layout(MODEL, TrainConfig(seq_length=16, tensor_model_parallel_size=2, zero_stage=3,
+                                           sequence_parallel=True), 4)
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=0"):
         TrainConfig(tensor_model_parallel_size=0).validate()
     with pytest.raises(ConfigError, match="world size 1 is not divisible by tensor_model_parallel_size=2"):

@@ -94,7 +94,8 @@ def make_run(model: ModelConfig, tp: int = 2, dp: int = 1, *, zero_stage: int = 
              micro_batch_size: int = 2, steps: int = 2, clip_grad: float = 0.05, bucket_size: int | None = 4000,
              seed: int = 0) -> TPRun:
     """A validated TPRun (parallelize.validate_layout: ConfigError naming the numbers for a
-    layout that does not split: heads, groups or ffn by tp, zero_stage 3 with tp). tp must be
+    layout that does not split: heads, groups or ffn by tp). The demo runs zero_stage 0-2 (its
+    ledger formula is chapter 01's for those; ZeRO-3 x TP: tests/test_zero_layouts.py). tp must be
     at least 2 (tp = 1 is chapter 01). AdamW eps 1e-5 in float32 (see testing.py), 1e-8 in
     float64. clip_grad 0.05 is below the tiny model's gradient norm (about 0.5 to 2): every
     step clips, so the global norm (replicated parameters counted once, optim.grads_for_norm)

@@ -42,8 +42,14 @@ and per step the norm's all_reduce of 1 element ("grad-norm"); no parameter all-
 the step (the next forward gathers). Memory per rank at rest: params sum_u S_u * e, grads
 sum_u S_u * e, AdamW state 2 * real * e; during a step + the gathered units (memory_profile).
 
+With tensor parallelism (ZeRO-3 x TP, torchtitan's FSDP2 + TP "2D") a unit flattens this rank's
+tensor-parallel shards: the gathered unit is the TP-local model, and the placement records the
+unit keeps say how its parameters are cut, for the norm and for gathering full tensors. Not
+with sequence or pipeline parallelism (parallelize.validate_layout says why).
+
 Where this lives in Megatron-LM: megatron/core/distributed/fsdp/ (Megatron-FSDP); in PyTorch:
-torch/distributed/fsdp/_flat_param.py (FlatParamHandle: flat parameters, unshard / reshard).
+torch/distributed/fsdp/_flat_param.py (FlatParamHandle: flat parameters, unshard / reshard;
+FSDP1) and torch/distributed/fsdp/_fully_shard/ (FSDP2: each parameter its own Shard(0) DTensor).
 """
 
 from __future__ import annotations
