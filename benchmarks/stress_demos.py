@@ -50,6 +50,8 @@ JOBS = [
     Job("ch02 tp --tp 2 --dp 2 (4 ranks)", 4, "chapters/02_tp/demo.py --tp 2 --dp 2 --quick", r"^MATCH"),
     Job("ch03 pp --pp 4 --schedule 1f1b (4 ranks)", 4,
         "chapters/03_pp/demo.py --pp 4 --schedule 1f1b --quick --figure ''", r"^MATCH"),
+    Job("ch03 pp --pp 2 --dp 2 --zero-stage 1 (4 ranks)", 4,
+        "chapters/03_pp/demo.py --pp 2 --dp 2 --zero-stage 1 --micro-batches 4 --quick --figure ''", r"^MATCH"),
     Job("ch04 sp cp --tp 2 --sp --cp 2 (4 ranks)", 4,
         "chapters/04_sp_cp/demo.py --tp 2 --sp --cp 2 --quick", r"^MATCH"),
     Job("ch05 ep --tp 2 --sp --ep 2 (4 ranks)", 4,

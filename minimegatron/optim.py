@@ -248,7 +248,9 @@ class Optimizer:
         dtypes agree, else a copy in the main dtype)."""
         for main, seg in zip(self.main_params, self.segments):
             g = seg.grad()
-            main.grad = None if g is None else g.view_as(main) if g.dtype == main.dtype else g.to(main.dtype).view_as(main)
+            if g is not None and g.dtype != main.dtype:
+                g = g.to(main.dtype)                       # 16-bit gradients: a float32 copy
+            main.grad = None if g is None else g.view_as(main)
 
     def grads_for_norm(self, norm_group: NormGroup) -> list[torch.Tensor]:
         """This rank's gradient pieces that `norm_group` counts (grads_for_norm's filter)."""

@@ -12,8 +12,8 @@ One concept per file:
                    measure_saved_activation_bytes,     op, and its measurement; Korthikanti et
                    korthikanti_activation_memory       al.'s 16-bit formula
   report.py        memory_report, does_it_fit          the table, and why one device stops
-                                                       being enough (chapters/00_single_device/make_figures.py's plot_memory_breakdown
-                                                       draws the table)
+                                                       being enough (plot_memory_breakdown of
+                                                       chapter 00's make_figures.py draws it)
 
 Every formula here is tested against a measurement of the real model (numel of parameters,
 FlopCounterMode, torch.optim.AdamW's state, saved_tensors_hooks), never against itself.

@@ -1,5 +1,5 @@
-"""Putting the numbers together: a memory table and real model sizes (chapters/00_single_device/make_figures.py's plot_memory_breakdown
-draws the table as a bar chart).
+"""Putting the numbers together: a memory table and real model sizes (plot_memory_breakdown in
+chapters/00_single_device/make_figures.py draws the table as a bar chart).
 
 `memory_report` adds the four things one training step keeps in memory on one device:
 

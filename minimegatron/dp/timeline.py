@@ -1,5 +1,5 @@
-"""When did each bucket's all-reduce run, relative to backward? The record (chapters/01_dp/make_figures.py's plot_bucket_timeline
-draws it).
+"""When did each bucket's all-reduce run, relative to backward? The record (plot_bucket_timeline
+in chapters/01_dp/make_figures.py draws it).
 
 `DistributedDataParallel` (ddp.py) fills one `BucketTimeline` per optimizer step, for the
 backward of the last micro-batch (the one that communicates). All times are seconds after

@@ -9,7 +9,7 @@ transforms, when it transforms it:
 
     dp.DataParallel (every wrapper)     "data-parallel": finish_grad_sync of every chunk
     model/moe.py, moe.apply_expert_parallel  "expert-bias": the routers' bias update
-    parallelize.build_model (pipeline)  "tied-embedding": sum the two copies' gradients
+    pp.build_stage (pipeline)           "tied-embedding": sum the two copies' gradients
     tp.apply_tensor_parallel (SP)       "sequence-parallel": sum the norms' gradients over tp
     (chapter 06: the FP8 amax reductions; ...)
 

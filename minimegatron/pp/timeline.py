@@ -1,5 +1,5 @@
-"""The pipeline bubble: simulated from a schedule with unit costs, and by formula (chapters/03_pp/make_figures.py's plot_timeline
-draws the intervals).
+"""The pipeline bubble: simulated from a schedule with unit costs, and by formula (plot_timeline
+in chapters/03_pp/make_figures.py draws the intervals).
 
 A pipeline of p stages runs m micro-batches; on each stage a forward costs t_f and a backward
 t_b (with v chunks per rank, each chunk's F costs t_f / v and B t_b / v: the rank's layers are
@@ -25,7 +25,7 @@ Clusters", Section 2.2) state the same as bubble time over ideal time: (p - 1) /
 (p - 1) / (v m) interleaved; bubble_fraction returns that ratio too.
 
 StepRecord is the measured side: what one real step on one rank took, op by op
-(executor.run_pipeline_step fills it); chapters/03_pp/make_figures.py's plot_timeline draws both.
+(executor.run_pipeline_step fills it); plot_timeline in chapters/03_pp/make_figures.py draws both.
 """
 
 from __future__ import annotations
