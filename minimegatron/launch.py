@@ -157,7 +157,7 @@ def _check_importable(fn: Callable) -> None:
     module = getattr(fn, "__module__", None)
     hint = ("spawn() starts fresh Python processes that import the function by name: define "
             "it at the top level of an importable module (e.g. a chapter's demo.py, imported "
-            "with minimegatron.testing.import_chapter_demo, a module under tests/workers/, or a "
+            "with booktools.demo.import_chapter, a module under tests/workers/, or a "
             ".py file next to your notebook), not as a lambda or a nested function.")
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise TypeError(f"cannot spawn {qualname!r} from module {module!r}: {hint}")

@@ -4,9 +4,9 @@
     parallel (04) -> expert parallel (05) -> [FP8 (06)] -> data-parallel wrapper (01)
 
 `build_model` is that order, in one function; each `apply_*` is a no-op when its size is 1,
-so the single device is the same code with every size 1. A new chapter adds one `apply_*`,
-one line in `build_model`, its checks in `validate_layout`, and its gradient hooks in
-train.finalize_model_grads (CONTRIBUTING.md).
+so the single device is the same code with every size 1. A new chapter adds one `apply_*`
+(which writes the placement records of what it cuts and registers its gradient hooks), one
+line in `build_model`, its checks in `validate_layout` (docs/ARCHITECTURE.md, CONTRIBUTING.md).
 
     validate_layout(model_cfg, train_cfg, world_size)   every impossible layout, named, before
                                                           any process group exists

@@ -145,13 +145,15 @@ def name_placements(model: nn.Module) -> None:
         set_placement(param, name=name)
 
 
-def local_tensors(model: nn.Module, grads: bool = False) -> dict[str, tuple[Placement, torch.Tensor]]:
+def local_tensors(model: nn.Module, grads: bool = False,
+                  grad_of=lambda p: p.grad) -> dict[str, tuple[Placement, torch.Tensor]]:
     """{name: (record, tensor)} of `model`'s parameters as this rank holds them, or their
-    gradients (zeros where a parameter has none), by single-device name."""
+    gradients (`grad_of(p)`, e.g. a data-parallel buffer's view; zeros where there is none), by
+    single-device name."""
     out = {}
     for name, p in model.named_parameters():
-        record = placement_of(p)
-        out[record.name or name] = (record, (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p)
+        g = grad_of(p) if grads else p
+        out[placement_of(p).name or name] = (placement_of(p), torch.zeros_like(p) if g is None else g.view_as(p))
     return out
 
 

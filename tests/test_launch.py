@@ -21,8 +21,11 @@ def child_pids() -> set[int]:
     multiprocessing's resource tracker, a helper that lives as long as this process."""
     pids = set()
     for tid in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
-            pids.update(int(p) for p in f.read().split())
+        try:
+            with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:        # a thread that ended between the listing and the read
+            continue
     def is_tracker(pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:

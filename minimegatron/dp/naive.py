@@ -54,7 +54,7 @@ from torch import nn
 from .. import comm
 from ..model.finalize import register_grad_finalizer
 from ..optim import GradientSource, Segment, parameter_segment
-from ..placement import Placement, name_placements, placement_of
+from ..placement import Placement, name_placements
 from ..placement import local_tensors as placement_local_tensors
 
 
@@ -109,12 +109,8 @@ class DataParallel(nn.Module, GradientSource):
 
     def local_tensors(self, grads: bool = False) -> dict[str, tuple[Placement, torch.Tensor]]:
         """{single-device name: (record, tensor)} of this rank's parameters, or of their
-        gradients after finish_grad_sync (zeros where there is none)."""
-        out = {}
-        for p in self.module.parameters():
-            g = self.grad_of(p) if grads else p
-            out[placement_of(p).name] = (placement_of(p), torch.zeros_like(p) if g is None else g.view_as(p))
-        return out
+        gradients after finish_grad_sync (grad_of; zeros where there is none)."""
+        return placement_local_tensors(self.module, grads, self.grad_of)
 
 
 def no_sync(model: nn.Module):
