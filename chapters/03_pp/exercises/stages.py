@@ -13,6 +13,7 @@ Grade the whole chapter with `make grade CH=03`; start a stub over with
 
 from __future__ import annotations
 
+from torch import nn
 from minimegatron import comm
 from minimegatron.config import ConfigError
 from minimegatron.dp import grad_of, unwrap
