@@ -55,6 +55,14 @@ N ?= 10
 stress: $(STAMP)
 	$(PY) benchmarks/stress_demos.py --runs $(N) --torchrun "$(TORCHRUN)"
 
+# Re-measure a chapter's quoted numbers: rerun the commands its text quotes (the RUNS of its
+# make_figures.py, figures included), rewrite chapters/NN_*/measured.json, and put the recorded
+# numbers back into the README and notebook markdown (booktools/measured.py). CH=all: every chapter.
+CH ?= all
+.PHONY: numbers
+numbers: $(STAMP)
+	$(PY) -m booktools.measured record $(filter-out all,$(CH))
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/graders
 	$(PY) -m booktools.exercises check

@@ -21,9 +21,10 @@ import matplotlib
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from minimegatron.analysis import (GiB, activation_memory, count_parameters,  # noqa: E402
-                                   measure_saved_activation_bytes, real_model_config, training_flops,
-                                   training_memory)
+from minimegatron.analysis import (GiB, activation_memory, count_parameters, does_it_fit,  # noqa: E402
+                                   flops_per_token_6n, korthikanti_activation_memory,
+                                   measure_saved_activation_bytes, narayanan2021_flops_per_iteration,
+                                   real_model_config, training_flops, training_memory)
 from minimegatron.config import ModelConfig  # noqa: E402
 from minimegatron.model import GPTModel  # noqa: E402
 from minimegatron.arguments import PRESETS  # noqa: E402
@@ -172,6 +173,74 @@ def plot_memory_breakdown(reports: dict[str, dict] | dict, path: str | None = No
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+# ---------------------------------------------------------------------------------------
+# the numbers the chapter quotes (booktools/measured.py: `make numbers CH=00` records them in
+# measured.json; the text's <!--m:key--> markers are checked against it)
+# ---------------------------------------------------------------------------------------
+RUNS = {"figures": "python chapters/00_single_device/make_figures.py"}
+
+MiB, GB, TB, YEAR = 2**20, 1e9, 1e12, 365.25 * 24 * 3600
+
+
+def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """Every number of sections 3 and 5 that the code computes or measures, by marker key."""
+    v = {}
+    n = count_parameters(DEMO)
+    layer = n["per_layer"]
+    v |= {"params": n["total"], "params_layer": layer["total"], "params_qkv": layer["qkv_weight"],
+          "params_proj": layer["proj_weight"], "params_fc1": layer["fc1_weight"], "params_fc2": layer["fc2_weight"],
+          "params_norms": layer["norms"], "params_embedding": n["embedding"], "params_final_norm": n["final_norm"],
+          "params_non_embedding": n["non_embedding"]}
+    state = training_memory(DEMO)["total"]
+    v |= {"state_bytes": state, "state_mib": state / MiB}
+
+    _, measured, formula = demo_memory()
+    per_layer = activation_memory(DEMO, DEMO_B, DEMO_S)["per_layer"]
+    v |= {"activations_measured": measured, "activations_formula": formula, "activations_mib": measured / MiB,
+          "activations_per_layer": per_layer["total"], "activations_swiglu_mib": per_layer["activation"] / MiB,
+          "activations_softmax_mib": per_layer["softmax_output"] / MiB}
+    sdpa = ModelConfig.llama(**DEMO_MODEL)
+    sdpa_total = activation_memory(sdpa, DEMO_B, DEMO_S)
+    v |= {"sdpa_bytes": sdpa_total["total"], "sdpa_mib": sdpa_total["total"] / MiB,
+          "sdpa_per_layer": sdpa_total["per_layer"]["total"]}
+
+    seven = training_memory(SEVEN_B, master_weights=True)["total"]
+    v |= {"seven_b_params_b": count_parameters(SEVEN_B)["total"] / 1e9, "seven_b_state_gb": seven / GB,
+          "seven_b_state_gib": seven / GiB,
+          "seven_b_activations_gib": activation_memory(SEVEN_B, SEVEN_B_B, SEVEN_B_S)["total"] / GiB,
+          "seven_b_korthikanti_gib": korthikanti_activation_memory(SEVEN_B, SEVEN_B_B, SEVEN_B_S)["total"] / GiB}
+
+    gpt2_256 = ModelConfig.gpt2(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=257,
+                                max_position_embeddings=128)
+    v["flops_gpt2_256"] = training_flops(gpt2_256, 8, 128)["total"]
+    v["flops_gpt2_256_narayanan72"] = narayanan2021_flops_per_iteration(gpt2_256, 8, 128, recompute=False)
+    flops = training_flops(DEMO, DEMO_B, DEMO_S)
+    fwd, tokens = flops["forward"], DEMO_B * DEMO_S
+    six_n = flops_per_token_6n(DEMO) * tokens
+    v |= {"flops_step_g": flops["total"] / 1e9, "flops_forward_m": fwd["total"] / 1e6,
+          **{f"flops_{k}_m": fwd[k] / 1e6 for k in ("fc1", "fc2", "qkv", "proj", "logits", "attention_scores")},
+          "flops_6n_g": six_n / 1e9,
+          "flops_attention_extra_m": 3 * (fwd["attention_scores"] + fwd["attention_over_values"]) / 1e6,
+          "flops_logits_extra_m": 3 * fwd["logits"] / 1e6,
+          "flops_norms_m": -6 * (DEMO.num_layers * layer["norms"] + n["final_norm"]) * tokens / 1e6}
+
+    gpt3, gpt3_s = real_model_config("gpt3-175b")
+    n3 = count_parameters(gpt3)["total"]
+    fit = does_it_fit("gpt3-175b")
+    korthikanti_layer = korthikanti_activation_memory(gpt3, 1, gpt3_s)["per_layer"]          # bytes
+    total_6n = 6 * n3 * 300e9
+    exact = training_flops(gpt3, 1, gpt3_s)["total"] / gpt3_s * 300e9
+    v |= {"gpt3_params_b": n3 / 1e9, "gpt3_state_tb": 16 * n3 / TB, "gpt3_state_gib": 16 * n3 / GiB,
+          "gpt3_state_gpus": 16 * n3 / (80 * GiB), "gpt3_state_gpus_needed": -(-16 * n3 // (80 * GiB)),
+          "gpt3_fit_devices": fit["devices_needed"],
+          "gpt3_korthikanti_layer_gb": korthikanti_layer / GB,
+          "gpt3_korthikanti_gb": 96 * korthikanti_layer / GB, "gpt3_korthikanti_gib": 96 * korthikanti_layer / GiB,
+          "gpt3_6n_flops": total_6n, "gpt3_exact_over_6n_pct": 100 * (exact / total_6n - 1),
+          "gpt3_years_a100_peak": total_6n / 312e12 / YEAR, "gpt3_years_a100_40pct": total_6n / (0.4 * 312e12) / YEAR,
+          "gpt3_years_h100_peak": total_6n / 989e12 / YEAR}
+    return {key: float(value) if isinstance(value, float) else int(value) for key, value in v.items()}
 
 
 def main() -> None:

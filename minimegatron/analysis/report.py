@@ -127,7 +127,8 @@ def does_it_fit(name: str = "gpt3-175b", *, device_memory_gib: float = 80, batch
     """Does training the published model `name` fit ONE device? (No, for anything large.)
 
     Mixed-precision Adam on one device: 16 bytes per parameter (ZeRO's 2 + 2 + 12) plus the
-    activations of one micro-batch (our implementation's count, naive attention). For GPT-3
+    activations of one micro-batch (our implementation's count with the config's attention
+    backend: the fused "sdpa" by default, which saves no s x s matrix). For GPT-3
     175B (Brown et al. 2020): 174.6e9 parameters x 16 B = 2.79e12 B = 2602 GiB of states
     alone, 32.5 times an 80 GiB A100/H100, before one activation.
 

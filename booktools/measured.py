@@ -1,0 +1,421 @@
+"""Measured numbers that cannot go stale: each chapter's recorded run, and the text checked against it.
+
+Every number a chapter measures or computes and its text quotes (README, notebook markdown,
+figure captions) lives in one record per chapter, `chapters/NN_*/measured.json`, written by
+
+    make numbers CH=04          # python -m booktools.measured record 04; then rewrite 04
+
+which runs the chapter's recorded commands (the `RUNS` of its make_figures.py: its demos, and
+make_figures.py itself, which redraws the figures), keeps their printouts, and asks the chapter's
+`measure(outputs)` for the values the prose quotes. The text points at the record in two ways,
+both invisible once rendered:
+
+    the demo prints 1,400,864<!--m:one_device_bytes--> bytes     # the number just before the marker
+    <!--run:tp2-sp-->                                            # the fenced block that follows is
+    ```                                                          # a printout of that run: every line
+    [1/4] ...                                                    # is a line of the recorded output,
+    ...                                                          # in order ("..." skips lines)
+    ```
+
+`python -m booktools.measured check` (and tests/test_measured.py) fails when a quoted number is
+not the recorded value written at the precision and in the style the text chose (2.84, 1.4e-17,
+1,400,864, 41{,}344), when a quoted line is not in the recorded printout, when a marker names
+nothing, or when a fenced block that looks like a printout has no run marker. `rewrite` puts the
+recorded values back into the text in the same style. Machine-dependent numbers (times,
+throughput) are recorded like the rest but never claimed fixed: `same_printout` ignores them
+when a test compares a fresh run with the record. A timing the prose quotes from
+benchmarks/README.md (where it stands beside its command, machine and date) is marked
+<!--bench-->, and must be there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from booktools.demo import ROOT, import_chapter
+
+RECORD_NAME = "measured.json"
+
+# A number as the book writes one: 7, 2.84, -0.5, 1,400,864, 41{,}344 (LaTeX), 1.4e-17, 8.882e-16.
+_NUMBER = re.compile(r"(?<![\w.{])(?P<sign>[-−])?(?P<int>\d{1,3}(?:(?:,|\{,\})\d{3})+|\d+)(?:\.(?P<frac>\d+))?"
+                     r"(?:[eE](?P<exp>[-+−]?\d+))?(?![\d])")
+_INLINE = re.compile(r"<!--m:(?P<key>[\w.\-]+)-->")
+_BENCH = re.compile(r"<!--bench-->")
+_RUN = re.compile(r"^<!--run:(?P<run>[\w.\-]+)-->\s*$")
+_FENCE = re.compile(r"^(```|~~~)")
+_ELISION = {"...", "…", "⋮", "[...]"}
+# A printout: the demos' section counters and verdicts, and the ledgers' "measured ... formula".
+_LOOKS_LIKE_PRINTOUT = re.compile(r"^(\[\d+/\d+\]|MATCH|MISMATCH)|measured .* formula|max \|d")
+# Lines whose numbers depend on the machine (time, throughput): compared by their words only.
+MACHINE_DEPENDENT = re.compile(r"\d\s?(s|ms|min)\b(?![=\w])|tokens/s|it/s|s/it|elapsed|wall")
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers in the book's style
+# ---------------------------------------------------------------------------------------------
+def parse_number(token: str) -> float:
+    """The value of a number as the text writes it (thousands separators, unicode minus)."""
+    return float(token.replace("{,}", "").replace(",", "").replace("−", "-"))
+
+
+def format_like(token: str, value: float) -> str:
+    """`value` written in the style of `token`: the same decimals (or significant digits in
+    scientific notation), thousands separator and minus sign. format_like("2.84", 2.8371) ->
+    "2.84"; format_like("1.4e-17", 1.38e-17) -> "1.4e-17"; format_like("41{,}344", 41344) -> "41{,}344"."""
+    m = _NUMBER.fullmatch(token)
+    if m is None:
+        raise ValueError(f"{token!r} is not a number")
+    decimals = len(m["frac"] or "")
+    if m["exp"] is not None:
+        mantissa, exponent = f"{value:.{decimals}e}".split("e")
+        sign = "-" if int(exponent) < 0 else "+" if m["exp"].startswith("+") else ""
+        text = f"{mantissa}{'e' if 'e' in token else 'E'}{sign}{abs(int(exponent)):0{len(m['exp'].lstrip('+-−'))}d}"
+    else:
+        text = f"{value:,.{decimals}f}" if m["int"] != m["int"].replace(",", "") else f"{value:.{decimals}f}"
+        text = text.replace(",", "{,}") if "{,}" in token else text
+    return text.replace("-", "−") if "−" in token else text
+
+
+def last_number(text: str) -> re.Match | None:
+    """The last number in `text` (what an inline marker that follows it refers to)."""
+    found = None
+    for found in _NUMBER.finditer(text):
+        pass
+    return found
+
+
+def numbers_of(line: str) -> list[str]:
+    return [m.group(0) for m in _NUMBER.finditer(line)]
+
+
+def skeleton(line: str) -> str:
+    """The line with every number replaced by '#': what must not change between two runs."""
+    return _NUMBER.sub("#", line.rstrip())
+
+
+def same_printout(recorded: list[str], fresh: list[str], rtol: float = 1e-3, noise: float = 1e-4) -> list[str]:
+    """Differences between a recorded printout and a fresh run of the same command, one string
+    each (empty: the same). The words must be the same; integers equal; other numbers within
+    rtol, or both below `noise` (differences between two runs of floating-point sums, which the
+    demos' own tolerances judge); numbers on machine-dependent lines (MACHINE_DEPENDENT) are skipped."""
+    problems = []
+    if len(recorded) != len(fresh):
+        problems.append(f"{len(recorded)} recorded lines, {len(fresh)} printed now")
+    for i, (old, new) in enumerate(zip(recorded, fresh)):
+        if skeleton(old) != skeleton(new):
+            problems.append(f"line {i + 1}: recorded {old.strip()!r}, printed {new.strip()!r}")
+        elif not MACHINE_DEPENDENT.search(old):
+            for a, b in zip(numbers_of(old), numbers_of(new)):
+                x, y = parse_number(a), parse_number(b)
+                exact = "." not in a and "e" not in a.lower()
+                close = x == y if exact else (abs(x - y) <= rtol * max(abs(x), abs(y)) or max(abs(x), abs(y)) < noise)
+                if not close:
+                    problems.append(f"line {i + 1}: {a} recorded, {b} printed now: {new.strip()!r}")
+                    break
+    return problems[:20]
+
+
+# ---------------------------------------------------------------------------------------------
+# the record of one chapter
+# ---------------------------------------------------------------------------------------------
+def chapter_dir(chapter: str) -> Path:
+    found = sorted((ROOT / "chapters").glob(f"{chapter}_*"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"chapter {chapter!r}: expected one folder chapters/{chapter}_*, found {found}")
+    return found[0]
+
+
+def chapters() -> list[str]:
+    return sorted(p.name.split("_")[0] for p in (ROOT / "chapters").glob("[0-9][0-9]_*") if p.is_dir())
+
+
+def load_record(chapter: str) -> dict:
+    """The chapter's measured.json: {"runs": {id: {"command", "exit", "output": [lines]}},
+    "values": {key: number}, "recorded": date, "torch": version, "machine": description}."""
+    path = chapter_dir(chapter) / RECORD_NAME
+    if not path.exists():
+        return {"runs": {}, "values": {}}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.relative_to(ROOT)} is not valid JSON ({e}): run `make numbers CH={chapter}`") from e
+
+
+def save_record(chapter: str, record: dict) -> Path:
+    """Written to a temporary name and renamed: a crash never leaves half a record."""
+    path = chapter_dir(chapter) / RECORD_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def local_command(command: str) -> list[str]:
+    """The argv that runs a command as the text writes it: `python` is this interpreter,
+    `torchrun --standalone` the torchrun beside it bound to 127.0.0.1 on a free port."""
+    argv = shlex.split(command)
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
+    if argv[0] == "torchrun":
+        rest = [a for a in argv[1:] if a != "--standalone"]
+        return [str(Path(sys.executable).parent / "torchrun"), "--nnodes=1", "--rdzv-backend=c10d",
+                "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", *rest]
+    raise ValueError(f"a recorded command starts with python or torchrun, not {argv[0]!r}: {command}")
+
+
+def run_command(command: str, timeout: float = 1800) -> dict:
+    """Run one recorded command from the repository root (OMP_NUM_THREADS=1); its printout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(local_command(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return {"command": command, "exit": proc.returncode, "output": proc.stdout.rstrip("\n").splitlines(),
+            "stderr_tail": proc.stderr[-2000:]}
+
+
+def grab(output: list[str] | str, pattern: str, group: int = 1) -> float:
+    """The number a regular expression finds in a printout (its first match's group), for
+    a chapter's measure(); a ValueError naming the pattern when the printout lacks it."""
+    text = output if isinstance(output, str) else "\n".join(output)
+    m = re.search(pattern, text, re.MULTILINE)
+    if m is None:
+        raise ValueError(f"the printout has no match for {pattern!r}")
+    return parse_number(m.group(group))
+
+
+def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
+    """Run the chapter's RUNS (all, or `only`), keep the rest of the old record, compute its
+    values with measure(outputs) and save. A run that exits unlike its record's expectation
+    (the spec's `EXPECTED_EXIT`, default 0) stops the recording with its stderr."""
+    spec = import_chapter(chapter, "make_figures")
+    runs: dict[str, str] = spec.RUNS
+    expected_exit = getattr(spec, "EXPECTED_EXIT", {})
+    record = load_record(chapter)
+    for run_id in only or []:
+        if run_id not in runs:
+            raise KeyError(f"chapter {chapter} has no run {run_id!r}; its runs: {', '.join(runs)}")
+    old_runs = record.get("runs", {})
+    new_runs = {}
+    for i, (run_id, command) in enumerate(runs.items()):
+        if only and run_id not in only and run_id in old_runs and old_runs[run_id]["command"] == command:
+            new_runs[run_id] = old_runs[run_id]
+            continue
+        print(f"[{i + 1}/{len(runs)}] {run_id}: {command}", flush=True)
+        start = time.perf_counter()
+        result = run_command(command)
+        if result["exit"] != expected_exit.get(run_id, 0):
+            raise RuntimeError(f"chapter {chapter}, run {run_id} exited {result['exit']}:\n"
+                               + "\n".join(result["output"][-20:]) + "\n" + result["stderr_tail"])
+        del result["stderr_tail"]
+        new_runs[run_id] = result
+        print(f"      {len(result['output'])} lines in {time.perf_counter() - start:.0f} s", flush=True)
+    outputs = {run_id: r["output"] for run_id, r in new_runs.items()}
+    values = spec.measure(outputs) if hasattr(spec, "measure") else {}
+    record = {"chapter": chapter, "recorded": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "runs": new_runs, "values": dict(sorted(values.items()))}
+    save_record(chapter, record)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# the text: inline markers and quoted printouts
+# ---------------------------------------------------------------------------------------------
+def texts_of(chapter: str) -> dict[str, str]:
+    """Every text of a chapter that quotes numbers, by a name to report: its README (figure
+    captions included) and each markdown cell of its notebook."""
+    folder = chapter_dir(chapter)
+    texts = {str((folder / "README.md").relative_to(ROOT)): (folder / "README.md").read_text()}
+    for notebook in sorted((ROOT / "notebooks").glob(f"{chapter}_*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "markdown":
+                texts[f"{notebook.relative_to(ROOT)} cell {i}"] = "".join(cell["source"])
+    return texts
+
+
+def _quoted_lines(lines: list[str], start: int) -> tuple[list[tuple[int, str]], int]:
+    """The lines of the fenced block that opens at or after `start`: [(index, line)], end index."""
+    i = start
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    if i >= len(lines) or not _FENCE.match(lines[i]):
+        return [], i
+    fence = lines[i][:3]
+    body, i = [], i + 1
+    while i < len(lines) and not lines[i].startswith(fence):
+        body.append((i, lines[i]))
+        i += 1
+    return body, i
+
+
+def _match_printout(quoted: list[tuple[int, str]], output: list[str], command: str):
+    """Walk the quoted lines through the recorded output in order: yields (index, line, the
+    recorded line it is, or None when it is not there). '...' lines skip; a `$ command` line
+    must be the run's command."""
+    position = 0
+    for index, line in quoted:
+        text = line.rstrip()
+        if text.strip() in _ELISION:
+            yield index, line, line
+            continue
+        if text.startswith("$ "):
+            yield index, line, (line if text[2:].strip() == command else None)
+            continue
+        try:
+            found = output.index(text, position)
+        except ValueError:
+            same_words = [j for j in range(position, len(output)) if skeleton(output[j]) == skeleton(text)]
+            if same_words:
+                position = same_words[0] + 1
+            yield index, line, ("changed", output[same_words[0]]) if same_words else None
+            continue
+        position = found + 1
+        yield index, line, line
+
+
+def check_text(name: str, text: str, record: dict, benchmarks: str = "") -> list[str]:
+    """What in one text disagrees with the chapter's record, one message each (empty: nothing).
+    A timing marked <!--bench--> must be one that `benchmarks` (benchmarks/README.md, where each
+    machine-dependent number stands beside its command, machine and date) reports."""
+    problems, values, runs = [], record.get("values", {}), record.get("runs", {})
+    lines = text.splitlines()
+    inside_fence, marked_blocks = False, set()
+    for i, line in enumerate(lines):
+        where = f"{name}:{i + 1}"
+        run = _RUN.match(line)
+        if run:
+            quoted, end = _quoted_lines(lines, i + 1)
+            marked_blocks.update(index for index, _ in quoted[:1])
+            if not quoted:
+                problems.append(f"{where}: <!--run:{run['run']}--> is not followed by a fenced block")
+            elif run["run"] not in runs:
+                problems.append(f"{where}: no recorded run {run['run']!r} (runs: {', '.join(runs) or 'none'})")
+            else:
+                recorded = runs[run["run"]]
+                for index, quoted_line, match in _match_printout(quoted, recorded["output"], recorded["command"]):
+                    if match is None:
+                        problems.append(f"{name}:{index + 1}: not in run {run['run']}'s printout: {quoted_line.strip()!r}")
+                    elif isinstance(match, tuple):
+                        problems.append(f"{name}:{index + 1}: run {run['run']} printed {match[1].strip()!r}, "
+                                        f"the text says {quoted_line.strip()!r}")
+            continue
+        if _FENCE.match(line):
+            if not inside_fence:
+                body, _ = _quoted_lines(lines, i)
+                if i + 1 not in marked_blocks and body and any(_LOOKS_LIKE_PRINTOUT.search(b) for _, b in body):
+                    problems.append(f"{where}: this fenced block looks like a printout but has no <!--run:...--> "
+                                    f"line before it")
+            inside_fence = not inside_fence
+            continue
+        cursor = 0
+        for marker in (() if inside_fence else _BENCH.finditer(line)):
+            number = last_number(_INLINE.sub("", line[:marker.start()]))
+            if number is None or not re.search(rf"(?<![\d.]){re.escape(number.group(0))}(?!\.?\d)", benchmarks):
+                problems.append(f"{where}: {number.group(0) if number else 'no number'} (<!--bench-->) is not "
+                                f"in benchmarks/README.md")
+        for marker in (() if inside_fence else _INLINE.finditer(line)):
+            key = marker["key"]
+            number, cursor = last_number(line[cursor:marker.start()]), marker.end()
+            if key not in values:
+                problems.append(f"{where}: <!--m:{key}--> names no recorded value")
+            elif number is None:
+                problems.append(f"{where}: <!--m:{key}--> has no number before it")
+            elif format_like(number.group(0), values[key]) != number.group(0):
+                problems.append(f"{where}: the text says {number.group(0)}, the record {key} = {values[key]!r} "
+                                f"({format_like(number.group(0), values[key])} at that precision)")
+    return problems
+
+
+def rewrite_text(text: str, record: dict) -> tuple[str, list[str]]:
+    """The text with every marked number written from the record (in its own style) and every
+    quoted printout line replaced by the recorded line with the same words; and what it could
+    not place (a quoted line whose words the printout no longer has)."""
+    values, runs = record.get("values", {}), record.get("runs", {})
+    lines, unplaced = text.split("\n"), []
+    for i, line in enumerate(lines):
+        run = _RUN.match(line)
+        if run and run["run"] in runs:
+            quoted, _ = _quoted_lines(lines, i + 1)
+            recorded = runs[run["run"]]
+            for index, quoted_line, match in _match_printout(quoted, recorded["output"], recorded["command"]):
+                if isinstance(match, tuple):
+                    lines[index] = match[1]
+                elif match is None:
+                    unplaced.append(quoted_line.strip())
+            continue
+        pieces, cursor = [], 0
+        for marker in _INLINE.finditer(line):
+            head = line[cursor:marker.start()]                  # the text since the previous marker
+            number = last_number(head)
+            if marker["key"] in values and number is not None:
+                head = head[:number.start()] + format_like(number.group(0), values[marker["key"]]) + head[number.end():]
+            pieces.append(head + marker.group(0))
+            cursor = marker.end()
+        lines[i] = "".join(pieces) + line[cursor:]
+    return "\n".join(lines), unplaced
+
+
+def check_chapter(chapter: str) -> list[str]:
+    """Every disagreement between a chapter's texts and its record."""
+    record, benchmarks = load_record(chapter), (ROOT / "benchmarks" / "README.md").read_text()
+    return [problem for name, text in texts_of(chapter).items()
+            for problem in check_text(name, text, record, benchmarks)]
+
+
+def rewrite_chapter(chapter: str) -> list[str]:
+    """Write the record's values into the chapter's README and notebook markdown; returns the
+    quoted lines it could not place (to fix by hand)."""
+    record, unplaced = load_record(chapter), []
+    readme = chapter_dir(chapter) / "README.md"
+    text, missing = rewrite_text(readme.read_text(), record)
+    readme.write_text(text)
+    unplaced += [f"{readme.relative_to(ROOT)}: {line}" for line in missing]
+    for notebook in sorted((ROOT / "notebooks").glob(f"{chapter}_*.ipynb")):
+        nb = json.loads(notebook.read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "markdown":
+                text, missing = rewrite_text("".join(cell["source"]), record)
+                cell["source"] = text.splitlines(keepends=True)
+                unplaced += [f"{notebook.relative_to(ROOT)}: {line}" for line in missing]
+        notebook.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return unplaced
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m booktools.measured", description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("check", "record", "rewrite"),
+                        help="check: the texts against the records; record: rerun a chapter's RUNS and "
+                             "rewrite its record (and figures); rewrite: put the record's numbers into the texts")
+    parser.add_argument("chapters", nargs="*", help="chapter numbers (default: every chapter)")
+    parser.add_argument("--only", nargs="+", metavar="RUN", help="record: rerun only these runs of the chapter")
+    args = parser.parse_args(argv)
+    selected = args.chapters or chapters()
+    failed = False
+    for chapter in selected:
+        if args.action == "record":
+            record = record_chapter(chapter, args.only)
+            print(f"chapter {chapter}: {len(record['runs'])} runs, {len(record['values'])} values recorded")
+        if args.action in ("record", "rewrite"):
+            for line in rewrite_chapter(chapter):
+                print(f"chapter {chapter}: a quoted line no longer printed, fix it by hand: {line}")
+                failed = True
+        problems = check_chapter(chapter)
+        print(f"chapter {chapter}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        for problem in problems:
+            print(f"  {problem}")
+        failed |= bool(problems)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The book's measured numbers: every chapter's text agrees with its recorded run
+(booktools/measured.py), and the checker itself catches each kind of drift."""
+
+import pytest
+
+from booktools import measured
+from booktools.measured import check_text, format_like, rewrite_text, same_printout
+
+RECORD = {"values": {"loss": 2.8371, "bytes": 1400864, "diff": 1.38e-17, "pct": 13.6},
+          "runs": {"tp2": {"command": "torchrun --standalone --nproc_per_node=4 demo.py --tp 2",
+                           "output": ["[1/2] equivalence", "      loss max |diff| = 8.882e-16", "[2/2] bytes",
+                                      "      one device: 1,400,864 bytes", "MATCH: max |dloss| 8.9e-16"]}}}
+
+
+@pytest.mark.parametrize("token, value, written", [
+    ("2.84", 2.8371, "2.84"), ("1.4e-17", 1.38e-17, "1.4e-17"), ("41{,}344", 41344, "41{,}344"),
+    ("1,400,872", 1400864, "1,400,864"), ("14", 13.6, "14"), ("−2", -2.06, "−2"), ("3e-3", 0.0031, "3e-3"),
+    ("0.50", 0.5049, "0.50")])
+def test_a_value_is_written_in_the_style_the_text_chose(token, value, written):
+    assert format_like(token, value) == written
+
+
+def test_the_checker_accepts_a_text_that_quotes_the_record():
+    text = ("The loss starts at 2.84<!--m:loss--> and one device holds 1,400,864<!--m:bytes--> bytes;\n"
+            "SP saves 14<!--m:pct-->% (max |Δ| 1.4e-17<!--m:diff-->).\n\n<!--run:tp2-->\n```\n[1/2] equivalence\n"
+            "...\n      one device: 1,400,864 bytes\n```\n")
+    assert check_text("t.md", text, RECORD) == []
+
+
+@pytest.mark.parametrize("text, complaint", [
+    ("the loss is 2.85<!--m:loss-->", "the text says 2.85, the record loss = 2.8371"),
+    ("bytes: 1,400,872<!--m:bytes-->", "the text says 1,400,872"),
+    ("a number <!--m:nothing--> here 7", "names no recorded value"),
+    ("no number before <!--m:loss-->", "has no number before it"),
+    ("<!--run:tp2-->\n```\n      one device: 1,400,872 bytes\n```", "run tp2 printed 'one device: 1,400,864 bytes', the text says"),
+    ("<!--run:tp2-->\n```\n[3/3] not printed at all\n```", "not in run tp2's printout"),
+    ("<!--run:tp2-->\n```\n[2/2] bytes\n[1/2] equivalence\n```", "not in run tp2's printout"),   # order
+    ("<!--run:tp4-->\n```\nMATCH\n```", "no recorded run 'tp4'"),
+    ("a printout without a marker:\n```\n[1/2] equivalence\nMATCH: yes\n```", "looks like a printout"),
+])
+def test_the_checker_names_each_kind_of_drift(text, complaint):
+    problems = check_text("t.md", text, RECORD)
+    assert len(problems) == 1 and complaint in problems[0], problems
+
+
+def test_a_timing_is_marked_as_the_benchmarks_report_s():
+    benchmarks = "| 2 threads | 5,120 tokens/s | 1.07x |"
+    assert check_text("t.md", "about 5,120<!--bench--> tokens/s, 1.07<!--bench-->x", RECORD, benchmarks) == []
+    problems = check_text("t.md", "about 5,121<!--bench--> tokens/s", RECORD, benchmarks)
+    assert len(problems) == 1 and "5,121 (<!--bench-->) is not in benchmarks/README.md" in problems[0]
+
+
+def test_rewrite_puts_the_record_back_in_the_text_s_style():
+    stale = ("loss 2.90<!--m:loss-->, 1,400,872<!--m:bytes--> bytes, 41{,}344 untouched, 2e-17<!--m:diff-->\n"
+             "<!--run:tp2-->\n```\n      one device: 1,400,872 bytes\n```")
+    text, unplaced = rewrite_text(stale, RECORD)
+    assert text.splitlines()[0] == "loss 2.84<!--m:loss-->, 1,400,864<!--m:bytes--> bytes, 41{,}344 untouched, 1e-17<!--m:diff-->"
+    assert "      one device: 1,400,864 bytes" in text and unplaced == []
+    assert check_text("t.md", text, RECORD) == []
+
+
+def test_a_fresh_run_is_compared_by_its_words_and_numbers_not_its_timings():
+    recorded = ["trained in 3.5 s", "loss 2.4747", "max |diff| = 8.9e-16", "1,400,864 bytes"]
+    assert same_printout(recorded, ["trained in 9.1 s", "loss 2.4748", "max |diff| = 3.1e-16", "1,400,864 bytes"]) == []
+    assert same_printout(recorded, ["trained in 3.5 s", "loss 2.5747", "max |diff| = 8.9e-16", "1,400,864 bytes"])
+    assert same_printout(recorded, ["trained in 3.5 s", "loss 2.4747", "max |diff| = 8.9e-16", "1,400,872 bytes"])
+    assert same_printout(recorded, ["trained in 3.5 s", "loss is 2.4747", "max |diff| = 8.9e-16", "1,400,864 bytes"])
+
+
+@pytest.mark.parametrize("chapter", measured.chapters())
+def test_every_quoted_number_of_the_chapter_is_its_recorded_one(chapter):
+    """README (figure captions included) and notebook markdown against chapters/NN_*/measured.json.
+    To fix a failure: `make numbers CH=NN` re-measures the chapter and rewrites the numbers."""
+    problems = measured.check_chapter(chapter)
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:40])
