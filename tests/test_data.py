@@ -398,7 +398,8 @@ def test_corpus_sources_order_paragraphs_and_rebuild(tmp_path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     (root / "minimegatron" / "notes.txt").write_text("not a source")
-    prefix = build_default_corpus(tmp_path / "cache", root=root)
+    frozen = corpus_module.freeze_corpus(root, tmp_path / "frozen.jsonl.gz")
+    prefix = build_default_corpus(tmp_path / "cache", frozen=frozen)
     lines = [json.loads(x) for x in open(f"{prefix}.jsonl")]
     # sorted by relative path: "README.md" < "chapters/..." < "minimegatron/..."
     assert [(x["source"], x["text"]) for x in lines] == [
@@ -410,6 +411,21 @@ def test_corpus_sources_order_paragraphs_and_rebuild(tmp_path):
         ("minimegatron/b.py", "def f():\n    return 1"),
     ]
     assert IndexedDataset(prefix)[1].tolist() == list(b"# One") + [256]
-    (root / "README.md").write_text("Changed.\n")            # a source changed: rebuild
-    build_default_corpus(tmp_path / "cache", root=root)
+    (root / "README.md").write_text("Changed.\n")            # a source changed: the snapshot did not
+    build_default_corpus(tmp_path / "cache", frozen=frozen)
+    assert IndexedDataset(prefix)[0].tolist() == list(b"Top.") + [256]
+    corpus_module.freeze_corpus(root, frozen)                # a new snapshot: rebuilt
+    build_default_corpus(tmp_path / "cache", frozen=frozen)
     assert IndexedDataset(prefix)[0].tolist() == list(b"Changed.") + [256]
+
+
+def test_the_default_corpus_is_the_frozen_snapshot_not_the_live_files(tmp_path, monkeypatch):
+    """Editing a chapter must not move the losses the book records: the default corpus reads
+    only book_corpus.jsonl.gz, never the repository's files."""
+    def must_not_read(*args, **kwargs):
+        raise AssertionError("the default corpus read the live sources")
+
+    monkeypatch.setattr(corpus_module, "corpus_sources", must_not_read)
+    prefix = build_default_corpus(tmp_path / "corpus")
+    sources = {json.loads(x)["source"] for x in open(f"{prefix}.jsonl")}
+    assert "chapters/00_single_device/README.md" in sources and "minimegatron/model/gpt.py" in sources

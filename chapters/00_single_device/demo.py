@@ -500,7 +500,7 @@ def main(argv=None) -> int:
             return 0
 
     # 2. train ------------------------------------------------------------------------
-    iters = args.train_iters or (15 if args.quick else 150)
+    iters = args.train_iters if args.train_iters is not None else (15 if args.quick else 150)
     seq, mbs = (32, 4) if args.quick else (64, 8)
     train_cfg = TrainConfig(seq_length=seq, micro_batch_size=mbs, train_iters=iters,
                             lr_warmup_iters=max(1, iters // 10), eval_interval=max(1, iters // 3),

@@ -25,9 +25,10 @@ from minimegatron.analysis import (GiB, activation_memory, count_parameters, doe
                                    flops_per_token_6n, korthikanti_activation_memory,
                                    measure_saved_activation_bytes, narayanan2021_flops_per_iteration,
                                    real_model_config, training_flops, training_memory)
-from minimegatron.config import ModelConfig  # noqa: E402
+from minimegatron.config import ModelConfig, TrainConfig  # noqa: E402
 from minimegatron.model import GPTModel  # noqa: E402
 from minimegatron.arguments import PRESETS  # noqa: E402
+from minimegatron.optim import learning_rate  # noqa: E402
 from minimegatron.viz import new_figure  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "figures"
@@ -186,7 +187,8 @@ MiB, GB, TB, YEAR = 2**20, 1e9, 1e12, 365.25 * 24 * 3600
 
 def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     """Every number of sections 3 and 5 that the code computes or measures, by marker key."""
-    v = {}
+    train = TrainConfig(**DEMO_TRAIN)
+    v = {f"lr_step{step}": learning_rate(step, train) for step in (0, 29, (train.train_iters + train.lr_warmup_iters) // 2)}
     n = count_parameters(DEMO)
     layer = n["per_layer"]
     v |= {"params": n["total"], "params_layer": layer["total"], "params_qkv": layer["qkv_weight"],
@@ -234,6 +236,7 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     exact = training_flops(gpt3, 1, gpt3_s)["total"] / gpt3_s * 300e9
     v |= {"gpt3_params_b": n3 / 1e9, "gpt3_state_tb": 16 * n3 / TB, "gpt3_state_gib": 16 * n3 / GiB,
           "gpt3_state_gpus": 16 * n3 / (80 * GiB), "gpt3_state_gpus_needed": -(-16 * n3 // (80 * GiB)),
+          "gpt3_state_gpus_80gb": -(-16 * n3 // (80 * GB)),
           "gpt3_fit_devices": fit["devices_needed"],
           "gpt3_korthikanti_layer_gb": korthikanti_layer / GB,
           "gpt3_korthikanti_gb": 96 * korthikanti_layer / GB, "gpt3_korthikanti_gib": 96 * korthikanti_layer / GiB,

@@ -1,30 +1,31 @@
-"""The embedded default corpus: the book trains on its own text.
+"""The embedded default corpus: the book trains on its own text, frozen.
 
 Nothing may be downloaded at run time, and every byte of training data must be text this
 repository wrote itself. So the default corpus is the book: every ``*.md`` under ``chapters/``,
-the top-level ``README.md`` (both when present: an installed package has neither) and the
-package's own ``.py`` files (always present). It is small (tens of thousands of tokens) but
-real, mixed prose and code, enough for a tiny GPT's loss to fall visibly in a few hundred
-steps.
+the top-level ``README.md`` and the package's own ``.py`` files, as they were on the day the
+snapshot ``book_corpus.jsonl.gz`` (beside this file, about 1 MB of mixed prose and code) was
+taken with ``freeze_corpus()``. Frozen, because the book quotes losses measured on it: were the
+corpus the live files, fixing a typo in a chapter would move every recorded loss
+(booktools/measured.py). Re-freezing is a deliberate act, followed by `make numbers`.
 
 Each source file is cut into paragraphs at blank lines; each paragraph is one document. Files
 are taken in sorted order of their path relative to the repository root, so the corpus, and
-every seeded sample drawn from it, is the same on every machine with the same sources.
+every seeded sample drawn from it, is the same on every machine.
 
 ``build_default_corpus(cache_dir)`` writes, inside ``cache_dir``:
 
     default.jsonl    the documents, one {"text": ..., "source": relative path} per line
     default.bin/.idx the byte-tokenized indexed dataset, <eod> after every document
-    default.sha256   a hash of the sources (names and contents) the pair was built from
+    default.sha256   a hash of the snapshot the pair was built from
 
-and returns the prefix ``cache_dir/default``. When ``default.sha256`` matches the current
-sources it returns at once without writing anything; any change to a source (including this
-file, which is one of them) triggers a rebuild. The hash is written last, after the pair has
-been renamed into place, so an interrupted build is simply redone.
+and returns the prefix ``cache_dir/default``. When ``default.sha256`` matches the snapshot it
+returns at once without writing anything. The hash is written last, after the pair has been
+renamed into place, so an interrupted build is simply redone.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ from .tokenizer import ByteTokenizer
 PACKAGE_DIR = Path(__file__).resolve().parent.parent      # .../minimegatron
 REPO_ROOT = PACKAGE_DIR.parent                             # the repository (parent of package)
 NAME = "default"
+FROZEN = Path(__file__).resolve().parent / "book_corpus.jsonl.gz"
 
 
 def corpus_sources(root: str | os.PathLike | None = None) -> list[Path]:
@@ -79,38 +81,53 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def corpus_documents(root: str | os.PathLike | None = None) -> list[dict]:
+    """The live sources of ``root`` cut into documents: [{"text": paragraph, "source": path}]."""
+    root = REPO_ROOT if root is None else Path(root)
+    return [{"text": paragraph, "source": f.relative_to(root).as_posix()}
+            for f in corpus_sources(root)
+            for paragraph in split_paragraphs(f.read_bytes().decode("utf-8", errors="replace"))]
+
+
+def freeze_corpus(root: str | os.PathLike | None = None, path: str | os.PathLike = FROZEN) -> Path:
+    """Take a new snapshot of the book's text (``python -m minimegatron.data.corpus``):
+    ``root``'s sources as gzipped JSON lines at ``path``. Every recorded loss moves with it."""
+    lines = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in corpus_documents(root))
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(gzip.compress(lines.encode("utf-8"), compresslevel=9, mtime=0))
+    os.replace(tmp, path)
+    return path
+
+
 def build_default_corpus(cache_dir: str | os.PathLike = "build/corpus", *,
-                         root: str | os.PathLike | None = None) -> str:
-    """Build (or reuse) the default corpus; return its prefix ``cache_dir/default``.
+                         frozen: str | os.PathLike = FROZEN) -> str:
+    """Build (or reuse) the default corpus from the snapshot; return its prefix ``cache_dir/default``.
 
     cache_dir: where the files go; a relative path is relative to the current directory.
-    root: the repository whose text is the corpus (default: this package's repository).
+    frozen: the snapshot (default: the book's, ``book_corpus.jsonl.gz``).
     """
-    root = REPO_ROOT if root is None else Path(root)
     cache_dir = Path(cache_dir)
     prefix = cache_dir / NAME
     hash_file = cache_dir / f"{NAME}.sha256"
-
-    # Read every file once: the hash and the documents then describe the same bytes even if
-    # someone edits a source while we build.
-    sources = [(f.relative_to(root).as_posix(), f.read_bytes()) for f in corpus_sources(root)]
-    digest = sources_hash(sources)
+    snapshot = Path(frozen).read_bytes()
+    digest = sources_hash([(Path(frozen).name, snapshot)])
     up_to_date = (hash_file.is_file() and hash_file.read_text().strip() == digest
                   and Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file())
     if up_to_date:
         return str(prefix)
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for name, data in sources:
-        for paragraph in split_paragraphs(data.decode("utf-8", errors="replace")):
-            lines.append(json.dumps({"text": paragraph, "source": name}, ensure_ascii=False))
     jsonl = cache_dir / f"{NAME}.jsonl"
-    _write_atomically(jsonl, "\n".join(lines) + "\n")
+    _write_atomically(jsonl, gzip.decompress(snapshot).decode("utf-8"))
     preprocess_jsonl(jsonl, prefix, ByteTokenizer(), append_eod=True)
     _write_atomically(hash_file, digest + "\n")
     return str(prefix)
 
 
-__all__ = ["build_default_corpus", "corpus_sources", "split_paragraphs", "sources_hash",
-           "REPO_ROOT", "PACKAGE_DIR"]
+__all__ = ["build_default_corpus", "freeze_corpus", "corpus_documents", "corpus_sources", "split_paragraphs",
+           "sources_hash", "REPO_ROOT", "PACKAGE_DIR", "FROZEN"]
+
+
+if __name__ == "__main__":
+    print(f"wrote {freeze_corpus()}: {len(corpus_documents())} documents; now run `make numbers`")
