@@ -193,8 +193,9 @@ def grab(output: list[str] | str, pattern: str, group: int = 1) -> float:
 
 
 def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
-    """Run the chapter's RUNS (all, or `only`), keep the rest of the old record, compute its
-    values with measure(outputs) and save. A run that exits unlike its record's expectation
+    """Run the chapter's RUNS (all, or `only`: [] reruns none and recomputes the values from
+    the recorded printouts), keep the rest of the old record, compute its values with
+    measure(outputs) and save. A run that exits unlike its record's expectation
     (the spec's `EXPECTED_EXIT`, default 0) stops the recording with its stderr."""
     spec = import_chapter(chapter, "make_figures")
     runs: dict[str, str] = spec.RUNS
@@ -206,7 +207,7 @@ def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
     old_runs = record.get("runs", {})
     new_runs = {}
     for i, (run_id, command) in enumerate(runs.items()):
-        if only and run_id not in only and run_id in old_runs and old_runs[run_id]["command"] == command:
+        if only is not None and run_id not in only and run_id in old_runs and old_runs[run_id]["command"] == command:
             new_runs[run_id] = old_runs[run_id]
             continue
         print(f"[{i + 1}/{len(runs)}] {run_id}: {command}", flush=True)
@@ -397,7 +398,9 @@ def main(argv=None) -> int:
                         help="check: the texts against the records; record: rerun a chapter's RUNS and "
                              "rewrite its record (and figures); rewrite: put the record's numbers into the texts")
     parser.add_argument("chapters", nargs="*", help="chapter numbers (default: every chapter)")
-    parser.add_argument("--only", nargs="+", metavar="RUN", help="record: rerun only these runs of the chapter")
+    parser.add_argument("--only", nargs="*", metavar="RUN",
+                        help="record: rerun only these runs of the chapter (none: recompute the values from the "
+                             "recorded printouts)")
     args = parser.parse_args(argv)
     selected = args.chapters or chapters()
     failed = False

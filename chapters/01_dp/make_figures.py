@@ -31,11 +31,16 @@ Two spawned gloo worlds (minimegatron.launch.spawn), each step the training loop
 
 Timings in the timeline figures change from run to run (a shared 2-core machine); the
 ledger and the memory bytes do not.
+
+`make numbers CH=01` (python -m booktools.measured record 01) runs this script as the chapter's
+one recorded run (RUNS), keeps its printout in measured.json with what measure() reads off it
+and computes, and rewrites the numbers the README and the notebook's markdown quote.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -44,16 +49,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from minimegatron.analysis import GiB, real_model_config, training_memory
+from minimegatron.analysis import (GiB, adam_bytes_per_parameter, count_parameters, real_model_config,
+                                   training_memory)
 from minimegatron.comm import CommRecord, ring_traffic
 from minimegatron.config import ModelConfig, TrainConfig
-from minimegatron.dp import DistributedDataParallel
+from minimegatron.dp import DistributedDataParallel, shard_range
 from minimegatron.dp.fsdp import MemoryEvent
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.optim import Optimizer
 from minimegatron.parallel_state import Layout
 from booktools.demo import import_chapter
+from booktools.measured import grab
+from minimegatron.testing import make_batches
 from minimegatron.train import train_step
 from minimegatron.dp.timeline import BucketTimeline
 from minimegatron.viz import new_figure
@@ -262,6 +270,211 @@ def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike | No
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+# ---------------------------------------------------------------------------------------
+# the numbers the chapter quotes (booktools/measured.py: `make numbers CH=01` reruns RUNS,
+# records the printout and measure()'s values in measured.json, and checks the text's
+# <!--m:key--> markers against them)
+# ---------------------------------------------------------------------------------------
+RUNS = {"figures": "python chapters/01_dp/make_figures.py"}
+
+YEAR = 365.25 * 24 * 3600
+_ROW = re.compile(r"^(?P<variant>\S+)\s+(?P<op>all_reduce|all_gather|reduce_scatter)\s+(?P<tag>\S+)\s+"
+                  r"(?P<calls>\d+)\s+(?P<bytes>[\d,]+)\s+(?P<formula>[\d,]+)$")
+_RING = re.compile(r"ring bytes sent per rank: (?P<bytes>[\d,]+)")
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _between(output: list[str], start: str, end: str | None = None) -> list[str]:
+    """The printout's lines from the first that starts with `start` to the next that starts
+    with `end` (or the end)."""
+    first = next(i for i, line in enumerate(output) if line.startswith(start))
+    last = next((i for i in range(first + 1, len(output)) if end and output[i].startswith(end)), len(output))
+    return output[first:last]
+
+
+def printed_ledger(output: list[str]) -> tuple[dict, dict]:
+    """Section 2 of the printout, parsed: {(variant, op, tag): (calls, bytes)} of rank 0's
+    step and {variant: ring bytes sent per rank}."""
+    rows, ring, variant = {}, {}, None
+    for line in _between(output, "== tiny LLaMA", "ledger == formula"):
+        if m := _ROW.match(line):
+            variant = m["variant"]
+            rows[(variant, m["op"], m["tag"])] = (int(m["calls"]), _number(m["bytes"]))
+        elif m := _RING.search(line):
+            ring[variant] = _number(m["bytes"])
+    return rows, ring
+
+
+def printed_timeline(output: list[str], overlap: bool) -> dict:
+    """Section 1 of the printout for one mode: buckets, the median step's backward, blocked
+    time and launch times, and min / median / max over the recorded steps (milliseconds)."""
+    header = f"[rank 0, 2 ranks, {'overlap' if overlap else 'no overlap'}]"
+    block = "\n".join(_between(output, header, "[rank 0" if overlap else "=="))
+    steps = re.search(r"backward \+ finish_grad_sync (\S+) / (\S+) / (\S+) ms .*?"
+                      r"blocked in finish_grad_sync (\S+) / (\S+) / (\S+) ms", block)
+    step = re.search(r"blocked in finish_grad_sync: (\S+) ms of (\S+) ms \(backward (\S+) ms\); "
+                     r"launched during backward: (\d+) of (\d+)", block)
+    buckets = [[float(x.replace(",", "")) for x in m.groups()]
+               for m in re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                                    block, re.MULTILINE)]
+    return {"buckets": buckets, "launched": [b[3] for b in buckets],
+            "step_min": float(steps[1]), "step_median": float(steps[2]), "step_max": float(steps[3]),
+            "blocked_median": float(steps[5]), "blocked": float(step[1]), "step": float(step[2]),
+            "backward": float(step[3]), "launched_in_backward": int(step[4]), "count": int(step[5])}
+
+
+def adamw_amplification(eps: float = 1e-8) -> dict:
+    """Section 9, bug 7, measured in one process: the tiny LLaMA in float32, one batch of 4
+    sequences (the float32 ZeRO-1 case of tests/test_dp_zero.py at dp = 4, seed 0). The
+    whole batch's gradient against the mean of its 4 one-sequence slices (what averaging over 4
+    ranks computes): at the element where AdamW's first update g / (|g| + eps) differs most,
+    the gradient, the two gradients' difference, and the update's difference (a fraction of lr)."""
+    cfg = ch01.tiny_model("llama", "float32")
+    batch = make_batches(cfg, steps=1, batch_size=4, seq_length=16, seed=0)[0]
+
+    def gradients(rows: slice) -> dict[str, torch.Tensor]:
+        model = GPTModel(cfg)
+        model(batch["tokens"][rows], labels=batch["labels"][rows]).mean().backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    whole, slices = gradients(slice(0, 4)), [gradients(slice(r, r + 1)) for r in range(4)]
+    worst = {"update_diff": -1.0}
+    for name, g in whole.items():
+        mean = sum(s[name] / 4 for s in slices)                   # pre-scaled, then summed
+        diff = (g / (g.abs() + eps) - mean / (mean.abs() + eps)).abs().flatten()
+        i = int(diff.argmax())
+        if diff[i] > worst["update_diff"]:
+            worst = {"name": name, "grad": g.flatten()[i].item(), "update_diff": diff[i].item(),
+                     "grad_diff": (g.flatten()[i] - mean.flatten()[i]).abs().item()}
+    return worst
+
+
+def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """Every number chapter 01's README and notebook markdown quote that the code measures or
+    computes, by marker key: read off the figures run's printout, or computed here with the
+    same functions. Raises if a claim the text makes in words ("the same on every rank",
+    "ZeRO-1 and ZeRO-2 send the same") no longer holds."""
+    out, v = outputs["figures"], {}
+    cfg = ch01.tiny_model("llama", "float32")
+    model, e, dp = GPTModel(cfg), 4, 4
+    N = count_parameters(cfg)["total"]
+
+    # the chapter's opening: chapter 00 section 5's GPT-3 175B, recomputed
+    gpt3, _ = real_model_config("gpt3-175b")
+    n3 = count_parameters(gpt3)["total"]
+    v |= {"gpt3_years_a100_peak": 6 * n3 * 300e9 / 312e12 / YEAR, "gpt3_state_gpus_needed": -(-16 * n3 // (80 * GiB))}
+
+    # 2. naive DP and the price of an all-reduce
+    timeline_cfg = ModelConfig.llama(**TIMELINE_MODEL)
+    seven_b, _ = real_model_config("llama2-7b")
+    n7 = count_parameters(seven_b)["total"]
+    ring64 = [ring_traffic(CommRecord("all_reduce", tuple(range(64)), n7 * b, None, ())) for b in (2, 4)]
+    v |= {"tiny_params": N, "tiny_tensors": len(list(model.parameters())),
+          "bench_tensors": len(list(GPTModel(timeline_cfg).parameters())), "tiny_grad_bytes": N * e,
+          "tiny_ring_allreduce": ring_traffic(CommRecord("all_reduce", tuple(range(dp)), N * e, None, ())),
+          "seven_b_params_b": n7 / 1e9, "seven_b_allreduce_bf16_gb": ring64[0] / 1e9,
+          "seven_b_allreduce_fp32_gb": ring64[1] / 1e9}
+
+    # Figure 1: the DDP timeline (times in ms: this run's, on this machine)
+    v["timeline_params_m"] = count_parameters(timeline_cfg)["total"] / 1e6
+    for overlap, prefix in ((True, "timeline"), (False, "timeline_no_overlap")):
+        t = printed_timeline(out, overlap)
+        v |= {f"{prefix}_{k}_ms": t[k] for k in ("step_min", "step_median", "step_max", "blocked",
+                                                  "blocked_median", "backward", "step")}
+        v |= {f"{prefix}_buckets": t["count"], f"{prefix}_launched_in_backward": t["launched_in_backward"]}
+        if overlap:
+            v |= {f"timeline_launch_{i}_ms": ms for i, ms in enumerate(t["launched"][:-1])}
+            v["timeline_last_bucket"] = t["buckets"][-1][1]
+
+    # 5.1 and Figure 2: ZeRO's stages for LLaMA-2-7B's shapes on 64 ranks (bf16 + fp32 master)
+    for s in range(4):
+        v[f"zero_7b_stage{s}_gib"] = training_memory(seven_b, master_weights=True, zero_stage=s, dp=64)["total"] / GiB
+
+    # 5.3 and 6: ZeRO-1/2's buckets and ZeRO-3's units of the tiny LLaMA; padding at dp = 3
+    matrices, norms = ch01.zero_bucket_numels(model, None)
+    units = ch01.zero3_unit_numels(model)
+    S, S_norm = shard_range(matrices, 3, 0)[1], shard_range(norms, 3, 0)[1]
+    v |= {"zero_matrix_bucket": matrices, "zero_norm_bucket": norms, "zero_dp3_S": S, "zero_dp3_norm_S": S_norm,
+          "zero_dp3_padded": 3 * S, "zero_dp3_rank2_real": matrices - 2 * S,
+          "zero3_unit_embedding": units["embedding"], "zero3_unit_layer": units["decoder.layers.0"],
+          "zero3_unit_head": units["head"]}
+    zero1_dp3 = ch01.make_variant("zero1", cfg, steps=1, micro_batch_size=TINY_B, seq_length=TINY_S,
+                                 bucket_size=None)                      # one bucket per group
+    layout = [ch01.expected_memory(zero1_dp3, 3, r) for r in range(3)]
+    formula = training_memory(cfg, zero_stage=1, dp=3)
+    if layout[0]["optimizer"] != layout[1]["optimizer"]:
+        raise ValueError(f"section 6 says ranks 0 and 1 hold the same optimizer state at dp = 3: {layout}")
+    v |= {"dp3_param_bytes": layout[0]["params"], "dp3_param_formula": formula["params"],
+          "dp3_opt_rank0": layout[0]["optimizer"], "dp3_opt_rank1": layout[1]["optimizer"],
+          "dp3_opt_rank2": layout[2]["optimizer"], "dp3_opt_formula": formula["optimizer"]}
+
+    # 5.4: ZeRO-2's full gradients held during backward
+    v["zero2_grad_peak"] = grab(out, r"^zero2: most full-gradient bytes held during backward ([\d,]+)")
+    v["zero2_4k_grad_peak"] = grab(out, r"^zero2-4k: most full-gradient bytes held during backward ([\d,]+)")
+
+    # Figure 3: ZeRO-3's parameter bytes over one step, rank 0
+    profile = [re.match(r"\s+(fwd|bwd) (gather|free) (\S+)\s+([\d,]+) \+\s+([\d,]+)", line)
+               for line in _between(out, "== ZeRO-3 parameter bytes", "ddp_timeline")[1:]]
+    gathered = {m[3]: _number(m[5]) for m in profile if m and m[2] == "gather"}
+    peak = max(_number(m[4]) + _number(m[5]) for m in profile if m)
+    own = {_number(m[4]) for m in profile if m}
+    if len(own) != 1:
+        raise ValueError(f"Figure 3's caption says rank 0's own shards are constant; the run printed {own}")
+    v |= {"zero3_own_shards": own.pop(), "zero3_layer_gathered": gathered["decoder.layers.0"],
+          "zero3_embedding_gathered": gathered["embedding"], "zero3_head_gathered": gathered["head"],
+          "zero3_peak": peak, "zero3_peak_pct": 100 * peak / (N * e), "tiny_param_bytes": N * e}
+
+    # 6: the ledger of one step, rank 0 (the printout), and ZeRO-3 against DP
+    rows, ring = printed_ledger(out)
+    for (variant, op, tag), (calls, nbytes) in rows.items():
+        key = f"ledger_{variant}_{op}_{tag}".replace("-", "_")
+        v |= {f"{key}_calls": calls, f"{key}_bytes": nbytes}
+    v |= {f"ring_{variant}".replace("-", "_"): sent for variant, sent in ring.items()}
+    if {k[1:]: c for k, c in rows.items() if k[0] == "zero1"} != {k[1:]: c for k, c in rows.items() if k[0] == "zero2"}:
+        raise ValueError("section 6's table has one row for ZeRO-1 and ZeRO-2; their ledgers now differ")
+    v |= {"zero3_over_dp": ring["zero3"] / ring["ddp"], "embedding_share_pct": 100 * units["embedding"] / N,
+          "embedding_share": units["embedding"] / N}
+
+    # 6: bytes per rank, measured (the printout) and training_memory
+    for s, name in enumerate(["ddp", "zero1", "zero2", "zero3"]):
+        line = next(line for line in out if line.startswith(f"stage {s} ({name}"))
+        for kind in ("params", "grads", "optimizer"):
+            low, high, want = (_number(x) for x in re.search(rf"{kind} ([\d,]+)\.\.([\d,]+) \(([\d,]+)\)", line).groups())
+            if low != high:
+                raise ValueError(f"section 6 says the memory is the same on every rank; stage {s} {kind}: {low}..{high}")
+            v[f"mem_stage{s}_{kind}"] = low
+        total, want = re.search(r"total ([\d,]+) \(([\d,]+)\)", line).groups()
+        v |= {f"mem_stage{s}_total": _number(total), f"mem_stage{s}_formula": _number(want)}
+
+    # 9, bug 7: AdamW's amplification of a rounding difference, float32
+    worst = adamw_amplification()
+    lr = TrainConfig().lr
+    v |= {"eps_grad": abs(worst["grad"]), "eps_grad_diff": worst["grad_diff"],
+          "eps_update_pct": 100 * worst["update_diff"], "eps_param_diff": lr * worst["update_diff"]}
+
+    # the notebook's own cells: ZeRO-3 / DDP per micro-batch (3N - Vh) / 2N, its section 10
+    # table at dp = 8 and its answers to Q1 and Q7
+    def zero3_ratio(config: ModelConfig) -> float:
+        c = count_parameters(config)
+        return (3 * c["total"] - c["embedding"]) / (2 * c["total"])
+
+    v |= {"nb_zero3_ratio_tiny": zero3_ratio(cfg), "nb_zero3_ratio_7b": zero3_ratio(seven_b),
+          "nb_norm_ring_bytes": ring_traffic(CommRecord("all_reduce", tuple(range(4)), 8, None, ()))}
+    for s in range(4):
+        v[f"nb_7b_dp8_stage{s}_gb"] = training_memory(seven_b, param_dtype="bfloat16", master_weights=True,
+                                                      zero_stage=s, dp=8)["total"] / 1e9
+    per = adam_bytes_per_parameter("bfloat16", master_weights=True)
+    p, g, K, psi = per["params"], per["grads"], per["optimizer"], 7e9
+    for s, bytes_per in enumerate([p + g + K, p + g + K / 64, p + (g + K) / 64, (p + g + K) / 64]):
+        v[f"nb_q1_stage{s}_gb"] = bytes_per * psi / 1e9
+    lo, hi = shard_range(8224, 3, 2)
+    v |= {"nb_q7_S": hi - lo, "nb_q7_padded": hi, "nb_q7_padding": hi - 8224}
+    return {key: float(value) if isinstance(value, float) else int(value) for key, value in v.items()}
 
 
 def main(argv=None) -> int:

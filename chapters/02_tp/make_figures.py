@@ -29,12 +29,16 @@ and draws
                          the model state (16 bytes per parameter) of LLaMA-2 7B and 70B
                          shapes per rank vs one 80 GiB GPU
 
-The ledger and the byte counts do not change from run to run.
+The ledger and the byte counts do not change from run to run. RUNS and measure() at the end
+are what `make numbers CH=02` (booktools/measured.py) reruns and records in measured.json: the
+numbers the chapter's README and notebook quote, checked against the text by
+tests/test_measured.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -43,17 +47,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
 
+from booktools.demo import import_chapter  # noqa: E402
+from booktools.measured import grab  # noqa: E402
 from minimegatron import parallel_state  # noqa: E402
 from minimegatron.analysis import (GiB, count_parameters, measure_saved_activation_bytes,  # noqa: E402
                                    real_model_config, tensor_parallel_parameters)
-from minimegatron.comm import record_communication  # noqa: E402
+from minimegatron.comm import CommRecord, record_communication, ring_traffic  # noqa: E402
 from minimegatron.config import ModelConfig, TrainConfig  # noqa: E402
 from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.model import GPTModel  # noqa: E402
 from minimegatron.parallelize import build_model, build_optimizer, unwrap  # noqa: E402
 from minimegatron.placement import placement_of  # noqa: E402
 from minimegatron.testing import make_batches  # noqa: E402
-from minimegatron.tp import apply_tensor_parallel, pad_vocab_size  # noqa: E402
+from minimegatron.tp import apply_tensor_parallel, pad_vocab_size, vocab_range  # noqa: E402
 from minimegatron.train import initialize_layout, train_step  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "figures"
@@ -386,6 +392,151 @@ def plot_tp_memory(gpt2_small: dict[int, dict], big: dict[str, dict[int, dict]])
     fig.tight_layout()
     fig.savefig(OUT / "tp_memory.png", dpi=100)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# the numbers the chapter quotes (booktools/measured.py: `make numbers CH=02` reruns RUNS,
+# records measure()'s values in measured.json; the text's <!--m:key--> and <!--run:id-->
+# markers are checked against it)
+# ---------------------------------------------------------------------------------------
+RUNS = {
+    "figures": "python chapters/02_tp/make_figures.py",                                   # §4, §5, §8
+    "demo": "torchrun --standalone --nproc_per_node=4 chapters/02_tp/demo.py --tp 2 --dp 2",  # §4's printout
+}
+MiB = 2**20
+
+
+def _ledger_row(out: list[str], tp: int, style: str, direction: str) -> dict[str, int]:
+    """One row of the printout's forward + backward table: calls, bytes, formula, ring bytes."""
+    pattern = rf"^\s*{tp} {style}\s+{direction}\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)"
+    return {name: int(grab(out, pattern, i + 1)) for i, name in enumerate(("calls", "bytes", "formula", "ring"))}
+
+
+def _same_for_both_styles(out: list[str], tp: int, direction: str) -> dict[str, int]:
+    """The text gives one row for "GPT-2 and LLaMA": refuse to record it if they differ."""
+    gpt2, llama = (_ledger_row(out, tp, style, direction) for style in STYLES)
+    if gpt2 != llama:
+        raise ValueError(f"tp={tp} {direction}: GPT-2 {gpt2} and LLaMA {llama} differ; "
+                         "the text's table says they agree")
+    return gpt2
+
+
+def _param_row(out: list[str], style: str, tp: int) -> dict[str, int]:
+    """One row of the printout's parameters-per-rank table (measured on every rank)."""
+    pattern = rf"^{style}\s+{tp}\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)"
+    return {name: int(grab(out, pattern, i + 1)) for i, name in enumerate(("Vp", "split", "replicated", "per_rank"))}
+
+
+def _ring_factor(tp: int) -> float:
+    """Bytes one rank sends in a ring all-reduce over tp ranks, per byte handed in."""
+    return ring_traffic(CommRecord("all_reduce", tuple(range(tp)), MiB, None, ())) / MiB
+
+
+def _flops_per_byte(h: int, tp: int, e: int = 2) -> float:
+    """A GPT-2 style layer's forward FLOPs per token over the bytes one rank sends for it (§4):
+    24 h^2 / tp FLOPs against two ring all-reduces of h e bytes, 6h / ((tp - 1) e)."""
+    return (24 * h * h / tp) / (2 * 2 * (tp - 1) / tp * h * e)
+
+
+def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """Every number the chapter's README and notebook markdown quote that the code measures or
+    computes, by marker key: read off the figures run's printout, or computed with the same
+    functions (the notebook's own cells included)."""
+    out, v = outputs["figures"], {}
+
+    # §3.3 padding a vocabulary (pad_vocab_size, vocab_range); README Q4, notebook §4, §7, Q3
+    v |= {"vp_tp2": pad_vocab_size(257, 2), "vp_tp4": pad_vocab_size(257, 4),
+          "vp_gpt2_tp1_megatron": pad_vocab_size(50257, 1, 128), "vp_gpt2_tp8_megatron": pad_vocab_size(50257, 8, 128),
+          "vp_tp4_megatron": pad_vocab_size(257, 4, 128),
+          "padding_ranks_first_id": vocab_range(pad_vocab_size(257, 4, 128), 2, 4)[0],
+          "padding_ranks_last_id": vocab_range(pad_vocab_size(257, 4, 128), 3, 4)[1] - 1,
+          "tp4_rank3_first_id": vocab_range(pad_vocab_size(257, 4), 3, 4)[0],
+          "tp4_rank3_last_id": vocab_range(pad_vocab_size(257, 4), 3, 4)[1] - 1}
+    vp8 = pad_vocab_size(50257, 8, 128)
+    v |= {"vp_gpt2_tp8_rows_per_rank": vocab_range(vp8, 0, 8)[1], "vp_gpt2_tp8_padding_rows": vp8 - 50257}
+
+    # §4 the ledger of one forward + backward of the tiny models, vs the formula
+    for tp in (2, 4):
+        fwd, bwd = (_same_for_both_styles(out, tp, d) for d in ("fwd", "bwd"))
+        v |= {f"ledger_tp{tp}_fwd_calls": fwd["calls"], f"ledger_tp{tp}_fwd_bytes": fwd["bytes"],
+              f"ledger_tp{tp}_bwd_calls": bwd["calls"], f"ledger_tp{tp}_bwd_bytes": bwd["bytes"],
+              f"ledger_tp{tp}_ring_bytes": fwd["ring"] + bwd["ring"]}
+    v["ledger_ring_tp4_over_tp2"] = v["ledger_tp4_ring_bytes"] / v["ledger_tp2_ring_bytes"]
+    v["ledger_formula_bytes"] = sum(sum(x) for x in tp_ledger_formula(STYLES["gpt2"](), B, S, E).values())
+    for style in STYLES:                    # the text: one loss, on one device and at tp = 2 and 4
+        one, tp2, tp4 = (grab(out, rf"{style}: mean loss one device ([\d.]+); tp=2 ([\d.]+); tp=4 ([\d.]+)", i)
+                         for i in (1, 2, 3))
+        if not one == tp2 == tp4:
+            raise ValueError(f"{style}: mean losses {one}, {tp2}, {tp4} differ; the text says they are the same")
+        v[f"loss_{style}"] = one
+    for tp in (2, 4, 8):                    # a ring all-reduce's bytes sent per byte handed in
+        v[f"ring_factor_tp{tp}"] = _ring_factor(tp)
+    for name, h, tps in (("gpt2_small", 768, (4, 6)), ("gpt3", 12288, (4, 8))):   # §4, notebook §6's printout
+        v |= {f"flops_per_byte_{name}_tp{tp}": _flops_per_byte(h, tp) for tp in tps}
+
+    # §4 at real size: GPT-2 small, b = 1, s = 1024, bf16
+    v |= {"real_fwd_calls": grab(out, r"tp=2: (\d+) \+ (\d+) all-reduces"),
+          "real_bwd_calls": grab(out, r"tp=2: (\d+) \+ (\d+) all-reduces", 2),
+          "real_handed_mib": grab(out, r"tp=2: .* ([\d.]+) MiB handed in"),
+          **{f"real_ring_tp{tp}_mib": grab(out, rf"tp={tp}: .* ring ([\d.]+) MiB sent") for tp in (2, 4, 6)}}
+    gpt2_small, _ = real_model_config("gpt2-small")
+    v["gpt2_small_grad_mib"] = count_parameters(gpt2_small)["total"] * 2 / MiB
+
+    # §5 parameters per rank, measured on every rank of the 4-rank world
+    for style in STYLES:
+        v[f"params_{style}_one_device"] = grab(out, rf"^{style}\s+1\s+257\s+([\d,]+)$")
+        for tp in (2, 4):
+            row = _param_row(out, style, tp)
+            v |= {f"params_{style}_tp{tp}_{k}": n for k, n in row.items() if k != "Vp"}
+    v["params_gpt2_tp2_both_ranks"] = 2 * v["params_gpt2_tp2_per_rank"]
+    v["params_gpt2_tp2_padding_both_ranks"] = 2 * tensor_parallel_parameters(STYLES["gpt2"](), 2)["padding"]
+
+    # Figure 3: GPT-2 small's shapes per rank (bf16), LLaMA-2 7B and 70B model state per rank
+    v["gpt2_small_params"] = grab(out, r"\(tp=1 count ([\d,]+) =")
+    for tp in (1, 2, 3, 4, 6):
+        row = rf"^\s*{tp}\s+\d+\s+[\d,]+\s+[\d,]+\s+[\d,]+"             # tp, Vp, split, replicated, per rank
+        v[f"gpt2_small_tp{tp}_mib"] = grab(out, row + r"\s+([\d.]+)")
+        v[f"gpt2_small_tp{tp}_replicated_pct"] = grab(out, row + r"\s+[\d.]+\s+([\d.]+)%")
+    v["gpt2_small_replicated"] = grab(out, r"^\s*1\s+\d+\s+[\d,]+\s+([\d,]+)")
+    v["gpt2_small_position_table"] = count_parameters(gpt2_small)["position_embedding"]
+    for name in ("llama2-7b", "llama2-70b"):
+        for tp in (1, 2, 4, 8):
+            v[f"{name.replace('-', '_')}_tp{tp}_gib"] = grab(out, rf"{name}: .*tp={tp} ([\d.]+) GiB")
+
+    # §5 activations saved per rank (b = 4, s = 16, float32), the same on every rank
+    if "(ranks differ)" in "\n".join(out):
+        raise ValueError("the activation bytes differ between ranks; the text says they are the same on every rank")
+    for style in STYLES:
+        one = grab(out, rf"^\s*{style}\s+tp=1 ([\d,]+);")
+        v[f"acts_{style}_tp1"] = one
+        for tp in (2, 4):
+            v[f"acts_{style}_tp{tp}"] = grab(out, rf"^\s*{style}\s+.*tp={tp} ([\d,]+) \(")
+            v[f"acts_{style}_tp{tp}_ratio"] = v[f"acts_{style}_tp{tp}"] / one
+
+    # §8 one training step of TP 2 x DP 2 (rank 0)
+    for tag in ("fwd", "bwd", "grads", "grad-norm"):
+        row, key = rf"all_reduce \[[\d, ]+\]\s+{tag}\s+", f"step_{tag.replace('-', '_')}"
+        v[f"{key}_calls"] = grab(out, row + r"(\d+) calls")
+        v[f"{key}_bytes"] = grab(out, row + r"\d+ calls\s+([\d,]+) bytes")
+    v["step_params"] = grab(out, r"this rank's parameters: ([\d,]+) elements")
+
+    # notebook §7, §8: the tiny LLaMA model of the notebook's runs (demo.tiny_model: h = 32, L = 2)
+    demo = import_chapter("02")
+    v["tiny_llama_replicated"] = tensor_parallel_parameters(demo.tiny_model("llama"), 2)["replicated"]
+    shares = [100 * c["replicated"] / c["per_rank"]                  # notebook §7: tp = 1 ... 12
+              for c in (tensor_parallel_parameters(gpt2_small, k) for k in (1, 12))]
+    v |= {"gpt2_small_tp1_share_pct": shares[0], "gpt2_small_tp12_share_pct": shares[1]}
+
+    # the questions (README §13, notebook's end): GPT-3's layer, and the buggy norm
+    gpt3_allreduce = 1 * 2048 * 12288 * 2                           # [b, s, h] in bf16
+    v |= {"q_gpt3_allreduce_mib": gpt3_allreduce / MiB, "q_gpt3_layer_fwd_mib": 2 * gpt3_allreduce / MiB,
+          "q_gpt3_ring_mib": 2 * gpt3_allreduce * _ring_factor(8) / MiB}
+    big = ModelConfig.llama(hidden_size=4096, num_attention_heads=32, num_query_groups=8)
+    v["q_qkv_rows_tp8"] = (32 + 2 * 8) * big.kv_channels // 8
+    wrong = math.sqrt(1 + (4 - 1) * 0.01)
+    v |= {"q_wrong_norm": wrong, "q_smaller_update_pct": 100 * (1 - 1 / wrong)}
+    return {key: float(value) if isinstance(value, float) and not value.is_integer() else int(value)
+            for key, value in v.items()}
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The figures of chapter 03 and the tables the chapter quotes.
 
-    python chapters/03_pp/make_figures.py          # about a minute on 2 cores; writes figures/*.png
+    python chapters/03_pp/make_figures.py          # a minute or two on 2 cores; writes figures/*.png
     python chapters/03_pp/make_figures.py --simulated-only   # seconds: the first three figures only
+    python -m booktools.measured record 03         # make numbers CH=03: this script and the demo
+                                                   # runs of RUNS, then the text's numbers (measure)
 
 From the schedules alone (pp.schedules, pp.timeline; no process started):
   schedules.png          the simulated timelines of GPipe, 1F1B and interleaved 1F1B (v = 2)
@@ -37,6 +39,7 @@ share 2 cores, and other jobs may run on the machine).
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -51,6 +54,7 @@ from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.pp import (Interval, bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
                              peak_in_flight, schedule, simulate)
 from booktools.demo import import_chapter  # noqa: E402
+from booktools.measured import grab, numbers_of, parse_number  # noqa: E402
 from minimegatron.viz import draw_rank_grid, new_figure  # noqa: E402
 
 ch03 = import_chapter("03")        # chapters/03_pp/demo.py: the runs and their checks
@@ -243,10 +247,11 @@ def model():
     return ch03.tiny_model("gpt2", "float64", num_layers=8, hidden_size=64, max_position_embeddings=32)
 
 
-RUNS = [ch03.make_run(model(), pp=P, kind=kind, num_chunks=v, micro_batches=M, micro_batch_size=2, steps=3)
-        for kind, v in KINDS]
-RUNS.append(ch03.make_run(model(), pp=2, dp=2, kind="interleaved", num_chunks=2, micro_batches=4,
-                          micro_batch_size=2, steps=3))
+# the four pipelines of the spawned world (RUNS, at the end, is what the chapter's text quotes)
+PIPELINES = [ch03.make_run(model(), pp=P, kind=kind, num_chunks=v, micro_batches=M, micro_batch_size=2, steps=3)
+             for kind, v in KINDS]
+PIPELINES.append(ch03.make_run(model(), pp=2, dp=2, kind="interleaved", num_chunks=2, micro_batches=4,
+                               micro_batch_size=2, steps=3))
 
 
 def p2p_formula_bytes(run: ch03.PPRun, stage: int) -> int:
@@ -385,11 +390,6 @@ def draw_activations(real: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------
 # the figures (drawn from the records the code keeps; the notebook and the tests draw them too)
 # ---------------------------------------------------------------------------------------
 def plot_timeline(intervals: list[Interval], title: str = "", path=None, unit: str = "time", ax=None):
@@ -439,6 +439,156 @@ def draw_run(run: ch03.PPRun, per_rank: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# ---------------------------------------------------------------------------------------
+# the numbers the chapter quotes (booktools/measured.py: `make numbers CH=03` reruns RUNS,
+# records every value of measure() in chapters/03_pp/measured.json, and the <!--m:key-->
+# markers of the README and the notebook's markdown are checked against it)
+# ---------------------------------------------------------------------------------------
+RUNS = {
+    "figures": "python chapters/03_pp/make_figures.py",
+    "demo-1f1b": "torchrun --standalone --nproc_per_node=4 chapters/03_pp/demo.py --pp 4 --schedule 1f1b",
+    "demo-3d": "torchrun --standalone --nproc_per_node=8 chapters/03_pp/demo.py --tp 2 --pp 2 --dp 2",
+}
+
+_STAGE_ROW = re.compile(r"^  stage (?P<stage>\d+): layers .*; in flight (?P<count>\d+) \(formula \d+\); "
+                        r"(?P<peak>[\d,]+) bytes at the peak; per micro-batch-chunk (?P<chunks>[\d, ]+); "
+                        r"p2p (?P<p2p>[\d,]+) bytes/step")
+_LEDGER_CALL = re.compile(r"(?P<op>\w+) (?P<tag>[\w-]+) x(?P<count>\d+) (?P<bytes>[\d,]+) B")
+
+
+def _int(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def stage_rows(output: list[str]) -> dict[str, list[dict]]:
+    """check_real's printout, per pipeline ("1f1b, pp=4 x dp=1", "interleaved v=2, pp=2 x dp=2"):
+    each stage's {"count", "peak", "chunks", "p2p"} (in flight, bytes at the peak, bytes saved
+    by one micro-batch-chunk of each chunk, p2p bytes per step)."""
+    rows, name = {}, None
+    for line in output:
+        if line.startswith("== ") and ": MATCH with one device" in line:
+            name = line[3:].split(", m=")[0]
+            rows[name] = []
+        elif name and (m := _STAGE_ROW.match(line)):
+            rows[name].append({"count": int(m["count"]), "peak": _int(m["peak"]), "p2p": _int(m["p2p"]),
+                               "chunks": [_int(x) for x in m["chunks"].split(", ")]})
+    return rows
+
+
+def ledger_calls(output: list[str], rank: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """ledger_section's line of one rank: {(op, tag): (calls, bytes)} over one step."""
+    line = next(line for line in output if line.startswith(f"  rank {rank} (stage"))
+    return {(m["op"], m["tag"]): (int(m["count"]), _int(m["bytes"])) for m in _LEDGER_CALL.finditer(line)}
+
+
+def numbers_after(output: list[str], prefix: str) -> list[float]:
+    """The numbers of the first line that starts (after its indent) with `prefix`."""
+    line = next(line for line in output if line.strip().startswith(prefix))
+    return [parse_number(x) for x in numbers_of(line[line.index(prefix) + len(prefix):])]
+
+
+def claim(holds: bool, sentence: str) -> None:
+    """A sentence of the text that is a fact about the record, in words ("exactly twice")."""
+    if not holds:
+        raise ValueError(f"the chapter says {sentence!r}, which the recorded runs no longer show")
+
+
+def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """Every number of the README and the notebook's markdown that the code computes or the runs
+    measure, by marker key."""
+    values = {}
+    figures, demo, demo3d = outputs["figures"], outputs["demo-1f1b"], outputs["demo-3d"]
+
+    # §2.1 what travels: the demo's ledger (1F1B), make_figures' interleaved run (v = 2)
+    end, middle = (rf"stage {s}: (\d+) sends\+receives, ([\d,]+) bytes" for s in (0, 1))
+    values |= {"p2p_message_bytes": grab(demo, end, 2) / grab(demo, end, 1),
+               "p2p_end_messages": grab(demo, end, 1), "p2p_end_bytes": grab(demo, end, 2),
+               "p2p_middle_messages": grab(demo, middle, 1), "p2p_middle_bytes": grab(demo, middle, 2)}
+    real = stage_rows(figures)
+    interleaved, one_f_one_b, gpipe = (real[f"{k}, pp=4 x dp=1"] for k in ("interleaved v=2", "1f1b", "gpipe"))
+    values |= {"p2p_interleaved_end_bytes": interleaved[0]["p2p"],
+               "p2p_interleaved_middle_bytes": interleaved[1]["p2p"]}
+
+    # §3.3 interleaving at m = p: Megatron-Core's warm-up, no special case
+    values |= {f"warmup_m4_stage{r}": num_warmup_microbatches("interleaved", 4, r, 4, 2) for r in range(4)}
+    values["makespan_m4_interleaved"] = max(i.end for i in simulate("interleaved", 4, 4, 2))
+    values |= {f"peak_m4_interleaved_stage{r}": peak_in_flight(schedule("interleaved", 4, r, 4, 2)) for r in (2, 3)}
+    makespans = {kind: max(i.end for i in simulate(kind, P, M, v)) for kind, v in KINDS}
+    claim(makespans["gpipe"] == makespans["1f1b"], "GPipe and 1F1B end at the same time")
+    values |= {"makespan_1f1b": makespans["1f1b"], "makespan_interleaved": makespans["interleaved"]}
+
+    # §4.1 the bubble: the figure's simulated points and the table (and the questions' p = 8, m = 32)
+    values["bubble_points"] = grab(figures, r"the bubble: (\d+) simulated points")
+    for p, m in ((4, 4), (4, 8), (4, 32), (8, 8), (8, 32), (8, 64)):
+        for v in (1, 2, 4):
+            b = bubble_fraction("1f1b" if v == 1 else "interleaved", p, m, v)
+            values |= {f"idle_p{p}_m{m}_v{v}": b["idle"], f"over_ideal_p{p}_m{m}_v{v}": b["bubble_over_ideal"]}
+
+    # §4.2 the demo's run and Figure 3 (wall clock: machine-dependent, never claimed fixed)
+    values["demo_max_dloss"] = grab(demo, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)")
+    idle = numbers_after(demo, "measured, last step:")
+    values |= {"demo_measured_idle_min": min(idle), "demo_measured_idle_max": max(idle)}
+    values |= {"figure3_forward_ms": grab(figures, r"median forward ([\d.]+) ms"),
+               "figure3_backward_ms": grab(figures, r"median backward ([\d.]+) ms"),
+               "figure3_tb_over_tf": grab(figures, r"t_b / t_f = ([\d.]+)")}
+
+    # §5 activation memory: counts from the schedules, bytes measured by make_figures' runs
+    for kind, v in KINDS:
+        values |= {f"peak_{kind}_stage{r}": peak_in_flight(schedule(kind, P, r, M, v)) for r in range(P)}
+        rows = real[f"{kind}{' v=2' if v > 1 else ''}, pp={P} x dp=1"]
+        values |= {f"peak_bytes_{kind}_stage{r}": row["peak"] for r, row in enumerate(rows)}
+    two_layers = one_f_one_b[1]["chunks"][0]
+    values |= {"bytes_two_layers": two_layers, "bytes_stage0_extra": one_f_one_b[0]["chunks"][0] - two_layers,
+               "bytes_stage3_extra": one_f_one_b[3]["chunks"][0] - two_layers}
+    ratio = [interleaved[r]["peak"] / one_f_one_b[r]["peak"] for r in range(P)]
+    values |= {f"interleaved_over_1f1b_stage{r}": ratio[r] for r in range(P)}
+    values |= {"interleaved_over_1f1b_min": min(ratio), "interleaved_over_1f1b_max": max(ratio),
+               "interleaved_stage0_microbatches": values["peak_interleaved_stage0"] / V,
+               "interleaved_stage0_count_ratio": values["peak_interleaved_stage0"] / V / values["peak_1f1b_stage0"]}
+    claim(gpipe[0]["peak"] == 2 * one_f_one_b[0]["peak"] and gpipe[3]["peak"] == 8 * one_f_one_b[3]["peak"],
+          "at m = 8 stage 0 holds exactly twice 1F1B's bytes, stage 3 eight times")
+    claim(min(ratio) == ratio[0] and max(row["peak"] for row in interleaved) == interleaved[0]["peak"],
+          "the peak of the pipeline, stage 0's, grows by the smallest factor")
+    sends = [row["p2p"] // 2 for row in one_f_one_b]           # a stage sends half of what it moves
+    values |= {"sent_held_min": min(sends), "sent_held_max": max(sends)}
+    values["warmup_interleaved_stage0"] = num_warmup_microbatches("interleaved", P, 0, M, V)
+
+    # §6.1 one step of interleaved v = 2 on pp = 2 x dp = 2: every rank's collectives
+    stage0, stage1 = ledger_calls(figures, 0), ledger_calls(figures, 2)
+    p2p = [stage0[key] for key in stage0 if key[1].startswith("pp-")]
+    values |= {"ledger_dp_allreduces": stage0[("all_reduce", "grads")][0],
+               "ledger_dp_bytes_stage0": stage0[("all_reduce", "grads")][1],
+               "ledger_dp_params_stage0": stage0[("all_reduce", "grads")][1] // 8,
+               "ledger_dp_bytes_stage1": stage1[("all_reduce", "grads")][1],
+               "ledger_dp_params_stage1": stage1[("all_reduce", "grads")][1] // 8,
+               "ledger_tied_allreduces": stage0[("all_reduce", "embedding-grads")][0],
+               "ledger_tied_bytes": stage0[("all_reduce", "embedding-grads")][1],
+               "ledger_norm_allreduces": stage0[("all_reduce", "grad-norm")][0],
+               "ledger_loss_allreduces": stage0[("all_reduce", "loss")][0],
+               "ledger_p2p_messages": sum(n for n, _ in p2p), "ledger_p2p_bytes": sum(b for _, b in p2p)}
+
+    # §7.1 3D on 8 ranks (the demo)
+    values |= {"demo3d_max_dloss": grab(demo3d, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)"),
+               "demo3d_max_dgrad": grab(demo3d, r"^MATCH: .*max \|dgrad\| ([\d.e+-]+)"),
+               "demo3d_max_dparam": grab(demo3d, r"^MATCH: .*max \|dparam\| ([\d.e+-]+)"),
+               "demo3d_held_stage0": grab(demo3d, r"stage 0: (\d+) \(schedule"),
+               "demo3d_held_stage1": grab(demo3d, r"stage 1: (\d+) \(schedule"),
+               "demo3d_bytes_stage0": grab(demo3d, r"stage 0: \d+ \(schedule: \d+\), ([\d,]+) bytes"),
+               "demo3d_bytes_stage1": grab(demo3d, r"stage 1: \d+ \(schedule: \d+\), ([\d,]+) bytes"),
+               "demo3d_p2p_bytes": grab(demo3d, r"stage 0: \d+ sends\+receives, ([\d,]+) bytes")}
+
+    # the questions (README §12, the notebook's last cells: the same calls as its checking cell)
+    values |= {f"q8_over_ideal_p{p}": bubble_fraction("1f1b", p, 8 * p)["bubble_over_ideal"] for p in (2, 4, 8, 16)}
+    values["q3_m_1f1b"] = next(m for m in range(1, 1000) if bubble_fraction("1f1b", 8, m)["idle"] <= 0.05)
+    values["q3_m_interleaved_v4"] = next(m for m in range(8, 1000, 8)
+                                         if bubble_fraction("interleaved", 8, m, 4)["idle"] <= 0.05)
+    values |= {"q4_gpipe": peak_in_flight(schedule("gpipe", 8, 0, 32)),
+               "q4_1f1b": peak_in_flight(schedule("1f1b", 8, 0, 32)),
+               "q4_interleaved_chunks": peak_in_flight(schedule("interleaved", 8, 0, 32, 2)),
+               "q4_interleaved_microbatches": peak_in_flight(schedule("interleaved", 8, 0, 32, 2)) / 2}
+    return {key: int(x) if float(x).is_integer() else float(x) for key, x in values.items()}
+
+
 def main(argv=None) -> int:
     plt.switch_backend("Agg")       # a script: no screen (importing this file leaves the backend alone)
     simulated_only = "--simulated-only" in (sys.argv[1:] if argv is None else argv)
@@ -452,11 +602,11 @@ def main(argv=None) -> int:
         print("\n--simulated-only: the measured figures (timeline_1f1b_measured.png, activations.png) are kept")
         return 0
 
-    per_rank = spawn(ch03.train_runs, 4, RUNS, timeout=600)
-    per_run = [[r[i] for r in per_rank] for i in range(len(RUNS))]
-    real = check_real(RUNS, per_run)
-    ledger_section(RUNS[3], per_run[3])
-    draw_measured(RUNS[1], per_run[1])
+    per_rank = spawn(ch03.train_runs, 4, PIPELINES, timeout=600)
+    per_run = [[r[i] for r in per_rank] for i in range(len(PIPELINES))]
+    real = check_real(PIPELINES, per_run)
+    ledger_section(PIPELINES[3], per_run[3])
+    draw_measured(PIPELINES[1], per_run[1])
     draw_activations(real)
 
     print("\n== bytes at the peak (pp=4, m=8), interleaved / 1F1B and GPipe / 1F1B per stage")
