@@ -9,8 +9,10 @@ experiment (the run, what each rank records, the report):
 `run_demo` runs the experiment under torchrun (every rank trains, rank 0 reports, every rank
 exits with rank 0's verdict) or, without torchrun, spawns the run's ranks itself and reports
 in this process. A report prints what it found and returns its last line, which starts with
-MATCH (exit 0) or MISMATCH (exit 1); a configuration that cannot run is named before any
-process starts (exit 2).
+MATCH (exit 0) or MISMATCH (exit 1). A configuration that cannot run (a bad flag, a layout
+that does not fit) is named before any rank trains, in the demo's own flags where the demo
+checks it, and ends the program with exit 2: printed once, by this process or, under
+torchrun, by rank 0 alone (`refuse_under_torchrun`), however many ranks torchrun started.
 
 Notebooks, graders and make_figures.py reach a chapter's experiments with
 `import_chapter("03")` (chapters/03_pp/demo.py as the module chapters.03_pp.demo), which spawned
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import os
 import sys
@@ -33,13 +36,13 @@ from typing import Callable
 
 import torch
 
-from minimegatron.config import ModelConfig, TrainConfig
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent                 # the repository: minimegatron/, chapters/
 
-__all__ = ["import_chapter", "Run", "demo_parser", "add_training_flags", "check_at_least_one", "model_line",
-           "largest_differences", "verdict_line", "data_parallel_size_under_torchrun", "verdict_under_torchrun",
-           "run_demo"]
+__all__ = ["import_chapter", "Run", "DemoParser", "demo_parser", "add_training_flags", "check_at_least",
+           "check_at_least_one", "check_sequence_length", "model_line", "largest_differences", "verdict_line",
+           "data_parallel_size_under_torchrun", "refuse_under_torchrun", "verdict_under_torchrun", "run_demo"]
 
 
 def import_chapter(number: str, module: str = "demo"):
@@ -82,11 +85,23 @@ class Run:
         return global_batches(self.model, self.train, self.dp, self.seed)
 
 
-def demo_parser(chapter: str, description: str) -> argparse.ArgumentParser:
+class DemoParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are printed once under torchrun: every rank parses the
+    same command line and finds the same error, so rank 0 alone prints the usage and the
+    error, and every rank exits 2 (refuse_under_torchrun). Without torchrun: argparse's own."""
+
+    def error(self, message: str):
+        if "RANK" not in os.environ:
+            super().error(message)                     # prints usage and message, exits 2
+        error = f"{self.prog}: error: {message}"
+        sys.exit(refuse_under_torchrun(self.format_usage() + error, root_cause=error))
+
+
+def demo_parser(chapter: str, description: str) -> DemoParser:
     """The parser of chapters/<chapter>_*/demo.py, with the verdict's promise as its epilog."""
     folder = next((ROOT / "chapters").glob(f"{chapter}_*")).name
-    return argparse.ArgumentParser(prog=f"chapters/{folder}/demo.py", description=description,
-                                   epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
+    return DemoParser(prog=f"chapters/{folder}/demo.py", description=description,
+                      epilog="Ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).")
 
 
 def add_training_flags(parser: argparse.ArgumentParser, *, style: str = "llama", micro_batches: int = 2,
@@ -115,13 +130,49 @@ def model_line(cfg: ModelConfig, detail: str = "") -> str:
             + ("" if cfg.untie_embeddings_and_output_weights else ", tied embeddings"))
 
 
-def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> argparse.Namespace:
-    """parser.error for every flag among `names` that was given (not None) below 1; returns args."""
+def check_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int,
+                   *names: str) -> argparse.Namespace:
+    """parser.error for the first flag among `names` that was given (not None) below `minimum`;
+    returns args. A value the demo would replace by its default (0 in `args.steps or 3`) is
+    refused here, never silently swapped."""
     for name in names:
         value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')}={value} must be at least 1")
+        if value is not None and value < minimum:
+            parser.error(f"--{name.replace('_', '-')}={value} must be at least {minimum}")
     return args
+
+
+def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> argparse.Namespace:
+    """check_at_least(parser, args, 1, *names): sizes, counts, steps, lengths."""
+    return check_at_least(parser, args, 1, *names)
+
+
+def check_sequence_length(seq: int, *, cp: int = 1, tp: int = 1, sp: bool = False, max_positions: int,
+                          given: bool = True) -> None:
+    """ConfigError, in the demos' flags, unless a sequence of `seq` tokens can be cut as the
+    run needs: under context parallelism into 2 cp equal chunks (cp/layout.py), under sequence
+    parallelism each rank's s / cp tokens again into tp parts, and no longer than the model's
+    max_positions. The message names a --seq that works (the longest one up to `seq`, else the
+    shortest), or says that none fits the model. given: the learner typed --seq (else `seq` is
+    the demo's default, and the message says so)."""
+    needs = []                                          # (the sequence must be a multiple of, why)
+    if cp > 1:
+        needs.append((2 * cp, f"--cp {cp} cuts every sequence into 2 x {cp} = {2 * cp} equal chunks"))
+    if sp and tp > 1:
+        needs.append((cp * tp, f"--sp cuts each rank's s / {cp} tokens into --tp {tp} parts" if cp > 1
+                      else f"--sp cuts the sequence into --tp {tp} parts"))
+    multiple = math.lcm(*(m for m, _ in needs)) if needs else 1
+    if seq <= max_positions and seq % multiple == 0:
+        return
+    what = f"--seq {seq}" if given else f"the default sequence length {seq}"
+    problem = [f"longer than the model's {max_positions} positions"] if seq > max_positions else []
+    if seq % multiple:
+        problem.append("; ".join(why for _, why in needs) + f", so the sequence must be a multiple of {multiple}")
+    works = (min(seq, max_positions) // multiple) * multiple or multiple
+    if works > max_positions:
+        raise ConfigError(f"{what}: {'; '.join(problem)}, and no multiple of {multiple} fits the model's "
+                          f"{max_positions} positions; use a smaller --cp" + (" or --tp" if sp and tp > 1 else ""))
+    raise ConfigError(f"{what}: {'; '.join(problem)}; --seq {works} works")
 
 
 def largest_differences(equivalences) -> str:
@@ -146,24 +197,62 @@ def verdict_line(reports, name: Callable, claim: str) -> str:
     return f"MATCH: {', '.join(name(r) for r in reports)} equal the single-device run: {diffs}; {claim}"
 
 
-def data_parallel_size_under_torchrun(world: int, rank: int, sizes: dict[str, int], dp: int | None) -> int | None:
+def data_parallel_size_under_torchrun(world: int, sizes: dict[str, int], dp: int | None) -> int:
     """The data-parallel size of a chapter demo started by torchrun with `world` ranks, whose
     model-parallel sizes are `sizes` (e.g. {"tp": 2, "pp": 2}, in the demo's flag order): world
     divided by their product, or `dp` when that was given and the product times dp is the world.
-    None when the ranks do not fit, after rank 0 printed which numbers must divide or equal
-    which (the demo then leaves with launch.finish_torchrun(2))."""
+    ConfigError naming which flags must divide or equal the number of ranks when they do not fit."""
     product = math.prod(sizes.values())
     if world % product == 0 and (dp is None or product * dp == world):
         return world // product
+    flags = " x ".join(f"--{name} {size}" for name, size in sizes.items())
+    names = " x ".join(sizes)
+    if dp is None:
+        need = f"{flags} = {product} must divide the number of ranks {world} (dp = ranks / ({names}))"
+    else:
+        need = f"{flags} x --dp {dp} = {product * dp} must equal the number of ranks {world}"
+    raise ConfigError(f"{need}; use --nproc_per_node to set the number of ranks")
+
+
+def refuse_under_torchrun(message: str, root_cause: str | None = None) -> int:
+    """The end of a torchrun job whose configuration cannot run, on every rank; returns 2, the
+    status every rank exits with.
+
+    Every rank finds the same error (they parse the same flags and build the same run), so
+    only rank 0 prints `message`: once per job, not once per rank run together on one line. It
+    also writes `root_cause` (default: the message) to the file torchrun gives each rank for the
+    reason it failed (TORCHELASTIC_ERROR_FILE), so that torchrun's closing summary names it
+    under "Root Cause" instead of a link to its documentation. Then every rank leaves through
+    launch.finish_torchrun, whose barrier keeps the other ranks from exiting before rank 0 has
+    printed (torchrun stops the whole job when the first rank exits non-zero).
+
+    What the book does not control: torchrun itself exits 1 when a rank fails, prints a
+    traceback of its own and a paragraph per failed rank after our message, and stops the ranks
+    still running when the first one exits (one may be listed as ended by SIGTERM, -15)."""
+    from minimegatron.launch import finish_torchrun, init_from_torchrun
+
+    rank, _ = init_from_torchrun()
     if rank == 0:
-        flags = " x ".join(f"--{name} {size}" for name, size in sizes.items())
-        names = " x ".join(sizes)
-        if dp is None:
-            need = f"{flags} = {product} must divide the number of ranks {world} (dp = ranks / ({names}))"
-        else:
-            need = f"{flags} x --dp {dp} = {product * dp} must equal the number of ranks {world}"
-        print(f"error: {need}; use --nproc_per_node to set the number of ranks", file=sys.stderr)
-    return None
+        print(message, file=sys.stderr, flush=True)
+        _tell_torchrun(root_cause or message)
+    return finish_torchrun(2)
+
+
+def _tell_torchrun(message: str) -> None:
+    """Write `message` as this rank's error record in torchrun's JSON format (the one
+    torch.distributed.elastic's ErrorHandler writes: a message and its "py_callstack", which
+    torchrun's summary prints; here the message itself, not a traceback). Nothing when torchrun
+    gave no file, or the file cannot be written: printing the message was the main thing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                            "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass
 
 
 def verdict_under_torchrun(result, report: Callable[[list], int]) -> int:
@@ -201,32 +290,34 @@ def run_demo(args: argparse.Namespace, chapter: str, build: Callable, train: Cal
     """The main of a chapter demo; returns the exit status.
 
     build(args, dp) -> the run (with .world, its ranks, and .name()); a configuration that cannot
-        run raises ConfigError or ValueError here, before any process starts (exit 2).
+        run raises ConfigError or ValueError here, before any rank trains: printed once as
+        "error: ...", exit 2 (under torchrun: refuse_under_torchrun). An error after build is
+        not a configuration error and is raised as it is.
     train(run) -> this rank's record, on every rank (a top-level function: spawned ranks import it).
     report(args, run, per_rank) -> the verdict line, after printing what it checked.
     Under torchrun (RANK set) dp = ranks / the product of model_parallel(args) (or args.dp when
     it fits); otherwise this process spawns run.world ranks with dp = spawn_dp(args)."""
-    from minimegatron.config import ConfigError
-    from minimegatron.launch import finish_torchrun, init_from_torchrun, spawn
+    from minimegatron.launch import init_from_torchrun, spawn
 
     torch.set_num_threads(1)
-    torchrun = "RANK" in os.environ
+    if "RANK" in os.environ:
+        _, world = init_from_torchrun()
+        try:
+            run = build(args, data_parallel_size_under_torchrun(world, model_parallel(args), vars(args).get("dp")))
+        except ValueError as exc:                      # ConfigError is one
+            return refuse_under_torchrun(f"error: {exc}")
+        start = time.perf_counter()
+        return verdict_under_torchrun(train(run), lambda per_rank: _report(
+            chapter, report, args, run, per_rank, "torchrun", time.perf_counter() - start))
     try:
-        if torchrun:
-            rank, world = init_from_torchrun()
-            dp = data_parallel_size_under_torchrun(world, rank, model_parallel(args), vars(args).get("dp"))
-            if dp is None:
-                return finish_torchrun(2)
-            run, start = build(args, dp), time.perf_counter()
-            return verdict_under_torchrun(train(run), lambda per_rank: _report(
-                chapter, report, args, run, per_rank, "torchrun", time.perf_counter() - start))
-        run, start = build(args, spawn_dp(args)), time.perf_counter()
-        per_rank = spawn(train, run.world, run, timeout=600)
-        return _report(chapter, report, args, run, per_rank, "spawned by this script; torchrun works too",
-                       time.perf_counter() - start)
-    except (ConfigError, ValueError) as exc:
+        run = build(args, spawn_dp(args))
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return finish_torchrun(2) if torchrun else 2
+        return 2
+    start = time.perf_counter()
+    per_rank = spawn(train, run.world, run, timeout=600)
+    return _report(chapter, report, args, run, per_rank, "spawned by this script; torchrun works too",
+                   time.perf_counter() - start)
 
 
 def _report(chapter, report, args, run, per_rank, how: str, seconds: float) -> int:

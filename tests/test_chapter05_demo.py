@@ -79,6 +79,19 @@ def test_the_dispatch_formulas_and_the_two_dispatchers_volumes():
     assert ch05.expert_elements_per_rank(run) == 2 * 2 * (2 * 32 * 32 + 32 * 32)   # 2 layers x 2 experts
 
 
+def test_figure_5_1_shows_the_shares_of_the_layer_its_imbalance_curve_ends_on():
+    """load_balance's "final" shares (Figure 5.1's middle panel) are those of "final_layer", the
+    layer whose max / mean is the largest after the last step: the value the imbalance curve
+    (the left panel, the worst layer at each step) ends on. With one step the two tiny MoE
+    layers differ, so shares taken from a fixed layer would not reproduce it."""
+    for name, r in ch05.load_balance(steps=1).items():
+        shares, experts = r["final"], len(r["final"])
+        assert abs(sum(shares) - 1) < 1e-6, name
+        assert r["final_layer"] in (0, 1), name
+        # max / mean tokens per expert = the largest share over the mean share 1 / E
+        assert abs(max(shares) * experts - r["imbalance"][-1]) < 1e-4, (name, shares, r["imbalance"])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None,
                     reason="torchrun is not installed next to this Python")
@@ -96,9 +109,51 @@ def test_5d_under_torchrun_on_16_ranks_matches_and_exits_0():
 
 
 def test_an_impossible_layout_fails_before_any_rank_starts():
+    """Refused in this demo's flags before any rank starts (one subprocess: the exit status
+    and stderr of the real command line; the other refusals are checked in process)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for argv, words in ((["--ep", "3"], "num_experts=4 is not divisible by expert_model_parallel_size=3"),
-                        (["--tp", "2", "--ep", "2"], "needs sequence_parallel")):
-        proc = subprocess.run([sys.executable, DEMO, "--quick", "--num-experts", "4", *argv], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, DEMO, "--quick", "--tp", "2", "--ep", "2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: --tp 2 without --sp:") and "add --sp" in proc.stderr, proc.stderr
+    assert "--sequence-parallel" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_flags_decide_the_experts_before_any_rank_starts(monkeypatch):
+    from minimegatron.config import ConfigError
+
+    monkeypatch.delenv("RANK", raising=False)
+
+    def refusal(argv):
+        args = ch05.parse_args(argv)
+        with pytest.raises(ConfigError) as info:
+            ch05.build_run(args, ch05.spawn_data_parallel_size(args))
+        return str(info.value)
+
+    assert "--ep 3 must divide --num-experts 4" in refusal(["--ep", "3", "--num-experts", "4"])
+    assert "--etp 2 x --ep 2 x --pp 1 = 4 must divide the 3 ranks" in refusal(["--etp", "2", "--dp", "3"])
+    assert "--etp 2 (its default: --tp)" in refusal(["--tp", "2", "--sp", "--dp", "1"])
+    assert "--seq 60 works" in refusal(["--cp", "3"])
+    # without --dp the demo picks the smallest dp whose ranks tp cp dp the experts' grid etp ep divides
+    for argv, dp in ((["--cp", "3"], 2), (["--tp", "2", "--sp", "--etp", "1"], 1), (["--etp", "2"], 4), ([], 2)):
+        args = ch05.parse_args(argv)
+        grid, ranks = args.ep * (args.etp or args.tp), args.tp * args.cp
+        assert ch05.spawn_data_parallel_size(args) == dp
+        assert (ranks * dp) % grid == 0 and all((ranks * d) % grid for d in range(1, dp))
+    # without --num-experts: the smallest multiple of --ep that is at least 4
+    assert ch05.build_run(ch05.parse_args(["--ep", "3"]), 3).model.num_experts == 6
+
+
+@pytest.mark.slow
+def test_one_rank_with_ep_1_matches_and_holds_every_expert(monkeypatch):
+    """--quick --ep 1 on one rank: nothing is exchanged and apply_expert_parallel leaves the
+    experts unmarked; the rank still holds all of them, 2 layers x 4 experts x (fc1 [2 x 32, 32]
+    + fc2 [32, 32]) elements. [2/4]'s table shows the ep sizes the 4 experts allow (2 and 4)."""
+    monkeypatch.delenv("RANK", raising=False)
+    run = ch05.build_run(ch05.parse_args(["--quick", "--ep", "1"]), 1)
+    report = ch05.check_run(run, spawn(ch05.train_run, 1, run, timeout=240))
+    assert report.ok, str(report)
+    assert report.memory[0][1] == 2 * 4 * (2 * 32 * 32 + 32 * 32)
+    text = str(report)
+    assert "ep= 2:" in text and "ep= 4:" in text and "ep= 8" not in text and "ep=16" not in text
+    assert ch05.expert_parallel_sizes(4) == [2, 4] and ch05.expert_parallel_sizes(6) == [2, 3, 6]

@@ -677,7 +677,7 @@ def build_jobs(args: argparse.Namespace, dp: int) -> Jobs:
     sizes = {} if args.quick else dict(hidden_size=64, num_layers=3, max_position_embeddings=32)
     model = tiny_model(args.style, args.dtype, **sizes)
     kinds = CLI_VARIANTS[args.zero] or ["naive" if args.ddp == "naive" else "ddp"]
-    steps = args.steps or (2 if args.quick else 3)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 3)
     return Jobs([(dp, make_variant(kind, model, micro_batches=args.micro_batches, steps=steps,
                                    micro_batch_size=args.micro_batch_size, bucket_size=args.bucket_size,
                                    break_averaging=args.break_averaging)) for kind in kinds], dp)

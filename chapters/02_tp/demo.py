@@ -338,7 +338,7 @@ def build_run(args: argparse.Namespace, dp: int) -> TPRun:
     sizes = {} if args.quick else dict(hidden_size=64, num_layers=3, max_position_embeddings=32)
     model = tiny_model(args.style, args.dtype, **sizes)
     return make_run(model, args.tp, dp, zero_stage=args.zero, micro_batches=args.micro_batches,
-                    micro_batch_size=args.micro_batch_size, steps=args.steps or (2 if args.quick else 3))
+                    micro_batch_size=args.micro_batch_size, steps=args.steps if args.steps is not None else (2 if args.quick else 3))
 
 
 def report(args, run: TPRun, per_rank: list[dict]) -> str:

@@ -365,7 +365,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.chunks is None:
         args.chunks = 2 if args.schedule == "interleaved" else 1
-    return check_at_least_one(parser, args, "pp", "tp", "chunks", "micro_batches", "micro_batch_size", "dp")
+    return check_at_least_one(parser, args, "pp", "tp", "chunks", "micro_batches", "micro_batch_size", "dp",
+                              "steps")
 
 
 def build_run(args: argparse.Namespace, dp: int) -> PPRun:
@@ -376,7 +377,7 @@ def build_run(args: argparse.Namespace, dp: int) -> PPRun:
     model = tiny_model(args.style, args.dtype, num_layers=layers, **sizes, **extra)
     return make_run(model, pp=args.pp, dp=dp, tp=args.tp, kind=args.schedule, num_chunks=args.chunks,
                     micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                    steps=args.steps or (2 if args.quick else 3), zero_stage=args.zero_stage)
+                    steps=args.steps if args.steps is not None else (2 if args.quick else 3), zero_stage=args.zero_stage)
 
 
 def report(args, run: PPRun, per_rank: list[dict]) -> str:

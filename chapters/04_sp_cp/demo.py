@@ -30,10 +30,11 @@ cp.get_batch_on_this_cp_rank, zig-zag). `check_run` judges it against independen
         tensor (or sequence) parallelism and of the cp_comm_type, message by message (op, tag,
         bytes), and the bytes on the wire of SP against TP's all-reduces;
   [3/4] activation memory per rank: the bytes autograd saves for one micro-batch
-        (analysis.measure_saved_activation_bytes), against the single device's / (tp cp) and
-        next to Korthikanti et al.'s formulas;
-  [4/4] load balance of causal attention over the cp ranks: unmasked score entries per rank,
-        contiguous against zig-zag (cp.causal_work_per_rank), max / mean;
+        (analysis.measure_saved_activation_bytes) on a first-stage rank, against the same
+        stage on one device (its ratio near tp x cp with SP), with and without SP, and the
+        saving SP measures next to the one Korthikanti et al.'s per-layer count predicts;
+  [4/4] load balance of this run's causal attention over its cp ranks: unmasked score
+        entries per rank, zig-zag against contiguous (cp.causal_work_per_rank), max / mean;
 
 and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 """
@@ -51,8 +52,9 @@ import torch.distributed as dist
 
 from minimegatron import comm, parallel_state
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
-from booktools.demo import Run, add_training_flags, check_at_least_one, demo_parser, run_demo, verdict_line
-from minimegatron.config import ModelConfig, TrainConfig
+from booktools.demo import (Run, add_training_flags, check_at_least_one, check_sequence_length, demo_parser, run_demo,
+                           verdict_line)
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.cp import (CP_COMM_TYPES, ContextParallelAttention, apply_context_parallel, causal_work_per_rank,
                              cp_chunk_ids, get_batch_on_this_cp_rank, positions_on_rank)
 from minimegatron.cp.attention import hierarchical_sizes
@@ -293,20 +295,51 @@ class RunReport:
                                                 "(learned positions)" if w["embedding"] else "")
                          + (": the same" if w["same"] else ": DIFFERENT")
                          + f"; plus the backward's re-gathers of the saved shards: {w['regather']:,.0f} B")
-        m = self.memory
-        if m.get("parallel") is not None:
-            lines.append(f"[3/4] activations saved for one micro-batch, first-stage rank: {m['parallel']:,} bytes; "
-                         f"single device {m['single']:,} bytes: ratio {m['single'] / m['parallel']:.2f} "
-                         f"(tp x cp = {r.tp * r.cp}{' with SP' if r.sp else ''})")
-            if m.get("without_sp") is not None:
-                lines.append(f"      the same rank without sequence parallelism: {m['without_sp']:,} bytes "
-                             f"(SP saves {1 - m['parallel'] / m['without_sp']:.0%}); Korthikanti et al. per layer in "
-                             f"16-bit: {m['korthikanti_tp']:,} (TP) vs {m['korthikanti_sp']:,} (TP+SP) bytes")
-        lines.append("[4/4] causal attention work per cp rank (unmasked scores), max/mean, s = 4096:")
-        for cp, contiguous, zigzag in load_balance():
-            lines.append(f"      cp={cp}: contiguous {contiguous:.3f}, zig-zag {zigzag:.3f}")
+        lines += memory_lines(r, self.memory)
+        lines += balance_lines(r)
         lines += [f"      problem: {p}" for p in self.problems[:6]]
         return "\n".join(lines)
+
+
+def memory_lines(run: SeqRun, m: dict) -> list[str]:
+    """Line [3/4]: the measured bytes of a first-stage rank against the same stage on one
+    device, and with tp > 1 the measured saving of SP next to the saving Korthikanti et al.'s
+    per-layer count predicts for the same shapes (each saving from its own two numbers: the
+    measurement counts this float64 model's whole stage, the paper one 16-bit layer with
+    dropout; the paper has no context parallelism, so with cp > 1 it is left out)."""
+    if m.get("parallel") is None:
+        return []
+    sizes = f"tp x cp = {run.tp * run.cp}" + (", with SP" if run.sp else "")
+    lines = [f"[3/4] activations saved for one micro-batch (measured, {run.model.params_dtype}), {m['stage']}:",
+             f"      this rank {m['parallel']:,} bytes; the same on one device {m['single']:,} bytes: "
+             f"ratio {m['single'] / m['parallel']:.2f} ({sizes})"]
+    if m.get("without_sp") is not None:
+        lines.append(f"      this rank without sequence parallelism {m['without_sp']:,} bytes (ratio "
+                     f"{m['single'] / m['without_sp']:.2f}): SP saves {1 - m['parallel'] / m['without_sp']:.0%} of them")
+    if m.get("korthikanti_one") is not None:
+        one, tp, sp = m["korthikanti_one"], m["korthikanti_tp"], m["korthikanti_sp"]
+        lines += [f"      Korthikanti et al.'s count for one 16-bit layer with dropout (these shapes): one device "
+                  f"{one:,} bytes,",
+                  f"        TP {tp:,} (ratio {one / tp:.2f}), TP + SP {sp:,} (ratio {one / sp:.2f}): SP saves "
+                  f"{1 - sp / tp:.0%} of them"]
+    return lines
+
+
+def balance_lines(run: SeqRun) -> list[str]:
+    """Line [4/4]: the unmasked causal score entries of one sequence on each of this run's cp
+    ranks (cp.causal_work_per_rank, for the run's s and cp), zig-zag and contiguous, marking
+    the cut this run used; with cp = 1 there is nothing to balance."""
+    s, cp = run.train.seq_length, run.cp
+    if cp == 1:
+        return [f"[4/4] causal attention work per cp rank: cp = 1, one rank attends over all {s} tokens (nothing to "
+                f"balance; --cp 2 or more shows the two cuts)"]
+    lines = [f"[4/4] causal attention work per cp rank (unmasked scores of one sequence), s = {s}, cp = {cp}:"]
+    for name, balanced in (("zig-zag", True), ("contiguous", False)):
+        work = causal_work_per_rank(s, cp, balanced)
+        mark = " (this run)" if balanced == run.load_balance else ""
+        lines.append(f"      {name + mark:<22} {', '.join(f'{w:,}' for w in work)}: max/mean "
+                     f"{max(work) / (sum(work) / cp):.3f}")
+    return lines
 
 
 def check_run(run: SeqRun, per_rank: list[dict]) -> RunReport:
@@ -336,18 +369,34 @@ def check_run(run: SeqRun, per_rank: list[dict]) -> RunReport:
             break
     memory = {"parallel": mine["saved_bytes"], "without_sp": mine["saved_bytes_without_sp"]}
     if mine["saved_bytes"] is not None:
-        batch = run.global_batches()[-1]
-        tokens, labels = batch["tokens"][:t.micro_batch_size], batch["labels"][:t.micro_batch_size]
-        memory["single"] = measure_saved_activation_bytes(GPTModel(run.model), tokens,
-                                                          labels if run.pp == 1 else None)
-        memory["korthikanti_tp"] = korthikanti_activation_memory(run.model, t.micro_batch_size, t.seq_length,
-                                                                 tp=run.tp)["per_layer"]
-        memory["korthikanti_sp"] = korthikanti_activation_memory(run.model, t.micro_batch_size, t.seq_length,
-                                                                 tp=run.tp, sequence_parallel=True)["per_layer"]
+        memory.update(single_stage_memory(run))
+    if mine["saved_bytes_without_sp"] is not None and run.cp == 1:
+        memory.update({f"korthikanti_{kind}": korthikanti_activation_memory(
+            run.model, t.micro_batch_size, t.seq_length, tp=tp, sequence_parallel=sp)["per_layer"]
+            for kind, tp, sp in (("one", 1, False), ("tp", run.tp, False), ("sp", run.tp, True))})
     wire = sp_against_tp(run) if run.sp else None
     if wire and not wire["same"]:
         problems.append(f"SP's bytes on the wire differ from TP's all-reduces: {wire}")
     return RunReport(run, equivalence, ledger, memory, wire, problems)
+
+
+def single_stage_memory(run: SeqRun) -> dict:
+    """{"single": the bytes autograd saves for one micro-batch of the first pipeline stage's
+    model on one device (its layers, the embedding, and with pp = 1 the output layer and the
+    loss: what a first-stage rank holds a 1 / (tp cp) part of), "stage": those parts in words}."""
+    t, cfg = run.train, run.model
+    layers = stage_layers(cfg.num_layers, run.pp, 0)
+    last = run.pp == 1
+    stage = GPTModel(cfg, pre_process=True, post_process=last, layer_numbers=layers)
+    batch = run.global_batches()[-1]
+    tokens, labels = batch["tokens"][:t.micro_batch_size], batch["labels"][:t.micro_batch_size]
+    if last:
+        parts = (f"the whole model: {len(layers)} layer{'s' * (len(layers) > 1)}, the embedding, the output layer "
+                 f"and the loss")
+    else:
+        parts = (f"the first of {run.pp} stages: layers {layers[0]}-{layers[-1]} of {cfg.num_layers} and the embedding"
+                 if len(layers) > 1 else f"the first of {run.pp} stages: layer 0 of {cfg.num_layers} and the embedding")
+    return {"single": measure_saved_activation_bytes(stage, tokens, labels if last else None), "stage": parts}
 
 
 def sp_against_tp(run: SeqRun) -> dict:
@@ -470,18 +519,69 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.cp is None:           # cp 1 under torchrun or with tp; without them the demo shows cp 2
         args.cp = 1 if "RANK" in os.environ or args.tp > 1 else 2
-    return check_at_least_one(parser, args, "tp", "pp", "micro_batches", "cp", "dp")
+    return check_at_least_one(parser, args, "tp", "pp", "micro_batches", "cp", "dp", "seq", "steps")
 
 
 def build_run(args: argparse.Namespace, dp: int) -> SeqRun:
-    """The run every rank trains; ConfigError naming the numbers if it cannot."""
-    cp = args.cp
+    """The run every rank trains; ConfigError naming the numbers if it cannot: in this demo's
+    flags for the sequence length and the cp_comm_type (with a setting that works), in the
+    configuration's fields for the rest (parallelize.validate_layout)."""
     model = tiny_model(args.style, args.dtype, num_layers=2 * args.pp)
-    return make_run(model, tp=args.tp, cp=cp, pp=args.pp, dp=dp, sp=args.sp, cp_comm_type=args.cp_comm_type,
-                    hierarchical=tuple(args.hierarchical_context_parallel_sizes)
-                    if args.hierarchical_context_parallel_sizes else None,
-                    micro_batches=args.micro_batches, steps=args.steps or (2 if args.quick else 3),
-                    seq=args.seq or (32 if args.quick else 64), load_balance=not args.contiguous)
+    seq = args.seq if args.seq is not None else (32 if args.quick else 64)
+    check_sequence_length(seq, cp=args.cp, tp=args.tp, sp=args.sp, max_positions=model.max_position_embeddings,
+                          given=args.seq is not None)
+    hierarchical = check_cp_comm_flags(args, model)
+    return make_run(model, tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, sp=args.sp, cp_comm_type=args.cp_comm_type,
+                    hierarchical=hierarchical, micro_batches=args.micro_batches,
+                    steps=args.steps if args.steps is not None else (2 if args.quick else 3), seq=seq,
+                    load_balance=not args.contiguous)
+
+
+def check_cp_comm_flags(args: argparse.Namespace, model: ModelConfig) -> tuple[int, int] | None:
+    """The hierarchical sizes [A, P] of the run (None unless --hierarchical-context-parallel-sizes
+    was given), after a ConfigError in this demo's flags, naming a setting that works, for:
+
+      a2a      --cp not dividing the query heads or key/value groups of a tensor-parallel rank
+               (each rank runs whole heads after the all-to-all);
+      a2a+p2p  sizes whose product is not --cp, an all-to-all size A that does not divide them,
+               or a level of one rank: [A, 1] is plain a2a and [1, P] plain p2p, which the run
+               would do without saying so. (Megatron requires the sizes with a2a+p2p,
+               megatron/training/arguments.py; this demo defaults them to [2, cp / 2], which at
+               --cp 2 is [2, 1].)"""
+    cp, kind, given = args.cp, args.cp_comm_type, args.hierarchical_context_parallel_sizes
+    if cp == 1 or kind not in ("a2a", "a2a+p2p"):
+        return tuple(given) if given else None             # validate_layout refuses sizes without a2a+p2p
+    heads, groups = model.num_attention_heads // args.tp, model.query_groups // args.tp
+    per_rank = f"the {heads} query heads and {groups} key/value groups of a tensor-parallel rank"
+    both = next(((a, cp // a) for a in range(cp - 1, 1, -1) if cp % a == 0 and heads % a == 0 and groups % a == 0),
+                None)                                       # the largest all-to-all size with a ring of 2 or more
+    hierarchy = (f"--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes {both[0]} {both[1]}"
+                 if both else None)
+    ring_kinds = "--cp-comm-type p2p or all_gather"
+    if kind == "a2a":
+        if heads % cp or groups % cp:
+            raise ConfigError(f"--cp-comm-type a2a with --cp {cp}: each rank runs whole heads after the all-to-all, so "
+                              f"--cp must divide {per_rank}; use " + (f"{hierarchy}, or " if hierarchy else "")
+                              + ring_kinds)
+        return None
+    a2a, ring = given if given else (2, cp // 2)
+    sizes = (f"--hierarchical-context-parallel-sizes {a2a} {ring}"
+             + ("" if given else f" (this demo's default for --cp {cp}: 2 and cp / 2)"))
+    if a2a * ring != cp:
+        raise ConfigError(f"--cp-comm-type a2a+p2p with {sizes}: their product must be --cp {cp}; use "
+                          + (hierarchy if hierarchy else ring_kinds))
+    if heads % a2a or groups % a2a:
+        raise ConfigError(f"--cp-comm-type a2a+p2p with {sizes}: the all-to-all size {a2a} must divide {per_rank}; "
+                          f"use " + (hierarchy if hierarchy else ring_kinds))
+    if a2a == 1 or ring == 1:
+        plain = "a2a" if ring == 1 else "p2p"
+        level = "a ring" if ring == 1 else "all-to-all groups"
+        raise ConfigError(f"--cp-comm-type a2a+p2p with {sizes}: {level} of one rank would run plain {plain} under "
+                          f"the name a2a+p2p; use --cp-comm-type {plain}"
+                          + (f", or {hierarchy} for both levels" if hierarchy else
+                             ", or a --cp with two levels above 1 (e.g. --cp 4 --hierarchical-context-parallel-sizes "
+                             "2 2)"))
+    return (a2a, ring) if given else None
 
 
 def report(args, run: SeqRun, per_rank: list[dict]) -> str:

@@ -30,7 +30,7 @@ their own over the expert-dp group) and runs train.train_step on its micro-batch
   [2/4] communication of one step, from the ledger: the dispatcher's messages against the
         formulas (all-to-all: this rank's routed rows T k h bytes, the combine's rows summed over
         the ep group equal to the dispatched ones; all-gather: every message from T, h, E), and
-        the two dispatchers' volumes as ep grows;
+        the two dispatchers' volumes for every ep the experts allow (the divisors of E);
   [3/4] accounting: total and active parameters, FLOPs per token (training_flops against
         Megatron's formula), and the experts' parameters and Adam state on each rank against
         the formula total / (ep etp) per stage;
@@ -44,6 +44,7 @@ and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -52,11 +53,11 @@ from pathlib import Path
 import torch
 
 from minimegatron.analysis import count_parameters, megatron_mlp_flops, training_flops
-from booktools.demo import Run, check_at_least_one, demo_parser, run_demo, verdict_line
-from minimegatron.config import ModelConfig, TrainConfig
+from booktools.demo import (Run, check_at_least, check_at_least_one, check_sequence_length, demo_parser, run_demo,
+                           verdict_line)
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.model import GPTModel, MoELayer
 from minimegatron.model.router import apply_token_dropping
-from minimegatron.moe import is_expert_parameter
 from minimegatron.optim import Optimizer, learning_rate
 from minimegatron.parallel_state import Layout
 from minimegatron.parallelize import unwrap, validate_layout
@@ -127,13 +128,22 @@ def train_run(run: MoERun) -> dict:
     "dense" (its other parameters: elements)."""
     out, chunks, _, optimizer = train_layout(run.model, run.train, run.dp, run.global_batches(), MOE_TAGS)
     out.pop("microbatches")
-    params = [p for c in chunks for p in unwrap(c).parameters()]
-    out["experts"] = sum(p.numel() for p in params if is_expert_parameter(p))
+    experts = {id(p): p for c in chunks for p in routed_expert_parameters(unwrap(c))}
+    dense = [p for c in chunks for p in unwrap(c).parameters() if id(p) not in experts]
+    out["experts"] = sum(p.numel() for p in experts.values())
     out["expert_adam"] = (None if run.train.zero_stage else      # ZeRO: the state of this rank's shards
-                          sum(optimizer.state[p][m].numel() for p in params if is_expert_parameter(p)
-                              for m in ("exp_avg", "exp_avg_sq")))
-    out["dense"] = sum(p.numel() for p in params if not is_expert_parameter(p))
+                          sum(optimizer.state[p][m].numel() for p in experts.values() for m in ("exp_avg", "exp_avg_sq")))
+    out["dense"] = sum(p.numel() for p in dense)
     return out
+
+
+def routed_expert_parameters(model: GPTModel) -> list[torch.Tensor]:
+    """The parameters of the routed experts this model (one rank's chunk) holds: every MoE
+    layer's `experts`, found by where they sit, not by their placement record. (The record's
+    allreduce=False, moe.is_expert_parameter, is written by apply_expert_parallel, which does
+    nothing in a world of one rank: at --ep 1 on one rank nothing is marked, and the experts are
+    still there.)"""
+    return [p for layer in model.modules() if isinstance(layer, MoELayer) for p in layer.experts.parameters()]
 
 
 def train_runs(runs: list[MoERun]) -> list[dict]:
@@ -198,6 +208,12 @@ def dispatcher_volumes(tokens: int, hidden: int, experts: int, topk: int, ep: in
     return {"alltoall": alltoall, "allgather": allgather}
 
 
+def expert_parallel_sizes(num_experts: int) -> list[int]:
+    """The expert-parallel sizes a model of `num_experts` experts can have, above 1: the
+    divisors of E (each ep rank holds E / ep whole experts)."""
+    return [ep for ep in range(2, num_experts + 1) if num_experts % ep == 0]
+
+
 def expert_elements_per_rank(run: MoERun, pp_rank: int = 0) -> int:
     """The experts' parameter elements one rank holds: per MoE layer of its stage, E / ep experts,
     each cut over etp (count_parameters' one-expert size / etp)."""
@@ -241,11 +257,15 @@ class RunReport:
                 lines.append(f"      summed over the stage's ranks: dispatched {dispatched:,} B, combined {combined:,} B "
                              + ("(equal: every row comes back)" if dispatched == combined else "(DIFFERENT)"))
         T, h = tokens_per_rank(r), cfg.hidden_size
-        lines.append(f"      bytes received per rank, MoE layer and micro-batch (formula, T={T}, h={h}, uniform routing):")
-        for ep in (2, 4, 8, 16):
+        sizes = expert_parallel_sizes(cfg.num_experts)
+        lines.append(f"      bytes received per rank, MoE layer and micro-batch (formula, T={T}, h={h}, uniform routing; "
+                     + (f"every ep that divides the {cfg.num_experts} experts):" if sizes else
+                        f"none: {cfg.num_experts} expert cannot be spread)"))
+        for ep in sizes:
             v = dispatcher_volumes(T, h, cfg.num_experts, cfg.moe_router_topk, ep,
                                    torch.empty((), dtype=cfg.dtype).element_size())
-            lines.append(f"        ep={ep:2d}: all-to-all {v['alltoall']:>10,.0f} B, all-gather {v['allgather']:>10,.0f} B")
+            lines.append(f"        ep={ep:2d}: all-to-all {v['alltoall']:>10,.0f} B, all-gather {v['allgather']:>10,.0f} B"
+                         + ("   (this run)" if ep == r.ep else ""))
         counts = count_parameters(cfg)
         flops = training_flops(cfg, 1, t.seq_length)
         mlp = 3 * sum(flops["forward"].get(k, 0) for k in ("fc1", "fc2", "experts_fc1", "experts_fc2",
@@ -390,8 +410,9 @@ def load_balance(steps: int = 60, experts: int = 8, topk: int = 2, seq: int = 64
     """Train the same tiny GPT-MoE (float32, h 64, 2 MoE layers, `experts` experts, top-k) for
     `steps` AdamW steps on the book's text (balance_batches), once per BALANCING setting, on one
     device. Returns {name: {"imbalance": [max / mean tokens per expert after each step, over the
-    layers], "final": [fraction of the routed pairs per expert, layer 0, after the last step],
-    "dropped": {capacity factor: fraction of pairs dropped}}}, all on a held-out batch."""
+    layers], "final": [fraction of the routed pairs per expert after the last step, in the layer
+    whose max / mean is the largest then], "final_layer": that layer's index, "dropped":
+    {capacity factor: fraction of pairs dropped}}}, all on a held-out batch."""
     base = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                 vocab_size=257, max_position_embeddings=seq, params_dtype="float32", num_experts=experts,
                 moe_router_topk=topk, moe_ffn_hidden_size=64)
@@ -408,8 +429,11 @@ def load_balance(steps: int = 60, experts: int = 8, topk: int = 2, seq: int = 64
             train_step([model], optimizer, [batches[step]], Layout(), learning_rate(step, train))
             counts = routed_counts(model, held_out)
             imbalance.append(max(float(c.max() / c.float().mean()) for c in counts))
-        final = routed_counts(model, held_out)[0]
-        results[name] = {"imbalance": imbalance, "final": (final / final.sum()).tolist(),
+        counts = routed_counts(model, held_out)
+        # the layer the imbalance curve ends on (its worst), so the shares show the collapse the curve shows
+        worst = max(range(len(counts)), key=lambda i: float(counts[i].max() / counts[i].float().mean()))
+        final = counts[worst]
+        results[name] = {"imbalance": imbalance, "final": (final / final.sum()).tolist(), "final_layer": worst,
                          "dropped": {f: dropped_fraction(model, held_out, f) for f in CAPACITY_FACTORS}}
     return results
 
@@ -442,7 +466,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     + parser.epilog
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
     parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
-    parser.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default 4, or ep if more)")
+    parser.add_argument("--num-experts", type=int, default=None,
+                        help="experts per MoE layer (default 4, or the smallest multiple of --ep above it)")
     parser.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
     parser.add_argument("--capacity-factor", type=float, default=None,
@@ -466,20 +491,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--balance-steps", type=int, default=None,
                         help="steps of the load-balance runs (default 60, or 0 with --quick: not run)")
     parser.add_argument("--quick", action="store_true", help="sequences of 32, 2 steps, no load-balance runs")
-    return check_at_least_one(parser, parser.parse_args(argv), "ep", "topk", "tp", "cp", "pp", "micro_batches")
+    args = parser.parse_args(argv)
+    check_at_least(parser, args, 0, "balance_steps")
+    return check_at_least_one(parser, args, "ep", "etp", "topk", "tp", "cp", "pp", "dp", "micro_batches", "num_experts",
+                              "seq", "steps")
 
 
 def build_run(args: argparse.Namespace, dp: int) -> MoERun:
-    """The run every rank trains; ConfigError naming the numbers if it cannot."""
-    experts = args.num_experts or max(4, args.ep)
+    """The run every rank trains; ConfigError naming the numbers if it cannot: in this demo's
+    flags for what its flags decide (sequence parallelism with --tp, the experts' grid, the
+    sequence length), in the configuration's fields for the rest (parallelize.validate_layout)."""
+    experts = args.num_experts if args.num_experts is not None else -(-4 // args.ep) * args.ep
     router = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                   moe_router_bias_update_rate=1e-2) if args.expert_bias else {}
     model = tiny_moe(args.dtype, num_layers=2 * args.pp, num_experts=experts, moe_router_topk=args.topk,
                      moe_expert_capacity_factor=args.capacity_factor,
                      moe_shared_expert_intermediate_size=args.shared_expert, **router)
+    seq = args.seq if args.seq is not None else (32 if args.quick else 64)
+    check_expert_flags(args, experts, dp)
+    check_sequence_length(seq, cp=args.cp, tp=args.tp, sp=args.sp, max_positions=model.max_position_embeddings,
+                          given=args.seq is not None)
     return make_run(model, tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp, sp=args.sp,
                     dispatcher=args.dispatcher, micro_batches=args.micro_batches, zero_stage=args.zero_stage,
-                    steps=args.steps or (2 if args.quick else 3), seq=args.seq or (32 if args.quick else 64))
+                    steps=args.steps if args.steps is not None else (2 if args.quick else 3), seq=seq)
+
+
+def check_expert_flags(args: argparse.Namespace, experts: int, dp: int) -> None:
+    """ConfigError, in this demo's flags, for what they decide about the experts: --tp > 1
+    without --sp (Megatron-Core's rule: each tp rank routes its own s / tp tokens), --ep not
+    dividing the experts, and an experts' grid etp x ep x pp that does not divide the ranks
+    tp x cp x pp x dp (the two grids cover the same ranks)."""
+    etp = args.etp if args.etp is not None else args.tp
+    if args.tp > 1 and not args.sp:
+        raise ConfigError(f"--tp {args.tp} without --sp: a mixture of experts under tensor parallelism needs sequence "
+                          f"parallelism, as in Megatron-Core (each tp rank routes its own s / tp tokens); add --sp")
+    if experts % args.ep:
+        raise ConfigError(f"--ep {args.ep} must divide --num-experts {experts}: each ep rank holds whole experts")
+    world = args.tp * args.cp * args.pp * dp
+    if world % (etp * args.ep * args.pp):
+        default = "" if args.etp is not None else " (its default: --tp)"
+        dp_flag = f"--dp {dp}" if args.dp is not None else f"dp {dp}"
+        raise ConfigError(f"--etp {etp}{default} x --ep {args.ep} x --pp {args.pp} = {etp * args.ep * args.pp} must "
+                          f"divide the {world} ranks (--tp {args.tp} x --cp {args.cp} x --pp {args.pp} x {dp_flag}): "
+                          f"the experts' grid covers the same ranks; use another --etp, --ep or --dp")
 
 
 def report(args, run: MoERun, per_rank: list[dict]) -> str:
@@ -494,7 +548,16 @@ def report(args, run: MoERun, per_rank: list[dict]) -> str:
 def main(argv=None) -> int:
     return run_demo(parse_args(argv), "05", build_run, train_run, report,
                     model_parallel=lambda args: {"tp": args.tp, "cp": args.cp, "pp": args.pp},
-                    spawn_dp=lambda args: args.dp or max(args.ep * (args.etp or args.tp) // (args.tp * args.cp), 1))
+                    spawn_dp=spawn_data_parallel_size)
+
+
+def spawn_data_parallel_size(args: argparse.Namespace) -> int:
+    """dp without torchrun: --dp, or the smallest that lets the experts' grid etp x ep (x pp)
+    divide the ranks tp x cp x dp (x pp): etp ep / gcd(tp cp, etp ep)."""
+    if args.dp is not None:
+        return args.dp
+    experts_grid = args.ep * (args.etp if args.etp is not None else args.tp)
+    return experts_grid // math.gcd(args.tp * args.cp, experts_grid)
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
