@@ -8,10 +8,11 @@ From the formulas alone (no process started):
                      tensor-parallel regions and the collectives between them (a diagram)
   load_balance.png   unmasked causal scores per cp rank (cp.causal_work_per_rank), contiguous
                      against zig-zag, cp = 2, 4, 8 at s = 4096; checked against the closed forms
-                     W_r = c^2 (r + 1/2) + c/2 (contiguous, c = s/cp) and k^2 (2cp - 1) + k (k + 1)
-                     (zig-zag, k = s/(2cp)), and the sum s (s + 1) / 2
+                     of the chapter's section 5, with c = s/(2cp) one chunk: W_r = 2 c^2 (2r + 1) + c
+                     (contiguous) and c^2 (2cp - 1) + c (c + 1) (zig-zag), and the sum s (s + 1) / 2
   cp_comm_types.png  bytes each rank sends per attention layer, forward and backward, and the
-                     communication steps, for the four cp_comm_types and cp = 2, 4, 8, from the
+                     communication steps (a collective call or a ring hop, a send with its
+                     receive), for the four cp_comm_types and cp = 2, 4, 8, from the
                      demo's expected_ledger (its message list, which the demo checks against
                      the ledger of real runs) turned into bytes on the wire with comm.ring_traffic;
                      checked against the closed forms of the chapter's section 6.4
@@ -69,9 +70,9 @@ def load_balance_section() -> None:
     work = {}
     for cp in CP_SIZES:
         contiguous, zigzag = causal_work_per_rank(SEQ, cp, False), causal_work_per_rank(SEQ, cp, True)
-        c, k = SEQ // cp, SEQ // (2 * cp)
-        want_contiguous = [c * c * r + c * (c + 1) // 2 for r in range(cp)]      # c^2 (r + 1/2) + c/2
-        want_zigzag = [k * k * (2 * cp - 1) + k * (k + 1)] * cp
+        c = SEQ // (2 * cp)                                                       # one chunk
+        want_contiguous = [2 * c * c * (2 * r + 1) + c for r in range(cp)]      # 2 c^2 (2r + 1) + c
+        want_zigzag = [c * c * (2 * cp - 1) + c * (c + 1)] * cp
         if contiguous != want_contiguous or zigzag != want_zigzag:
             fail(f"cp={cp}: causal_work_per_rank {contiguous} / {zigzag}, "
                  f"closed forms {want_contiguous} / {want_zigzag}")
@@ -79,7 +80,7 @@ def load_balance_section() -> None:
             if sum(w) != SEQ * (SEQ + 1) // 2:
                 fail(f"cp={cp} {name}: total {sum(w)} != s (s + 1) / 2 = {SEQ * (SEQ + 1) // 2}")
         ratio = max(contiguous) / (sum(contiguous) / cp)
-        formula = (2 * cp * c - c + 1) / (cp * c + 1)
+        formula = (4 * cp * c - 2 * c + 1) / (2 * cp * c + 1)
         if abs(ratio - formula) > 1e-12:
             fail(f"cp={cp}: contiguous max/mean {ratio}, formula {formula}")
         print(f"  cp={cp}: contiguous max/mean {ratio:.5f} (limit 2 - 1/cp = {2 - 1 / cp:.5f}), first/last "
@@ -103,19 +104,20 @@ def comm_model():
 
 def cp_layer_traffic(comm_type: str, cp: int, seq: int = 64) -> dict:
     """Bytes one rank sends per attention layer and micro-batch (ring algorithms for the
-    collectives, comm.ring_traffic), forward and backward, and the number of messages, from
-    the demo's list of messages (ch04.cp_layer_calls, the list expected_ledger uses)."""
+    collectives, comm.ring_traffic), forward and backward, and the number of communication
+    steps (a collective call, or a ring hop: its send, the recv being the other end), from the
+    demo's list of messages (ch04.cp_layer_calls, the list expected_ledger uses)."""
     run = ch04.make_run(comm_model(), cp=cp, cp_comm_type=comm_type, seq=seq, micro_batch_size=1, micro_batches=1)
     cfg, e = run.model, 4
-    s_r = seq // cp
-    kv = s_r * cfg.query_groups * cfg.kv_channels * e
-    q = s_r * cfg.num_attention_heads * cfg.kv_channels * e
+    local = seq // cp                       # the rank's s/cp tokens, two chunks
+    kv = local * cfg.query_groups * cfg.kv_channels * e
+    q = local * cfg.num_attention_heads * cfg.kv_channels * e
     calls = ch04.cp_layer_calls(comm_type, cp, kv, q, None)
     a2a = hierarchical_sizes(cp, comm_type)[0] if comm_type == "a2a+p2p" else cp
     out = {"fwd": 0.0, "bwd": 0.0, "steps": 0, "kv": kv, "q": q, "x": seq * cfg.hidden_size * e}
     for op, tag, nbytes in calls:
         if op == "recv":
-            continue                        # a recv is the other end of a send: count each message once
+            continue                        # a recv is the other end of a send: one step per hop
         n = a2a if op == "all_to_all" else cp
         out["fwd" if tag == "fwd" else "bwd"] += comm.ring_traffic(comm.CommRecord(op, tuple(range(n)), nbytes,
                                                                                       None, ()))
@@ -129,7 +131,7 @@ def cp_layer_traffic(comm_type: str, cp: int, seq: int = 64) -> dict:
 
 
 def closed_form(comm_type: str, cp: int, kv: int, q: int) -> tuple[float, float, int]:
-    """Section 6.4's table: forward bytes, backward bytes, messages per layer (fwd + bwd)."""
+    """Section 6.4's table: forward bytes, backward bytes, communication steps per layer (fwd + bwd)."""
     if comm_type == "p2p":
         return 2 * (cp - 1) * kv, 4 * (cp - 1) * kv, 2 * (cp - 1)
     if comm_type == "all_gather":
@@ -155,7 +157,7 @@ def comm_types_section() -> None:
             x = got["x"]
             rows[comm_type][cp] = {"fwd": got["fwd"] / x, "bwd": got["bwd"] / x, "steps": got["steps"]}
             print(f"  {comm_type:<10} cp={cp}: forward {got['fwd'] / x:.4f}, backward {got['bwd'] / x:.4f} b s h e; "
-                  f"{got['steps']} messages")
+                  f"{got['steps']} communication steps")
     plot_cp_comm_types(rows, OUT / "cp_comm_types.png", unit="b s h e",
                        title=f"per attention layer and rank, from the demo's expected_ledger "
                              f"(a = {cfg.num_attention_heads}, "

@@ -44,10 +44,12 @@ def fail(message: str) -> None:
 # ---------------------------------------------------------------------------------------
 def plot_moe_load_balance(results: dict[str, dict], path: str | os.PathLike | None = None, title: str = ""):
     """Three panels of a mixture's load balance (chapter 05's demo, load_balance): the largest
-    expert's tokens over the mean after each training step, per balancing setting; the share of
-    the routed pairs each expert got after the last step (layer 0); the fraction of routed pairs
-    a capacity factor drops. results: {setting: {"imbalance": [...], "final": [...],
-    "dropped": {factor: fraction}}}. Returns the Figure (saved to `path` if given)."""
+    expert's tokens over the mean after each training step, per balancing setting (the worst
+    layer); the share of the routed pairs each expert got after the last step, in each setting's
+    worst layer then (named in the legend), so that the bars show the collapse the left panel
+    shows; the fraction of routed pairs a capacity factor drops. results: {setting:
+    {"imbalance": [...], "final": [...], "final_layer": i (optional), "dropped": {factor:
+    fraction}}}. Returns the Figure (saved to `path` if given)."""
     fig = new_figure(figsize=(13.5, 3.6))
     ax_steps, ax_final, ax_drop = fig.subplots(1, 3)
     n = len(results)
@@ -56,8 +58,9 @@ def plot_moe_load_balance(results: dict[str, dict], path: str | os.PathLike | No
         ax_steps.plot(range(1, len(r["imbalance"]) + 1), r["imbalance"], color=line, label=name)
         experts = len(r["final"])
         width = 0.8 / n
+        layer = f" (layer {r['final_layer']})" if "final_layer" in r else ""
         ax_final.bar([e + (i - (n - 1) / 2) * width for e in range(experts)], r["final"], width=width,
-                     color=line, label=name)
+                     color=line, label=name + layer)
         factors = sorted(r["dropped"])
         ax_drop.plot(factors, [r["dropped"][f] for f in factors], marker="o", color=line, label=name)
     ax_steps.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
@@ -65,8 +68,9 @@ def plot_moe_load_balance(results: dict[str, dict], path: str | os.PathLike | No
                  title="imbalance (held-out batch, worst layer)")
     experts = len(next(iter(results.values()))["final"])
     ax_final.axhline(1 / experts, color="black", linestyle="--", linewidth=0.8)
-    ax_final.set(xlabel="expert", ylabel="share of routed pairs", title="after the last step (layer 0)")
+    ax_final.set(xlabel="expert", ylabel="share of routed pairs", title="after the last step (worst layer)")
     ax_final.set_xticks(range(experts))
+    ax_final.legend(fontsize=7)
     ax_drop.set(xlabel="capacity factor", ylabel="routed pairs dropped", title="dropped at capacity")
     ax_drop.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
     ax_steps.legend(fontsize=7)
@@ -104,8 +108,9 @@ def main() -> int:
         rows["all-to-all"][ep], rows["all-gather"][ep] = v["alltoall"], v["allgather"]
         print(f"ep={ep:3d}: all-to-all {v['alltoall'] / 2**20:8.1f} MiB, all-gather {v['allgather'] / 2**20:8.1f} MiB "
               f"({v['allgather'] / v['alltoall']:.1f}x)")
-    plot_dispatcher_volumes(rows, OUT / "dispatchers.png",
-                            title=f"received per rank, MoE layer, micro-batch (T={T}, h={H}, E={E}, top-{K}, bf16)")
+    plot_dispatcher_volumes(rows, OUT / "dispatchers.png",    # two lines: one is wider than the figure
+                            title=f"received per rank, MoE layer and micro-batch\n"
+                                  f"T={T}, h={H}, E={E}, top-{K}, bf16, uniform routing")
 
     results = ch05.load_balance(steps=60)
     print("\n".join(ch05.load_balance_lines(results)))

@@ -1,8 +1,8 @@
 """Context parallelism as a transformation of the one model: `apply_context_parallel`.
 
 Shape legend as in model/attention.py, plus cp (the context-parallel size), a and g the
-query and key/value heads this rank runs (a / tp and g / tp under tensor parallelism), and
-s_r = s / cp the tokens a rank holds. Under context parallelism every module but attention
+query and key/value heads this rank runs (a / tp and g / tp under tensor parallelism); a rank
+holds s / cp tokens, two chunks of c = s / (2 cp) (cp/layout.py). Under context parallelism every module but attention
 works on the rank's own tokens as it would on a shorter sequence: the embedding, the norms,
 the MLP, the loss (on its own tokens' labels), RoPE (on its own tokens' positions, which the
 batch carries: cp/layout.get_batch_on_this_cp_rank). Attention alone needs the keys and
@@ -11,18 +11,18 @@ one of Megatron-Core's four ways (`cp_comm_type`):
 
   "p2p"        ring attention (cp/ring.py): K/V blocks go round the ring, cp - 1 hops each
                way; compute overlaps the transfers; memory holds two blocks at a time.
-  "all_gather" all-gather K and V [b, g, s_r, d] -> [b, g, s, d], then the local queries
+  "all_gather" all-gather K and V [b, g, s/cp, d] -> [b, g, s, d], then the local queries
                attend to every key (Llama 3's choice: one collective, simple, but every rank
                holds the whole K and V while it attends). Only the rank's own K and V are
                kept for the backward, which gathers them again (tag "regather") and
                reduce-scatters dK, dV, as Transformer Engine's AttnFuncWithCPAndKVAllGather.
   "a2a"        DeepSpeed-Ulysses: an all-to-all turns q, k, v from sequence-sharded
-               [b, a, s_r, d] into head-sharded [b, a/cp, s, d]; each rank runs ordinary
+               [b, a, s/cp, d] into head-sharded [b, a/cp, s, d]; each rank runs ordinary
                attention over the whole sequence for a / cp heads; an all-to-all turns the
                output back. Needs a and g divisible by cp.
-  "a2a+p2p"    hierarchical: the all-to-all inside groups of cp_a2a consecutive cp ranks, the
-               ring across the cp_p2p groups (Megatron's hierarchical_context_parallel_sizes
-               = [cp_a2a, cp_p2p], product cp).
+  "a2a+p2p"    hierarchical: the all-to-all inside groups of A consecutive cp ranks, the
+               ring across the P groups (Megatron's hierarchical_context_parallel_sizes
+               = [A, P], A P = cp).
 
 Every variant attends with the same blockwise core (cp/blocks.py, backends "naive" and
 "sdpa") and skips the blocks a causal mask hides, so all four give the single-device
@@ -36,6 +36,10 @@ Megatron-LM: megatron/core/extensions/transformer_engine.py (TEDotProductAttenti
 cp_group, cp_global_ranks, cp_stream and cp_comm_type to Transformer Engine), Transformer
 Engine's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndKVAllGather,
 AttnFuncWithCPAndQKVOA2A), megatron/core/parallel_state.py (the cp and hierarchical cp groups).
+One exception outside Transformer Engine: the experimental DeepSeek sparse attention
+(DSAttention, megatron/core/transformer/experimental_attention_variant/dsa.py) runs its own
+all-gather CP in Megatron (gather_from_sequence_parallel_region over the cp group; its only
+cp_comm_type is all-gather). Checked on main d98e8a6, 2026-11-27.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class _AllGatherAttention(torch.autograd.Function):
         k_all = all_gather(k.contiguous(), group, dim=SEQ, tag="fwd")             # [b, g, s, d]
         v_all = all_gather(v.contiguous(), group, dim=SEQ, tag="fwd")
         partial = attend_blocks(q, k_all, v_all, q_ids, all_ids, backend, [None] * len(q_ids))
-        out = torch.cat([o for o, _ in partial], dim=SEQ)                          # [b, a, s_r, d]
+        out = torch.cat([o for o, _ in partial], dim=SEQ)                          # [b, a, s/cp, d]
         lse = torch.cat([l for _, l in partial], dim=SEQ)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.q_ids, ctx.all_ids, ctx.backend = group, q_ids, all_ids, backend
@@ -115,26 +119,28 @@ class _AllGatherAttention(torch.autograd.Function):
         v_all = all_gather(v, ctx.group, dim=SEQ, tag="regather")
         dq, dkv = torch.zeros_like(q), torch.zeros(2, *k_all.shape, dtype=k.dtype, device=k.device)
         attend_blocks_backward(dout, q, k_all, v_all, out, lse, ctx.q_ids, ctx.all_ids, ctx.backend, dq, dkv)
-        dk = reduce_scatter(dkv[0], ctx.group, dim=SEQ, tag="bwd")                # [b, g, s_r, d]
+        dk = reduce_scatter(dkv[0], ctx.group, dim=SEQ, tag="bwd")                # [b, g, s/cp, d]
         dv = reduce_scatter(dkv[1], ctx.group, dim=SEQ, tag="bwd")
         return dq, dk, dv, None, None, None, None
 
 
 class ContextParallelAttention:
-    """The core attention of one SelfAttention under context parallelism: q [b, a, s_r, d],
-    k and v [b, g, s_r, d] of this rank's tokens (chunks `chunk_ids_per_rank[cp_rank]`) ->
-    out [b, a, s_r, d], the single-device attention output of those tokens.
+    """The core attention of one SelfAttention under context parallelism: q [b, a, s/cp, d],
+    k and v [b, g, s/cp, d] of this rank's tokens (chunks `chunk_ids_per_rank[cp_rank]`) ->
+    out [b, a, s/cp, d], the single-device attention output of those tokens.
 
     cp_group: the context-parallel group; for "a2a+p2p" also a2a_group (the sub-group this
     rank does its all-to-all in, consecutive cp ranks) and p2p_group (the ranks with the same
     index in every sub-group: the ring). chunk_ids_per_rank[r]: the chunks cp rank r holds.
     Communication per call (ledger tags "fwd", "bwd", and "regather" for all_gather's second
-    gather), per rank, with kv the bytes of this rank's k (or v) and q of its q:
-      p2p         forward cp - 1 send/recv of 2 kv; backward cp - 1 send/recv of 4 kv
+    gather), per rank, with kv the bytes of this rank's k (or v) and q of its q; a step is one
+    collective call or one ring hop (a send and a receive, two ledger entries):
+      p2p         forward cp - 1 steps, each a send/recv of 2 kv; backward cp - 1 of 4 kv
       all_gather  forward 2 all-gathers of kv; backward 2 all-gathers of kv ("regather") and 2
                   reduce-scatters of cp kv
       a2a         4 all-to-alls forward (q, k, v, out: 2 q + 2 kv) and 4 backward
-      a2a+p2p     the a2a's 4 + 4 in the sub-group, then p2p's ring over the cp / A sub-groups
+      a2a+p2p     the a2a's 4 + 4 in the sub-group of A ranks, then p2p's ring over the P = cp / A
+                  sub-groups
     Not an nn.Module: it holds no parameters, so the state dict is unchanged.
     """
 
@@ -147,10 +153,10 @@ class ContextParallelAttention:
     def __call__(self, q, k, v, dropout_p: float = 0.0, training: bool = False):
         ids, me = self.chunk_ids_per_rank, group_rank(self.cp_group)
         if self.comm_type == "p2p":
-            return ring_attention(q, k, v, self.cp_group, ids[me], ids, self.backend)             # [b, a, s_r, d]
+            return ring_attention(q, k, v, self.cp_group, ids[me], ids, self.backend)             # [b, a, s/cp, d]
         if self.comm_type == "all_gather":
             every = [i for r in ids for i in r]                                                 # cp rank order
-            return _AllGatherAttention.apply(q, k, v, self.cp_group, ids[me], every, self.backend)  # [b, a, s_r, d]
+            return _AllGatherAttention.apply(q, k, v, self.cp_group, ids[me], every, self.backend)  # [b, a, s/cp, d]
         if self.comm_type == "a2a":
             every = [i for r in ids for i in r]
             return self._ulysses(q, k, v, self.cp_group, None, every, [every])
@@ -163,11 +169,11 @@ class ContextParallelAttention:
 
     def _ulysses(self, q, k, v, a2a_group, ring_group, q_ids, kv_ids_per_rank):
         # sequence-sharded -> head-sharded: scatter heads, gather the sub-group's tokens
-        q = all_to_all_region(q, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, a/n, n s_r, d]
-        k = all_to_all_region(k, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, g/n, n s_r, d]
+        q = all_to_all_region(q, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, a/n, n s/cp, d]
+        k = all_to_all_region(k, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, g/n, n s/cp, d]
         v = all_to_all_region(v, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)
-        out = ring_attention(q, k, v, ring_group, q_ids, kv_ids_per_rank, self.backend)          # [b, a/n, n s_r, d]
-        return all_to_all_region(out, a2a_group, scatter_dim=SEQ, gather_dim=HEADS)              # [b, a, s_r, d]
+        out = ring_attention(q, k, v, ring_group, q_ids, kv_ids_per_rank, self.backend)          # [b, a/n, n s/cp, d]
+        return all_to_all_region(out, a2a_group, scatter_dim=SEQ, gather_dim=HEADS)              # [b, a, s/cp, d]
 
 
 def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p", load_balance: bool = True,

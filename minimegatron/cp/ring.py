@@ -1,7 +1,7 @@
 """Ring attention (cp_comm_type "p2p"): the keys and values travel, the queries stay.
 
-Shape legend as in cp/blocks.py; n = the ring's size, c = one chunk's length (the chapter's
-k = s / (2 cp)). Each ring rank holds the queries, keys and values of its own tokens, a few
+Shape legend as in cp/blocks.py; n = the ring's size, c = one chunk's length (s / (2 cp) under
+plain context parallelism, as in cp/layout.py and chapter 04). Each ring rank holds the queries, keys and values of its own tokens, a few
 chunks of c positions each (two under the zig-zag layout, cp/layout.py). In n steps every rank sees every rank's K and V:
 
     step t on ring rank r:  start sending the K/V block it holds to rank r + 1 and receiving the
@@ -26,8 +26,9 @@ and last by j itself: after n - 1 hops its dK and dV are home and complete. dQ s
 rank. (Transformer Engine's AttnFuncWithCPAndKVP2P also keeps the last block and sends n - 1
 dK/dV messages.)
 
-Communication per attention call and rank, with K and V of [b, g, s_r, d] = kv bytes each
-(one message per hop, K and V stacked):
+Communication per attention call and rank, with K and V of [b, g, s/cp, d] = kv bytes each
+(one message per hop, K and V stacked; a hop is one communication step, a send and a
+receive):
     forward   n - 1 sends (and receives) of 2 kv        (K, V)
     backward  n - 1 sends (and receives) of 4 kv        (K, V, dK, dV)
 All through comm.batch_isend_irecv (ledger tags "fwd" and "bwd"). Memory: the forward keeps

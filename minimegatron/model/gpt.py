@@ -4,6 +4,7 @@ Shape legend (used in every shape comment of the book):
   b micro-batch size     s sequence length     h hidden size        V vocabulary size
   a query heads          g key/value heads     d head size (h / a)  f MLP inner size
   L layers               tp, cp, pp, dp, ep    the parallel sizes (later chapters)
+  c one context-parallel chunk, s / (2 cp) tokens (chapter 04: a cp rank holds two, s / cp)
 
 Activations are [b, s, h] here. Megatron-LM keeps them as [s, b, h] so that sequence and
 context parallelism can cut the first dimension; the maths is the same.

@@ -24,8 +24,14 @@ micro-batch's share (1 / number of micro-batches, as the language-model loss is 
 Megatron-Core's MoEAuxLossAutoScaler. The values are kept in `aux_losses` for logging.
 
 Parameter names follow Megatron-Core's MoELayer: mlp.router.weight [E, h],
-mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2 (e the global expert index on every
-layout), mlp.shared_experts.linear_fc1 / linear_fc2.
+mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2, mlp.shared_experts.linear_fc1 /
+linear_fc2. One difference: here e is the GLOBAL expert index on every layout (a rank of
+chapter 05 keeps the keys of the experts it holds), so a rank's names read like the
+single-device ones. Megatron's modules use the LOCAL index (SequentialMLP.local_experts is a
+ModuleList 0 .. E/ep - 1 on every rank); the global index appears only in its distributed-
+checkpoint keys (SequentialMLP.sharded_state_dict: local_experts.{i} becomes experts.{offset + i}
+or an offset along an added expert axis, offset = ep_rank E/ep; checked on Megatron-LM main
+d98e8a6, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -112,7 +118,11 @@ def experts_on_sorted_tokens(x: torch.Tensor, counts: list[int], experts: list[n
 
 
 class TopKRouter(nn.Module):
-    """tokens [T, h] -> logits [T, E] (weight [E, h], no bias: Megatron's router.weight).
+    """tokens [T, h] -> logits [T, E] (weight [E, h]: Megatron's router.weight). The book's
+    router has no bias. Megatron's has one since 2025-09 (the gpt-oss work): a parameter
+    router.bias [E] whenever add_bias_linear is set, created in float32 like the weight (both
+    then cast to params_dtype) and marked sequence_parallel like it (router.py, Router.__init__
+    and reset_parameters; checked on main d98e8a6, 2026-11-27).
 
     With config.moe_router_enable_expert_bias, two buffers as in Megatron-Core's TopKRouter:
     expert_bias [E] (steers the choice, saved with the model) and local_tokens_per_expert [E]

@@ -5,7 +5,9 @@ Shape legend as in model/moe.py, plus ep, etp, E_l = E / ep, f_e the expert's in
 MoE layers hold all E experts with their single-device weights, and in place:
 
   experts.local_experts      keeps experts ep_rank E_l .. (ep_rank+1) E_l - 1 (keys stay the global
-                             index, so names read like the single-device ones)
+                             index, so names read like the single-device ones; Megatron's
+                             modules count 0 .. E_l - 1 on every rank and use the global index
+                             only in distributed-checkpoint keys, model/moe.py)
     linear_fc1 [f1, h]       with etp > 1: this etp rank's f_e / etp rows (SwiGLU: of the gate and
                              of the up half, stride 2), like a column-parallel linear
     linear_fc2 [h, f_e]      with etp > 1: its f_e / etp columns, like a row-parallel linear; the
@@ -33,11 +35,17 @@ Megatron-LM (checked 2026-11-24, main at d98e8a6): megatron/core/transformer/moe
 parallel_state.py (the expert groups), megatron/core/distributed/distributed_data_parallel.py
 (the expert buffers and their scaling), finalize_model_grads.py (the expert-bias update after
 each step). Megatron's linear layers mark an expert's parameters allreduce=False only when
-ep > 1 or etp != tp (otherwise the expert-dp group is the dense one); the book marks them in
-every multi-rank layout, which reduces them over the same ranks in that case. Limits of the
-book, refused by name in check_expert_parallel_config: experts train with the bucketed DDP or
-ZeRO-1 (dp/zero.py: expert buckets sharded over the expert-dp group, as Megatron's distributed
-optimizer keeps them apart), not ZeRO-2/3 or the naive DDP; etp > 1 needs bias-free experts.
+its expert process groups differ from the dense ones: ep > 1, or etp != tp, or the expert
+GTP size != the dense GTP size (expert_gtp_weight_remat_size != gtp_weight_remat_size, its
+weight-rematerialising generalized tensor parallelism; tensor_parallel/layers.py, checked on
+main d98e8a6, 2026-11-27). Otherwise the expert-dp group is the dense one; the book marks
+them in every multi-rank layout, which reduces them over the same ranks in that case. Limits
+of the book, refused by name in check_expert_parallel_config: experts train with the bucketed
+DDP or ZeRO-1 (dp/zero.py: expert buckets sharded over the expert-dp group, as Megatron's
+distributed optimizer keeps them apart), not ZeRO-2/3 or the naive DDP (Megatron shards
+experts' gradients and parameters too, with Megatron-FSDP: --use-megatron-fsdp
+--data-parallel-sharding-strategy optim_grads or optim_grads_params); etp > 1 needs
+bias-free experts.
 """
 
 from __future__ import annotations
