@@ -44,11 +44,12 @@ and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -56,6 +57,7 @@ from minimegatron.analysis import count_parameters, megatron_mlp_flops, training
 from booktools.demo import (Run, check_at_least, check_at_least_one, check_sequence_length, demo_parser, run_demo,
                            verdict_line)
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.data.corpus import FROZEN
 from minimegatron.model import GPTModel, MoELayer
 from minimegatron.model.router import apply_token_dropping
 from minimegatron.optim import Optimizer, learning_rate
@@ -385,17 +387,20 @@ def dropped_fraction(model: GPTModel, tokens: torch.Tensor, capacity_factor: flo
     return 1 - kept / routed
 
 
-# The load-balance runs read these chapters' texts only, so that editing chapter 05 (or anything
-# else) does not move their numbers; bytes as tokens (the byte tokenizer).
+# The load-balance runs read these chapters' texts as the frozen corpus holds them
+# (minimegatron/data/book_corpus.jsonl.gz), so that editing the book does not move their
+# numbers; bytes as tokens (the byte tokenizer).
 BALANCE_TEXTS = ("chapters/00_single_device/README.md", "chapters/01_dp/README.md", "chapters/02_tp/README.md")
 
 
 def balance_batches(steps: int, batch: int, seq: int) -> tuple[list[dict], torch.Tensor]:
     """(one training micro-batch {"tokens", "labels"} [batch, seq] per step, a held-out batch of
-    tokens [batch, seq]) cut from BALANCE_TEXTS as UTF-8 bytes: the training windows start at
-    random offsets (a fixed seed) in the first 90% of the text, the held-out ones in the rest."""
-    root = Path(__file__).resolve().parents[2]
-    data = torch.tensor(list(b"\n\n".join((root / name).read_bytes() for name in BALANCE_TEXTS)))
+    tokens [batch, seq]) cut from BALANCE_TEXTS's paragraphs in the frozen corpus, as UTF-8
+    bytes: the training windows start at random offsets (a fixed seed) in the first 90% of the
+    text, the held-out ones in the rest."""
+    documents = [json.loads(line) for line in gzip.decompress(FROZEN.read_bytes()).decode("utf-8").splitlines()]
+    text = "\n\n".join(doc["text"] for doc in documents if doc["source"] in BALANCE_TEXTS)
+    data = torch.tensor(list(text.encode("utf-8")))
     split = int(0.9 * len(data))
     g = torch.Generator().manual_seed(0)
 
