@@ -5,17 +5,19 @@ adapter (also inside a spawned rank), and the graders' plugin in normal and inve
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from booktools.exercises import (IMPL_ENV, Catalog, MarkerError, find_exercises, implementation,
-                                    plug, plugged)
+from booktools.exercises import (IMPL_ENV, Catalog, MarkerError, default_catalog, find_exercises,
+                                    implementation, plug, plugged)
 from booktools.exercises.__main__ import main as cli
 from booktools.exercises.catalog import CHAPTERS_ENV, PACKAGE_ENV
-from booktools.exercises.grading import raised_by_stub
+from booktools.exercises.grading import first_difference, raised_by_stub
+from booktools.exercises.world import SharedWorld
 from booktools.exercises.stubs import check, generate, render_all
 
 pytest_plugins = ["pytester"]
@@ -541,7 +543,11 @@ def test_plugin_learner_todo_and_fail(graders, book):
     _solve(book, "result = 1.0")
     result = graders.runpytest("--impl=learner")
     result.assert_outcomes(failed=2)
-    result.stdout.fnmatch_lines(["*9.1 * Euclidean norm*FAIL (2 of 2 graders failed)*"])
+    # the summary line carries the first difference; short tracebacks: the long style would
+    # print a fixture's value (a shared world's, every exercise's data in it)
+    result.stdout.fnmatch_lines(["*9.1 * Euclidean norm*FAIL (2 of 2 graders failed): "
+                                 "assert 1.000001 == 5.000001*"])
+    result.stdout.no_fnmatch_line("learner_norm = *")
 
 
 def test_inverted_mode_fails_graders_that_do_not_prove_anything(graders, book):
@@ -583,3 +589,148 @@ def test_selection_by_chapter_and_exercise(graders, book):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--exercise 9.5: no such exercise (known: 9.1)*"])
 
+
+# --------------------------------------------------------------------------------------
+# A shared world (booktools/exercises/world.py): each failure charged to its own exercise
+# --------------------------------------------------------------------------------------
+
+def test_first_difference_is_one_short_line():
+    assert first_difference(AssertionError("dW: max difference 9.0e+00\nassert False")) == "dW: max difference 9.0e+00"
+    assert first_difference(ValueError("\n bad shape (2, 3)\nmore")) == "ValueError: bad shape (2, 3)"
+    assert first_difference(AssertionError("")) == "assertion failed"
+    long = first_difference(AssertionError("x" * 500))
+    assert len(long) == 140 and long.endswith("...")
+
+
+def test_shared_world_runs_only_the_graded_exercises_and_shows_none_of_their_data():
+    plans = []
+
+    def start(plan):                     # two ranks; the rank functions are tested in a spawned world below
+        plans.append(plan)
+        return [{eid: {"ran": True, "error": None, "summary": None, "data": (rank, eid), "stopped_by": None}
+                 for eid in plan.exercises} for rank in range(2)]
+
+    world = SharedWorld(start, ["4.3", "4.2", "4.4"], graded={"4.4", "4.3", "0.1"})
+    assert [p.exercises for p in plans] == [("4.3", "4.4")] and world.worlds == 1
+    assert world.data("4.4") == [(0, "4.4"), (1, "4.4")]
+    assert repr(world) == "<SharedWorld: exercises 4.3, 4.4 in 1 spawned world(s)>"
+    with pytest.raises(KeyError, match="exercise 4.2 was not graded in this world"):
+        world.data("4.2")
+
+
+FIXBOOK_MORE = '''\
+"""Two more fixture exercises, for the shared world."""
+
+
+def double(x: float) -> float:
+    """2 x."""
+    # BEGIN EXERCISE 9.2: double | hint: add it to itself
+    return x + x
+    # END EXERCISE
+
+
+def triple(x: float) -> float:
+    """3 x."""
+    # BEGIN EXERCISE 9.3: triple | hint: three times
+    return 3 * x
+    # END EXERCISE
+'''
+
+FIXBOOK_WORLD = '''\
+"""A shared world's rank function: 9.1 kills its rank 1, 9.2 fails on rank 0 only (the others
+then wait in a collective rank 0 never joins), 9.3 passes."""
+import os
+
+import torch
+import torch.distributed as dist
+
+from booktools.exercises.world import run_checks
+from fixbook.more import double, triple
+from fixbook.ops import norm
+
+
+def grade(plan):
+    rank = dist.get_rank()
+
+    def dies():
+        if rank == 1:
+            os._exit(3)                       # a crash: no Python exception comes back
+        dist.barrier()
+        return norm([3.0, 4.0])
+
+    def uneven():
+        if rank == 0:
+            raise ValueError("rank 0 gave up before the all-reduce")
+        t = torch.ones(1)
+        dist.all_reduce(t)                    # waits for rank 0 until the collective timeout
+        return double(t.item())
+
+    def passes():
+        t = torch.full((1,), float(rank))
+        dist.all_reduce(t)                    # the collectives are in step again: 0 + 1
+        return triple(t.item())
+
+    return run_checks({"9.1": dies, "9.2": uneven, "9.3": passes}, plan)
+'''
+
+
+def test_shared_world_charges_each_failure_to_its_own_exercise(book):
+    """A world killed inside 9.1's checks is charged to 9.1 alone; 9.2, failing on one rank
+    while the other waits in a collective, stops the world after it; 9.3 then runs in a fresh
+    world (three worlds of 2 ranks) and passes; no message names another exercise."""
+    from minimegatron.launch import spawn
+
+    (book.package_dir / "more.py").write_text(FIXBOOK_MORE)
+    (book.package_dir / "world_checks.py").write_text(FIXBOOK_WORLD)
+    import fixbook.world_checks as checks
+
+    world = SharedWorld(lambda plan: spawn(checks.grade, 2, plan, timeout=120, collective_timeout=3),
+                        ["9.1", "9.2", "9.3"])
+    assert world.worlds == 3
+    assert world.data("9.3") == [3.0, 3.0]
+    with pytest.raises(AssertionError) as died:
+        world.data("9.1")
+    first = str(died.value).splitlines()[0]
+    assert first.startswith("exercise 9.1: the spawned world stopped while running its checks: ")
+    assert "exit code 3" in first
+    with pytest.raises(AssertionError) as uneven:
+        world.data("9.2")
+    message = str(uneven.value)
+    assert message.splitlines()[0] == "exercise 9.2: ValueError: rank 0 gave up before the all-reduce (rank 0 of 2)"
+    assert "rank 1: " in message and "9.1" not in message and "9.3" not in message
+    assert "9.2" not in str(died.value).replace("rank", "")
+
+
+# --------------------------------------------------------------------------------------
+# Hints: the idea, not the code; a fuller one folded in the chapter text
+# --------------------------------------------------------------------------------------
+
+def test_stub_and_readme_point_at_a_fuller_hint_when_the_chapter_has_one(book):
+    stub, readme = _stub(book), book.chapters_dir / "09_fixture" / "exercises" / "README.md"
+    assert "Stuck?" not in render_all(book)[stub] and "Stuck?" not in render_all(book)[readme]
+    (book.chapters_dir / "09_fixture" / "README.md").write_text(
+        "<details><summary>Stuck on exercise 9.1?</summary>\n\nSquares first.\n\n</details>\n")
+    for path in (stub, readme):
+        assert 'under "Stuck on\nexercise N.M?" for 9.1.' in render_all(book)[path]
+
+
+# An assignment, a call, a return, a tensor method: what a hint that gives the code away looks like
+_CODE = re.compile(r"\b\w+(\[[^\]]*\])?\s*=\s*[\w(]|\b[A-Za-z_]\w*\(|\breturn\b|\w\.\w+\(|@")
+
+
+def test_the_books_hints_point_at_ideas_not_code(monkeypatch):
+    """Every hint of the book is free of code (a stub shows it right above the `raise`), and every
+    exercise but the spot-the-bug ones has a fuller hint folded in its chapter's README."""
+    for var in (PACKAGE_ENV, CHAPTERS_ENV):
+        monkeypatch.delenv(var, raising=False)
+    # the check itself catches the hints the book had before (5.2's was its return line)
+    assert _CODE.search("c = routing_map.sum(0) (or tokens_per_expert); return (scores.sum(0) * c).sum()")
+    assert _CODE.search("lse = torch.logaddexp(lse_a, lse_b); weight each out by exp(its lse - lse)")
+    assert _CODE.search("broadcast cos/sin over heads, then x * cos + rotate_half(x) * sin")
+    catalog = default_catalog()
+    for ex in catalog.exercises.values():
+        assert not _CODE.search(ex.hint), f"exercise {ex.id}'s hint reads like code: {ex.hint!r}"
+        if not ex.title.startswith("spot the bug"):
+            readme = (catalog.chapter_dir(ex.chapter) / "README.md").read_text(encoding="utf-8")
+            assert f"<summary>Stuck on exercise {ex.id}?</summary>" in readme, \
+                f"exercise {ex.id} has no fuller hint in {catalog.chapter_dir(ex.chapter).name}/README.md"

@@ -5,7 +5,9 @@ adapter through which the same grader grades the reference or the learner's code
   catalog.py   every exercise of the package, and where its stub lives
   stubs.py     write the stub files; check that the committed ones did not drift
   adapter.py   implementation(id), plug(...), plugged(...): what a grader calls
-  grading.py   what a grader's outcome means (pass / todo / fail), the inverted proof
+  grading.py   what a grader's outcome means (pass / todo / fail), the inverted proof, and
+               the one line a failing exercise gets in the summary
+  world.py     several exercises graded in one spawned world, each failure charged to its own
   __main__.py  the command line: python -m booktools.exercises {list,generate,check}
 
 A learner never imports this package: they edit chapters/NN_*/exercises/*.py and run

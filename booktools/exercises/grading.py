@@ -17,6 +17,10 @@ __context__ chain, or the members of an exception group), is a NotImplementedErr
 message names the exercise ("exercise 0.1", not "exercise 0.10"), or any exception whose
 message carries a rank's traceback line "NotImplementedError: exercise 0.1" (how
 `minimegatron.launch.spawn` reports a failed rank).
+
+A failing exercise's line in the summary carries the difference its first failing grader
+found: the first line of that failure's message (`first_difference`), which is why a grader
+puts what differs, and by how much, on the first line of its assertion message.
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ import re
 from typing import Iterable
 
 PASS, TODO, FAIL, SKIP = "pass", "todo", "fail", "skip"
+DIFFERENCE_CHARS = 140          # a summary line stays readable on a terminal
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: the first line of its message`; an AssertionError is the grader's own words and
+    reads without its type (pytest's rewritten asserts append their explanation below it)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if isinstance(exc, AssertionError):
+        return first or "assertion failed"
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def first_difference(exc: BaseException, limit: int = DIFFERENCE_CHARS) -> str:
+    """What a failing exercise's summary line says: one_line(exc), cut to `limit` characters."""
+    text = one_line(exc)
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
 def _names(exercise_id: str) -> re.Pattern[str]:
@@ -65,8 +86,9 @@ def outcome(passed: bool, skipped: bool, exc: BaseException | None, exercise_id:
     return TODO if exc is not None and raised_by_stub(exc, exercise_id) else FAIL
 
 
-def exercise_verdict(outcomes: list[str], impl: str) -> str:
-    """One exercise's line in the summary, from the outcomes of its graders."""
+def exercise_verdict(outcomes: list[str], impl: str, difference: str | None = None) -> str:
+    """One exercise's line in the summary, from the outcomes of its graders; `difference`, the
+    first_difference of its first failing grader, follows a FAIL."""
     n = len(outcomes)
     count = {k: outcomes.count(k) for k in (PASS, TODO, FAIL, SKIP)}
     if impl == "stub":
@@ -77,7 +99,7 @@ def exercise_verdict(outcomes: list[str], impl: str) -> str:
         bad = n - count[TODO] - count[SKIP]
         return f"NOT PROVED: {bad} of {n} grader(s) did not fail because of the stub"
     if count[FAIL]:
-        return f"FAIL ({count[FAIL]} of {n} graders failed)"
+        return f"FAIL ({count[FAIL]} of {n} graders failed)" + (f": {difference}" if difference else "")
     if count[TODO]:
         return ("todo (not started: the stub still raises NotImplementedError)" if count[TODO] == n
                 else f"todo ({count[TODO]} of {n} graders reach the unfilled stub)")

@@ -4,7 +4,7 @@ An exercise is a marked region of a module-level function in the reference code:
 
     def causal_attention(query, key, value):
         \"\"\"The docstring is the learner's spec: shapes, invariants, collectives.\"\"\"
-        # BEGIN EXERCISE 0.1: causal self-attention | hint: scores = q @ k^T / sqrt(d); ...
+        # BEGIN EXERCISE 0.1: causal self-attention | hint: which scores may the query at ...
         ...the reference body...
         # END EXERCISE
 
@@ -19,6 +19,11 @@ The rules (each broken rule is a `MarkerError` naming file:line):
   of the body: it may start after some statements and stop before others (the stub keeps
   those), but it never cuts a statement (an `if`, a `for`, ...) in two.
 * Regions do not nest, every BEGIN has its END, and a function has at most one exercise.
+
+What a hint says (a convention, not checked here): the idea, never the code. It sits right above
+the `raise` where a learner cannot miss it, so it names the quantity, the invariant or the
+Megatron-LM function to read, and asks the question that leads there; a fuller hint, still not
+the code, can be folded in the chapter's README under "Stuck on exercise N.M?" (see stubs.py).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def adam_bytes_per_parameter(param_dtype: torch.dtype | str, master_weights: boo
         fp32, no master copy:   4 + 4 + (0 + 4 + 4) = 16
         bf16, no master copy:   2 + 2 + (0 + 2 + 2) = 8    (cheap, but small updates round away)
     """
-    # BEGIN EXERCISE 0.3: memory of Adam training | hint: moments live in the dtype of the weights the optimizer steps (fp32 with a master copy); optimizer = master + m + v
+    # BEGIN EXERCISE 0.3: memory of Adam training | hint: which copy of the weights does Adam step, and in what dtype does zeros_like create its two moments? Check your dict against the docstring's three worked lines (ZeRO, section 3.1)
     params = bytes_per_element(param_dtype)
     grads = bytes_per_element(param_dtype if grad_dtype is None else grad_dtype)
     master = 4 if master_weights else 0

@@ -121,7 +121,7 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     computed without overflow (torch.logaddexp: scores of thousands are fine), the weights in
     lse's dtype. Returns (out in out_a's dtype, lse in lse_a's dtype). Exact: merging the
     blocks of a sequence one by one, in any order, gives softmax attention over all of it."""
-    # BEGIN EXERCISE 4.1: merge two partial attention results | hint: lse = torch.logaddexp(lse_a, lse_b); weight each out by exp(its lse - lse), unsqueezed on the last dim; sum
+    # BEGIN EXERCISE 4.1: merge two partial attention results | hint: in log space the union of two blocks adds their softmax denominators, and each block's output counts by its share of that sum; keep every exponent <= 0 and mind the spec's dtypes (Transformer Engine: flash_attn_fwd_out_correction)
     lse = torch.logaddexp(lse_a, lse_b)                                          # [b, a, sq]
     weight_a = torch.exp(lse_a - lse).unsqueeze(-1)                              # [b, a, sq, 1]
     weight_b = torch.exp(lse_b - lse).unsqueeze(-1)

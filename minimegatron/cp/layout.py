@@ -1,7 +1,7 @@
 """Which tokens a context-parallel rank holds: the contiguous split and the zig-zag split.
 
-Shape legend as in model/gpt.py, plus cp (the context-parallel size) and k = s / (2 cp), the
-length of one chunk. Context parallelism cuts every sequence of a micro-batch into cp parts;
+Shape legend as in model/gpt.py, plus cp (the context-parallel size) and c = s / (2 cp), the
+length of one chunk (a rank holds two chunks, 2 c = s / cp tokens). Context parallelism cuts every sequence of a micro-batch into cp parts;
 each rank of the "cp" group runs the whole model on its part (tokens, labels and positions),
 and only attention looks at the other parts (cp/attention.py).
 
@@ -9,10 +9,10 @@ A causal mask makes the plain cut unfair. Cut s into cp contiguous parts: rank r
 the keys of ranks 0..r, so rank cp-1 computes about 2 cp - 1 times as many unmasked scores as
 rank 0, and in a ring every step waits for the busiest rank. The zig-zag cut (Megatron-LM's
 `get_batch_on_this_cp_rank`, Transformer Engine's ring attention) pairs a cheap chunk with an
-expensive one: the sequence is cut into 2 cp chunks of k tokens and rank r keeps chunk r and
+expensive one: the sequence is cut into 2 cp chunks of c tokens and rank r keeps chunk r and
 chunk 2 cp - 1 - r, so every rank does the same work (`causal_work_per_rank` counts it).
 
-    s = 16, cp = 2, chunks of k = 4:   [ 0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 ]
+    s = 16, cp = 2, chunks of c = 4:   [ 0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 ]
     contiguous:  rank 0 -> chunks 0, 1     rank 1 -> chunks 2, 3
     zig-zag:     rank 0 -> chunks 0, 3     rank 1 -> chunks 1, 2
 
@@ -65,7 +65,7 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> list[int]:
 
     Example: zigzag_positions(8, 2, 0) == [0, 1, 6, 7]; zigzag_positions(8, 2, 1) == [2, 3, 4, 5].
     """
-    # BEGIN EXERCISE 4.2: the zig-zag positions | hint: c = seq_len // (2 * cp_size); chunk i holds positions i*c .. i*c + c - 1; rank r keeps chunk r then chunk 2*cp_size - 1 - r
+    # BEGIN EXERCISE 4.2: the zig-zag positions | hint: 2 cp equal chunks; rank r pairs an early chunk (little causal work) with its mirror from the end (much): which chunk mirrors r? Refuse a length that does not cut evenly (Megatron: get_batch_on_this_cp_rank)
     check_context_parallel_seq_length(seq_len, cp_size)
     c = seq_len // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank

@@ -104,7 +104,7 @@ def assign_buckets(numels: Sequence[int], bucket_size: int | None) -> list[list[
     """
     if bucket_size is not None and bucket_size <= 0:
         raise ValueError(f"bucket_size={bucket_size} must be a positive number of elements (or None)")
-    # BEGIN EXERCISE 1.2: bucket assignment | hint: keep a current bucket and its element count; after appending index i, close the bucket once count >= bucket_size
+    # BEGIN EXERCISE 1.2: bucket assignment | hint: walk the gradients once, in order: when does the current bucket close, where does the next parameter go, and what becomes of what is left at the end? (Megatron: _compute_default_per_buffer_param_layout)
     buckets, current, filled = [], [], 0
     for i, n in enumerate(numels):
         current.append(i)

@@ -146,7 +146,7 @@ def gather_unit_parameters(unit: Unit, group, tag: str = "fwd") -> list[torch.Te
     FullyShardedDataParallel calls it in each unit's forward pre-hook (tag "fwd") and when
     backward first needs the unit's weights again (tag "bwd").
     """
-    # BEGIN EXERCISE 1.4: the ZeRO-3 gather of a unit | hint: allocate the padded flat buffer, all-gather the shard into it, cut one view per parameter with the offsets; keep no other reference
+    # BEGIN EXERCISE 1.4: the ZeRO-3 gather of a unit | hint: how large must the one buffer be for every rank's shard to fit, and must the returned tensors be copies or views for dropping them to free it? (Megatron-FSDP: AllGatherPipeline)
     full = unit.shard.new_empty(unit.padded_numel)
     all_gather_into_tensor(full, unit.shard.detach(), group, tag=tag)
     return [full[o:o + n].view(shape) for o, n, shape in zip(unit.offsets, unit.numels, unit.shapes)]

@@ -187,7 +187,7 @@ def allreduce_gradients(model: nn.Module, group, tag: str = "grads") -> None:
         raise ValueError(f"allreduce_gradients: {len(missing)} parameter(s) have no gradient "
                          f"(e.g. {missing[:3]}): run backward first; every rank must all-reduce "
                          "the same tensors in the same order")
-    # BEGIN EXERCISE 1.1: gradient averaging | hint: dp = comm.group_size(group); for each p in params: scale p.grad by 1/dp, then comm.all_reduce(p.grad, group, tag=tag) (a sum)
+    # BEGIN EXERCISE 1.1: gradient averaging | hint: the all-reduce adds up the ranks' gradients: what must each rank do first so that the sum is the mean, and why must every rank make the same calls in the same order? (Megatron: DistributedDataParallel's gradient_scaling_factor)
     scale = 1.0 / comm.group_size(group)
     for p in params:
         p.grad.mul_(scale)                                  # pre-scale: the sum is then the mean

@@ -95,7 +95,7 @@ def reduce_scatter_gradients(buckets: list[Bucket], group) -> None:
     the bytes of a reduce-scatter (all-reduce = reduce-scatter + all-gather) to give every
     rank the parts of the average that only other ranks step with.
     """
-    # BEGIN EXERCISE 1.3: ZeRO-1's gradient reduce-scatter | hint: one comm.reduce_scatter_tensor(out, t, group, op=..., tag=...) per bucket; its output is this rank's own slice of its input, and that slice is b.main_grad
+    # BEGIN EXERCISE 1.3: ZeRO-1's gradient reduce-scatter | hint: which collective leaves each rank only its own slice of the average, and which of the bucket's tensors already is that slice, so that the result lands in place? (Megatron: _ParamAndGradBucketGroup.start_grad_sync)
     for b in buckets:
         # in place: the output is this rank's own slice of the input (as Megatron does)
         reduce_scatter_tensor(b.main_grad, b.grad_data, group, op="avg", tag="grads")

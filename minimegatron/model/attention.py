@@ -37,7 +37,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     The softmax runs in float32 when the inputs are bfloat16/float16 (as Megatron does with
     --attention-softmax-in-fp32), otherwise in the input dtype.
     """
-    # BEGIN EXERCISE 0.1: causal self-attention | hint: scores = q @ k^T / sqrt(d); fill j > i with -inf; softmax over j; @ v
+    # BEGIN EXERCISE 0.1: causal self-attention | hint: which scores may the query at position i use, and which score value makes a softmax weight exactly 0? The spec's dtype rule concerns the softmax alone (Megatron: DotProductAttention, FusedScaleMaskSoftmax)
     s, d = query.shape[-2], query.shape[-1]
     scores = query @ key.transpose(-2, -1) / math.sqrt(d)                     # [b, n, s, s]
     future = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)  # [s, s], j > i

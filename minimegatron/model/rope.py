@@ -51,7 +51,7 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     Returns [b, n, s, d], same dtype as x. Channel j is paired with channel j + d/2 and the
     pair (x_j, x_{j+d/2}) is rotated by its angle; norms of each pair are preserved.
     """
-    # BEGIN EXERCISE 0.2: apply the RoPE rotation | hint: broadcast cos/sin over heads, then x * cos + rotate_half(x) * sin
+    # BEGIN EXERCISE 0.2: apply the RoPE rotation | hint: channels j and j + d/2 form one plane, turned by one angle: a 2-D rotation of each pair; rotate_half hands you each channel's partner; where do cos/sin lack the heads axis? (Megatron: _apply_rotary_pos_emb_bshd)
     if cos.dim() == 3:                       # [b, s, d] -> [b, 1, s, d]: same angles for every head
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin    # [b, n, s, d]

@@ -78,7 +78,7 @@ def sort_chunks_by_expert(rows: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     contiguous, in source order inside. counts: an int tensor [S, E_l], R = counts.sum(); any
     count may be 0 (an empty chunk; even R = 0). The result stays in the autograd graph (the
     rows' gradient flows back through it). The inverse, unsort_chunks_by_expert, is given."""
-    # BEGIN EXERCISE 5.3: the all-to-all chunk re-sort | hint: cut rows into its S x E_l chunks (Tensor.split with the counts, source-major), then concatenate them reading the S x E_l grid column by column
+    # BEGIN EXERCISE 5.3: the all-to-all chunk re-sort | hint: each chunk is a run of consecutive rows as long as its count; the answer holds the same chunks in another order: in which order does the spec list the (source, expert) pairs? (Megatron: sort_chunks_by_idxs)
     sources, local_experts = counts.shape
     chunks = rows.split(counts.flatten().tolist())
     return torch.cat([chunks[s * local_experts + j] for j in range(local_experts) for s in range(sources)])

@@ -129,7 +129,7 @@ def schedule(kind: str, pp_size: int, pp_rank: int, num_microbatches: int, num_c
     outside the pipeline, num_microbatches < 1, num_chunks != 1 for gpipe / 1f1b, and for
     "interleaved": num_chunks < 2, pp_size < 2, or num_microbatches not a multiple of pp_size.
     """
-    # BEGIN EXERCISE 3.1: the pipeline schedules from the warm-up count | hint: build the forwards and backwards lists first; then w F's, then for k = 0, 1, ...: F of forwards[w + k] and B of backwards[k]; then the B's still owed
+    # BEGIN EXERCISE 3.1: the pipeline schedules from the warm-up count | hint: the docstring gives w and both orders; the rest is three phases: forwards before the first backward, then pairs, then the backwards still owed. How long is each phase? (Megatron: forward_backward_pipelining_without_interleaving)
     warmup = num_warmup_microbatches(kind, pp_size, pp_rank, num_microbatches, num_chunks)
     if kind == "interleaved":
         forwards = interleaved_order(pp_size, num_microbatches, num_chunks)

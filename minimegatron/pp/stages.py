@@ -62,7 +62,7 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 
     stages = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size or not 0 <= chunk < num_chunks:
         raise ValueError(f"pp_rank={pp_rank}, chunk={chunk} outside pp_size={pp_size}, num_chunks={num_chunks}")
-    # BEGIN EXERCISE 3.2: the stage partition | hint: k = chunk * pp + rank; even: n = L // (pp v), layers [k n, (k+1) n); uneven: start = sum of the counts before k
+    # BEGIN EXERCISE 3.2: the stage partition | hint: number the virtual stages in the order a micro-batch visits them; where does stage k's first layer sit, given the layers of the stages before it? Refuse a bad split first (Megatron: get_transformer_layer_offset)
     if layers_per_stage is None:
         if num_layers % stages:
             raise ConfigError(f"num_layers={num_layers} is not divisible by pipeline_model_parallel_size="

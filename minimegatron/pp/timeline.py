@@ -102,7 +102,7 @@ def bubble_fraction(kind: str, pp_size: int, num_microbatches: int, num_chunks: 
       "bubble_over_ideal": idle time / compute time       = (p - 1) / (v m)
     with v = num_chunks (1 for "gpipe" and "1f1b"). Same for GPipe and 1F1B.
     """
-    # BEGIN EXERCISE 3.3: the bubble formula | hint: the fill and the drain cost (p - 1) forward+backward slots, each of size 1/v of a micro-batch's work; the work is m micro-batches
+    # BEGIN EXERCISE 3.3: the bubble formula | hint: write both ratios with one quantity: a rank's idle time in units of one micro-batch's forward + backward; how does cutting each stage into v chunks change it? (Narayanan et al. 2021, section 2.2)
     p, m, v = pp_size, num_microbatches, num_chunks
     if kind != "interleaved" and v != 1:
         raise ValueError(f"num_chunks={v} needs kind 'interleaved'")

@@ -66,7 +66,7 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start:
     Never gather the logits. all_reduce works in place: reduce a tensor of your own
     (contiguous), not a view of the logits.
     """
-    # BEGIN EXERCISE 2.3: vocab-parallel cross-entropy | hint: m = all-reduce max of z.amax(-1); the owner gathers z_t - m (others 0), all-reduce sum; S = all-reduce sum of exp(z - m).sum(-1); loss = log S - (z_t - m); softmax = exp(z - m) / S
+    # BEGIN EXERCISE 2.3: vocab-parallel cross-entropy | hint: write the loss with a per-token shift m that keeps exp in range; which [b, s] quantities does each rank hold only a piece of, and which reduction joins each? (Megatron: _VocabParallelCrossEntropy.forward)
     n = logits.shape[-1]
     # 1. the global max of each token's logits
     logits_max = logits.amax(dim=-1)                                   # [b, s]

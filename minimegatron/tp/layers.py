@@ -152,7 +152,7 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
     launch its all-reduce asynchronously (async_op=True), compute the weight gradient while
     it travels, then wait: communication overlapped with a matmul.
     """
-    # BEGIN EXERCISE 2.1: the column-parallel linear's backward | hint: dx = gemm.dgrad(dy, W); handle = all_reduce(dx, group, tag="bwd", async_op=True); dW = gemm.wgrad(dy, x); db = dy summed over all but its last dim; handle.wait()
+    # BEGIN EXERCISE 2.1: the column-parallel linear's backward | hint: each rank's dx uses only its rows of W, so it is a partial sum: which collective completes it, and which gradients can you compute while it travels? (Megatron: LinearWithGradAccumulationAndAsyncCommunication.backward)
     grad_x = gemm.dgrad(grad_output, weight)                             # [..., in], partial
     handle = all_reduce(grad_x, group, op="sum", tag="bwd", async_op=True)   # in place, later full
     grad_weight = gemm.wgrad(grad_output, x)                             # [out/tp, in], local
@@ -203,7 +203,7 @@ def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor
     group and leaves each rank its own s/tp tokens. Exactly these two collectives, one
     all_gather of the [b, s/tp, in] shard and one reduce_scatter of [b, s, in], nothing else.
     """
-    # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward | hint: total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather"); dx = reduce_scatter(gemm.dgrad(dy, W), group, dim=SEQUENCE_DIM, tag="bwd"); dW = gemm.wgrad(dy, total); db = dy summed over b and s
+    # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward | hint: the forward gathered the tokens: dW needs every token's input again, and dx is a partial sum of which each rank keeps only its own tokens. Which two collectives, along which dimension? (Megatron: LinearWithGradAccumulationAndAsyncCommunication.backward)
     total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather")       # [b, s, in]
     grad_total = gemm.dgrad(grad_output, weight)                                      # [b, s, in], partial
     grad_x = reduce_scatter(grad_total, group, dim=SEQUENCE_DIM, tag="bwd")          # [b, s/tp, in], summed
@@ -255,7 +255,7 @@ def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: tor
     full dy), and nothing else. The bias is added after the all-reduce; added before, it
     would be summed tp times.
     """
-    # BEGIN EXERCISE 2.2: the row-parallel linear's forward | hint: partial = gemm.linear(x, weight) with NO bias; y = reduce_from_tensor_model_parallel_region(partial, group); add the bias (if any) after
+    # BEGIN EXERCISE 2.2: the row-parallel linear's forward | hint: each rank's product holds only its columns' share of y: which of the paper's two operators completes it, and how often would a bias added before it be counted? (Megatron: RowParallelLinear.forward)
     partial = gemm.linear(x, weight)                 # [..., out], a partial sum
     y = reduce_from_tensor_model_parallel_region(partial, group)           # g: all-reduce now, identity later
     return y + bias if bias is not None else y

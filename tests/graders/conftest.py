@@ -15,7 +15,13 @@ Options (the Makefile's grade targets use them):
 With --impl stub the outcomes are inverted: a grader passes only if it failed because of
 its own exercise's unfilled stub (NotImplementedError("exercise <id>"), also from inside a
 spawned rank); a grader that passes on the stub, or fails for any other reason, fails, with
-an explanation. At the end a table gives each exercise's verdict.
+an explanation. At the end a table gives each exercise's verdict, a FAIL with the first
+difference its graders found.
+
+Quiet by default: short tracebacks (--tb=short unless you ask for another style: the long
+style would print a shared world fixture's value, every exercise's data in it) and short
+tensor reprs. A shared world grades only the exercises selected (the `graded_exercises`
+fixture; booktools/exercises/world.py).
 """
 
 from __future__ import annotations
@@ -28,14 +34,14 @@ import pytest
 
 from booktools.exercises import (IMPL_ENV, IMPLEMENTATIONS, CatalogError, MarkerError, current_impl,
                                     default_catalog)
-from booktools.exercises.grading import FAIL, PASS, SKIP, TODO, exercise_verdict, outcome
+from booktools.exercises.grading import FAIL, PASS, SKIP, TODO, exercise_verdict, first_difference, outcome
 
 GRADERS_DIR = Path(__file__).resolve().parent
 # The graders' spawn targets live in tests/workers/ (`from workers import dp_zero`): put tests/
 # on sys.path, as pytest does for the test files directly in tests/ (spawned ranks inherit it).
 if str(GRADERS_DIR.parent) not in sys.path:
     sys.path.insert(0, str(GRADERS_DIR.parent))
-_RESULTS = pytest.StashKey[dict]()      # nodeid -> (exercise id, outcome)
+_RESULTS = pytest.StashKey[dict]()      # nodeid -> (exercise id, outcome, first difference or None)
 _PROVED_IN_SETUP = pytest.StashKey[bool]()
 
 _WHAT = {"reference": "the book's reference code (minimegatron/)",
@@ -61,6 +67,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[IMPL_ENV] = impl       # before any rank is spawned: they inherit it
     current_impl()                         # a bad value fails now, with its name
     config.stash[_RESULTS] = {}
+    if config.getoption("tbstyle", default="auto") == "auto":
+        config.option.tbstyle = "short"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Short tensor reprs in assertion messages (the graders imported torch while collected)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_printoptions(threshold=16, edgeitems=2, precision=4)
 
 
 def _is_grader(item: pytest.Item) -> bool:
@@ -131,6 +146,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         items[:] = keep
 
 
+@pytest.fixture(scope="session")
+def graded_exercises(request: pytest.FixtureRequest) -> frozenset[str]:
+    """The exercises this session grades (after --chapter, --exercise, -k): a fixture that runs
+    several exercises in one spawned world runs only these (booktools.exercises.world)."""
+    return frozenset(eid for item in request.session.items
+                     if _is_grader(item) and (eid := _exercise_id(item)) is not None)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function):
     """A grader whose fixture already hit the stub (inverted mode) has nothing left to run."""
@@ -149,12 +172,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return report                      # nothing to grade in a fixture that worked
     if call.when == "call" and item.stash.get(_PROVED_IN_SETUP, False):
         return report                      # already recorded: proved in setup
+    exc = call.excinfo.value if call.excinfo is not None else None
     if call.when == "teardown":
         result = FAIL                      # a teardown failure is a failure in every mode
     else:
-        exc = call.excinfo.value if call.excinfo is not None else None
         result = outcome(report.passed, report.skipped, exc, eid)
-    item.config.stash[_RESULTS][item.nodeid] = (eid, result)
+    difference = first_difference(exc) if result == FAIL and exc is not None else None
+    item.config.stash[_RESULTS][item.nodeid] = (eid, result, difference)
 
     if current_impl() != "stub" or result == SKIP:
         if result == TODO:             # not a bug to debug: say so in one line
@@ -185,14 +209,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         return
     known = default_catalog().exercises
     by_id: dict[str, list[str]] = {}
-    for eid, result in results.values():
+    difference: dict[str, str] = {}          # the first failing grader's, in the order they ran
+    for eid, result, diff in results.values():
         by_id.setdefault(eid, []).append(result)
+        if diff is not None:
+            difference.setdefault(eid, diff)
     impl = current_impl()
     tr = terminalreporter
     tr.section(f"exercises graded against {_WHAT[impl]}")
     width = max(len(known[e].title) for e in by_id)
     for eid in sorted(by_id, key=lambda e: known[e].sort_key):
-        verdict = exercise_verdict(by_id[eid], impl)
+        verdict = exercise_verdict(by_id[eid], impl, difference.get(eid))
         good = verdict.startswith(("pass", "proved"))
         tr.write_line(f"  {eid:6} {known[eid].title:{width}}  {verdict}",
                       green=good, red=verdict.startswith(("FAIL", "NOT")), yellow=verdict.startswith("todo"))

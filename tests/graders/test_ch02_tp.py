@@ -35,7 +35,11 @@ def _run(style: str, zero_stage: int = 0):
 def _check_runs(runs, results) -> None:
     for i, run in enumerate(runs):
         report = demo.check_run(run, [r["runs"][i] for r in results])
-        assert report.ok, f"the TP model with your function inside does not train like one device:\n{report}"
+        if not report.ok:          # the first line names the first difference (the summary shows it)
+            problems = report.equivalence.problems + report.problems
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise AssertionError(f"{run.name()} against one device: {problems[0]}{more}\n"
+                                 f"(the run with your function inside)\n{report}")
 
 
 def _full(shard_dim_tensors, dim):

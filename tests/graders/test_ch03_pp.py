@@ -40,7 +40,7 @@ def _check(runs, per_rank) -> None:
             headline = (f"{what} trains like one device but does not run the schedule: {report.problems[0]}"
                         + (f" (and {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else ""))
         else:
-            headline = f"{what} does not train like one device"
+            headline = f"{what} does not train like one device: {report.equivalence.problems[0]}"
         raise AssertionError(f"{headline}\n{report.equivalence}\n" + "\n".join(report.problems[:6]))
 
 

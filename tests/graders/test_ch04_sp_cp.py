@@ -2,9 +2,10 @@
 (4.1), the zig-zag positions (4.2), the sequence-parallel column linear's backward (4.3) and
 the spot-the-bug norm-gradient all-reduce (4.4).
 
-One spawned world of 4 ranks runs every exercise's checks, each with its own function plugged
-into every rank (tests/workers/sp_cp.py: the world and its pairs of ranks, so "on 2 and on 4
-ranks" costs one start-up). The oracles, strongest first: the whole model trained with your
+One spawned world of 4 ranks runs the checks of the exercises being graded, each with its own
+function plugged into every rank (tests/workers/sp_cp.py: the world and its pairs of ranks, so
+"on 2 and on 4 ranks" costs one start-up; booktools/exercises/world.py charges each failure to
+its own exercise). The oracles, strongest first: the whole model trained with your
 function inside (context parallel 4 and 2 x dp 2, TP 2 + SP x dp 2; float64, AdamW, clipping
 active) equals the single-device run (`check_run` of chapters/04_sp_cp/demo.py, which also
 holds the ledger of a step against the chapter's formulas); ring attention over 2 and 4 ranks
@@ -25,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from booktools.exercises import implementation
+from booktools.exercises.world import SharedWorld
 from minimegatron.launch import spawn
 from booktools.demo import import_chapter
 from workers import sp_cp as W                          # tests/workers/sp_cp.py
-from workers.checks import exercise_data
 
 ch04 = import_chapter("04")                        # chapters/04_sp_cp/demo.py
 
@@ -44,18 +45,26 @@ RUNS_44 = [ch04.make_run(ch04.tiny_model("llama"), tp=2, dp=2, sp=True),
 
 
 @pytest.fixture(scope="module")
-def world():
-    return spawn(W.grade_world, WORLD, RUNS_42, RUNS_44, timeout=400, collective_timeout=60)
+def world(graded_exercises):
+    """One world of 4 ranks for the exercises being graded (in the order of grade_world's checks)."""
+    return SharedWorld(lambda plan: spawn(W.grade_world, WORLD, RUNS_42, RUNS_44, plan, timeout=400,
+                                          collective_timeout=60),
+                       ["4.3", "4.2", "4.4", "4.1"], graded_exercises)
 
 
 def _data(world, eid: str) -> list:
-    return exercise_data(world, eid)
+    return world.data(eid)
 
 
 def _check_runs(runs, per_rank_runs, what: str) -> None:
+    """The first line names the run and the first thing that differs (the summary line shows it)."""
     for i, run in enumerate(runs):
         report = ch04.check_run(run, [r[i] for r in per_rank_runs])
-        assert report.ok, f"{run.name()} with your {what} inside does not train like one device:\n{report}"
+        if not report.ok:
+            problems = report.equivalence.problems + report.problems
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise AssertionError(f"{run.name()} against one device: {problems[0]}{more}\n"
+                                 f"(the run with your {what} inside)\n{report}")
 
 
 def _close(got, want, what: str, rtol=1e-10, atol=1e-10) -> None:
@@ -127,6 +136,42 @@ def test_merge_keeps_the_dtypes(dtype):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     _close(out, want_out, f"out ({dtype})", rtol=tol, atol=tol)
     _close(lse, want_lse, f"lse ({dtype})", rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.exercise("4.1")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_weighs_in_lse_dtype_and_rounds_once(dtype):
+    """The spec: "the weights in lse's dtype". With 16-bit outputs and a float32 lse (what the
+    flash kernel returns), the merge is float32 arithmetic rounded to the output dtype once, at
+    the end: within half a unit in the last place of that dtype (plus float32's own error) of
+    the exact merge of the same inputs. Weights cast to the output dtype before the merge round
+    three times (weight, product, sum) and miss it by tens of units where the two blocks'
+    contributions cancel."""
+    merge = implementation("4.1")
+    g = torch.Generator().manual_seed(11)
+    shape = (2, 4, 16, 8)                                          # [b, a, sq, d]
+    out_a, out_b = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    lse_a, lse_b = (3 * torch.randn(shape[:-1], generator=g) for _ in range(2))     # float32
+    # the exact merge of these very inputs, in float64, from the definition
+    la, lb = lse_a.double(), lse_b.double()
+    lse = torch.logaddexp(la, lb)
+    part_a = out_a.double() * torch.exp(la - lse).unsqueeze(-1)
+    part_b = out_b.double() * torch.exp(lb - lse).unsqueeze(-1)
+    exact = part_a + part_b
+    out, _ = merge(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == dtype, f"merge_attention returned out {out.dtype}, expected {dtype} (out_a's dtype)"
+    # one rounding to `dtype` costs at most half its unit in the last place at that magnitude
+    # (finfo.eps * 2^exponent; tiny: the subnormals' fixed spacing); float32 arithmetic adds a
+    # few of its own eps of the terms summed
+    fi = torch.finfo(dtype)
+    ulp = fi.eps * 2.0 ** torch.floor(torch.log2(exact.abs().clamp_min(fi.tiny)))
+    allowed = 0.5 * ulp + 4 * torch.finfo(torch.float32).eps * (part_a.abs() + part_b.abs())
+    excess = (out.double() - exact).abs() / allowed
+    bad = int((excess > 1).sum())
+    name = str(dtype).replace("torch.", "")
+    assert bad == 0, (f"out ({name}, lse float32): {bad} of {exact.numel()} elements off the exact merge by more "
+                      f"than one rounding to {name} (worst {excess.max().item():.1f}x the allowance)\n"
+                      "the spec: the weights in lse's dtype, the result rounded to out_a's dtype once, at the end")
 
 
 def _causal_attention_oracle():

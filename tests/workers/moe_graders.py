@@ -2,7 +2,8 @@
 tests/graders/test_ch05_ep_moe.py.
 
 One spawned world of 4 ranks grades the two exercises that need ranks (a rank costs seconds to
-start): the rank runs each exercise's checks with that exercise's function plugged in
+start; booktools/exercises/world.py: only the exercises being graded, each failure charged to its
+own exercise): the rank runs each exercise's checks with that exercise's function plugged in
 (`plug(id)`: the learner's, the reference or the bare stub, from MINIMEGATRON_IMPL) and records,
 per exercise, either the plain data the checks produced or the traceback that stopped them. The
 graders compare the data in the parent against independent oracles (every expert on one device,
@@ -28,7 +29,7 @@ from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.model.mlp import MLP
 from minimegatron.moe.dispatcher import AllToAllDispatcher
 from minimegatron.testing import global_batches, train_layout
-from workers.checks import run_exercise_checks
+from booktools.exercises.world import run_checks
 
 # ---------------------------------------------------------------------- 5.3: the dispatcher
 # E experts (E / ep = 4 local experts on ep 2, 2 on ep 4: the re-sort is never trivial), hidden
@@ -130,10 +131,10 @@ def ep_training() -> dict:
 
 
 # ---------------------------------------------------------------------- the world
-def grade_world() -> dict[str, dict]:
-    """On each of 4 ranks: every exercise's checks with its function plugged in. Returns
-    {id: {"error": traceback or None, "data": what the checks returned}}."""
+def grade_world(plan) -> dict[str, dict]:
+    """On each of 4 ranks: the checks of the exercises of `plan` (booktools.exercises.world.Plan),
+    each with its function plugged in. Returns run_checks' {id: {"error": ..., "data": ...}}."""
     groups = _groups()
     checks = {"5.4": ep_training,
               "5.3": lambda: dispatcher_results(groups)}
-    return run_exercise_checks(checks)
+    return run_checks(checks, plan)

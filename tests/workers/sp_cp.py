@@ -1,8 +1,9 @@
 """Rank functions for the graders of chapter 04 (sequence and context parallelism),
 tests/graders/test_ch04_sp_cp.py.
 
-One spawned world of 4 ranks grades the four exercises (a rank costs seconds to start): the
-rank runs each exercise's checks with that exercise's function plugged in (`plug(id)`: the
+One spawned world of 4 ranks grades the four exercises (a rank costs seconds to start;
+booktools/exercises/world.py: only the exercises being graded, each failure charged to its own
+exercise): the rank runs each exercise's checks with that exercise's function plugged in (`plug(id)`: the
 learner's, the reference or the bare stub, from MINIMEGATRON_IMPL) and records, per exercise,
 either the plain data the checks produced or the traceback that stopped them. The graders
 compare the data in the parent against independent oracles (torch's autograd on full
@@ -24,7 +25,7 @@ from minimegatron.cp import cp_chunk_ids
 from minimegatron.cp.ring import ring_attention
 from booktools.demo import import_chapter
 from minimegatron.tp import ColumnParallelLinear
-from workers.checks import run_exercise_checks
+from booktools.exercises.world import run_checks
 
 ch04 = import_chapter("04")              # chapters/04_sp_cp/demo.py
 
@@ -127,9 +128,9 @@ def sequence_parallel_linear_results(groups) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- the world
-def grade_world(runs_42, runs_44) -> dict[str, dict]:
-    """On each of 4 ranks: every exercise's checks with its function plugged in. Returns
-    {id: {"error": traceback or None, "data": what the checks returned}}."""
+def grade_world(runs_42, runs_44, plan) -> dict[str, dict]:
+    """On each of 4 ranks: the checks of the exercises of `plan` (booktools.exercises.world.Plan),
+    each with its function plugged in. Returns run_checks' {id: {"error": ..., "data": ...}}."""
     groups = _groups()
     # 4.1 last: a merge that raises stops the ring with its sends and receives still in flight,
     # which could disturb the collectives of a check after it
@@ -137,4 +138,4 @@ def grade_world(runs_42, runs_44) -> dict[str, dict]:
               "4.2": lambda: zigzag_training(runs_42),
               "4.4": lambda: [ch04.train_run(run) for run in runs_44],
               "4.1": lambda: ring_attention_results(groups)}
-    return run_exercise_checks(checks)
+    return run_checks(checks, plan)

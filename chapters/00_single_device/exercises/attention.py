@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     0.1  causal self-attention  ->  causal_attention()   make grade EX=0.1
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 0.1.
+
 Grade the whole chapter with `make grade CH=00`; start a stub over with
 `make exercises-reset CH=00` (this discards your work in the chapter).
 """
@@ -29,6 +32,6 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     --attention-softmax-in-fp32), otherwise in the input dtype.
     """
     # BEGIN EXERCISE 0.1: causal self-attention
-    # hint: scores = q @ k^T / sqrt(d); fill j > i with -inf; softmax over j; @ v
+    # hint: which scores may the query at position i use, and which score value makes a softmax weight exactly 0? The spec's dtype rule concerns the softmax alone (Megatron: DotProductAttention, FusedScaleMaskSoftmax)
     raise NotImplementedError("exercise 0.1")
     # END EXERCISE

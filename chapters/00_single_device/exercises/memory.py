@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     0.3  memory of Adam training  ->  adam_bytes_per_parameter()   make grade EX=0.3
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 0.3.
+
 Grade the whole chapter with `make grade CH=00`; start a stub over with
 `make exercises-reset CH=00` (this discards your work in the chapter).
 """
@@ -43,6 +46,6 @@ def adam_bytes_per_parameter(param_dtype: torch.dtype | str, master_weights: boo
         bf16, no master copy:   2 + 2 + (0 + 2 + 2) = 8    (cheap, but small updates round away)
     """
     # BEGIN EXERCISE 0.3: memory of Adam training
-    # hint: moments live in the dtype of the weights the optimizer steps (fp32 with a master copy); optimizer = master + m + v
+    # hint: which copy of the weights does Adam step, and in what dtype does zeros_like create its two moments? Check your dict against the docstring's three worked lines (ZeRO, section 3.1)
     raise NotImplementedError("exercise 0.3")
     # END EXERCISE

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     0.2  apply the RoPE rotation  ->  apply_rotary_pos_emb()   make grade EX=0.2
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 0.2.
+
 Grade the whole chapter with `make grade CH=00`; start a stub over with
 `make exercises-reset CH=00` (this discards your work in the chapter).
 """
@@ -26,6 +29,6 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     pair (x_j, x_{j+d/2}) is rotated by its angle; norms of each pair are preserved.
     """
     # BEGIN EXERCISE 0.2: apply the RoPE rotation
-    # hint: broadcast cos/sin over heads, then x * cos + rotate_half(x) * sin
+    # hint: channels j and j + d/2 form one plane, turned by one angle: a 2-D rotation of each pair; rotate_half hands you each channel's partner; where do cos/sin lack the heads axis? (Megatron: _apply_rotary_pos_emb_bshd)
     raise NotImplementedError("exercise 0.2")
     # END EXERCISE

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     1.2  bucket assignment  ->  assign_buckets()   make grade EX=1.2
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 1.2.
+
 Grade the whole chapter with `make grade CH=01`; start a stub over with
 `make exercises-reset CH=01` (this discards your work in the chapter).
 """
@@ -41,6 +44,6 @@ def assign_buckets(numels: Sequence[int], bucket_size: int | None) -> list[list[
     if bucket_size is not None and bucket_size <= 0:
         raise ValueError(f"bucket_size={bucket_size} must be a positive number of elements (or None)")
     # BEGIN EXERCISE 1.2: bucket assignment
-    # hint: keep a current bucket and its element count; after appending index i, close the bucket once count >= bucket_size
+    # hint: walk the gradients once, in order: when does the current bucket close, where does the next parameter go, and what becomes of what is left at the end? (Megatron: _compute_default_per_buffer_param_layout)
     raise NotImplementedError("exercise 1.2")
     # END EXERCISE

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     1.4  the ZeRO-3 gather of a unit  ->  gather_unit_parameters()   make grade EX=1.4
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 1.4.
+
 Grade the whole chapter with `make grade CH=01`; start a stub over with
 `make exercises-reset CH=01` (this discards your work in the chapter).
 """
@@ -32,6 +35,6 @@ def gather_unit_parameters(unit: Unit, group, tag: str = "fwd") -> list[torch.Te
     backward first needs the unit's weights again (tag "bwd").
     """
     # BEGIN EXERCISE 1.4: the ZeRO-3 gather of a unit
-    # hint: allocate the padded flat buffer, all-gather the shard into it, cut one view per parameter with the offsets; keep no other reference
+    # hint: how large must the one buffer be for every rank's shard to fit, and must the returned tensors be copies or views for dropping them to free it? (Megatron-FSDP: AllGatherPipeline)
     raise NotImplementedError("exercise 1.4")
     # END EXERCISE

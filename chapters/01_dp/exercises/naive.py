@@ -7,6 +7,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
     1.1  gradient averaging  ->  allreduce_gradients()   make grade EX=1.1
     1.5  spot the bug in a gradient-averaging hook  ->  average_gradient_hook()   make grade EX=1.5
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 1.1.
+
 Grade the whole chapter with `make grade CH=01`; start a stub over with
 `make exercises-reset CH=01` (this discards your work in the chapter).
 """
@@ -44,7 +47,7 @@ def allreduce_gradients(model: nn.Module, group, tag: str = "grads") -> None:
                          f"(e.g. {missing[:3]}): run backward first; every rank must all-reduce "
                          "the same tensors in the same order")
     # BEGIN EXERCISE 1.1: gradient averaging
-    # hint: dp = comm.group_size(group); for each p in params: scale p.grad by 1/dp, then comm.all_reduce(p.grad, group, tag=tag) (a sum)
+    # hint: the all-reduce adds up the ranks' gradients: what must each rank do first so that the sum is the mean, and why must every rank make the same calls in the same order? (Megatron: DistributedDataParallel's gradient_scaling_factor)
     raise NotImplementedError("exercise 1.1")
     # END EXERCISE
 

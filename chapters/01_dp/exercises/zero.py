@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     1.3  ZeRO-1's gradient reduce-scatter  ->  reduce_scatter_gradients()   make grade EX=1.3
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 1.3.
+
 Grade the whole chapter with `make grade CH=01`; start a stub over with
 `make exercises-reset CH=01` (this discards your work in the chapter).
 """
@@ -37,6 +40,6 @@ def reduce_scatter_gradients(buckets: list[Bucket], group) -> None:
     rank the parts of the average that only other ranks step with.
     """
     # BEGIN EXERCISE 1.3: ZeRO-1's gradient reduce-scatter
-    # hint: one comm.reduce_scatter_tensor(out, t, group, op=..., tag=...) per bucket; its output is this rank's own slice of its input, and that slice is b.main_grad
+    # hint: which collective leaves each rank only its own slice of the average, and which of the bucket's tensors already is that slice, so that the result lands in place? (Megatron: _ParamAndGradBucketGroup.start_grad_sync)
     raise NotImplementedError("exercise 1.3")
     # END EXERCISE

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     2.3  vocab-parallel cross-entropy  ->  vocab_parallel_loss()   make grade EX=2.3
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 2.3.
+
 Grade the whole chapter with `make grade CH=02`; start a stub over with
 `make exercises-reset CH=02` (this discards your work in the chapter).
 """
@@ -34,7 +37,7 @@ def vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start:
     (contiguous), not a view of the logits.
     """
     # BEGIN EXERCISE 2.3: vocab-parallel cross-entropy
-    # hint: m = all-reduce max of z.amax(-1); the owner gathers z_t - m (others 0), all-reduce sum; S = all-reduce sum of exp(z - m).sum(-1); loss = log S - (z_t - m); softmax = exp(z - m) / S
+    # hint: write the loss with a per-token shift m that keeps exp in range; which [b, s] quantities does each rank hold only a piece of, and which reduction joins each? (Megatron: _VocabParallelCrossEntropy.forward)
     raise NotImplementedError("exercise 2.3")
     # END EXERCISE
     return loss, softmax

@@ -7,6 +7,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
     2.1  the column-parallel linear's backward  ->  column_parallel_linear_backward()   make grade EX=2.1
     2.2  the row-parallel linear's forward  ->  row_parallel_linear_forward()   make grade EX=2.2
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 2.1, 2.2.
+
 Grade the whole chapter with `make grade CH=02`; start a stub over with
 `make exercises-reset CH=02` (this discards your work in the chapter).
 """
@@ -40,7 +43,7 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
     it travels, then wait: communication overlapped with a matmul.
     """
     # BEGIN EXERCISE 2.1: the column-parallel linear's backward
-    # hint: dx = gemm.dgrad(dy, W); handle = all_reduce(dx, group, tag="bwd", async_op=True); dW = gemm.wgrad(dy, x); db = dy summed over all but its last dim; handle.wait()
+    # hint: each rank's dx uses only its rows of W, so it is a partial sum: which collective completes it, and which gradients can you compute while it travels? (Megatron: LinearWithGradAccumulationAndAsyncCommunication.backward)
     raise NotImplementedError("exercise 2.1")
     # END EXERCISE
     return grad_x, grad_weight, grad_bias
@@ -61,6 +64,6 @@ def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: tor
     would be summed tp times.
     """
     # BEGIN EXERCISE 2.2: the row-parallel linear's forward
-    # hint: partial = gemm.linear(x, weight) with NO bias; y = reduce_from_tensor_model_parallel_region(partial, group); add the bias (if any) after
+    # hint: each rank's product holds only its columns' share of y: which of the paper's two operators completes it, and how often would a bias added before it be counted? (Megatron: RowParallelLinear.forward)
     raise NotImplementedError("exercise 2.2")
     # END EXERCISE

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     3.1  the pipeline schedules from the warm-up count  ->  schedule()   make grade EX=3.1
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 3.1.
+
 Grade the whole chapter with `make grade CH=03`; start a stub over with
 `make exercises-reset CH=03` (this discards your work in the chapter).
 """
@@ -41,6 +44,6 @@ def schedule(kind: str, pp_size: int, pp_rank: int, num_microbatches: int, num_c
     "interleaved": num_chunks < 2, pp_size < 2, or num_microbatches not a multiple of pp_size.
     """
     # BEGIN EXERCISE 3.1: the pipeline schedules from the warm-up count
-    # hint: build the forwards and backwards lists first; then w F's, then for k = 0, 1, ...: F of forwards[w + k] and B of backwards[k]; then the B's still owed
+    # hint: the docstring gives w and both orders; the rest is three phases: forwards before the first backward, then pairs, then the backwards still owed. How long is each phase? (Megatron: forward_backward_pipelining_without_interleaving)
     raise NotImplementedError("exercise 3.1")
     # END EXERCISE

@@ -7,6 +7,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
     3.2  the stage partition  ->  stage_layers()   make grade EX=3.2
     3.4  spot the bug in the tied-embedding gradient sync  ->  allreduce_tied_embedding_grads()   make grade EX=3.4
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 3.2.
+
 Grade the whole chapter with `make grade CH=03`; start a stub over with
 `make exercises-reset CH=03` (this discards your work in the chapter).
 """
@@ -44,7 +47,7 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 
     if not 0 <= pp_rank < pp_size or not 0 <= chunk < num_chunks:
         raise ValueError(f"pp_rank={pp_rank}, chunk={chunk} outside pp_size={pp_size}, num_chunks={num_chunks}")
     # BEGIN EXERCISE 3.2: the stage partition
-    # hint: k = chunk * pp + rank; even: n = L // (pp v), layers [k n, (k+1) n); uneven: start = sum of the counts before k
+    # hint: number the virtual stages in the order a micro-batch visits them; where does stage k's first layer sit, given the layers of the stages before it? Refuse a bad split first (Megatron: get_transformer_layer_offset)
     raise NotImplementedError("exercise 3.2")
     # END EXERCISE
 

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     3.3  the bubble formula  ->  bubble_fraction()   make grade EX=3.3
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 3.3.
+
 Grade the whole chapter with `make grade CH=03`; start a stub over with
 `make exercises-reset CH=03` (this discards your work in the chapter).
 """
@@ -21,6 +24,6 @@ def bubble_fraction(kind: str, pp_size: int, num_microbatches: int, num_chunks: 
     with v = num_chunks (1 for "gpipe" and "1f1b"). Same for GPipe and 1F1B.
     """
     # BEGIN EXERCISE 3.3: the bubble formula
-    # hint: the fill and the drain cost (p - 1) forward+backward slots, each of size 1/v of a micro-batch's work; the work is m micro-batches
+    # hint: write both ratios with one quantity: a rank's idle time in units of one micro-batch's forward + backward; how does cutting each stage into v chunks change it? (Narayanan et al. 2021, section 2.2)
     raise NotImplementedError("exercise 3.3")
     # END EXERCISE

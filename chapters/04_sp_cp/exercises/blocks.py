@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     4.1  merge two partial attention results  ->  merge_attention()   make grade EX=4.1
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 4.1.
+
 Grade the whole chapter with `make grade CH=04`; start a stub over with
 `make exercises-reset CH=04` (this discards your work in the chapter).
 """
@@ -30,6 +33,6 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     lse's dtype. Returns (out in out_a's dtype, lse in lse_a's dtype). Exact: merging the
     blocks of a sequence one by one, in any order, gives softmax attention over all of it."""
     # BEGIN EXERCISE 4.1: merge two partial attention results
-    # hint: lse = torch.logaddexp(lse_a, lse_b); weight each out by exp(its lse - lse), unsqueezed on the last dim; sum
+    # hint: in log space the union of two blocks adds their softmax denominators, and each block's output counts by its share of that sum; keep every exponent <= 0 and mind the spec's dtypes (Transformer Engine: flash_attn_fwd_out_correction)
     raise NotImplementedError("exercise 4.1")
     # END EXERCISE

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     4.3  the sequence-parallel column linear's backward  ->  sequence_parallel_linear_backward()   make grade EX=4.3
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 4.3.
+
 Grade the whole chapter with `make grade CH=04`; start a stub over with
 `make exercises-reset CH=04` (this discards your work in the chapter).
 """
@@ -41,7 +44,7 @@ def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor
     all_gather of the [b, s/tp, in] shard and one reduce_scatter of [b, s, in], nothing else.
     """
     # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward
-    # hint: total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather"); dx = reduce_scatter(gemm.dgrad(dy, W), group, dim=SEQUENCE_DIM, tag="bwd"); dW = gemm.wgrad(dy, total); db = dy summed over b and s
+    # hint: the forward gathered the tokens: dW needs every token's input again, and dx is a partial sum of which each rank keeps only its own tokens. Which two collectives, along which dimension? (Megatron: LinearWithGradAccumulationAndAsyncCommunication.backward)
     raise NotImplementedError("exercise 4.3")
     # END EXERCISE
     return grad_x, grad_weight, grad_bias

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     4.2  the zig-zag positions  ->  zigzag_positions()   make grade EX=4.2
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 4.2.
+
 Grade the whole chapter with `make grade CH=04`; start a stub over with
 `make exercises-reset CH=04` (this discards your work in the chapter).
 """
@@ -24,6 +27,6 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> list[int]:
     Example: zigzag_positions(8, 2, 0) == [0, 1, 6, 7]; zigzag_positions(8, 2, 1) == [2, 3, 4, 5].
     """
     # BEGIN EXERCISE 4.2: the zig-zag positions
-    # hint: c = seq_len // (2 * cp_size); chunk i holds positions i*c .. i*c + c - 1; rank r keeps chunk r then chunk 2*cp_size - 1 - r
+    # hint: 2 cp equal chunks; rank r pairs an early chunk (little causal work) with its mirror from the end (much): which chunk mirrors r? Refuse a length that does not cut evenly (Megatron: get_batch_on_this_cp_rank)
     raise NotImplementedError("exercise 4.2")
     # END EXERCISE

@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     5.3  the all-to-all chunk re-sort  ->  sort_chunks_by_expert()   make grade EX=5.3
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 5.3.
+
 Grade the whole chapter with `make grade CH=05`; start a stub over with
 `make exercises-reset CH=05` (this discards your work in the chapter).
 """
@@ -25,6 +28,6 @@ def sort_chunks_by_expert(rows: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     count may be 0 (an empty chunk; even R = 0). The result stays in the autograd graph (the
     rows' gradient flows back through it). The inverse, unsort_chunks_by_expert, is given."""
     # BEGIN EXERCISE 5.3: the all-to-all chunk re-sort
-    # hint: cut rows into its S x E_l chunks (Tensor.split with the counts, source-major), then concatenate them reading the S x E_l grid column by column
+    # hint: each chunk is a run of consecutive rows as long as its count; the answer holds the same chunks in another order: in which order does the spec list the (source, expert) pairs? (Megatron: sort_chunks_by_idxs)
     raise NotImplementedError("exercise 5.3")
     # END EXERCISE

@@ -7,6 +7,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
     5.1  top-k routing, the softmax before or after the choice  ->  topk_routing()   make grade EX=5.1
     5.2  the load-balancing loss  ->  aux_loss()   make grade EX=5.2
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 5.1, 5.2.
+
 Grade the whole chapter with `make grade CH=05`; start a stub over with
 `make exercises-reset CH=05` (this discards your work in the chapter).
 """
@@ -61,7 +64,7 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     # BEGIN EXERCISE 5.1: top-k routing, the softmax before or after the choice
-    # hint: only score_function == "softmax" is left (sigmoid was handled above); pre_softmax: weights, chosen = _topk(torch.softmax(x, dim=-1), topk, num_groups, group_topk); else _topk of the logits x, then softmax over those k values (dim=-1)
+    # hint: the two placements differ in what the choice is made on (logits or probabilities) and in how many values the softmax normalises; group limits act on what the choice is made on (Megatron: topk_routing_with_score_function)
     raise NotImplementedError("exercise 5.1")
     # END EXERCISE
     if scaling_factor is not None:
@@ -92,6 +95,6 @@ def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: 
     of the whole set (Megatron reduces the counts over the tensor x context parallel group)."""
     scores = _scores_for_aux_loss(logits, score_function)                                # [T, E]
     # BEGIN EXERCISE 5.2: the load-balancing loss
-    # hint: c = routing_map.sum(0) (or tokens_per_expert), T = logits.shape[0] (or num_tokens), E = logits.shape[1]; return (scores.sum(0) * c).sum() * coeff * E / (topk * T * T)
+    # hint: which factor carries the gradient and which is an integer count, and whose counts and token number enter when the whole set's are given? (Megatron: switch_load_balancing_loss_func)
     raise NotImplementedError("exercise 5.2")
     # END EXERCISE
