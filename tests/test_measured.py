@@ -4,6 +4,7 @@
 import pytest
 
 from booktools import measured
+from booktools.demo import import_chapter
 from booktools.measured import check_text, format_like, rewrite_text, same_printout
 
 RECORD = {"values": {"loss": 2.8371, "bytes": 1400864, "diff": 1.38e-17, "pct": 13.6},
@@ -73,3 +74,34 @@ def test_every_quoted_number_of_the_chapter_is_its_recorded_one(chapter):
     To fix a failure: `make numbers CH=NN` re-measures the chapter and rewrites the numbers."""
     problems = measured.check_chapter(chapter)
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:40])
+
+
+@pytest.mark.parametrize("chapter", measured.chapters())
+def test_the_recorded_values_are_what_measure_computes_now(chapter):
+    """The values come from the recorded printouts and the package's own functions: computed
+    again from the record, by today's code, they are the recorded ones (a change to the code
+    that moves a quoted number fails here, not silently in the text)."""
+    spec = import_chapter(chapter, "make_figures")
+    record = measured.load_record(chapter)
+    outputs = {run_id: run["output"] for run_id, run in record["runs"].items()}
+    assert set(record["runs"]) == set(spec.RUNS), "the record's runs are not the chapter's RUNS: make numbers CH=" + chapter
+    assert all(record["runs"][r]["command"] == spec.RUNS[r] for r in spec.RUNS), "a RUNS command changed: make numbers"
+    now = spec.measure(outputs)
+    changed = {k: (record["values"].get(k), now.get(k)) for k in set(now) | set(record["values"])
+               if record["values"].get(k) != now.get(k)}
+    assert not changed, f"recorded vs computed now (make numbers CH={chapter}): {changed}"
+
+
+# One cheap recorded run per chapter, run again: its printout must still be the recorded one
+# (words equal, integers equal, other numbers within 1e-3 or both below 1e-4; times ignored).
+RERUN = {"00": "figures", "02": "demo", "03": "demo-1f1b"}
+
+
+@pytest.mark.parametrize("chapter, run_id", sorted(RERUN.items()))
+def test_a_recorded_run_prints_the_same_today(chapter, run_id):
+    record = measured.load_record(chapter)["runs"][run_id]
+    fresh = measured.run_command(record["command"], timeout=600)
+    assert fresh["exit"] == record["exit"], fresh["stderr_tail"]
+    problems = same_printout(record["output"], fresh["output"])
+    assert not problems, (f"{chapter} {run_id} ({record['command']}) no longer prints what the text quotes; "
+                          f"make numbers CH={chapter}:\n" + "\n".join(problems))
