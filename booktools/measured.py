@@ -79,7 +79,7 @@ def format_like(token: str, value: float) -> str:
     decimals = len(m["frac"] or "")
     if m["exp"] is not None:
         mantissa, exponent = f"{value:.{decimals}e}".split("e")
-        sign = "-" if int(exponent) < 0 else "+" if m["exp"].startswith("+") else ""
+        sign = "-" if int(exponent) < 0 else "+" if m["exp"].startswith("+") or int(exponent) == 0 else ""
         text = f"{mantissa}{'e' if 'e' in token else 'E'}{sign}{abs(int(exponent)):0{len(m['exp'].lstrip('+-−'))}d}"
     else:
         text = f"{value:,.{decimals}f}" if m["int"] != m["int"].replace(",", "") else f"{value:.{decimals}f}"
@@ -219,11 +219,11 @@ def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
         del result["stderr_tail"]
         new_runs[run_id] = result
         print(f"      {len(result['output'])} lines in {time.perf_counter() - start:.0f} s", flush=True)
-    outputs = {run_id: r["output"] for run_id, r in new_runs.items()}
-    values = spec.measure(outputs) if hasattr(spec, "measure") else {}
     record = {"chapter": chapter, "recorded": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "runs": new_runs, "values": dict(sorted(values.items()))}
+              "runs": new_runs, "values": record.get("values", {})}
+    save_record(chapter, record)            # the printouts first: a failing measure() loses no run
+    record["values"] = dict(sorted(spec.measure({run_id: r["output"] for run_id, r in new_runs.items()}).items()))
     save_record(chapter, record)
     return record
 
