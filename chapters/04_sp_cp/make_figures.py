@@ -1,7 +1,9 @@
 """The figures of chapter 04 and the numbers the chapter quotes.
 
-    python chapters/04_sp_cp/make_figures.py        # about 3 minutes on 2 cores; writes figures/*.png
+    python chapters/04_sp_cp/make_figures.py        # a minute or a few on 2 cores; writes figures/*.png
     python chapters/04_sp_cp/make_figures.py --formulas-only   # seconds: the first three figures only
+    make numbers CH=04          # reruns RUNS (this script and the demo commands the chapter quotes),
+                                # records their printouts and measure()'s values in measured.json
 
 From the formulas alone (no process started):
   sp_regions.png     one layer under sequence parallelism: its sequence-parallel and
@@ -27,26 +29,37 @@ It also prints the attention memory of the naive core against the flash (sdpa) c
 on one device, and the same under cp = 2 (the CP attention recomputes its scores with either
 backend). It stops with an error (exit 1) if a number differs from its closed form, or a
 measured fraction is further than the stated margin from the ideal cut.
+
+RUNS and measure() at the end are the chapter's record (booktools/measured.py): every number the
+README and the notebook's markdown quote, read off these printouts or computed with the same
+functions, by the key of its <!--m:key--> marker.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import shlex
 import sys
 from collections import Counter
 from pathlib import Path
 
-import os
 import torch
 
+from booktools.demo import import_chapter
+from booktools.measured import grab, parse_number
 from minimegatron import comm
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
-from minimegatron.cp import causal_work_per_rank, get_batch_on_this_cp_rank
+from minimegatron.config import ConfigError, ModelConfig
+from minimegatron.cp import (block_pairs, causal_work_per_rank, cp_chunk_ids, get_batch_on_this_cp_rank,
+                             merge_attention)
 from minimegatron.cp.attention import hierarchical_sizes
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
+from minimegatron.parallel_state import rank_groups
 from minimegatron.parallelize import build_model, unwrap
-from booktools.demo import import_chapter
+from minimegatron.pp import stage_layers
 from minimegatron.train import initialize_layout
 from minimegatron.viz import colour, finish_figure, new_figure
 
@@ -402,6 +415,251 @@ def draw_sequence_parallel_regions(path: str | os.PathLike | None = None):
                              label="tensor-parallel region: all s tokens, a/tp heads or f/tp MLP columns")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1.02), ncol=2, fontsize=8, frameon=False)
     return finish_figure(fig, path)
+
+
+# ---------------------------------------------------------------------------------------
+# the chapter's recorded runs and the numbers its text quotes (booktools/measured.py)
+# ---------------------------------------------------------------------------------------
+DEMO = "python chapters/04_sp_cp/demo.py"
+RUNS = {
+    "figures": "python chapters/04_sp_cp/make_figures.py",                 # §2.7, §3, §5, §6.4's figure
+    # §2.5, §2.6: SP against one device, and its ledgers
+    "tp2": f"{DEMO} --tp 2",
+    "tp2-sp": f"{DEMO} --tp 2 --sp",
+    "tp2-sp-gpt2": f"{DEMO} --tp 2 --sp --style gpt2",
+    "tp2-sp-gpt2-fp32": f"{DEMO} --tp 2 --sp --style gpt2 --dtype float32",
+    "tp4-sp-gpt2": f"{DEMO} --tp 4 --sp --style gpt2",
+    # §6.4: the four cp_comm_types
+    "cp2": f"{DEMO} --cp 2",
+    "cp2-all_gather": f"{DEMO} --cp 2 --cp-comm-type all_gather",
+    "cp2-a2a": f"{DEMO} --cp 2 --cp-comm-type a2a",
+    "cp4": f"{DEMO} --cp 4",
+    "cp4-all_gather": f"{DEMO} --cp 4 --cp-comm-type all_gather",
+    "cp4-a2a-p2p": f"{DEMO} --cp 4 --cp-comm-type a2a+p2p",
+    "cp3-seq48": f"{DEMO} --cp 3 --seq 48",
+    "cp2-fp32": f"{DEMO} --cp 2 --dtype float32",
+    # §7.3: composed with TP, PP and DP
+    "tp2-sp-cp2": f"{DEMO} --tp 2 --sp --cp 2",
+    "cp2-dp2": f"{DEMO} --cp 2 --dp 2",
+    "4d": f"{DEMO} --tp 2 --sp --cp 2 --pp 2 --dp 2 --quick",
+}
+
+
+_EQUIVALENCE = re.compile(r"^\s+(loss|gradients|parameters)\s+max \|diff\| = ([\d.e+-]+)")
+_LEDGER = re.compile(r"^\s+stage (\d+): (\d+) messages, (.*): ")
+_OP_BYTES = re.compile(r"(\w+) ([\d,]+) B")
+
+
+def equivalence(out: list[str]) -> dict[str, float]:
+    """Line [1/4] of a demo's printout: {"dloss", "dgrad", "dparam"}, the largest differences
+    from the single-device run."""
+    names = {"loss": "dloss", "gradients": "dgrad", "parameters": "dparam"}
+    found = {names[m[1]]: parse_number(m[2]) for line in out if (m := _EQUIVALENCE.match(line))}
+    if len(found) != 3:
+        raise ValueError(f"the printout has no complete [1/4] block: {found}")
+    return found
+
+
+def ledger_totals(out: list[str], stage: int = 0) -> dict[str, int]:
+    """Line [2/4] of one pipeline stage: {"messages": n, op: bytes handed in, ...}."""
+    m = next(m for line in out if (m := _LEDGER.match(line)) and int(m[1]) == stage)
+    return {"messages": int(m[2]), **{op: int(parse_number(b)) for op, b in _OP_BYTES.findall(m[3])}}
+
+
+def sent_per_rank(totals: dict[str, int], cp: int, all_to_all_size: int) -> float:
+    """What a CP run's ledger totals put on the wire per rank (comm.ring_traffic: the factor
+    is linear in the bytes, so the totals per op will do; a send is sent once, a recv not)."""
+    size = {"all_to_all": all_to_all_size}
+    return sum(comm.ring_traffic(comm.CommRecord(op, tuple(range(size.get(op, cp))), nbytes, None, ()))
+               for op, nbytes in totals.items() if op != "messages")
+
+
+def demo_run(command: str):
+    """The SeqRun a recorded demo command trains (the demo's own parse_args and build_run)."""
+    args = ch04.parse_args(shlex.split(command)[2:])
+    return ch04.build_run(args, args.dp or 1)
+
+
+def claim(holds: bool, sentence: str) -> None:
+    """A sentence of the text that is a fact about the record, in words ("a quarter")."""
+    if not holds:
+        raise ValueError(f"the chapter says {sentence!r}, which the recorded runs no longer show")
+
+
+def measure_demo_runs(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """Every demo run's quoted lines, as "<run>.<name>": the differences from one device
+    ([1/4]), the ledger of stage 0 ([2/4]: messages, bytes handed in per op, communication
+    steps, bytes sent per rank; SP: the bytes on the wire against TP's), the activations
+    ([3/4]) and the seconds of training (machine-dependent)."""
+    v = {}
+    for run_id, command in RUNS.items():
+        if run_id == "figures":
+            continue
+        out, run = outputs[run_id], demo_run(command)
+        want = ch04.expected_ledger(run)
+        totals = ledger_totals(out)
+        claim(sum(want.values()) == totals["messages"], f"{command} holds the formula's messages")
+        v |= {f"{run_id}.{k}": x for k, x in equivalence(out).items()}
+        v |= {f"{run_id}.{op}": x for op, x in totals.items()}
+        v[f"{run_id}.seconds"] = grab(out, r"trained in ([\d.]+) s")
+        if run.cp > 1 and run.tp == 1 and run.pp == 1:         # §6.4's table: the CP messages alone
+            v[f"{run_id}.steps"] = sum(n for (op, _, _), n in want.items() if op != "recv")   # a ring hop: 2
+            hierarchical = hierarchical_sizes(run.cp, run.comm_type)[0] if run.comm_type == "a2a+p2p" else run.cp
+            v[f"{run_id}.sent"] = sent_per_rank(totals, run.cp, hierarchical)
+        if run.sp:
+            v |= {f"{run_id}.wire_sp": grab(out, r"on the wire .*: SP ([\d,]+) B"),
+                  f"{run_id}.wire_tp": grab(out, r"TP's all-reduces ([\d,]+) B"),
+                  f"{run_id}.wire_regather": grab(out, r"re-gathers of the saved shards: ([\d,]+) B")}
+            if run.model.position_embedding_type == "learned_absolute":
+                v[f"{run_id}.wire_embedding"] = grab(out, r"the embedding's backward all-gather ([\d,]+) B")
+        v |= {f"{run_id}.mem_rank": grab(out, r"this rank ([\d,]+) bytes;"),
+              f"{run_id}.mem_single": grab(out, r"the same on one device ([\d,]+) bytes")}
+        v[f"{run_id}.mem_ratio"] = v[f"{run_id}.mem_single"] / v[f"{run_id}.mem_rank"]
+        if run.tp > 1:
+            v[f"{run_id}.mem_without_sp"] = grab(out, r"without sequence parallelism ([\d,]+) bytes")
+            v[f"{run_id}.sp_saves_pct"] = 100 * (1 - v[f"{run_id}.mem_rank"] / v[f"{run_id}.mem_without_sp"])
+        if run.tp > 1 and run.cp == 1:                          # the paper's count, per layer (no CP in it)
+            tp_bytes = grab(out, r"^\s+TP ([\d,]+) \(ratio")
+            sp_bytes = grab(out, r"TP \+ SP ([\d,]+) \(ratio")
+            v[f"{run_id}.korthikanti_saves_pct"] = 100 * (1 - sp_bytes / tp_bytes)
+    return v
+
+
+def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """Every number of the README and the notebook's markdown that the code computes or the
+    runs measure, by marker key."""
+    figures = outputs["figures"]
+    v = measure_demo_runs(outputs) | measure_questions()
+
+    # §1, §12 Q4 (and the notebook's section 1): Korthikanti's count at GPT-3's shapes, t = 8
+    gpt3 = ModelConfig.gpt2(hidden_size=12288, num_attention_heads=96, num_layers=96, ffn_hidden_size=4 * 12288,
+                            vocab_size=50257, max_position_embeddings=2048)
+    sbh = 2048 * 12288
+    tp8, sp8 = (korthikanti_activation_memory(gpt3, 1, 2048, tp=8, sequence_parallel=sp)["per_layer"]
+                for sp in (False, True))
+    v |= {"gpt3.tp_sbh": tp8 / sbh, "gpt3.replicated_pct": 100 * 10 * sbh / tp8, "gpt3.tp_mb": tp8 / 1e6,
+          "gpt3.sp_mb": sp8 / 1e6, "gpt3.sp_less_pct": 100 * (1 - sp8 / tp8)}
+
+    # §2.6: where the 57 messages of --tp 2 --sp come from (the formula the ledger equals)
+    for run_id in ("tp2-sp", "tp2-sp-gpt2"):
+        want = ch04.expected_ledger(demo_run(RUNS[run_id]))
+        for op in ("all_gather", "reduce_scatter", "all_reduce"):
+            v[f"{run_id}.{op}_calls"] = sum(n for (o, _, _), n in want.items() if o == op)
+        v[f"{run_id}.sp_grads_bytes"] = next(b for (_, tag, b) in want if tag == "sp-grads")
+    loss = Counter({k: n for k, n in ch04.expected_ledger(demo_run(RUNS["tp2-sp"])).items()
+                    if k[0] == "all_reduce" and k[1] == "fwd"})             # under SP only the loss all-reduces
+    v["tp2-sp.loss_wire"] = ch04.wire_bytes(loss, 2)
+    claim(abs(v["tp2-sp.wire_regather"] / v["tp2-sp.wire_sp"] - 0.25) < 0.01, "the re-gathers add a quarter")
+
+    # §2.7: make_figures' TP and TP + SP activations, and Korthikanti's fractions for its shapes
+    v["tp_memory.single"] = grab(figures, r"GPT-2 style tiny model.*single device ([\d,]+) bytes")
+    cfg = ch04.tiny_model("gpt2", "float64")
+    for tp in (2, 4):
+        tp_bytes = grab(figures, rf"^  tp={tp}: TP ([\d,]+) B")
+        sp_bytes = grab(figures, rf"^  tp={tp}: .*TP\+SP ([\d,]+) B")
+        v |= {f"tp_memory.tp{tp}": tp_bytes, f"tp_memory.tp{tp}_fraction": tp_bytes / v["tp_memory.single"],
+              f"tp_memory.tp{tp}_sp": sp_bytes, f"tp_memory.tp{tp}_sp_fraction": sp_bytes / v["tp_memory.single"],
+              f"tp_memory.tp{tp}_sp_saves_pct": 100 * (1 - sp_bytes / tp_bytes),
+              f"korthikanti.tp{tp}": ratio_korthikanti(cfg, 2, 64, tp, False),
+              f"korthikanti.tp{tp}_sp": ratio_korthikanti(cfg, 2, 64, tp, True)}
+        claim(abs(v[f"tp_memory.tp{tp}_sp_fraction"] * tp - 1) < 0.01, "with SP a rank holds 1/tp to within 1%")
+
+    # §3: make_figures' CP activations at s = 4096, and the naive core against sdpa at s = 1024
+    v["cp_memory.single"] = grab(figures, r"CP at s = \d+ .*single device ([\d,]+) bytes")
+    for cp in (2, 4):
+        v[f"cp_memory.cp{cp}"] = grab(figures, rf"^  cp={cp}: per rank ([\d,]+) B")
+        v[f"cp_memory.cp{cp}_ratio"] = v["cp_memory.single"] / v[f"cp_memory.cp{cp}"]
+    v |= {"core.naive_one": grab(figures, r"one device: naive ([\d,]+) B"),
+          "core.sdpa_one": grab(figures, r"one device: naive [\d,]+ B, sdpa ([\d,]+) B"),
+          "core.naive_cp2": grab(figures, r"cp = 2, per rank: naive ([\d,]+) B"),
+          "core.sdpa_cp2": grab(figures, r"cp = 2, per rank: naive [\d,]+ B, sdpa ([\d,]+) B")}
+    llama = ch04.tiny_model("llama", "float32")
+    v["core.scores_bytes"] = llama.num_layers * 1 * llama.num_attention_heads * 1024 * 1024 * 4   # L b a s^2 fp32
+    v["core.difference"] = v["core.naive_one"] - v["core.sdpa_one"]
+    v["core.difference_over_scores"] = v["core.difference"] / v["core.scores_bytes"]
+
+    # §5: the causal work per rank at s = 4096, counted, and the closed form of the contiguous max/mean
+    for cp in CP_SIZES:
+        contiguous, zigzag = causal_work_per_rank(SEQ, cp, False), causal_work_per_rank(SEQ, cp, True)
+        c = SEQ // (2 * cp)
+        claim(len(set(zigzag)) == 1, "zig-zag gives every rank the same work")
+        v |= {f"balance.cp{cp}.formula": (4 * cp * c - 2 * c + 1) / (2 * cp * c + 1),
+              f"balance.cp{cp}.first": contiguous[0], f"balance.cp{cp}.last": contiguous[-1],
+              f"balance.cp{cp}.counted": max(contiguous) / (sum(contiguous) / cp),
+              f"balance.cp{cp}.zigzag": zigzag[0], f"balance.cp{cp}.zigzag_ratio": max(zigzag) / (sum(zigzag) / cp)}
+
+    # §6.4: the table's bytes for the demo's runs (4 attention calls: 2 layers x 2 micro-batches)
+    for run_id in ("cp2", "cp2-all_gather", "cp2-a2a", "cp4", "cp4-all_gather", "cp4-a2a-p2p", "cp3-seq48",
+                   "cp2-fp32", "4d"):
+        run = demo_run(RUNS[run_id])
+        t, m = run.train, run.model
+        e = torch.empty((), dtype=m.dtype).element_size()
+        s_r = t.seq_length // run.cp
+        kv = t.micro_batch_size * (m.query_groups // run.tp) * s_r * m.kv_channels * e
+        q = t.micro_batch_size * (m.num_attention_heads // run.tp) * s_r * m.kv_channels * e
+        fwd, bwd, _ = closed_form(run.comm_type, run.cp, kv, q)
+        v |= {f"{run_id}.kv": kv, f"{run_id}.kv_times_cp": kv * run.cp,
+              f"{run_id}.table": (fwd + bwd) * len(stage_layers(m.num_layers, run.pp, 0)) * t.grad_accum_steps}
+    try:
+        demo_run(f"{DEMO} --cp 4 --cp-comm-type a2a")
+        claim(False, "--cp 4 --cp-comm-type a2a is refused")
+    except ConfigError as error:
+        claim("--cp 4" in str(error) and "2 key/value groups" in str(error), "the error names both numbers")
+    # ... and the ring against the all-to-all, forward bytes cp g / (a + g) (§6.4, the notebook's section 7)
+    ratio = {(a, g): [cp * g / (a + g) for cp in range(2, 9)] for a, g in ((32, 8), (32, 32))}
+    v["ring_a2a.gqa_ring_less_below"] = next(cp for cp, r in zip(range(2, 9), ratio[32, 8]) if r >= 1)
+    v["ring_a2a.mha_a2a_less_from"] = next(cp for cp, r in zip(range(2, 9), ratio[32, 32]) if r > 1)
+
+    # §7.1 and §12 Q9: the groups of rank 13 and rank 6 on 16 ranks, tp = cp = dp = pp = 2
+    groups = rank_groups(16, tp=2, pp=2, cp=2)
+    def group_of(kind: str, rank: int) -> list[int]:
+        return next(g for g in groups[kind] if rank in g)
+    claim([group_of(k, 13) for k in ("tp", "cp", "dp", "dp-cp", "pp", "tp-cp")]
+          == [[12, 13], [13, 15], [9, 13], [9, 11, 13, 15], [5, 13], [12, 13, 14, 15]], "rank 13's groups")
+    claim(group_of("dp-cp", 6) == [0, 2, 4, 6] and group_of("cp", 6) == [4, 6]
+          and group_of("tp-cp", 6) == [4, 5, 6, 7] and group_of("pp", 6) == [6, 14], "rank 6's groups")
+
+    return {key: int(x) if float(x).is_integer() else float(x) for key, x in v.items()}
+
+
+def measure_questions() -> dict[str, float]:
+    """The answers of README §12 and of the notebook's questions and cells that the code computes."""
+    v = {}
+    # §12 Q2 (and the notebook's Q2): TP 4, b = 1, s = h = 4096, bf16, one layer's forward
+    MiB, tp = 2**20, 4
+    x = 4096 * 4096 * 2
+    def sent(op, nbytes):
+        return comm.ring_traffic(comm.CommRecord(op, tuple(range(tp)), nbytes, None, ())) / MiB
+    v |= {"q2.bshe_mib": x / MiB, "q2.tp_handed_mib": 2 * x / MiB, "q2.tp_sent_mib": 2 * sent("all_reduce", x),
+          "q2.sp_handed_mib": (2 * x // tp + 2 * x) / MiB,
+          "q2.sp_sent_mib": 2 * sent("all_gather", x // tp) + 2 * sent("reduce_scatter", x),
+          "q2.regather_mib": 2 * sent("all_gather", x // tp)}
+
+    # §12 Q5 (the notebook's Q1): merge_attention of lse 2.0 and 0.0
+    one, zero = torch.ones(1, 1, 1, 1, dtype=torch.float64), torch.zeros(1, 1, 1, 1, dtype=torch.float64)
+    lse_a, lse_b = torch.full((1, 1, 1), 2.0, dtype=torch.float64), torch.zeros(1, 1, 1, dtype=torch.float64)
+    weight_a, lse = merge_attention(one, lse_a, zero, lse_b)         # out_a = 1, out_b = 0: out is A's weight
+    weight_b, _ = merge_attention(zero, lse_a, one, lse_b)
+    v |= {"q5.lse": lse.item(), "q5.weight_a": weight_a.item(), "q5.weight_b": weight_b.item()}
+
+    # the notebook's own cells: the CP shapes of section 7 (one layer, one micro-batch, b = 1,
+    # a = 8, g = 4, s = 16, cp = 4), the lockstep ring of section 5, Q3
+    one_layer = ch04.tiny_model(num_layers=1, num_attention_heads=8, num_query_groups=4)
+    nb_run = ch04.make_run(one_layer, cp=4, cp_comm_type="a2a", micro_batches=1, micro_batch_size=1, seq=16)
+    sizes = [b for (op, tag, b) in ch04.expected_ledger(nb_run) if op == "all_to_all" and tag == "fwd"]
+    v |= {"nb.kv_bytes": min(sizes), "nb.q_bytes": max(sizes)}      # the all-to-alls of q, k, v, out
+    v["nb.lockstep_contiguous"] = lockstep_over_ideal(4, False)
+    v["q3.contiguous_ratio"] = ch04.load_balance((4,), 4096)[0][1]
+    return v
+
+
+def lockstep_over_ideal(cp: int, load_balance: bool, c: int = 64) -> float:
+    """The notebook's section 5: the ring's time in lockstep (the busiest rank's scores at every
+    step, from block_pairs) over the balanced time (the mean rank's scores)."""
+    ids = [cp_chunk_ids(cp, r, load_balance) for r in range(cp)]
+    steps = [[sum(c * (c + 1) // 2 if causal else c * c for _, _, causal in block_pairs(ids[r], ids[(r - t) % cp]))
+              for r in range(cp)] for t in range(cp)]
+    return sum(max(step) for step in steps) / (sum(map(sum, steps)) / cp)
 
 
 def main(argv=None) -> int:
