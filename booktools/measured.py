@@ -100,22 +100,26 @@ def numbers_of(line: str) -> list[str]:
 
 
 def skeleton(line: str) -> str:
-    """The line with every number replaced by '#': what must not change between two runs."""
-    return _NUMBER.sub("#", line.rstrip())
+    """The line with every number replaced by '#' and runs of spaces by one (columns widen with
+    their numbers): what must not change between two runs."""
+    return re.sub(r"\s+", " ", _NUMBER.sub("#", line.strip()))
 
 
-def same_printout(recorded: list[str], fresh: list[str], rtol: float = 1e-3, noise: float = 1e-4) -> list[str]:
+def same_printout(recorded: list[str], fresh: list[str], rtol: float = 1e-3, noise: float = 1e-4,
+                  machine: str | None = None) -> list[str]:
     """Differences between a recorded printout and a fresh run of the same command, one string
     each (empty: the same). The words must be the same; integers equal; other numbers within
     rtol, or both below `noise` (differences between two runs of floating-point sums, which the
-    demos' own tolerances judge); numbers on machine-dependent lines (MACHINE_DEPENDENT) are skipped."""
+    demos' own tolerances judge); numbers on machine-dependent lines (MACHINE_DEPENDENT, or the
+    chapter's own pattern `machine`: a timing table's rows) are skipped."""
+    timing = re.compile(MACHINE_DEPENDENT.pattern + (f"|{machine}" if machine else ""))
     problems = []
     if len(recorded) != len(fresh):
         problems.append(f"{len(recorded)} recorded lines, {len(fresh)} printed now")
     for i, (old, new) in enumerate(zip(recorded, fresh)):
         if skeleton(old) != skeleton(new):
             problems.append(f"line {i + 1}: recorded {old.strip()!r}, printed {new.strip()!r}")
-        elif not MACHINE_DEPENDENT.search(old):
+        elif not timing.search(old):
             for a, b in zip(numbers_of(old), numbers_of(new)):
                 x, y = parse_number(a), parse_number(b)
                 exact = "." not in a and "e" not in a.lower()

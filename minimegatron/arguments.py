@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from typing import Any, Iterable
@@ -203,7 +204,8 @@ NOT_IN_BOOK: dict[str, str] = {
     "--fp8-format": "not implemented in this book yet (chapter 06)",
     "--recompute-activations": "activation recomputation is not implemented in this book yet (chapter 06)",
     "--recompute-granularity": "activation recomputation is not implemented in this book yet (chapter 06)",
-    "--use-flash-attn": "fused attention kernels come in chapter 06; --attention-backend picks the book's",
+    "--use-flash-attn": "not in this book, and legacy in Megatron-LM, where nothing reads it any more (its "
+                        "--attention-backend chooses the kernel); here --attention-backend picks the book's",
     "--num-layers-per-virtual-pipeline-stage": "not in this book: give --num-virtual-stages-per-pipeline-rank",
     "--kv-channels": "not in this book: the head size is always hidden_size / num_attention_heads",
     "--tokenizer-type": "not in this book: --tokenizer byte or --tokenizer PATH.json chooses the tokenizer",
@@ -367,8 +369,8 @@ def parse_command_line(argv: Iterable[str] | None = None,
         train_cfg = _apply_global_batch_size(train_cfg, cli["global_batch_size"], world_size,
                                              "grad_accum_steps" in given)
     minutes = cli["distributed_timeout_minutes"]
-    if not minutes > 0:
-        raise ConfigError(f"distributed_timeout_minutes={minutes} must be positive")
+    if not 0 < minutes < math.inf:                      # nan fails both comparisons
+        raise ConfigError(f"distributed_timeout_minutes={minutes} must be a positive, finite number of minutes")
     return model_cfg, train_cfg, cli
 
 

@@ -26,12 +26,21 @@ Safety rules:
     file ... will start from random"); a `latest` that is empty or names a missing file is
     an error;
   - loaded with `torch.load(weights_only=True)`: tensors, numbers, strings and containers
-    only, never code from a pickle.
+    only, never code from a pickle;
+  - one run at a time writes a directory: rank 0 of a run that saves holds its lock file
+    (lock_save_dir), which names the owner, so a second run is refused by name;
+  - every rank of a resume agrees on the load before anything else runs (all_ranks_agree):
+    a truncated or missing file of one rank ends the job in seconds, naming the file, instead
+    of leaving the other ranks to wait for it in their first collective until the timeout.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,11 +48,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import comm
+
+try:                                  # POSIX (Linux, macOS); elsewhere save directories are not locked
+    import fcntl
+except ImportError:                   # pragma: no cover
+    fcntl = None
+
 FORMAT = "minimegatron-checkpoint-v1"
+LOCK_FILE = "minimegatron.lock"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or from another model."""
+
+
+def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
+    """The error for a checkpoint file torch.load could not read: its size and the reason
+    (a 0-byte file makes torch raise with an empty message)."""
+    size = path.stat().st_size if path.exists() else 0
+    if size == 0:
+        why = "the file is empty (0 bytes): its save was cut short, or the disk was full"
+    else:
+        why = f"{type(exc).__name__}: {str(exc).strip() or 'no message'} (the file has {size:,} bytes: truncated or not a checkpoint?)"
+    return CheckpointError(f"cannot read checkpoint {path}: {why}")
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -122,7 +150,7 @@ def load_checkpoint(path: str | os.PathLike, *, model_config: dict[str, Any] | N
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated or foreign file: say which, keep the cause
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        raise _unreadable(path, exc) from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file")
     if model_config is not None:
@@ -156,7 +184,122 @@ def load_rank_state(directory: str | os.PathLike, step: int, rank: int) -> dict[
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-    if state.get("format") != FORMAT or state.get("rank") != rank:
+        raise _unreadable(path, exc) from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("rank") != rank:
         raise CheckpointError(f"{path} is not rank {rank}'s {FORMAT} file")
     return state
+
+
+# ---------------------------------------------------------------------------------------
+# every rank agrees
+# ---------------------------------------------------------------------------------------
+AGREE_BYTES = 2048                    # of each rank's error message (longer ones are cut)
+
+
+def all_ranks_agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank of the world when `error` happened on any rank; return on every
+    rank when it happened on none. `error` is this rank's (None: it succeeded at `what`).
+
+    Why: a rank that fails alone leaves the world; the others go on into their next
+    collective and wait there for it until the timeout (a minute, ten in Megatron), and end
+    with gloo's errors, which do not name the file. Called where ranks may fail apart (each
+    reads its own checkpoint file), it turns one rank's error into every rank's, at once.
+
+    One collective over the world: comm.all_gather of AGREE_BYTES of each rank's message
+    (tag "agree"). Every rank then raises the same CheckpointError: the message itself when
+    every rank failed with the same one, else each failed rank's message, by rank; so
+    launch.print_once prints it once. Without a process group, `error` is raised as it is."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    if error is None:
+        text = ""                                         # all zeros: this rank succeeded
+    elif isinstance(error, CheckpointError):
+        text = str(error) or "CheckpointError"
+    else:
+        text = f"{type(error).__name__}: {error}"
+    data = text.encode()[:AGREE_BYTES]
+    mine = torch.zeros(AGREE_BYTES, dtype=torch.uint8)
+    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    rows = comm.all_gather(mine, None, tag="agree").view(-1, AGREE_BYTES)
+    failed = {r: bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(rows)
+              if bool(row.any())}
+    if not failed:
+        return
+    if len(failed) == len(rows) and len(set(failed.values())) == 1:
+        message = next(iter(failed.values()))
+    else:
+        message = f"{what} failed on {len(failed)} of {len(rows)} ranks: " + \
+                  "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+    raise CheckpointError(message) from error
+
+
+# ---------------------------------------------------------------------------------------
+# one run writes a directory
+# ---------------------------------------------------------------------------------------
+class SaveDirLock:
+    """The lock of a save directory (lock_save_dir). `previous`: what the lock file said when
+    it was taken, when its owner had not released it (it was killed), else None."""
+
+    def __init__(self, file, path: Path, previous: dict | None):
+        self.file, self.path, self.previous = file, path, previous
+
+    def release(self) -> None:
+        """Empty the lock file (a released lock names nobody) and unlock it."""
+        if self.file is None:
+            return
+        self.file.truncate(0)
+        self.file.flush()
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+        self.file = None
+
+
+def _owner(text: str) -> dict | None:
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        return {"pid": "?", "host": "?", "started": "?", "command": text.strip()[:200]}
+
+
+def _describe(owner: dict) -> str:
+    return (f"pid {owner.get('pid')} on host {owner.get('host')}, started {owner.get('started')} "
+            f"({owner.get('command')})")
+
+
+def lock_save_dir(directory: str | os.PathLike) -> SaveDirLock:
+    """Take the lock of `directory` (created if needed) for this process, the one of its run
+    that writes `latest`; CheckpointError naming the owner when another process holds it.
+
+    The lock is an exclusive flock(2) on `directory`/minimegatron.lock, and the file says who
+    holds it (pid, host, start time, command line). The kernel releases a flock when its
+    holder dies, however it dies: a lock file whose owner was killed is stale by construction,
+    and is taken over (`previous` says whose it was). That is the test "is the owner's pid
+    alive", done by the kernel, without its two flaws: a pid the system gave to another
+    process since, and an owner on another host. Two runs writing one directory would
+    otherwise mix their files: `latest` of one naming the iteration of the other, or
+    `remove_stale_temporaries` deleting a file the other is writing."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    if fcntl is None:                                    # pragma: no cover
+        return SaveDirLock(None, path, None)
+    file = open(path, "a+")                              # created if missing; never truncated by opening
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        file.seek(0)
+        owner = _owner(file.read()) or {"pid": "?", "host": "?", "started": "?", "command": "?"}
+        file.close()
+        raise CheckpointError(f"save_dir {directory} is being written by another run: {_describe(owner)}; two "
+                              f"runs saving into one directory would mix their checkpoints: wait for that run to "
+                              f"end, stop it, or give another --save") from None
+    file.seek(0)
+    previous = _owner(file.read())
+    file.truncate(0)
+    file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "command": " ".join(sys.argv)[:300]}) + "\n")
+    file.flush()
+    return SaveDirLock(file, path, previous)

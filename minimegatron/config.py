@@ -9,7 +9,10 @@ field and the numbers, e.g.
 
     ConfigError: hidden_size=100 is not divisible by num_attention_heads=3
 
-Validation runs before any process is spawned or any tensor allocated.
+Validation runs before any process is spawned or any tensor allocated. Every float field
+must first be a finite number (`check_finite`): an infinite learning rate or loss weight
+used to train to NaN and exit 0, an infinite capacity factor to raise OverflowError deep in
+the router.
 """
 
 from __future__ import annotations
@@ -33,6 +36,18 @@ def dtype_from_name(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"dtype={name!r} is not one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def check_finite(cfg: Any) -> None:
+    """ConfigError naming the first float field of the dataclass `cfg` that is inf or nan.
+
+    Every range check after this one may then compare numbers as numbers: nan fails every
+    comparison (so `nan > 0` is refused as "must be positive", but `not nan < 0` would pass),
+    and inf passes every "must be positive" and ">= 0" check while training to NaN."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name}={value} must be a finite number")
 
 
 @dataclass
@@ -141,6 +156,7 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(msg)
 
+        check_finite(self)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
@@ -170,7 +186,7 @@ class ModelConfig:
         # and a negative std is no standard deviation (it used to be taken silently)
         for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
             value = getattr(self, name)
-            need(value > 0 and math.isfinite(value), f"{name}={value} must be positive")
+            need(value > 0, f"{name}={value} must be positive")
         for name in ("hidden_dropout", "attention_dropout"):
             need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
         need(self.ffn_size > 0, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
@@ -263,10 +279,14 @@ class TrainConfig:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def validate(self, model: ModelConfig | None = None) -> "TrainConfig":
+        """ConfigError naming the field and the numbers for any value that cannot train; with
+        the `model`, also what depends on it (the sequence length, the largest learning rate
+        AdamW can take in the model's dtype: adamw_step_bound)."""
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ConfigError(msg)
 
+        check_finite(self)
         for name in ("seq_length", "micro_batch_size", "grad_accum_steps", "train_iters"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
         need(self.lr > 0, f"lr={self.lr} must be positive")
@@ -304,7 +324,30 @@ class TrainConfig:
             need(self.seq_length <= model.max_position_embeddings,
                  f"seq_length={self.seq_length} is longer than "
                  f"max_position_embeddings={model.max_position_embeddings}")
+            adamw_step_bound(self, model.dtype)
         return self
+
+
+def adamw_step_bound(cfg: TrainConfig, dtype: torch.dtype) -> None:
+    """ConfigError when torch's AdamW cannot take cfg.lr for parameters of `dtype`.
+
+    The bound is AdamW's own, not a taste: each step adds exp_avg / denom times the step size
+    lr / (1 - adam_beta1^t) to the parameters, and torch raises "value cannot be converted to
+    type float without overflow" when that scalar exceeds the largest number of the dtype the
+    addition computes in (float32 for float32 and bfloat16 parameters: 3.4e38; float64 for
+    float64 ones, where it would instead overflow to an infinite step and NaN). It is largest
+    at the first step, t = 1: lr / (1 - adam_beta1). Below the bound a huge lr is accepted; it
+    trains to a non-finite loss, which the training loop stops, naming the iteration
+    (train.check_finite_step). (Measured with torch 2.13: the weight decay's factor
+    1 - lr x weight_decay is not checked; it makes the parameters infinite, caught the same way.)"""
+    compute = torch.promote_types(dtype, torch.float32)
+    name, biggest = str(compute).replace("torch.", ""), torch.finfo(compute).max
+    first_step = cfg.lr / (1.0 - cfg.adam_beta1)
+    if not first_step <= biggest:
+        raise ConfigError(f"lr={cfg.lr} is too large for AdamW: its first step moves a parameter by up to "
+                          f"lr / (1 - adam_beta1={cfg.adam_beta1}) = {first_step:.3g}, more than the largest "
+                          f"{name} number {biggest:.3g} (torch raises 'value cannot be converted to type float "
+                          f"without overflow'); lr must be at most {biggest * (1.0 - cfg.adam_beta1):.3g}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -322,4 +365,4 @@ def from_dict(cls: type, values: dict[str, Any]) -> Any:
 
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "to_dict",
-           "from_dict", "dtype_from_name", "DTYPES"]
+           "from_dict", "dtype_from_name", "check_finite", "adamw_step_bound", "DTYPES"]

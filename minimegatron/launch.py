@@ -17,8 +17,15 @@ thing on a laptop, from inside Python, many times per test run. Two entry points
 
 ``finish_torchrun(status)``
     the last line of every ``torchrun`` entry (the chapter demos, through
-    ``testing.verdict_under_torchrun``, and ``minimegatron.train.main``): leaves the job so that
-    the process exits with ``status``, never with a crash while Python shuts down.
+    ``booktools.demo.verdict_under_torchrun``, and ``minimegatron.train.main``): leaves the job
+    so that the process exits with ``status``, never with a crash while Python shuts down.
+
+``print_once(message)``
+    an error every rank found (a configuration that cannot run) printed once for the whole
+    job, not once per rank.
+
+Every rank started by either entry dies with its launcher and sends a heartbeat that names
+it when it hangs (watchdog.py).
 
 How the ranks find each other (rendezvous). The parent hosts a ``torch.distributed.TCPStore``
 on port 0, so the operating system picks a free port while the socket is already bound: there
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import builtins
 import gc
+import hashlib
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -48,7 +56,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "spawn", "init_from_torchrun", "finish_torchrun", "gloo_threads",
+from . import watchdog
+
+__all__ = ["RankError", "spawn", "init_from_torchrun", "finish_torchrun", "print_once", "gloo_threads",
            "free_port"]
 
 LOOPBACK = "127.0.0.1"
@@ -115,12 +125,14 @@ def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
     from the failures it caused in other ranks.
     """
     torch.set_num_threads(1)  # first thing: 2 cores are shared by all ranks
+    watchdog.die_with_parent()  # a killed test or notebook takes its ranks with it
     try:
         fn, args, kwargs = pickle.loads(payload)  # imports fn's module: may fail, reported
         timeout = timedelta(seconds=collective_timeout)
         store = dist.TCPStore(LOOPBACK, store_port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
+        watchdog.start_heartbeat()
         result = fn(*args, **kwargs)
         conn.send(("ok", time.time(), _dumps(result)))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
@@ -137,6 +149,7 @@ def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
     # Success. Wait for the others before closing our sockets, so that no peer is still
     # reading from us when we go; then tear the process group down.
     try:
+        watchdog.stop_heartbeat()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -338,9 +351,12 @@ def init_from_torchrun(timeout: float = 60.0, device: str = "cpu") -> tuple[int,
 
     Reads RANK and WORLD_SIZE (set by torchrun) and uses the env:// rendezvous at
     MASTER_ADDR:MASTER_PORT, with ``timeout`` seconds per collective instead of the default
-    30 minutes. Run as a plain ``python script.py`` (no RANK in the environment) it makes a
-    one-process world in memory, so every demo also runs without torchrun. Calling it again
-    once the group exists just returns the rank and world size.
+    30 minutes. Under torchrun the rank also dies with torchrun (watchdog.die_with_parent:
+    killing torchrun, even with SIGKILL, leaves no rank training and writing checkpoints) and
+    sends a heartbeat (watchdog.start_heartbeat: a hang names the rank that did not arrive).
+    Run as a plain ``python script.py`` (no RANK in the environment) it makes a one-process
+    world in memory, so every demo also runs without torchrun. Calling it again once the
+    group exists just returns the rank and world size.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -354,7 +370,9 @@ def init_from_torchrun(timeout: float = 60.0, device: str = "cpu") -> tuple[int,
         lo = _loopback_interface()
         if os.environ.get("MASTER_ADDR") in (LOOPBACK, "localhost") and lo is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)  # one machine: stay on loopback
+        watchdog.die_with_parent()
         dist.init_process_group(backend, init_method="env://", timeout=td)
+        watchdog.start_heartbeat()
     else:
         # No launcher: a world of one, rendezvous in this process's memory (no port needed).
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -382,12 +400,17 @@ def gloo_threads() -> int:
     return count
 
 
-def finish_torchrun(status: int = 0) -> int:
+def finish_torchrun(status: int = 0, *, world_broken: bool = False) -> int:
     """The end of a ``torchrun`` entry, on every rank: leave the job; return ``status``.
 
     Call it last, on every rank, once the run's result is decided, and exit with what it
     returns (``sys.exit(main())``). Safe without a process group (it then only forgets the
     model-parallel groups).
+
+    ``world_broken=True`` (a collective failed or timed out, or an error that other ranks may
+    not have seen): no barrier, which could only wait for the timeout again; flush stdout and
+    stderr and end the process with ``os._exit(status)`` at once. torchrun then stops the
+    other ranks, so the job ends within a second of the report.
 
     Why it exists (issue 11). A gloo ProcessGroup owns threads: two workers that run its
     collectives and the event loop of its network device. They stop only when the
@@ -404,6 +427,7 @@ def finish_torchrun(status: int = 0) -> int:
     MATCH. torch's own ``destroy_process_group`` says the same of completion hooks.
 
     What it does, in order:
+      0. stop this rank's heartbeat thread (watchdog.py), for the same reason;
       1. ``parallel_state.destroy_model_parallel()``: forget the model-parallel groups;
       2. a barrier on the world group, so that no peer still talks to us (a barrier that
          fails, e.g. a peer died, is printed and the status becomes 1 if it was 0);
@@ -417,6 +441,11 @@ def finish_torchrun(status: int = 0) -> int:
     """
     from . import parallel_state                        # here: parallel_state does not need us
 
+    watchdog.stop_heartbeat()                           # its thread too must end before shutdown
+    if world_broken:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     parallel_state.destroy_model_parallel()
     had_group = dist.is_initialized()
     if had_group:
@@ -435,3 +464,32 @@ def finish_torchrun(status: int = 0) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
+
+
+def print_once(message: str, *, key: str | None = None, file=None) -> bool:
+    """Print `message` once for the whole job, whichever rank gets there first; return
+    whether this rank printed it.
+
+    For an error every rank finds (a configuration that cannot run, a checkpoint every rank
+    agreed it cannot load): each rank calls it, then every rank exits with the same status
+    (``return finish_torchrun(2)``), so the job prints one line instead of one per rank.
+    Without a launcher (no RANK in the environment) it just prints. Under torchrun or
+    launch.spawn the first rank to add 1 to the store key minimegatron/print-once/<key>
+    prints (key: by default a digest of the message, so each distinct message is printed
+    once); this works before the process group exists under torchrun (its agent hosts the
+    store) and after a collective has failed. Where no store can be reached, rank 0 prints.
+    The first to arrive prints, rather than rank 0 always, because torchrun stops every rank
+    as soon as one exits with an error: rank 0 could be stopped before it printed."""
+    file = sys.stderr if file is None else file
+    rank = os.environ.get("RANK")
+    first = rank is None
+    if not first:
+        store = watchdog.job_store()
+        key = key or hashlib.sha1(message.encode()).hexdigest()
+        try:
+            first = store.add(f"minimegatron/print-once/{key}", 1) == 1
+        except Exception:                                # noqa: BLE001 - no store (None) or it failed
+            first = rank == "0"
+    if first:
+        print(message, file=file, flush=True)
+    return first

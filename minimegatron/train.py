@@ -6,6 +6,7 @@
     python -m minimegatron.train --data-path build/mydata/corpus --tokenizer tok.json ...
     python -m minimegatron.train --preset tiny --save runs/ckpt --save-interval 10
     python -m minimegatron.train --preset tiny --load runs/ckpt       # exact resume
+    python -m minimegatron.train --preset tiny --load runs/ckpt --save runs/ckpt --train-iters 80   # extend it
     python -m minimegatron.train --help                               # every flag, by group
     torchrun --standalone --nproc_per_node=2 -m minimegatron.train --zero-stage 1   # chapter 01
     torchrun --standalone --nproc_per_node=4 -m minimegatron.train --tensor-model-parallel-size 2  # 02
@@ -32,12 +33,21 @@ One step (`train_step`, Megatron's train_step), the same code on every layout:
 
 The data order, the learning rate and the dropout RNG are functions of the step number and
 of state saved in the checkpoint, so a run resumed at step k repeats the uninterrupted run's
-losses bit for bit.
+losses bit for bit. A larger --train-iters extends a run instead: the learning-rate schedule
+is then recomputed for the new length, and the resume says so (resume.py).
+
+What stops a run, on every rank together, named once (main): a configuration that cannot
+run, a checkpoint that cannot be resumed (a missing or truncated file of any rank: the ranks
+agree on the load first), a save directory another run is writing (its lock names the owner),
+a loss or gradient norm that is not finite (naming the iteration), a collective that times
+out (naming the ranks that did not arrive, from their heartbeats: watchdog.py). Killing
+torchrun kills its ranks (watchdog.die_with_parent).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from contextlib import nullcontext
@@ -50,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import parallel_state
-from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_rank_state, save_checkpoint,
+from .checkpoint import (CheckpointError, all_ranks_agree, latest_checkpoint, lock_save_dir, save_checkpoint,
                          save_rank_state)
 from .comm import all_reduce, barrier
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
@@ -58,7 +68,7 @@ from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_
                    train_valid_split)
 from .dp import local_tensors, no_sync
 from .arguments import parse_command_line
-from .launch import finish_torchrun, init_from_torchrun
+from .launch import finish_torchrun, init_from_torchrun, print_once
 from .model import finalize_model_grads
 from .model.moe import set_moe_aux_loss_scale
 from .optim import Optimizer, learning_rate, set_learning_rate
@@ -67,7 +77,9 @@ from .parallelize import build_model, build_optimizer, full_model_tensors, layou
 from .cp import get_batch_on_this_cp_rank
 from .cp.attention import hierarchical_sizes
 from .pp import PipelineComm, evaluate_pipelining, forward_backward_pipelining
+from .resume import RESUME_MUST_MATCH, check_resume_config, load_for_resume  # noqa: F401 (they lived here)
 from .tp import get_rng_tracker, model_parallel_manual_seed
+from .watchdog import CollectiveTimeoutError, is_collective_timeout, missing_ranks_report, set_doing
 
 # ---------------------------------------------------------------------------------------
 # one step
@@ -183,26 +195,6 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
     return train, valid
 
 
-# What decides the rest of a run besides the saved state: resuming with other values would
-# silently break the "bit-identical to the uninterrupted run" guarantee, so it is refused.
-RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size", "grad_accum_steps",
-                     "train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "adam_beta1",
-                     "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage",
-                     "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
-                     "num_virtual_stages_per_pipeline_rank", "sequence_parallel", "context_parallel_size",
-                     "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
-                     "moe_token_dispatcher_type")
-
-
-def check_resume_config(saved: dict, cfg: TrainConfig, where: str) -> None:
-    """CheckpointError naming every field in RESUME_MUST_MATCH that differs from the saved run."""
-    now = to_dict(cfg)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, run {now[k]!r}" for k in RESUME_MUST_MATCH
-             if k in saved and saved[k] != now[k]]
-    if diffs:
-        raise CheckpointError(f"cannot resume exactly from {where}: the training config differs: " + "; ".join(diffs))
-
-
 def initialize_layout(cfg: TrainConfig) -> Layout:
     """This process's Layout: Layout() on one process; in a world of n ranks (torchrun or
     launch.spawn) the process groups of tensor_model_parallel_size x context_parallel_size x
@@ -233,23 +225,57 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     each taking its slice of every global batch of micro_batch_size x grad_accum_steps x dp
     sequences, synced as cfg.zero_stage / cfg.ddp_impl ask (chapter 01). A GPT-MoE's experts are
     laid over the same ranks on their own grid, etp x ep x expert-dp x pp (chapter 05).
+
+    Resuming: every rank reads the checkpoint's main file and its own (load_for_resume), then
+    all ranks agree on the outcome in one collective (checkpoint.all_ranks_agree), so a
+    truncated or missing file of one rank ends every rank at once with a CheckpointError
+    naming it. Rank 0 prints which iteration was loaded (and how the schedule changed when
+    train_iters did: check_resume_config). Saving: rank 0 holds cfg.save_dir's lock for the
+    whole run (checkpoint.lock_save_dir; another run writing it is refused, by owner).
+    Failures, on every rank together: a non-finite loss or gradient norm raises
+    NonFiniteError naming the iteration (check_finite_step); a collective that times out
+    raises watchdog.CollectiveTimeoutError naming the ranks that did not arrive.
     """
     validate_layout(model_cfg, cfg, dist.get_world_size() if dist.is_initialized() else 1)
     layout = initialize_layout(cfg)
+    try:
+        return _train(model_cfg, cfg, layout)
+    except RuntimeError as exc:
+        if layout.world > 1 and is_collective_timeout(exc) and not isinstance(exc, CollectiveTimeoutError):
+            raise CollectiveTimeoutError(missing_ranks_report(exc)) from exc
+        raise
+
+
+def _train(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout) -> TrainResult:
+    """train's body, once the layout's groups exist."""
     train_ds, valid_ds = build_datasets(model_cfg, cfg)
     split = holds_part_of_model(layout)
+    lock = state = own = None
+    try:
+        error = None
+        try:                                   # every rank, apart: its own file; then all agree
+            if cfg.save_dir and layout.rank == 0:
+                lock = lock_save_dir(cfg.save_dir)
+            if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
+                state, own, loaded = load_for_resume(model_cfg, cfg, layout)
+        except Exception as exc:               # noqa: BLE001 - whatever it is, every rank must hear of it
+            error = exc
+        if cfg.save_dir or cfg.load_dir:       # the same on every rank: all call it, or none
+            all_ranks_agree(error, " and ".join(["taking the lock of save_dir"] * bool(cfg.save_dir) +
+                                                ["loading the checkpoint"] * bool(cfg.load_dir)))
+        if layout.rank == 0 and lock is not None and lock.previous:
+            print(f"note: took over the lock of {cfg.save_dir}, left by a run that ended without releasing it "
+                  f"(pid {lock.previous.get('pid')}, started {lock.previous.get('started')})")
+        if layout.rank == 0 and state is not None:
+            print(loaded)
+        return _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own)
+    finally:
+        if lock is not None:
+            lock.release()
 
-    state = own = None
-    if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
-        state = load_checkpoint(cfg.load_dir, model_config=to_dict(model_cfg))
-        saved = (state.get("tp_size", 1), state.get("pp_size", 1), state.get("dp_size", 1), state.get("cp_size", 1))
-        if saved != (layout.tp, layout.pp, layout.dp, layout.cp):
-            raise CheckpointError(f"checkpoint in {cfg.load_dir} was written by tp_size={saved[0]} x pp_size="
-                                  f"{saved[1]} x dp_size={saved[2]} (cp_size={saved[3]}) ranks, this run has "
-                                  f"tp_size={layout.tp} x pp_size={layout.pp} x dp_size={layout.dp} "
-                                  f"(cp_size={layout.cp})")
-        check_resume_config(state.get("train_config", {}), cfg, cfg.load_dir)
-        own = state if layout.world == 1 else load_rank_state(cfg.load_dir, state["step"], layout.rank)
+
+def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> TrainResult:
+    """Build the model and the optimizer (from the checkpoint's state, if any), then the loop."""
     chunks = build_model(model_cfg, cfg, layout,
                          load=None if state is None else own["model"] if split else [state["model"]])
     # dropout masks, seeded after the model is built (building may draw from the default
@@ -268,36 +294,71 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
 
     start = 0
     if state is not None:
-        optimizer.load_state_dict(own["optimizer"])
-        torch.set_rng_state(own["rng"])
-        get_rng_tracker().set_states(own["tp_rng"])
+        error = None
+        try:                                    # a rank file of another layout fails here, apart
+            optimizer.load_state_dict(own["optimizer"])
+            torch.set_rng_state(own["rng"])
+            get_rng_tracker().set_states(own["tp_rng"])
+        except Exception as exc:                # noqa: BLE001
+            error = exc
+        all_ranks_agree(error, "restoring the checkpoint's optimizer and random state")
         start = state["step"]
         result.losses = list(state["history"]["losses"])
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
 
     progress = _progress_bar(start, cfg) if layout.rank == 0 else None
     for step in range(start, cfg.train_iters):
+        set_doing(f"iteration {step + 1}")
         microbatches = [local_microbatch(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout, device)
                         for m in range(cfg.grad_accum_steps)]
         lr = learning_rate(step, cfg)
         loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, p2p, cfg.pipeline_schedule)
         loss_t = torch.tensor([loss], dtype=torch.float64, device=device)   # report the global batch's loss
         all_reduce(loss_t, layout.dp_group, op="avg", tag="loss")
+        check_finite_step(step + 1, loss_t.item(), grad_norm, optimizer)
         result.losses.append(loss_t.item())
         done = step + 1
         if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
+            set_doing(f"evaluating after iteration {done}")
             result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
         if progress is not None:
             progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
                                  gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}")
             progress.update(1)
         if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
+            set_doing(f"saving iteration {done}")
             result.checkpoint = _save(cfg, model_cfg, done, chunks, optimizer, result, layout)
     if progress is not None:
         progress.close()
     if layout.rank == 0:
         write_history(result, cfg)
     return result
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm of an iteration is inf or nan: the run stops."""
+
+
+def check_finite_step(iteration: int, loss: float, grad_norm: float | None, optimizer: Optimizer) -> None:
+    """NonFiniteError naming `iteration` (counted from 1, as the checkpoints iter_N) when its
+    loss or global gradient norm is inf or nan: from there on every parameter would be NaN,
+    and the run would go on to save NaN checkpoints and exit 0. The run stops on every rank
+    together: the loss (all-reduced over the pipeline and data-parallel groups) and the norm
+    (all-reduced over every group that splits the model) are the same number on every rank.
+
+    Megatron-LM stops the same way (--check-for-nan-in-loss-and-grad, on by default: the
+    loss in pretrain_gpt.py's loss_func, each gradient bucket's norm before the data-parallel
+    reduction), except under dynamic loss scaling, where non-finite gradients are the loss
+    scaler's signal to skip a step and lower the scale. So here: nothing is checked when the
+    optimizer has a grad_scaler; a step it skipped returns no norm (None), which is no error."""
+    if optimizer.grad_scaler is not None:
+        return
+    bad = ([f"the loss is {loss}"] if not math.isfinite(loss) else []) + \
+          ([f"the gradient norm is {grad_norm}"] if grad_norm is not None and not math.isfinite(grad_norm) else [])
+    if bad:
+        lr = optimizer.param_groups[0]["lr"]
+        raise NonFiniteError(f"iteration {iteration}: {' and '.join(bad)}; training stopped before saving it "
+                             f"(its learning rate was {lr:.3g}: too large a --lr or loss weight is the usual cause)")
 
 
 def holds_part_of_model(layout: Layout) -> bool:
@@ -358,7 +419,15 @@ def write_history(result: TrainResult, cfg: TrainConfig) -> None:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    """The command line. Under `torchrun --nproc_per_node=n` every rank runs this; rank 0 prints."""
+    """The command line. Under `torchrun --nproc_per_node=n` every rank runs this; rank 0 prints.
+
+    Exit status, the same on every rank: 0 trained; 2 a configuration, data or checkpoint
+    that cannot be used (found by every rank, before any work or agreed on in one collective);
+    1 the run failed: a non-finite loss or gradient norm (every rank sees the same one), or a
+    collective timed out (the message names the ranks that did not arrive). Every rank finds
+    the error, and the job prints it once (launch.print_once). After a timeout the world is
+    broken: the rank leaves at once (finish_torchrun(world_broken=True)), without the barrier
+    that would wait for the timeout a second time, and torchrun stops the others."""
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         model_cfg, cfg, cli = parse_command_line(argv, world)
@@ -372,8 +441,14 @@ def main(argv: Iterable[str] | None = None) -> int:
                   f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} micro-batches x data-parallel size {dp}")
         result = train(model_cfg, cfg)
     except (ConfigError, DataError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_once(f"error: {exc}")
         return finish_torchrun(2)
+    except NonFiniteError as exc:
+        print_once(f"error: {exc}")
+        return finish_torchrun(1)
+    except CollectiveTimeoutError as exc:
+        print_once(f"error: {exc}", key="collective-timeout")     # the first rank to time out speaks
+        return finish_torchrun(1, world_broken=True)
     if rank == 0:
         final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
         print(f"final train loss {result.losses[-1]:.4f}{final_eval}")

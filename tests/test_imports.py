@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # placed here (the test fails until it is). Later chapters' folders (sp/cp, moe, fp8,
 # kernels) go between pp and analysis, in chapter order.
 LAYERS: list[list[str]] = [
-    ["config", "comm", "parallel_state", "launch", "data", "checkpoint"],   # foundation
+    ["config", "comm", "parallel_state", "watchdog", "launch", "data", "checkpoint"],   # foundation
     ["placement"],                  # where each parameter lives: the one record (read by everything after)
     ["model"],
     ["optim"],
@@ -40,7 +40,7 @@ LAYERS: list[list[str]] = [
     ["parallelize"],
     ["viz"],                                        # every figure (the loop draws its loss curve)
     ["arguments"],                                  # the loop's command line
-    ["train"],
+    ["resume", "train"],                            # what a resume checks and loads; the loop
     ["testing"],                                    # the harness (it runs train_step)
 ]
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

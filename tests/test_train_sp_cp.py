@@ -70,3 +70,6 @@ def test_sp_and_cp_training_loops_match_one_device_and_resume_exactly(tmp_path):
     full, _, resumed, _ = per_rank[0]["tp2sp-cp2-dropout"]
     assert resumed == full and abs(full[0] - reference.losses[0]) > 1e-6     # dropout did act, and repeats
     assert "CheckpointError" in per_rank[0]["error"] and "cp_size=2" in per_rank[0]["error"], per_rank[0]["error"]
+    # counted as the banner counts (Megatron's dp excludes cp): not "dp_size=4 (cp_size=2)"
+    assert "written by 4 ranks: tp_size=1 x cp_size=2 x pp_size=1 x data-parallel size 2; this run has 4 ranks: " \
+           "tp_size=1 x cp_size=4 x pp_size=1 x data-parallel size 1" in per_rank[0]["error"], per_rank[0]["error"]

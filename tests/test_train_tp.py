@@ -111,7 +111,8 @@ def test_tensor_x_data_parallel_trains_like_one_device_and_resumes_exactly(tmp_p
         and "tensor_model_parallel_size=3" in errors["world"], errors["world"]
     assert "ConfigError" in errors["groups"] and "num_query_groups=2" in errors["groups"] \
         and "tp=4" in errors["groups"], errors["groups"]
-    assert "CheckpointError" in errors["layout"] and "tp_size=2 x pp_size=1 x dp_size=2" in errors["layout"], errors["layout"]
+    assert "CheckpointError" in errors["layout"] and "tp_size=2 x cp_size=1 x pp_size=1 x data-parallel size 2" \
+        in errors["layout"], errors["layout"]
 
 
 def test_bad_tensor_parallel_configs_are_refused_before_training():

@@ -278,6 +278,9 @@ def plot_memory_profile(profile: list[MemoryEvent], path: str | os.PathLike | No
 # <!--m:key--> markers against them)
 # ---------------------------------------------------------------------------------------
 RUNS = {"figures": "python chapters/01_dp/make_figures.py"}
+# The printout's lines that hold times (the bucket timelines' rows, the PNGs' sizes): a fresh run
+# is compared with the record by their words only (tests/test_measured.py).
+MACHINE_DEPENDENT = r"^\s+\d+\s+[\d,]+\s+[\d,]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$|\d KB$|launched during backward"
 
 YEAR = 365.25 * 24 * 3600
 _ROW = re.compile(r"^(?P<variant>\S+)\s+(?P<op>all_reduce|all_gather|reduce_scatter)\s+(?P<tag>\S+)\s+"

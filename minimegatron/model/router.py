@@ -111,7 +111,7 @@ def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "soft
             weights, chosen = _topk(scores, topk, num_groups, group_topk)
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    # BEGIN EXERCISE 5.1: top-k routing, the softmax before or after the choice | hint: only score_function == "softmax" is left (sigmoid was handled above); pre_softmax: weights, chosen = _topk(torch.softmax(x, dim=-1), topk, num_groups, group_topk); else _topk of the logits x, then softmax over those k values (dim=-1)
+    # BEGIN EXERCISE 5.1: top-k routing, the softmax before or after the choice | hint: the two placements differ in what the choice is made on (logits or probabilities) and in how many values the softmax normalises; group limits act on what the choice is made on (Megatron: topk_routing_with_score_function)
     if score_function == "softmax":
         if pre_softmax:
             weights, chosen = _topk(torch.softmax(x, dim=-1), topk, num_groups, group_topk)   # [T, k]
@@ -158,7 +158,7 @@ def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: 
     those ranks); P is always this rank's tokens. Summing the per-rank losses then gives the loss
     of the whole set (Megatron reduces the counts over the tensor x context parallel group)."""
     scores = _scores_for_aux_loss(logits, score_function)                                # [T, E]
-    # BEGIN EXERCISE 5.2: the load-balancing loss | hint: c = routing_map.sum(0) (or tokens_per_expert), T = logits.shape[0] (or num_tokens), E = logits.shape[1]; return (scores.sum(0) * c).sum() * coeff * E / (topk * T * T)
+    # BEGIN EXERCISE 5.2: the load-balancing loss | hint: which factor carries the gradient and which is an integer count, and whose counts and token number enter when the whole set's are given? (Megatron: switch_load_balancing_loss_func)
     counts = routing_map.sum(dim=0).to(scores.dtype) if tokens_per_expert is None else tokens_per_expert.to(scores.dtype)
     tokens = logits.shape[0] if num_tokens is None else num_tokens
     experts = logits.shape[1]
@@ -196,7 +196,10 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
     """Slots per expert: ceil(T k / E * capacity_factor) (Megatron's get_capacity of T k
-    routed copies)."""
+    routed copies). ValueError, naming it, for a capacity_factor that is not a positive finite
+    number (math.ceil of an infinite one raises a bare OverflowError)."""
+    if not 0 < capacity_factor < math.inf:
+        raise ValueError(f"capacity_factor={capacity_factor} must be a positive, finite number")
     return math.ceil(num_tokens * topk / num_experts * capacity_factor)
 
 

@@ -1,0 +1,319 @@
+"""What the ranks of a job do about a rank that hangs and a launcher that dies.
+
+A collective waits for every member of its group. When one rank never arrives (stuck in its
+own code, asleep, in an endless loop), the others wait for the group's timeout
+(--distributed-timeout-minutes) and fail with gloo's "Timed out waiting 10000ms for recv
+operation to complete", which names no rank; torchrun's "root cause" is then whichever rank
+timed out first, never the one that hung. And when torchrun itself is killed, its ranks, each
+in a session of its own, go on training and writing checkpoints.
+
+Two small mechanisms, started on every rank by launch.init_from_torchrun and launch.spawn:
+
+``die_with_parent()``
+    Linux's prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel kills this rank the moment its parent
+    (torchrun, or the process that called launch.spawn) dies, however it died. Elsewhere the
+    heartbeat thread below checks the parent's pid every second instead.
+
+``Heartbeat``
+    a daemon thread that writes, every second, this rank's heartbeat into the job's store (the
+    TCPStore every rank already reaches: torchrun's agent, or launch.spawn's parent): the time,
+    what the rank is doing (train sets "iteration 3"), where its main thread is, and how many
+    collectives it has issued on each process group. The counts come from comm's records:
+    every collective of the book goes through minimegatron.comm, and every member of a group
+    issues the same collectives on it in the same order, so a member that has issued fewer
+    than another has not arrived where the other waits. (Sends and receives are left out:
+    their record names the group, not the peer.)
+
+``missing_ranks_report(...)``
+    what a rank whose collective timed out says instead of gloo's message: every rank's
+    heartbeat read back from the store, and the ranks the others wait for named (see
+    `did_not_arrive`). train.train raises it as CollectiveTimeoutError.
+
+Megatron-LM leaves hangs to NVIDIA's resiliency extension (nvidia-resiliency-ext): with
+--enable-ft-package, under its ft_launcher, every rank reports entering and leaving sections
+("setup", "step", "checkpointing") and one that overruns a section's timeout is found and the
+job restarted (megatron/training/ft_integration.py); --inprocess-restart monitors heartbeats
+(--inprocess-heartbeat-interval, --inprocess-heartbeat-timeout) and the progress of each
+rank (megatron/training/inprocess_restart.py). This module is the book's small version of
+the idea for gloo on a CPU: it does not restart anything, it says which rank stopped, and where.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import linecache
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .comm import record_communication
+
+__all__ = ["CollectiveTimeoutError", "die_with_parent", "job_store", "Heartbeat", "start_heartbeat",
+           "stop_heartbeat", "set_doing", "is_collective_timeout", "missing_ranks_report", "did_not_arrive"]
+
+HEARTBEAT_INTERVAL = 1.0      # seconds between two heartbeats of a rank
+STALE_AFTER = 5.0             # a heartbeat older than this: the rank is frozen or gone
+_PR_SET_PDEATHSIG = 1         # from <linux/prctl.h>
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective timed out; the message names the ranks that did not arrive."""
+
+
+# ---------------------------------------------------------------------------------------
+# the launcher dies: so does the rank
+# ---------------------------------------------------------------------------------------
+def die_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when its parent process dies (Linux); returns
+    whether that is armed.
+
+    SIGKILL, not SIGTERM: a rank blocked in a collective must die at once, and a checkpoint
+    it was writing is safe (checkpoint.py writes to a temporary name and renames). The kernel
+    sends it when the parent *thread* that started us exits; torchrun and launch.spawn start
+    their ranks from their main thread. A parent that dies while the signal is being armed is
+    seen (the parent pid changes) and the process ends at once; one that died before this
+    function ran cannot be told from a parent that is still there."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:                  # orphaned while the signal was being armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# the job's store
+# ---------------------------------------------------------------------------------------
+def job_store(timeout: float = 5.0) -> dist.TCPStore | None:
+    """A new client of the job's TCPStore (MASTER_ADDR:MASTER_PORT), or None where there is
+    none to reach: no launcher, or a launcher whose store exists only once the process group
+    does (torchrun hosts it in its agent, TORCHELASTIC_USE_AGENT_STORE=True, before any rank
+    starts; launch.spawn in its parent)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host is None or port is None:
+        return None
+    if not (dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception:                             # noqa: BLE001 - no store: the caller falls back
+        return None
+
+
+def _key(rank: int) -> str:
+    return f"minimegatron/heartbeat/{rank}"
+
+
+# ---------------------------------------------------------------------------------------
+# the heartbeat
+# ---------------------------------------------------------------------------------------
+def _is_comm_file(filename: str) -> bool:
+    path = filename.replace(os.sep, "/")
+    return "/torch/distributed/" in path or "/minimegatron/comm/" in path
+
+
+def main_thread_location() -> tuple[str, bool]:
+    """(where the main thread is, "file:line in function" of its innermost frame outside
+    torch; whether it is communicating: its innermost frame is in torch.distributed or
+    minimegatron.comm, or on a line that waits for a handle, `work.wait()`)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "unknown", False
+    innermost = frame
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    communicating = _is_comm_file(frame.f_code.co_filename) or ".wait(" in line
+    while frame is not None and "/torch/" in frame.f_code.co_filename.replace(os.sep, "/"):
+        frame = frame.f_back
+    frame = frame or innermost
+    return f"{_shown_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}", communicating
+
+
+def _shown_path(filename: str) -> str:
+    """`filename` relative to the directory the job runs in, or to the one holding the
+    minimegatron package, when it is under one of them."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (os.getcwd(), package_parent):
+        if filename.startswith(root.rstrip(os.sep) + os.sep):
+            return os.path.relpath(filename, root)
+    return filename
+
+
+class Heartbeat:
+    """This rank's heartbeat (the module docstring): a daemon thread publishing `beat()`
+    every `interval` seconds under minimegatron/heartbeat/<rank> in `store`."""
+
+    def __init__(self, store: dist.TCPStore, rank: int, interval: float = HEARTBEAT_INTERVAL):
+        self.store, self.rank, self.interval = store, rank, interval
+        self.doing = "starting"
+        self.parent = os.getppid()
+        self.counts: dict[tuple[int, ...], int] = {}
+        self._lock = threading.Lock()
+        self._recording = record_communication()          # a ledger that stays open, drained below
+        self._ledger = self._recording.__enter__()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="minimegatron-heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> dict:
+        """This rank's heartbeat now. Moves the comm records issued since the last beat into
+        the counts per group (list slicing and deletion are atomic in CPython, so records the
+        main thread appends meanwhile wait for the next beat)."""
+        with self._lock:
+            records = self._ledger.records
+            new = records[:]                                # a copy, then drop what was copied
+            del records[:len(new)]
+            for record in new:
+                if record.op not in ("send", "recv"):
+                    self.counts[record.group_ranks] = self.counts.get(record.group_ranks, 0) + 1
+            where, communicating = main_thread_location()
+            return {"rank": self.rank, "time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                    "doing": self.doing, "where": where, "communicating": communicating,
+                    "counts": [[list(g), n] for g, n in self.counts.items()]}
+
+    def _run(self) -> None:
+        while True:
+            if os.getppid() != self.parent:            # the launcher died (where prctl is missing)
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                self.store.set(_key(self.rank), json.dumps(self.beat()))
+            except Exception:                          # noqa: BLE001 - the store is gone: the job is ending
+                pass
+            if self._stop.wait(self.interval):
+                return
+
+    def stop(self) -> None:
+        """End the thread (before the interpreter shuts down: a thread that wakes up in a
+        finalizing interpreter aborts the process, see launch.finish_torchrun) and close the
+        ledger."""
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+        self._recording.__exit__(None, None, None)
+
+
+_heartbeat: Heartbeat | None = None
+
+
+def start_heartbeat(interval: float = HEARTBEAT_INTERVAL) -> Heartbeat | None:
+    """Start this process's heartbeat once the default process group exists (a no-op when it
+    runs already, in a world of one rank, or without a store to write to)."""
+    global _heartbeat
+    if _heartbeat is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return _heartbeat
+    store = job_store()
+    if store is not None:
+        _heartbeat = Heartbeat(store, dist.get_rank(), interval)
+        atexit.register(stop_heartbeat)       # a rank that ends without finish_torchrun stops it too
+    return _heartbeat
+
+
+def stop_heartbeat() -> None:
+    """Stop this process's heartbeat, if any (launch.finish_torchrun and spawn's ranks do)."""
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
+
+
+def set_doing(text: str) -> None:
+    """What this rank is doing, for its heartbeat (train: "iteration 3", "saving iteration 4")."""
+    if _heartbeat is not None:
+        _heartbeat.doing = text
+
+
+# ---------------------------------------------------------------------------------------
+# who did not arrive
+# ---------------------------------------------------------------------------------------
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Is `exc` a collective that gave up waiting (gloo: "Timed out waiting 10000ms for recv
+    operation to complete"; a barrier or a store: "timed out", "Timeout")?"""
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in ("timed out", "timeout"))
+
+
+def did_not_arrive(beats: dict[int, dict], now: float) -> tuple[list[int], dict[int, list[str]]]:
+    """The ranks the others wait for, from every rank's heartbeat; and why, per rank.
+
+    A rank is behind on a group when another member has issued more collectives on it (that
+    member waits for it there); it is waiting when it has issued more than a member on some
+    group, or its main thread is inside a collective or a wait. Named: the ranks behind and
+    not waiting (stuck in their own code), and every rank whose heartbeat is older than
+    STALE_AFTER seconds or missing (frozen or gone). A rank that is behind only because it
+    waits elsewhere is not named: it is a victim, not the cause."""
+    counts = {r: {tuple(g): n for g, n in b["counts"]} for r, b in beats.items()}
+    why: dict[int, list[str]] = {}
+    ahead = set()
+    for r, mine in counts.items():
+        for group, n in mine.items():
+            for other in group:
+                theirs = counts.get(other, {}).get(group)
+                if other != r and theirs is not None and theirs < n:
+                    ahead.add(r)
+                    why.setdefault(other, []).append(
+                        f"issued {theirs} collectives on group {list(group)}, rank {r} issued {n} and waits there")
+    named = sorted(r for r in why if r not in ahead and not beats[r]["communicating"])
+    for r, b in beats.items():
+        if now - b["time"] > STALE_AFTER:
+            why.setdefault(r, []).insert(0, f"no heartbeat for {now - b['time']:.0f} s (frozen or gone)")
+            named.append(r)
+    return sorted(set(named)), why
+
+
+def missing_ranks_report(exc: BaseException, store: dist.TCPStore | None = None) -> str:
+    """The message for a collective timeout `exc` on this rank: which ranks did not arrive
+    (did_not_arrive), then one line per rank: heartbeat age, what it was doing, where its main
+    thread is. Falls back to `exc`'s own message where no heartbeat can be read."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if first_line.startswith("[") and "] " in first_line:      # gloo's "[.../unbound_buffer.cc:78] Timed out ..."
+        first_line = first_line.split("] ", 1)[1]
+    head = f"rank {me}: a collective timed out ({first_line[:200]})"
+    store = store or job_store()
+    if store is None:
+        return head + "; no heartbeats to tell which rank did not arrive (no job store)"
+    beats: dict[int, dict] = {}
+    for r in range(world):
+        if r == me and _heartbeat is not None:                 # it waited: that is why we are here
+            beats[r] = _heartbeat.beat() | {"communicating": True}
+            continue
+        try:
+            if store.check([_key(r)]):
+                beats[r] = json.loads(store.get(_key(r)))
+        except Exception:                                  # noqa: BLE001 - leave that rank out
+            pass
+    now = time.time()
+    silent = [r for r in range(world) if r not in beats]
+    named, why = did_not_arrive(beats, now)
+    named = sorted(set(named) | set(silent))
+    if named:
+        verdict = ", ".join(f"rank {r}" for r in named) + " did not arrive"
+    else:
+        verdict = "every rank that reports a heartbeat has arrived (the hang is in a call the book does not count)"
+    lines = [f"{head}: {verdict}"]
+    for r in named:
+        for reason in why.get(r, ["sends no heartbeat (never started one, or gone)"]):
+            lines.append(f"  rank {r} {reason}")
+    lines.append("every rank (heartbeat age, what it was doing, where its main thread is):")
+    for r in range(world):
+        b = beats.get(r)
+        if b is None:
+            lines.append(f"  rank {r}: no heartbeat")
+            continue
+        if r == me:
+            state = "waiting in the collective that timed out (this rank)"
+        else:
+            state = f"{'communicating' if b['communicating'] else 'not communicating'} at {b['where']}"
+        lines.append(f"  rank {r}: {now - b['time']:.1f} s ago, {b['doing']}, {state} (pid {b['pid']} on {b['host']})")
+    return "\n".join(lines)
