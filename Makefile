@@ -34,11 +34,16 @@ DEMO_EXPERTS ?= 8
 # dispatch; each expert also cut over etp = TP ranks), the layers cut into PP=DEMO_PP pipeline
 # stages running 1F1B over 4 micro-batches, and DEMO_RANKS/(DEMO_TP*DEMO_CP*DEMO_PP) data-parallel
 # replicas (the experts' gradients summed over their own expert-data-parallel group). The global
-# batch stays 8 sequences per step. 16 ranks share the cores: about 14 minutes on 2 cores
+# batch stays 8 sequences per step. minimegatron/run_report.py prints the layout and the rank
+# grid before training; after it, one step's communication per dimension, the parameters, the
+# memory and the bubble against their formulas, and the first 2 steps of the same layout in
+# float64 against one process (MATCH), and draws runs/demo/summary.png. 240 steps (the demo
+# preset's 300 would take over 8 minutes here; about 7 on 2 cores: benchmarks/README.md).
 # (`make demo DEMO_EXPERTS=0 DEMO_EP=1`: chapter 04's dense 4D run; `make demo DEMO_RANKS=8 DEMO_CP=1
 # DEMO_EXPERTS=0 DEMO_EP=1`: chapter 03's 3D run, about 2).
 demo: $(STAMP)
-	$(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.train --preset demo --num-layers 4 \
+	OMP_NUM_THREADS=1 $(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.run_report --check-steps 2 \
+		--preset demo --num-layers 4 --train-iters 240 \
 		--tensor-model-parallel-size $(DEMO_TP) $(if $(filter-out 1,$(DEMO_TP)),--sequence-parallel) \
 		--context-parallel-size $(DEMO_CP) \
 		$(if $(filter-out 0,$(DEMO_EXPERTS)),--num-experts $(DEMO_EXPERTS) --moe-router-topk 2 \

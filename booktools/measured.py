@@ -237,9 +237,13 @@ def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
 # ---------------------------------------------------------------------------------------------
 def texts_of(chapter: str) -> dict[str, str]:
     """Every text of a chapter that quotes numbers, by a name to report: its README (figure
-    captions included) and each markdown cell of its notebook."""
+    captions included), each markdown cell of its notebook, and the files its make_figures.py
+    lists in TEXTS (paths from the repository root: chapter 05's runs include `make demo`, which
+    the book's front page quotes)."""
     folder = chapter_dir(chapter)
     texts = {str((folder / "README.md").relative_to(ROOT)): (folder / "README.md").read_text()}
+    for extra in getattr(import_chapter(chapter, "make_figures"), "TEXTS", ()):
+        texts[extra] = (ROOT / extra).read_text()
     for notebook in sorted((ROOT / "notebooks").glob(f"{chapter}_*.ipynb")):
         cells = json.loads(notebook.read_text())["cells"]
         for i, cell in enumerate(cells):
@@ -381,10 +385,11 @@ def rewrite_chapter(chapter: str) -> list[str]:
     """Write the record's values into the chapter's README and notebook markdown; returns the
     quoted lines it could not place (to fix by hand)."""
     record, unplaced = load_record(chapter), []
-    readme = chapter_dir(chapter) / "README.md"
-    text, missing = rewrite_text(readme.read_text(), record)
-    readme.write_text(text)
-    unplaced += [f"{readme.relative_to(ROOT)}: {line}" for line in missing]
+    extras = [ROOT / extra for extra in getattr(import_chapter(chapter, "make_figures"), "TEXTS", ())]
+    for readme in [chapter_dir(chapter) / "README.md", *extras]:
+        text, missing = rewrite_text(readme.read_text(), record)
+        readme.write_text(text)
+        unplaced += [f"{readme.relative_to(ROOT)}: {line}" for line in missing]
     for notebook in sorted((ROOT / "notebooks").glob(f"{chapter}_*.ipynb")):
         nb = json.loads(notebook.read_text())
         for cell in nb["cells"]:

@@ -50,6 +50,7 @@ import json
 import math
 import os
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,7 @@ from torch import nn
 from . import parallel_state
 from .checkpoint import (CheckpointError, all_ranks_agree, latest_checkpoint, lock_save_dir, save_checkpoint,
                          save_rank_state)
-from .comm import all_reduce, barrier
+from .comm import all_reduce, barrier, record_communication
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
@@ -71,7 +72,7 @@ from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun, print_once
 from .model import finalize_model_grads
 from .model.moe import set_moe_aux_loss_scale
-from .optim import Optimizer, learning_rate, set_learning_rate
+from .optim import Optimizer, is_expert_parameter, learning_rate, set_learning_rate
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
 from .cp import get_batch_on_this_cp_rank
@@ -106,7 +107,8 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str
 
 def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list[dict[str, torch.Tensor]],
                layout: Layout, lr: float, p2p: PipelineComm | None = None, schedule: str = "1f1b",
-               on_grads=None, forward_backward=None) -> tuple[float, float | None]:
+               on_grads=None, forward_backward=None, pipeline_records: list | None = None
+               ) -> tuple[float, float | None]:
     """One optimizer step over the global batch's micro-batches (this rank's share of them),
     Megatron's train_step, the same code on every layout:
 
@@ -121,13 +123,16 @@ def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list
     for a pipeline (layout.pp > 1). `on_grads()`, if given, runs once the gradients are final
     and before the optimizer reads them (tests and demos look at them there).
     `forward_backward(chunks, microbatches) -> loss`, if given, replaces the forward and
-    backward (a chapter demo that writes them out, e.g. to record each micro-batch)."""
+    backward (a chapter demo that writes them out, e.g. to record each micro-batch).
+    `pipeline_records`, if given, receives the pipeline's pp.timeline.StepRecord (pp > 1)."""
     scale = optimizer.loss_scale
     set_moe_aux_loss_scale(chunks, scale / len(microbatches))   # MoE: aux losses weigh as the LM loss
     if forward_backward is not None:
         loss = forward_backward(chunks, microbatches)
     elif layout.pp > 1:
-        loss, _ = forward_backward_pipelining(chunks, microbatches, p2p, schedule, layout.pp_group, scale)
+        loss, record = forward_backward_pipelining(chunks, microbatches, p2p, schedule, layout.pp_group, scale)
+        if pipeline_records is not None:
+            pipeline_records.append(record)
     else:
         loss = forward_backward_no_pipelining(chunks[0], microbatches, scale)
     finalize_model_grads(chunks)
@@ -179,6 +184,11 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     out_dir: str = ""
     checkpoint: str | None = None
+    last_step_communication: list = field(default_factory=list)    # comm records of the last step
+    seconds: float = 0.0                                            # the loop's wall clock (machine-dependent)
+    local_parameters: dict = field(default_factory=dict)           # {"dense", "experts"}: elements this rank holds
+    held_bytes: dict = field(default_factory=dict)                 # held_state_bytes after the last step
+    pipeline_records: list = field(default_factory=list)           # the last step's pp.timeline.StepRecord (pp > 1)
 
 
 def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset, GPTDataset]:
@@ -291,6 +301,9 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
                                                                       model_cfg.hidden_size), model_cfg.dtype, device)
            if layout.pp > 1 else None)
     result = TrainResult(out_dir=cfg.out_dir)
+    held = {id(p): p for c in chunks for p in c.parameters()}.values()       # a tied weight once
+    result.local_parameters = {"dense": sum(p.numel() for p in held if not is_expert_parameter(p)),
+                               "experts": sum(p.numel() for p in held if is_expert_parameter(p))}
 
     start = 0
     if state is not None:
@@ -307,12 +320,18 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
 
     progress = _progress_bar(start, cfg) if layout.rank == 0 else None
+    started = time.perf_counter()
     for step in range(start, cfg.train_iters):
         set_doing(f"iteration {step + 1}")
         microbatches = [local_microbatch(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout, device)
                         for m in range(cfg.grad_accum_steps)]
         lr = learning_rate(step, cfg)
-        loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, p2p, cfg.pipeline_schedule)
+        last = step == cfg.train_iters - 1      # what it moves and how long the pipeline idles: run_report.py
+        with record_communication() if last else nullcontext() as ledger:
+            loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, p2p, cfg.pipeline_schedule,
+                                         pipeline_records=result.pipeline_records if last else None)
+        if ledger is not None:
+            result.last_step_communication = list(ledger)
         loss_t = torch.tensor([loss], dtype=torch.float64, device=device)   # report the global batch's loss
         all_reduce(loss_t, layout.dp_group, op="avg", tag="loss")
         check_finite_step(step + 1, loss_t.item(), grad_norm, optimizer)
@@ -322,17 +341,34 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
             set_doing(f"evaluating after iteration {done}")
             result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
         if progress is not None:
+            tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * layout.data_parallel_size
             progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
-                                 gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}")
+                                 gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}",
+                                 tokens_per_s=f"{tokens * (done - start) / (time.perf_counter() - started):,.0f}")
             progress.update(1)
         if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
             set_doing(f"saving iteration {done}")
             result.checkpoint = _save(cfg, model_cfg, done, chunks, optimizer, result, layout)
+    result.seconds = time.perf_counter() - started
+    result.held_bytes = held_state_bytes(chunks, optimizer)
     if progress is not None:
         progress.close()
     if layout.rank == 0:
         write_history(result, cfg)
     return result
+
+
+def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str, int]:
+    """The bytes this rank keeps from step to step: "parameters" (a tied weight once),
+    "gradients" (the data-parallel wrappers' buffers; without one, the .grad backward gives each
+    parameter, as many bytes as the parameter) and "optimizer" (AdamW's two moments; its step
+    counters left out)."""
+    params = list({id(p): p for c in chunks for p in c.parameters()}.values())
+    buffers = [b.grad_data for c in chunks for b in getattr(c, "buckets", []) if b.grad_data is not None]
+    moments = [t for state in optimizer.state.values() for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)     # noqa: E731
+    return {"parameters": size(params), "gradients": size(buffers) if buffers else size(params),
+            "optimizer": size(moments)}
 
 
 class NonFiniteError(RuntimeError):
@@ -418,8 +454,12 @@ def write_history(result: TrainResult, cfg: TrainConfig) -> None:
     plot_losses(result.losses, result.eval_losses, out / "loss.png")
 
 
-def main(argv: Iterable[str] | None = None) -> int:
+def main(argv: Iterable[str] | None = None, *, before=None, after=None) -> int:
     """The command line. Under `torchrun --nproc_per_node=n` every rank runs this; rank 0 prints.
+
+    `before(model_cfg, cfg, world)` and `after(model_cfg, cfg, result) -> exit status`, if given,
+    run on every rank once the process group exists, before and after training, inside the
+    same error handling (run_report.main passes its report and its check against one device).
 
     Exit status, the same on every rank: 0 trained; 2 a configuration, data or checkpoint
     that cannot be used (found by every rank, before any work or agreed on in one collective);
@@ -439,7 +479,14 @@ def main(argv: Iterable[str] | None = None) -> int:
             dp = world // (cfg.tensor_model_parallel_size * cfg.context_parallel_size * cfg.pipeline_model_parallel_size)
             print(f"global batch {cfg.micro_batch_size * cfg.grad_accum_steps * dp} sequences = micro_batch_size "
                   f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} micro-batches x data-parallel size {dp}")
+        if before is not None:
+            before(model_cfg, cfg, world)
         result = train(model_cfg, cfg)
+        if rank == 0:
+            final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
+            print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
+            print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
+        status = 0 if after is None else after(model_cfg, cfg, result)
     except (ConfigError, DataError, CheckpointError) as exc:
         print_once(f"error: {exc}")
         return finish_torchrun(2)
@@ -449,11 +496,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except CollectiveTimeoutError as exc:
         print_once(f"error: {exc}", key="collective-timeout")     # the first rank to time out speaks
         return finish_torchrun(1, world_broken=True)
-    if rank == 0:
-        final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
-        print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
-        print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
-    return finish_torchrun(0)      # frees every group and its gloo threads before Python exits
+    return finish_torchrun(status)      # frees every group and its gloo threads before Python exits
 
 
 if __name__ == "__main__":

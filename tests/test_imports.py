@@ -42,6 +42,7 @@ LAYERS: list[list[str]] = [
     ["arguments"],                                  # the loop's command line
     ["resume", "train"],                            # what a resume checks and loads; the loop
     ["testing"],                                    # the harness (it runs train_step)
+    ["run_report"],                                 # make demo's entry: the loop, its report and its check
 ]
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 ROOT_MODULE = PACKAGE                               # minimegatron/__init__.py: may import anything

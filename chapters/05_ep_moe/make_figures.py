@@ -141,7 +141,15 @@ RUNS = {
     # §7.2: 5D on 16 ranks under torchrun (about half a minute on 2 cores)
     "5d": "torchrun --standalone --nproc_per_node=16 chapters/05_ep_moe/demo.py --quick --tp 2 --sp --cp 2 --ep 2 "
           "--pp 2 --dp 2",
+    # the book's main job, `make demo` with its defaults (the front page, README.md, quotes its
+    # report; tests/test_run_report.py checks this is the command make demo runs): 16 ranks,
+    # 240 steps and the check against one device, about 7 minutes on 2 cores
+    "make-demo": "torchrun --standalone --nproc_per_node=16 -m minimegatron.run_report --check-steps 2 --preset demo "
+                 "--num-layers 4 --train-iters 240 --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
+                 "--num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 "
+                 "--pipeline-model-parallel-size 2 --grad-accum-steps 4 --micro-batch-size 1 --out-dir runs/demo",
 }
+TEXTS = ["README.md"]          # besides this chapter's README and notebook: the front page quotes make-demo
 
 
 GB, MiB = 1e9, 2**20

@@ -11,6 +11,9 @@ One concept per file:
   activations.py   activation_memory,                  what autograd saves for backward, op by
                    measure_saved_activation_bytes,     op, and its measurement; Korthikanti et
                    korthikanti_activation_memory       al.'s 16-bit formula
+  communication.py rank_parameters,                    what one rank of a 5D layout holds, and
+                   step_communication                  what one step hands to the collectives of
+                                                       each dimension (run_report, make demo)
   report.py        memory_report, does_it_fit          the table, and why one device stops
                                                        being enough (plot_memory_breakdown of
                                                        chapter 00's make_figures.py draws it)
@@ -21,6 +24,7 @@ FlopCounterMode, torch.optim.AdamW's state, saved_tensors_hooks), never against 
 
 from .activations import (INDEX_BYTES, activation_memory, attention_operands_share_qkv_output,
                           korthikanti_activation_memory, measure_saved_activation_bytes)
+from .communication import ROUTING_DEPENDENT, rank_parameters, step_communication
 from .flops import flops_per_token_6n, megatron_mlp_flops, narayanan2021_flops_per_iteration, training_flops
 from .memory import adam_bytes_per_parameter, as_dtype, bytes_per_element, training_memory
 from .params import count_parameters, tensor_parallel_parameters
@@ -28,6 +32,7 @@ from .report import (GiB, REAL_MODELS, does_it_fit, format_bytes, format_memory_
                      memory_report, real_model_config)
 
 __all__ = [
+    "ROUTING_DEPENDENT", "rank_parameters", "step_communication",
     "count_parameters", "tensor_parallel_parameters",
     "flops_per_token_6n", "training_flops", "megatron_mlp_flops", "narayanan2021_flops_per_iteration",
     "adam_bytes_per_parameter", "training_memory", "bytes_per_element", "as_dtype",

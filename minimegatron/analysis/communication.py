@@ -1,0 +1,209 @@
+"""What one rank holds and what one training step must hand to the collectives, per dimension of
+the 5D grid: the formulas the training entry's report (run_report.py, `make demo`) sets beside
+the parameters a rank really holds and comm's ledger of a real step.
+
+Legend (model/gpt.py's, with the grid's): b micro-batch size, s sequence length, h hidden size,
+a query heads, g key/value groups, d head size, V vocabulary (Vp padded to a multiple of
+make_vocab_size_divisible_by x tp), E experts, k top-k, M micro-batches per step, e bytes per
+element; tp, cp, pp, ep, etp the grid's sizes. A rank of context-parallel size cp holds
+T = b s / cp tokens of each micro-batch; under sequence parallelism its norms and residuals
+T / tp of them, and a mixture routes those T / tp tokens (Megatron-Core routes each tp rank's own).
+
+Bytes are comm's convention (comm/ledger.py): what a rank hands to the call, the shard of an
+all-gather, the whole input of a reduce-scatter or an all-to-all, the tensor of a send or recv.
+
+Per micro-batch, on a rank whose stage holds n layers, n_dense of them with a dense MLP (the
+others MoE), the first stage the embedding and the last the output layer and the loss:
+
+  tp, no SP    all_reduce "fwd" of T h e after each row-parallel product (attention's
+               projection, the dense MLP's fc2) and the vocabulary-parallel embedding; "bwd",
+               before each column-parallel one (qkv, fc1, the output layer); 3 all_reduce "fwd"
+               of T e in the vocabulary-parallel cross-entropy (max, target logit, sum of exp)
+  tp, SP       the same places: all_gather "fwd" of T h e / tp before each column-parallel product,
+               reduce_scatter "fwd" of T h e after each row-parallel one (the embedding's too);
+               backward: the input all-gathered again ("regather"), the input gradient
+               reduce-scattered ("bwd"), and the reduce-scatters' backward all-gathers ("bwd");
+               once per step, all_reduce "sp-grads" of the parameters SP replicates (the norms,
+               the row-parallel biases, the routers); with learned positions the embedding's sum
+               is all-reduced, then cut
+  cp   p2p     cp - 1 ring steps per layer: send and recv of this rank's K and V, 2 b (s/cp)
+               (g/tp) d e ("fwd"); backward, K, V and their gradients, twice that ("bwd")
+       all_gather  all_gather of K and of V, b (s/cp) (g/tp) d e each, forward and "regather";
+               reduce_scatter "bwd" of their gradients, cp times that
+       a2a     all_to_all of q and out (b (s/cp) (a/tp) d e) and of k and v (g/tp in place of
+               a/tp), forward and "bwd"
+  ep   alltoall    per MoE layer, all_to_all "moe-counts" of E int64, "moe-dispatch" and
+               "moe-combine-bwd" of the T k routed rows, T k h e (no capacity: every token
+               reaches k experts); the combine and the dispatch's backward move the rows this
+               rank's experts received, which depend on the routing (routing_dependent)
+       allgather   chapter 05's seven messages (moe/dispatcher.py)
+       both        with an auxiliary loss and tp x cp > 1, all_reduce "moe-aux" of the E routed
+               counts (b E per sequence for seq_aux_loss) per MoE layer and micro-batch; with
+               the expert bias, once per step all_reduce "moe-bias" of every MoE layer's E float32
+               counts over the stage's ranks
+  etp          all_gather "moe-counts" of E int64 (alltoall dispatcher)
+  pp           per micro-batch and model chunk, the output [b, s/cp (/tp), h] sent forward and
+               its gradient received back, unless the chunk is the last virtual stage; the
+               input received and its gradient sent, unless it is the first
+  embedding    tied embeddings over pp > 1 stages: all_reduce "embedding-grads" of Vp h / tp
+               per step on the first and the last stage
+  dp           each dense gradient once per step (bytes; the calls depend on the buckets)
+  expert-dp    each expert gradient once per step, over the expert-data-parallel group
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..config import ModelConfig, TrainConfig
+from ..pp import stage_layers
+from .params import count_parameters
+
+__all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT"]
+
+# the dispatcher's messages whose sizes depend on the routing: checked by their sums instead
+ROUTING_DEPENDENT = ("moe-combine", "moe-dispatch-bwd", "moe-etp", "moe-etp-bwd")
+
+
+def _stage(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> tuple[list[int], bool, bool]:
+    """(the global layers a rank of stage pp_rank runs, over its model chunks; does it hold the
+    embedding; does it hold the output layer)."""
+    pp, v = cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank
+    layers = [i for chunk in range(v) for i in stage_layers(model_cfg.num_layers, pp, pp_rank, v, chunk)]
+    return layers, pp_rank == 0, pp_rank == pp - 1
+
+
+def _padded_vocab(model_cfg: ModelConfig, tp: int) -> int:
+    multiple = model_cfg.make_vocab_size_divisible_by * tp
+    return -(-model_cfg.vocab_size // multiple) * multiple
+
+
+def rank_parameters(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> dict[str, int]:
+    """{"dense", "experts"}: the parameter elements one rank of stage pp_rank holds, from
+    count_parameters' components. Per layer: attention's qkv and projection weights (and the
+    qkv bias) / tp, the projection bias and the input norm whole; a dense MLP's fc1, fc2 weights
+    and fc1 bias / tp, fc2's bias and the norm whole; an MoE layer's norm and router (E h) whole,
+    a shared expert / tp (its fc2 bias whole), and E / ep routed experts, each / etp (fc2 bias
+    whole). The first stage: the embedding, Vp h / tp (+ learned positions P h); the last: the
+    final norm and an output layer of Vp h / tp when untied, or, tied over pp > 1, the copy of
+    the embedding the last stage keeps."""
+    tp, ep, etp = cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size, cfg.etp
+    c = count_parameters(model_cfg)
+    layer, h = c["per_layer"], model_cfg.hidden_size
+    norm = layer["norms"] // 2
+    layers, first, last = _stage(model_cfg, cfg, pp_rank)
+    attention = (layer["qkv_weight"] + layer["qkv_bias"] + layer["proj_weight"]) // tp + layer["proj_bias"] + norm
+    mlp = (layer["fc1_weight"] + layer["fc1_bias"] + layer["fc2_weight"]) // tp + layer["fc2_bias"] + norm
+    dense = experts = 0
+    for i in layers:
+        dense += attention
+        if model_cfg.is_moe_layer(i):
+            moe = c["moe"]
+            bias = h if model_cfg.add_bias_linear else 0
+            shared = (moe["shared"] - bias) // tp + bias if moe["shared"] else 0
+            dense += norm + moe["router"] + shared
+            experts += model_cfg.num_experts // ep * ((moe["expert"] - bias) // etp + bias)
+        else:
+            dense += mlp
+    vocab = _padded_vocab(model_cfg, tp) * h // tp
+    if first:
+        dense += vocab + c["position_embedding"]
+    if last:
+        tied_copy = not model_cfg.untie_embeddings_and_output_weights and cfg.pipeline_model_parallel_size > 1
+        dense += c["final_norm"] + (vocab if model_cfg.untie_embeddings_and_output_weights or tied_copy else 0)
+    return {"dense": dense, "experts": experts}
+
+
+def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int) -> dict[str, Counter]:
+    """{dimension: Counter{(op, tag, bytes): calls}}: the records one optimizer step must make
+    on a rank of stage pp_rank of a world of `world` ranks, for every dimension above 1, but the dispatcher's
+    ROUTING_DEPENDENT messages, the gradient reductions (their bytes: rank_parameters) and the
+    loss and norm all-reduces. None for cp under "a2a+p2p" and ep with a capacity factor (not
+    computed here). See the module docstring for each line."""
+    m = model_cfg
+    tp, cp, pp = cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.pipeline_model_parallel_size
+    ep, etp, M, v = cfg.expert_model_parallel_size, cfg.etp, cfg.grad_accum_steps, cfg.num_virtual_stages_per_pipeline_rank
+    e, h, b, sp = m.dtype.itemsize, m.hidden_size, cfg.micro_batch_size, cfg.sequence_parallel
+    layers, first, last = _stage(m, cfg, pp_rank)
+    moe_layers = [i for i in layers if m.is_moe_layer(i)]
+    n, n_mlp = len(layers), len(layers) - len(moe_layers)
+    T = b * cfg.seq_length // cp                                    # this rank's tokens of a micro-batch
+    out: dict[str, Counter] = {}
+
+    if tp > 1:
+        full, shard = T * h * e, T * h * e // tp
+        per_mb = Counter({("all_reduce", "fwd", T * e): 3 * last})  # vocabulary-parallel cross-entropy
+        if sp:
+            # the embedding's sum is reduce-scattered, or, with learned positions (added to the
+            # whole sequence first), all-reduced and then cut without communication
+            positions = m.position_embedding_type == "learned_absolute"
+            per_mb.update({("all_gather", "fwd", shard): n + n_mlp + last,
+                           ("reduce_scatter", "fwd", full): n + n_mlp + (first and not positions),
+                           ("all_reduce", "fwd", full): first and positions,
+                           ("all_gather", "regather", shard): n + n_mlp + last,
+                           ("reduce_scatter", "bwd", full): n + n_mlp + last,
+                           ("all_gather", "bwd", shard): n + n_mlp + first})
+        else:
+            per_mb.update({("all_reduce", "fwd", full): n + n_mlp + first,
+                           ("all_reduce", "bwd", full): n + n_mlp + last})
+        out["tp"] = Counter({k: c * M for k, c in per_mb.items() if c})
+        if sp:
+            counts = count_parameters(m)
+            layer = counts["per_layer"]
+            routers = len(moe_layers) * counts["moe"]["router"] if moe_layers else 0
+            replicated = ((layer["norms"] + layer["proj_bias"]) * n + layer["fc2_bias"] * n_mlp + routers
+                          + (counts["final_norm"] if last else 0))
+            out["tp"][("all_reduce", "sp-grads", replicated * e)] += 1
+
+    if cp > 1:
+        kv = b * (cfg.seq_length // cp) * (m.query_groups // tp) * m.kv_channels * e     # one of K, V
+        q = b * (cfg.seq_length // cp) * (m.num_attention_heads // tp) * m.kv_channels * e
+        per_layer = {"p2p": {("send", "fwd", 2 * kv): cp - 1, ("recv", "fwd", 2 * kv): cp - 1,
+                             ("send", "bwd", 4 * kv): cp - 1, ("recv", "bwd", 4 * kv): cp - 1},
+                     "all_gather": {("all_gather", "fwd", kv): 2, ("all_gather", "regather", kv): 2,
+                                    ("reduce_scatter", "bwd", cp * kv): 2},
+                     "a2a": {("all_to_all", "fwd", q): 2, ("all_to_all", "fwd", kv): 2,
+                             ("all_to_all", "bwd", q): 2, ("all_to_all", "bwd", kv): 2}}.get(cfg.cp_comm_type)
+        out["cp"] = None if per_layer is None else Counter({k: c * n * M for k, c in per_layer.items()})
+
+    if moe_layers and m.moe_expert_capacity_factor is None:
+        Tm = T // (tp if sp else 1)                                 # the tokens this rank routes
+        E, k = m.num_experts, m.moe_router_topk
+        if cfg.moe_token_dispatcher_type == "alltoall":
+            if ep > 1:
+                out["ep"] = Counter({("all_to_all", "moe-counts", 8 * E): 1, ("all_to_all", "moe-dispatch", Tm * k * h * e): 1,
+                                     ("all_to_all", "moe-combine-bwd", Tm * k * h * e): 1})
+            if etp > 1:
+                out["etp"] = Counter({("all_gather", "moe-counts", 8 * E): 1})
+        elif ep * etp > 1:
+            g = ep * etp
+            out["ep"] = Counter([("all_gather", "moe-allgather", Tm * h * e), ("all_gather", "moe-allgather", Tm * E * e),
+                                 ("all_gather", "moe-allgather", Tm * E), ("reduce_scatter", "moe-allgather", g * Tm * h * e),
+                                 ("reduce_scatter", "moe-allgather-bwd", g * Tm * h * e),
+                                 ("reduce_scatter", "moe-allgather-bwd", g * Tm * E * e),
+                                 ("all_gather", "moe-allgather-bwd", Tm * h * e)])
+        if (m.moe_aux_loss_coeff or m.moe_z_loss_coeff) and tp * cp > 1:
+            # the auxiliary losses' token set is a micro-batch's tokens over tp x cp: its routed counts summed there
+            per_sequence = b if m.moe_router_load_balancing_type == "seq_aux_loss" else 1
+            out.setdefault("ep", Counter())[("all_reduce", "moe-aux", per_sequence * E * e)] += 1
+        for dim in ("ep", "etp"):
+            if dim in out:
+                out[dim] = Counter({key: c * len(moe_layers) * M for key, c in out[dim].items()})
+        if m.moe_router_enable_expert_bias and world // pp > 1:
+            # the expert bias: the step's routed counts of every MoE layer, summed over the stage's ranks
+            out.setdefault("ep", Counter())[("all_reduce", "moe-bias", len(moe_layers) * E * 4)] += 1   # float32
+    elif moe_layers and ep * etp > 1:
+        out["ep"] = None
+
+    if pp > 1:
+        message = T // (tp if sp else 1) * h * e                   # [b, s/cp (/tp), h]
+        sends_forward = v - last                                    # chunks that are not the last virtual stage
+        receives_forward = v - first                                # chunks that are not the first
+        out["pp"] = Counter({("send", "pp-fwd", message): M * sends_forward,
+                             ("recv", "pp-bwd", message): M * sends_forward,
+                             ("recv", "pp-fwd", message): M * receives_forward,
+                             ("send", "pp-bwd", message): M * receives_forward})
+        out["pp"] = +out["pp"]                                      # drop zero counts
+        if not m.untie_embeddings_and_output_weights and (first or last):
+            out["embedding"] = Counter({("all_reduce", "embedding-grads", _padded_vocab(m, tp) * h // tp * e): 1})
+    return out

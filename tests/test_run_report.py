@@ -1,0 +1,133 @@
+"""The training entry's report (minimegatron/run_report.py, `make demo`): the layout table and
+the rank grid against parallel_state's groups, the classification of the ledger by dimension,
+and one small 5D run whose formula comparisons and check against one device must all hold."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from minimegatron.arguments import parse_command_line
+from minimegatron.comm.ledger import CommRecord
+from minimegatron.parallel_state import rank_groups
+from minimegatron.analysis import rank_parameters, step_communication
+from minimegatron.run_report import dimension_of, layout_lines, rank_grid_lines
+
+FIVE_D = ["--preset", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+          "--context-parallel-size", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+          "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--micro-batch-size", "1", "--grad-accum-steps", "2"]
+
+
+def test_the_rank_grid_draws_the_tensor_parallel_groups_and_the_stages_of_parallel_state():
+    model, cfg, _ = parse_command_line(FIVE_D, 16)
+    lines = rank_grid_lines(cfg, 16)
+    groups = rank_groups(16, tp=2, pp=2, cp=2, ep=2, etp=2)
+    drawn = [[int(r) for r in cell.split()] for line in lines for cell in re.findall(r"\[([\d ]+)\]", line)
+             if line.startswith("  stage")]
+    assert sorted(drawn) == sorted(groups["tp"])                 # every tp group once, nothing else
+    for stage in range(2):                                        # a row holds its stage's ranks
+        row = next(line for line in lines if line.startswith(f"  stage {stage}"))
+        assert sorted(int(r) for r in re.findall(r"\d+", row)[1:]) == sorted(g[stage] for g in groups["pp"])
+    ep_line = next(line for line in lines if "expert-parallel groups" in line)
+    first_stage = {g[0] for g in groups["pp"]}
+    assert [[int(r) for r in c.split()] for c in re.findall(r"\[([\d ]+)\]", ep_line)] == \
+        [g for g in groups["ep"] if g[0] in first_stage]
+    table = "\n".join(layout_lines(model, cfg, 16))
+    assert "16 ranks = tp 2 x cp 2 x dp 2 x pp 2; experts: etp 2 x ep 2 x expert-dp 2 x pp 2" in table
+    assert "the 2 layers: 1 per stage; 1f1b over 2 micro-batches" in table
+    assert "32 tokens in 4 chunks of 8" in table and "8 tokens per rank" in table   # cp's chunks; SP's tokens
+    assert "the 4 experts of each MoE layer: 2 per rank" in table
+
+
+def test_each_record_is_charged_to_its_dimension():
+    groups = {"tp": [0, 1], "cp": [0, 2], "dp": [0, 4], "dp-cp": [0, 2, 4, 6], "pp": [0, 8], "ep": [0, 2],
+              "etp": [0, 1], "expert-dp": [0, 4]}
+
+    def rec(op, ranks, tag):
+        return CommRecord(op, tuple(ranks), 8, torch.float32, (2,), tag)
+    assert dimension_of(rec("all_gather", [0, 1], "fwd"), groups) == "tp"
+    assert dimension_of(rec("send", [0, 8], "pp-fwd"), groups) == "pp"
+    assert dimension_of(rec("all_reduce", [0, 2, 4, 6], "grads"), groups) == "dp"
+    assert dimension_of(rec("all_reduce", [0, 4], "expert-grads"), groups) == "expert-dp"
+    assert dimension_of(rec("all_to_all", [0, 2], "moe-dispatch"), groups) == "ep"
+    assert dimension_of(rec("all_gather", [0, 1], "moe-etp"), groups) == "etp"
+    assert dimension_of(rec("all_gather", [0, 2], "fwd"), groups) == "cp"            # cp's group, not ep's tag
+    assert dimension_of(rec("all_reduce", [0, 1], "moe-aux"), groups) == "ep"           # the mixture's, on tp's group
+    assert dimension_of(rec("all_reduce", [0, 2, 4, 6], "loss"), groups) == "loss and norm"
+
+
+def test_the_pipeline_formula_counts_each_neighbour():
+    model, cfg, _ = parse_command_line(FIVE_D, 16)
+    message = 1 * (32 // 2 // 2) * 32 * 4                  # b x s/cp/tp (SP) x h x float32
+    want = {0: {("send", "pp-fwd", message): 2, ("recv", "pp-bwd", message): 2},     # M = 2 micro-batches
+            1: {("recv", "pp-fwd", message): 2, ("send", "pp-bwd", message): 2}}
+    for stage in range(2):
+        assert step_communication(model, cfg, 16, stage)["pp"] == want[stage]
+
+
+@pytest.mark.slow
+def test_a_small_5d_run_reports_formulas_that_hold_and_matches_one_device(tmp_path):
+    """16 ranks, every dimension 2 (tiny model, 2 steps): the report's formula lines all hold,
+    the check against one device says MATCH, the picture is written, the job exits 0."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", "--nproc_per_node=16",
+               "-m", "minimegatron.run_report", "--check-steps", "1", *FIVE_D, "--train-iters", "2",
+               "--eval-interval", "0", "--no-progress", "--out-dir", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "DIFFERS" not in out and "MISMATCH" not in out, out[-4000:]
+    for dim in ("tp", "cp", "ep", "etp", "dp", "expert-dp", "pp"):      # every dimension, each on its formula
+        assert re.search(rf"^  {re.escape(dim)} +\d+ calls +[\d,]+ bytes  = formula on all 16 ranks", out, re.M), \
+            (dim, out[-4000:])
+    assert "parameters each rank holds: = formula on all 16 ranks" in out
+    assert "memory held from step to step (parameters, gradients, AdamW's two moments): = formula on all 16" in out
+    assert "MATCH with the single-device run (float64)" in out
+    assert (tmp_path / "summary.png").stat().st_size > 10_000
+
+
+def test_a_formula_that_does_not_hold_is_reported_and_fails_the_run():
+    """communication_checks against a rank whose ledger lost one tensor-parallel all-gather and
+    whose expert-dp reduction moved one float too many: both named, by rank."""
+    model, cfg, _ = parse_command_line(FIVE_D, 16)
+    from minimegatron.run_report import communication_checks, report_lines
+    gathered = []
+    for rank in range(16):
+        stage = rank // 8
+        records = {dim: want.copy() for dim, want in step_communication(model, cfg, 16, stage).items()}
+        params = rank_parameters(model, cfg, stage)
+        records["dp"] = {("all_reduce", "grads", params["dense"] * 4): 1}
+        records["expert-dp"] = {("all_reduce", "expert-grads", params["experts"] * 4 + 4 * (rank == 5)): 1}
+        gathered.append({"pp_rank": stage, "ep_group": [], "pp_group": [], "params": params, "compute": [],
+                         "held": {"all": 16 * sum(params.values())}, "records": {k: Counter(v) for k, v in records.items()}})
+    gathered[3]["records"]["tp"][next(iter(gathered[3]["records"]["tp"]))] -= 1
+    found = communication_checks(model, cfg, gathered)
+    assert len(found["tp"]) == 1 and found["tp"][0].startswith("rank 3: unexpected {}, missing")
+    assert found["expert-dp"] == [f"rank 5: {rank_parameters(model, cfg, 0)['experts'] * 4 + 4:,} bytes, its "
+                                  f"gradients {rank_parameters(model, cfg, 0)['experts'] * 4:,}"]
+    assert not any(found[d] for d in found if d not in ("tp", "expert-dp"))
+    lines, failed = report_lines(model, cfg, gathered)
+    assert failed == 2 and sum("DIFFERS" in line for line in lines) == 2
+
+
+def test_the_recorded_main_job_is_the_command_make_demo_runs():
+    """The front page quotes chapter 05's recorded run "make-demo": it must be what `make demo`
+    runs with its defaults (make -n prints the recipe without running it)."""
+    from booktools.demo import ROOT, import_chapter
+    recorded = import_chapter("05", "make_figures").RUNS["make-demo"]
+    done = subprocess.run(["make", "-n", "-W", ".venv/.installed", "demo"], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    recipe = " ".join(done.stdout.replace("\\\n", " ").split())
+    assert "--nproc_per_node=16" in recipe and "-m minimegatron.run_report" in recipe, recipe
+    # the shell splits the words and works out the recipe's $((...)) as make demo's shell does
+    words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + recipe.split("-m minimegatron.run_report", 1)[1]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert words == recorded.split("-m minimegatron.run_report", 1)[1].split(), (words, recorded)
