@@ -37,13 +37,13 @@ DEMO_EXPERTS ?= 8
 # batch stays 8 sequences per step. minimegatron/run_report.py prints the layout and the rank
 # grid before training; after it, one step's communication per dimension, the parameters, the
 # memory and the bubble against their formulas, and the first 2 steps of the same layout in
-# float64 against one process (MATCH), and draws runs/demo/summary.png. 240 steps (the demo
-# preset's 300 would take over 8 minutes here; about 7 on 2 cores: benchmarks/README.md).
+# float64 against one process (MATCH), and draws runs/demo/summary.png. 200 steps (the demo
+# preset's 300 take over 8 minutes on 2 cores; the wall clock: benchmarks/README.md).
 # (`make demo DEMO_EXPERTS=0 DEMO_EP=1`: chapter 04's dense 4D run; `make demo DEMO_RANKS=8 DEMO_CP=1
 # DEMO_EXPERTS=0 DEMO_EP=1`: chapter 03's 3D run, about 2).
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.run_report --check-steps 2 \
-		--preset demo --num-layers 4 --train-iters 240 \
+		--preset demo --num-layers 4 --train-iters 200 \
 		--tensor-model-parallel-size $(DEMO_TP) $(if $(filter-out 1,$(DEMO_TP)),--sequence-parallel) \
 		--context-parallel-size $(DEMO_CP) \
 		$(if $(filter-out 0,$(DEMO_EXPERTS)),--num-experts $(DEMO_EXPERTS) --moe-router-topk 2 \

@@ -143,9 +143,9 @@ RUNS = {
           "--pp 2 --dp 2",
     # the book's main job, `make demo` with its defaults (the front page, README.md, quotes its
     # report; tests/test_run_report.py checks this is the command make demo runs): 16 ranks,
-    # 240 steps and the check against one device, about 7 minutes on 2 cores
+    # 200 steps and the check against one device (its wall clock: benchmarks/README.md)
     "make-demo": "torchrun --standalone --nproc_per_node=16 -m minimegatron.run_report --check-steps 2 --preset demo "
-                 "--num-layers 4 --train-iters 240 --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
+                 "--num-layers 4 --train-iters 200 --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 "
                  "--num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 "
                  "--pipeline-model-parallel-size 2 --grad-accum-steps 4 --micro-batch-size 1 --out-dir runs/demo",
 }
