@@ -1,7 +1,9 @@
 """What the training entry shows about its own run: the layout, the rank grid, and what each
 dimension of the grid moves in one step (measured, from comm's ledger).
 
-    python -m minimegatron.train ... --report     # make demo passes it
+    torchrun --nproc_per_node=16 -m minimegatron.run_report [--check-steps K] <minimegatron.train's flags>
+    python -m minimegatron.run_report --preset tiny        # one process: the report, the check trivially
+                                                           # MATCH (the Makefile's demo target runs the first)
 
 Before training (rank 0): `layout_lines`, a table of each dimension's size and what it cuts,
 with the chapter that explains it, and `rank_grid_lines`, the ranks as a small text picture
@@ -50,7 +52,7 @@ def layout_lines(model_cfg: ModelConfig, cfg: TrainConfig, world: int) -> list[s
     """The layout table: one row per dimension, its size, what it cuts in this run (the numbers
     of this model and batch), and the chapter that explains it."""
     n = _sizes(cfg, world)
-    h, L, s = model_cfg.hidden_size, model_cfg.num_layers, cfg.seq_length
+    L, s = model_cfg.num_layers, cfg.seq_length
     a, g = model_cfg.num_attention_heads, model_cfg.query_groups
     M, b = cfg.grad_accum_steps, cfg.micro_batch_size
     sp = " + SP" if cfg.sequence_parallel else ""
@@ -110,7 +112,7 @@ def rank_grid_lines(cfg: TrainConfig, world: int) -> list[str]:
         groups = rank_groups(world, **kw)
         first = set(groups["pp"][i][0] for i in range(len(groups["pp"])))
         ep_groups = [gr for gr in groups["ep"] if gr[0] in first]
-        lines.append(f"  expert-parallel groups of stage 0 (the ranks that exchange tokens): "
+        lines.append("  expert-parallel groups of stage 0 (the ranks that exchange tokens): "
                      + " ".join("[" + " ".join(map(str, gr)) + "]" for gr in ep_groups))
     return lines
 
@@ -165,15 +167,15 @@ def _bytes(counter: Counter, tags=None) -> int:
 
 
 def communication_checks(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict]) -> dict[str, list[str]]:
-    """{dimension: the differences found, "" for none} over every rank's summary (`_summary`):
+    """{dimension: the differences found, [] for none} over every rank's summary (`_summary`):
     the records of analysis.step_communication exactly, the gradient reductions' bytes against
-    the rank's parameters, and for the dispatcher's routing-dependent messages the sums that
+    the rank's parameters by analysis.rank_parameters, and for the dispatcher's routing-dependent messages the sums that
     must agree (each ep group combines the rows it dispatched; a rank's dispatch backward moves
     what its combine moved; an etp reduce-scatter takes etp times what its all-gather gave)."""
     e, n = model_cfg.dtype.itemsize, _sizes(cfg, len(gathered))
     found: dict[str, list[str]] = defaultdict(list)
     for rank, r in enumerate(gathered):
-        got = r["records"]
+        got, formula = r["records"], rank_parameters(model_cfg, cfg, r["pp_rank"])
         for dim, want in step_communication(model_cfg, cfg, len(gathered), r["pp_rank"]).items():
             if want is None:
                 found[dim] += []
@@ -185,8 +187,8 @@ def communication_checks(model_cfg: ModelConfig, cfg: TrainConfig, gathered: lis
         if cfg.zero_stage == 0:
             for dim, tag, kind in (("dp", "grads", "dense"), ("expert-dp", "expert-grads", "experts")):
                 size = n["dp"] * n["cp"] if dim == "dp" else n["expert_dp"]
-                if size > 1 and r["params"][kind]:
-                    moved, want = _bytes(got.get(dim, Counter()), (tag,)), r["params"][kind] * e
+                if size > 1 and formula[kind]:
+                    moved, want = _bytes(got.get(dim, Counter()), (tag,)), formula[kind] * e
                     found[dim] += [] if moved == want else [f"rank {rank}: {moved:,} bytes, its gradients {want:,}"]
         ep_records, etp_records = got.get("ep", Counter()), got.get("etp", Counter())
         if _bytes(ep_records, ("moe-dispatch-bwd",)) != _bytes(ep_records, ("moe-combine",)):
@@ -212,8 +214,8 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
     world, n = len(gathered), _sizes(cfg, len(gathered))
     checks = communication_checks(model_cfg, cfg, gathered)
     failed = sum(bool(v) for v in checks.values())
-    lines = [f"communication of one optimizer step on each rank, per dimension (the busiest rank's calls and bytes "
-             f"handed to the collectives), against the formulas of analysis/communication.py:"]
+    lines = ["communication of one optimizer step on each rank, per dimension (the busiest rank's calls and bytes "
+             "handed to the collectives), against the formulas of analysis/communication.py:"]
     dims = [d for d in (*DIMENSION_ORDER, "other") if any(d in r["records"] for r in gathered) or d in checks]
     if not dims:
         lines.append("  none: one rank")
@@ -233,17 +235,17 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
     e = model_cfg.dtype.itemsize
     wrong = [i for i, r in enumerate(gathered) if r["params"] != rank_parameters(model_cfg, cfg, r["pp_rank"])]
     failed += bool(wrong)
-    lines.append(f"parameters each rank holds: " + (f"= formula on all {world} ranks" if not wrong else
+    lines.append("parameters each rank holds: " + (f"= formula on all {world} ranks" if not wrong else
                  f"DIFFERS on ranks {wrong}") + ": " +
                  ", ".join(f"stage {s} {r['params']['dense']:,} + {r['params']['experts']:,}"
                            for s, r in sorted({r['pp_rank']: r for r in gathered}.items())))
     if cfg.zero_stage == 0:
         state = [sum(r["held"].values()) for r in gathered]
-        formula = [4 * e * sum(r["params"].values()) for r in gathered]
+        formula = [4 * e * sum(rank_parameters(model_cfg, cfg, r["pp_rank"]).values()) for r in gathered]
         off = [i for i in range(world) if state[i] != formula[i]]
         failed += bool(off)
         worst = max(range(world), key=lambda i: state[i])
-        lines.append(f"memory held from step to step (parameters, gradients, AdamW's two moments): " +
+        lines.append("memory held from step to step (parameters, gradients, AdamW's two moments): " +
                      (f"= formula on all {world} ranks" if not off else f"DIFFERS on ranks {off}") +
                      f", the most {state[worst]:,} bytes on rank {worst} (chapter 00 §3, 01 §5)")
     if n["pp"] > 1:

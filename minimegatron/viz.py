@@ -170,5 +170,8 @@ def plot_run_summary(losses: list[float], eval_losses: list[tuple[int, float]], 
     ax.set_xlabel("MiB handed to collectives in one step")
     ax.set_title("communication per dimension", fontsize=10)
     ax.grid(alpha=0.3, axis="x")
+    dp = world_size // (sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1))
+    shown = {"tp": sizes.get("tp", 1), "cp": sizes.get("cp", 1), "dp": dp, "pp": sizes.get("pp", 1),
+             "ep": sizes.get("ep", 1)}
     return finish_figure(fig, path, title=f"{world_size} ranks: " + " x ".join(
-        f"{k} {sizes[k]}" for k in ("tp", "cp", "pp", "ep") if sizes.get(k, 1) > 1))
+        f"{k} {v}" for k, v in shown.items() if v > 1))
