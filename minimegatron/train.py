@@ -300,10 +300,7 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
     p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks), (cfg.micro_batch_size, local_seq,
                                                                       model_cfg.hidden_size), model_cfg.dtype, device)
            if layout.pp > 1 else None)
-    result = TrainResult(out_dir=cfg.out_dir)
-    held = {id(p): p for c in chunks for p in c.parameters()}.values()       # a tied weight once
-    result.local_parameters = {"dense": sum(p.numel() for p in held if not is_expert_parameter(p)),
-                               "experts": sum(p.numel() for p in held if is_expert_parameter(p))}
+    result = TrainResult(out_dir=cfg.out_dir, local_parameters=local_parameter_counts(chunks))
 
     start = 0
     if state is not None:
@@ -358,12 +355,25 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
     return result
 
 
+def held_parameters(chunks: list[nn.Module]) -> list[nn.Parameter]:
+    """This rank's parameters over its chunks, each once (a tied weight is one parameter)."""
+    return list({id(p): p for c in chunks for p in c.parameters()}.values())
+
+
+def local_parameter_counts(chunks: list[nn.Module]) -> dict[str, int]:
+    """{"dense", "experts"}: the parameter elements this rank holds (analysis.rank_parameters
+    is their formula; run_report.py sets the two side by side)."""
+    held = held_parameters(chunks)
+    return {"dense": sum(p.numel() for p in held if not is_expert_parameter(p)),
+            "experts": sum(p.numel() for p in held if is_expert_parameter(p))}
+
+
 def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str, int]:
     """The bytes this rank keeps from step to step: "parameters" (a tied weight once),
     "gradients" (the data-parallel wrappers' buffers; without one, the .grad backward gives each
     parameter, as many bytes as the parameter) and "optimizer" (AdamW's two moments; its step
     counters left out)."""
-    params = list({id(p): p for c in chunks for p in c.parameters()}.values())
+    params = held_parameters(chunks)
     buffers = [b.grad_data for c in chunks for b in getattr(c, "buckets", []) if b.grad_data is not None]
     moments = [t for state in optimizer.state.values() for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)     # noqa: E731
@@ -382,7 +392,8 @@ def check_finite_step(iteration: int, loss: float, grad_norm: float | None, opti
     together: the loss (all-reduced over the pipeline and data-parallel groups) and the norm
     (all-reduced over every group that splits the model) are the same number on every rank.
 
-    Megatron-LM stops the same way (--check-for-nan-in-loss-and-grad, on by default: the
+    Megatron-LM stops the same way (check_for_nan_in_loss_and_grad, on unless
+    --no-check-for-nan-in-loss-and-grad; checked on main d98e8a6: the
     loss in pretrain_gpt.py's loss_func, each gradient bucket's norm before the data-parallel
     reduction), except under dynamic loss scaling, where non-finite gradients are the loss
     scaler's signal to skip a step and lower the scale. So here: nothing is checked when the

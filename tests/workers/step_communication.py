@@ -9,7 +9,6 @@ from collections import Counter
 
 from minimegatron import comm
 from minimegatron.analysis import rank_parameters
-from minimegatron.optim import is_expert_parameter
 from minimegatron.parallel_state import get_group_ranks
 from minimegatron.run_report import KEYS_OF_THIS_RANK, records_by_dimension
 from minimegatron.testing import make_batches, train_layout
@@ -36,10 +35,8 @@ def measure_layouts(layouts: list[tuple]) -> list[dict]:
         finally:
             train_module.train_step = real_step
         groups = {k: get_group_ranks(k) for k in KEYS_OF_THIS_RANK}
-        held = {id(p): p for c in chunks for p in c.parameters()}.values()
         out.append({"name": name, "pp_rank": layout.pp_rank, "ep_group": groups["ep"], "pp_group": groups["pp"],
-                    "params": {"dense": sum(p.numel() for p in held if not is_expert_parameter(p)),
-                               "experts": sum(p.numel() for p in held if is_expert_parameter(p))},
+                    "params": train_module.local_parameter_counts(chunks),
                     "formula_params": rank_parameters(model, cfg, layout.pp_rank),
                     "records": {d: Counter(c) for d, c in records_by_dimension(records, groups).items()}})
     return out
