@@ -182,7 +182,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
         after_build(chunks, layout)
     optimizer = build_optimizer(chunks, t, layout)
     local_seq = t.seq_length // layout.cp // (layout.tp if t.sequence_parallel else 1)
-    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, 1, (t.micro_batch_size, local_seq, model_cfg.hidden_size),
+    p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks), (t.micro_batch_size, local_seq, model_cfg.hidden_size),
                         model_cfg.dtype) if layout.pp > 1 else None)
     out = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank,
            "dp_rank": layout.data_parallel_rank, "ep_rank": layout.ep_rank, "etp_rank": layout.etp_rank,
@@ -198,7 +198,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
                 out["grads"] = full_model_tensors(chunks, layout, grads=True)
         with comm.record_communication() as ledger:
             loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), p2p,
-                                 on_grads=keep_grads)
+                                 t.pipeline_schedule, on_grads=keep_grads)
         if step == 0:
             out["ledger"] = [(r.op, r.tag, r.nbytes) for r in ledger if r.tag in tags]
         mean = torch.tensor([loss], dtype=torch.float64)

@@ -1,6 +1,6 @@
-"""analysis/communication.py against the ledger of real steps: in one world of 4 ranks, nine
+"""analysis/communication.py against the ledger of real steps: in one world of 4 ranks, ten
 layouts that between them take every branch of its formulas (tensor parallelism with and
-without SP, tied GPT-2 embeddings with learned positions and biases, pipelines, the three
+without SP, tied GPT-2 embeddings with learned positions and biases, pipelines (interleaved too), the three
 context-parallel comm types, both token dispatchers, etp, the auxiliary loss per token set and
 per sequence, the expert bias). Each rank's parameters must equal rank_parameters, and
 run_report.communication_checks must find nothing (every record of every dimension the
@@ -17,7 +17,7 @@ from workers.step_communication import measure_layouts   # tests/workers/step_co
 
 
 def _layout(name, style="llama", layers=2, tp=1, cp=1, pp=1, dp=1, sp=False, cp_comm_type="p2p", experts=None,
-            ep=1, etp=None, dispatcher="alltoall", batch=1, **moe):
+            ep=1, etp=None, dispatcher="alltoall", batch=1, chunks=1, **moe):
     model = getattr(ModelConfig, style)(hidden_size=32, num_layers=layers, num_attention_heads=4, num_query_groups=2,
                                         ffn_hidden_size=64, vocab_size=60, max_position_embeddings=64,
                                         **({"num_experts": experts, "moe_router_topk": 2, **moe} if experts else {}))
@@ -25,7 +25,8 @@ def _layout(name, style="llama", layers=2, tp=1, cp=1, pp=1, dp=1, sp=False, cp_
                       progress=False, eval_interval=0, tensor_model_parallel_size=tp, context_parallel_size=cp,
                       pipeline_model_parallel_size=pp, sequence_parallel=sp, cp_comm_type=cp_comm_type,
                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                      moe_token_dispatcher_type=dispatcher)
+                      moe_token_dispatcher_type=dispatcher, num_virtual_stages_per_pipeline_rank=chunks,
+                      pipeline_schedule="interleaved" if chunks > 1 else "1f1b")
     assert tp * cp * pp * dp == 4
     return name, model, cfg, dp
 
@@ -34,6 +35,7 @@ LAYOUTS = [
     _layout("tp2 dp2, GPT-2 (tied, learned positions, biases)", "gpt2", tp=2, dp=2),
     _layout("tp2 sp pp2, GPT-2", "gpt2", tp=2, sp=True, pp=2),
     _layout("cp4 all_gather", cp=4, cp_comm_type="all_gather"),
+    _layout("pp2 dp2 interleaved, 2 chunks per rank, GPT-2 (tied)", "gpt2", layers=4, pp=2, dp=2, chunks=2),
     _layout("cp2 a2a dp2", cp=2, dp=2, cp_comm_type="a2a"),
     _layout("tp2 sp cp2 p2p", tp=2, sp=True, cp=2),
     _layout("tp2 sp dp2, ep2 etp1, allgather dispatcher, aux loss", layers=1, tp=2, sp=True, dp=2, experts=4, ep=2,
@@ -65,8 +67,9 @@ def test_each_rank_holds_and_moves_what_the_formulas_say(measured, index):
 
 def test_a_dropped_record_is_found(measured):
     """The check can fail: the same records less one all-gather of one rank of the SP layout."""
-    name, model, cfg, _ = LAYOUTS[4]
-    per_rank = [dict(rank[4]) for rank in measured]
+    index = next(i for i, (name, *_) in enumerate(LAYOUTS) if name == "tp2 sp cp2 p2p")
+    name, model, cfg, _ = LAYOUTS[index]
+    per_rank = [dict(rank[index]) for rank in measured]
     tp = per_rank[1]["records"]["tp"] = per_rank[1]["records"]["tp"].copy()
     tp[next(key for key in tp if key[0] == "all_gather")] -= 1
     assert communication_checks(model, cfg, per_rank)["tp"][0].startswith("rank 1: unexpected {}, missing")
