@@ -14,8 +14,9 @@ After training (rank 0), from every rank's summary: one optimizer step's collect
 dimension of the grid (`dimension_of` says which dimension a record belongs to, by its tag or
 its group) and checked against analysis/communication.py's formulas (`communication_checks`);
 each rank's parameters against `rank_parameters` and the bytes it holds from step to step
-(parameters, gradients, AdamW's moments) against 4 x e x those; the pipeline bubble against
-(p-1)/(vm+p-1); the throughput; and summary.png. Then, with --check-steps K (default 2), the
+(parameters, gradients, AdamW's moments) against 4 x e x those; the activations one micro-batch
+saves against one process's, and the micro-batches each stage holds at its peak against its
+schedule (`activation_lines`); the pipeline bubble against (p-1)/(vm+p-1); the throughput; and summary.png. Then, with --check-steps K (default 2), the
 book's promise for this very layout: K steps in float64 on these ranks against one process,
 MATCH or MISMATCH (`check_against_one_device`). The exit status is 1 when a formula does not
 hold or the check says MISMATCH.
@@ -34,10 +35,12 @@ from .analysis import ROUTING_DEPENDENT, count_parameters, rank_parameters, step
 from .comm.ledger import CommRecord
 from .config import ModelConfig, TrainConfig
 from .parallel_state import rank_coordinates, rank_groups
+from .pp.schedules import num_warmup_microbatches
 from .pp.timeline import bubble_fraction
 
 __all__ = ["layout_lines", "rank_grid_lines", "dimension_of", "DIMENSION_ORDER", "records_by_dimension",
-           "communication_checks", "report_lines", "check_against_one_device", "main"]
+           "communication_checks", "report_lines", "activation_lines", "in_flight_formula", "check_against_one_device",
+           "main"]
 
 ORDER = "tp-cp-ep-dp-pp"          # Megatron's default order string, the one parallel_state builds
 
@@ -259,6 +262,47 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
     return lines, failed
 
 
+ACTIVATION_TOLERANCE = 0.10
+
+
+def in_flight_formula(cfg: TrainConfig, pp_size: int, pp_rank: int) -> int:
+    """Micro-batch chunks a stage holds at its peak: its schedule's warm-up forwards plus the
+    steady state's one (GPipe: every micro-batch; without a pipeline: one)."""
+    if pp_size == 1:
+        return 1
+    v, m = cfg.num_virtual_stages_per_pipeline_rank, cfg.grad_accum_steps
+    return min(num_warmup_microbatches(cfg.pipeline_schedule, pp_size, pp_rank, m, v) + 1, v * m)
+
+
+def activation_lines(cfg: TrainConfig, gathered: list[dict], one_device: int) -> tuple[list[str], int]:
+    """The activations (what autograd saves for backward) against their formulas, and how many
+    checks failed:
+      - one micro-batch, summed over every rank, against dp x what one process saves for the
+        same micro-batch (`one_device`, measured with the same hooks): tp and cp cut every
+        sequence and pp the layers, so the sum equals dp x one device but for what no
+        dimension cuts (the token ids and labels on every tp rank, RoPE's tables, per-rank
+        scalars); within ACTIVATION_TOLERANCE;
+      - the micro-batches each stage holds at its peak: `in_flight_formula`, exactly;
+    and the peak bytes each rank held (micro-batches held x their bytes)."""
+    world, n = len(gathered), _sizes(cfg, len(gathered))
+    total = sum(r["saved"][0] for r in gathered)
+    ratio = total / (n["dp"] * one_device)
+    failed = int(abs(ratio - 1) > ACTIVATION_TOLERANCE)
+    held = {r["pp_rank"]: r["peak_in_flight"] for r in gathered}
+    off = [i for i, r in enumerate(gathered) if r["peak_in_flight"] != in_flight_formula(cfg, n["pp"], r["pp_rank"])]
+    failed += bool(off)
+    peak = max(range(world), key=lambda i: gathered[i]["peak_bytes"])
+    return [f"activations saved for backward, one micro-batch summed over the {world} ranks: {total:,} bytes = "
+            f"{ratio:.3f} x dp ({n['dp']}) x one process's {one_device:,} for the same micro-batch (measured; "
+            f"{'within' if not failed else 'NOT within'} {ACTIVATION_TOLERANCE:.0%}: tp and cp cut every sequence and "
+            f"pp the layers, but not the token ids and labels each tp rank holds; chapter 00 §3.3, 04 §2.7)",
+            (f"micro-batches held at the peak, stage by stage: " + ", ".join(f"{held[k]}" for k in sorted(held)) +
+             (f" = the schedule's warm-up + 1 on all {world} ranks" if not off else f" DIFFERS on ranks {off}") +
+             " (chapter 03 §5)" if n["pp"] > 1 else "micro-batches held at the peak: 1 (no pipeline: each backward "
+             "runs before the next forward)" + ("" if not off else f" DIFFERS on ranks {off}")) +
+            f"; the most held: {gathered[peak]['peak_bytes']:,} bytes on rank {peak}"], failed
+
+
 def check_against_one_device(model_cfg: ModelConfig, cfg: TrainConfig, world: int, steps: int):
     """The book's promise for this very layout: train `steps` steps of the same model in float64
     on the same ranks and the same data (the run's own first global batches), and on one
@@ -317,6 +361,18 @@ def _before(model_cfg: ModelConfig, cfg: TrainConfig, world: int) -> None:
                         expectation_lines(model_cfg, cfg)), flush=True)
 
 
+def one_device_saved_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
+    """What one process saves for backward in one forward of the whole model on the run's first
+    micro-batch (micro_batch_size whole sequences), dropout as in training (model.train())."""
+    from .analysis import measure_saved_activation_bytes
+    from .data import batch_for_step
+    from .model import GPTModel
+    from .train import build_datasets
+
+    batch = batch_for_step(build_datasets(model_cfg, cfg)[0], 0, cfg.micro_batch_size, 0, 1)
+    return measure_saved_activation_bytes(GPTModel(model_cfg), batch["tokens"], batch["labels"])
+
+
 def _summary(cfg: TrainConfig, result, world: int) -> dict:
     """What this rank sends to rank 0 for the report."""
     from .parallel_state import get_group_ranks, get_layout
@@ -329,7 +385,13 @@ def _summary(cfg: TrainConfig, result, world: int) -> dict:
             # the last step's forwards and backwards on the machine's clock (perf_counter is one
             # clock for every process of a machine: pp.timeline.StepRecord)
             "compute": [(i.start + record.t0, i.end + record.t0) for i in record.intervals if i.op in ("F", "B")]
-            if record else []}
+            if record else [],
+            # what each micro-batch's forward saved for its backward (all of its chunks), and the
+            # most held at once
+            "saved": [sum(n for (m, _), n in record.saved_bytes.items() if m == mb)
+                      for mb in sorted({m for m, _ in record.saved_bytes})] if record else [],
+            "peak_in_flight": record.peak_in_flight if record else 0,
+            "peak_bytes": record.peak_bytes if record else 0}
 
 
 def measured_idle(gathered: list[dict]) -> dict[int, float]:
@@ -363,6 +425,9 @@ def _after(model_cfg: ModelConfig, cfg: TrainConfig, result, check_steps: int) -
     failed = 0
     if rank == 0:
         lines, failed = report_lines(model_cfg, cfg, gathered)
+        saved, wrong = activation_lines(cfg, gathered, one_device_saved_bytes(model_cfg, cfg))
+        lines += saved
+        failed += wrong
         n = _sizes(cfg, world)
         tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * n["dp"] * len(result.losses)
         lines.append(f"throughput: {tokens / max(result.seconds, 1e-9):,.0f} tokens/s over {len(result.losses)} steps "

@@ -78,6 +78,7 @@ from .parallelize import build_model, build_optimizer, full_model_tensors, layou
 from .cp import get_batch_on_this_cp_rank
 from .cp.attention import hierarchical_sizes
 from .pp import PipelineComm, evaluate_pipelining, forward_backward_pipelining
+from .pp.timeline import StepRecord
 from .resume import RESUME_MUST_MATCH, check_resume_config, load_for_resume  # noqa: F401 (they lived here)
 from .tp import get_rng_tracker, model_parallel_manual_seed
 from .watchdog import CollectiveTimeoutError, is_collective_timeout, missing_ranks_report, set_doing
@@ -86,7 +87,7 @@ from .watchdog import CollectiveTimeoutError, is_collective_timeout, missing_ran
 # one step
 # ---------------------------------------------------------------------------------------
 def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str, torch.Tensor]],
-                                   loss_scale: float = 1.0) -> float:
+                                   loss_scale: float = 1.0, record: StepRecord | None = None) -> float:
     """Accumulate gradients over micro-batches; returns the mean loss of the global batch.
 
     Each micro-batch's mean token loss is divided by the number of micro-batches, so the
@@ -94,11 +95,16 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str
     micro-batches have the same number of tokens). Under data parallelism every micro-batch
     but the last runs under no_sync(): no communication while accumulating. The backward
     starts from the loss times `loss_scale` (the optimizer's loss scaler; 1 without one).
+    `record`, if given, measures what each micro-batch's forward saves for its backward (one
+    micro-batch is alive at a time: its backward runs before the next forward).
     """
     total = 0.0
     for i, mb in enumerate(microbatches):
         with no_sync(model) if i < len(microbatches) - 1 else nullcontext():
-            losses = model(mb["tokens"], position_ids=mb.get("position_ids"), labels=mb["labels"])   # [b, s]
+            with record.saving(i, 0) if record is not None else nullcontext():
+                losses = model(mb["tokens"], position_ids=mb.get("position_ids"), labels=mb["labels"])   # [b, s]
+            if record is not None:
+                record.in_flight([(i, 0)])
             loss = losses.mean() / len(microbatches)                                                 # []
             (loss * loss_scale).backward()
         total += loss.item()
@@ -124,7 +130,8 @@ def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list
     and before the optimizer reads them (tests and demos look at them there).
     `forward_backward(chunks, microbatches) -> loss`, if given, replaces the forward and
     backward (a chapter demo that writes them out, e.g. to record each micro-batch).
-    `pipeline_records`, if given, receives the pipeline's pp.timeline.StepRecord (pp > 1)."""
+    `pipeline_records`, if given, receives the step's pp.timeline.StepRecord (without a pipeline:
+    only the activation bytes each micro-batch saved)."""
     scale = optimizer.loss_scale
     set_moe_aux_loss_scale(chunks, scale / len(microbatches))   # MoE: aux losses weigh as the LM loss
     if forward_backward is not None:
@@ -134,7 +141,11 @@ def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list
         if pipeline_records is not None:
             pipeline_records.append(record)
     else:
-        loss = forward_backward_no_pipelining(chunks[0], microbatches, scale)
+        record = None
+        if pipeline_records is not None:
+            record = StepRecord(layout.rank, params={p.untyped_storage().data_ptr() for p in chunks[0].parameters()})
+            pipeline_records.append(record)
+        loss = forward_backward_no_pipelining(chunks[0], microbatches, scale, record)
     finalize_model_grads(chunks)
     if on_grads is not None:
         on_grads()
@@ -188,7 +199,7 @@ class TrainResult:
     seconds: float = 0.0                                            # the loop's wall clock (machine-dependent)
     local_parameters: dict = field(default_factory=dict)           # {"dense", "experts"}: elements this rank holds
     held_bytes: dict = field(default_factory=dict)                 # held_state_bytes after the last step
-    pipeline_records: list = field(default_factory=list)           # the last step's pp.timeline.StepRecord (pp > 1)
+    pipeline_records: list = field(default_factory=list)           # the last step's pp.timeline.StepRecord
 
 
 def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset, GPTDataset]:

@@ -15,6 +15,7 @@ import torch
 
 from minimegatron.arguments import parse_command_line
 from minimegatron.comm.ledger import CommRecord
+from minimegatron.config import TrainConfig
 from minimegatron.parallel_state import rank_groups
 from minimegatron.analysis import rank_parameters, step_communication
 from minimegatron.run_report import dimension_of, layout_lines, rank_grid_lines
@@ -90,6 +91,9 @@ def test_a_small_5d_run_reports_formulas_that_hold_and_matches_one_device(tmp_pa
             (dim, out[-4000:])
     assert "parameters each rank holds: = formula on all 16 ranks" in out
     assert "memory held from step to step (parameters, gradients, AdamW's two moments): = formula on all 16" in out
+    assert re.search(r"one micro-batch summed over the 16 ranks: [\d,]+ bytes = [\d.]+ x dp \(2\) x one "
+                     r"process's [\d,]+ for the same micro-batch \(measured; within 10%", out), out[-4000:]
+    assert "micro-batches held at the peak, stage by stage: 2, 1 = the schedule's warm-up + 1 on all 16 ranks" in out
     assert "MATCH with the single-device run (float64)" in out
     assert (tmp_path / "summary.png").stat().st_size > 10_000
 
@@ -116,6 +120,34 @@ def test_a_formula_that_does_not_hold_is_reported_and_fails_the_run():
     assert not any(found[d] for d in found if d not in ("tp", "expert-dp"))
     lines, failed = report_lines(model, cfg, gathered)
     assert failed == 2 and sum("DIFFERS" in line for line in lines) == 2
+
+
+@pytest.mark.parametrize("kind, pp, m, v", [("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
+                                            ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 3)])
+def test_the_in_flight_formula_is_the_peak_of_the_simulated_schedule(kind, pp, m, v):
+    """in_flight_formula (the warm-up + 1) against the schedule's own op list, replayed."""
+    from minimegatron.pp import peak_in_flight
+    from minimegatron.pp.schedules import schedule
+    from minimegatron.run_report import in_flight_formula
+    cfg = TrainConfig(pipeline_model_parallel_size=pp, grad_accum_steps=m, pipeline_schedule=kind,
+                      num_virtual_stages_per_pipeline_rank=v)
+    for rank in range(pp):
+        assert in_flight_formula(cfg, pp, rank) == peak_in_flight(schedule(kind, pp, rank, m, v)), rank
+
+
+def test_activations_off_their_formulas_fail_the_run():
+    """activation_lines: a sum of micro-batch bytes 20% above dp x one device, and a stage that
+    held one micro-batch more than its schedule allows, are both reported and counted."""
+    from minimegatron.run_report import activation_lines
+    cfg = TrainConfig(pipeline_model_parallel_size=2, grad_accum_steps=4, tensor_model_parallel_size=2)
+    gathered = [{"pp_rank": r // 2, "saved": [300, 300], "peak_in_flight": 2 - r // 2, "peak_bytes": 600}
+                for r in range(4)]
+    lines, failed = activation_lines(cfg, gathered, 1200)
+    assert failed == 0 and "1.000 x dp (1)" in lines[0] and "within 10%" in lines[0], lines
+    gathered[3]["peak_in_flight"] = 2
+    lines, failed = activation_lines(cfg, gathered, 1000)
+    assert failed == 2 and "1.200 x dp (1)" in lines[0] and "NOT within 10%" in lines[0], lines
+    assert "DIFFERS on ranks [3]" in lines[1], lines
 
 
 def test_the_recorded_main_job_is_the_command_make_demo_runs():
