@@ -43,7 +43,7 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 # flag is Megatron's spelling (checked 2026-11-24 against Megatron-LM main: the flags
 # megatron/training/arguments.py adds, and those it generates from TransformerConfig,
 # TrainingConfig, SchedulerConfig, CheckpointConfig, RNGConfig); more names are the book's.
-GROUPS = ("model", "moe", "training", "parallelism", "data", "checkpointing")
+GROUPS = ("model", "moe", "training", "mixed precision", "parallelism", "data", "checkpointing")
 
 # field -> (group, flag names, help). Booleans are switches (SWITCHES below), not flags.
 FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -74,7 +74,8 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "seed": ("model", ("--seed",), "initial weights: each parameter is a function of (seed, its name); "
                                    "Megatron's --seed also seeds data and dropout, here --data-seed does"),
     "params_dtype": ("model", ("--params-dtype",),
-                     "dtype of parameters and activations: float32, float64 or bfloat16 (the book's)"),
+                     "dtype of parameters and activations: float32, float64, bfloat16 or float16, plain (no "
+                     "float32 main copies: --bf16 / --fp16 are mixed precision) (the book's)"),
     "num_experts": ("moe", ("--num-experts",), "E, experts in each MoE layer; unset: a dense MLP everywhere "
                                                "(chapter 05)"),
     "moe_router_topk": ("moe", ("--moe-router-topk",), "k, experts each token is routed to"),
@@ -102,6 +103,14 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                    "world size / (etp x ep x pp)"),
     "expert_tensor_parallel_size": ("parallelism", ("--expert-tensor-parallel-size",),
                                     "etp, ranks each expert's matrices are cut over (chapter 05); unset: tp"),
+    "loss_scale": ("mixed precision", ("--loss-scale",), "a constant loss scale (a power of 2); unset: dynamic "
+                                                        "with --fp16, none with --bf16 (chapter 06)"),
+    "initial_loss_scale": ("mixed precision", ("--initial-loss-scale",), "--fp16's dynamic loss scale to start from"),
+    "min_loss_scale": ("mixed precision", ("--min-loss-scale",), "the dynamic loss scale never drops below this"),
+    "loss_scale_window": ("mixed precision", ("--loss-scale-window",),
+                          "clean steps in a row after which the dynamic loss scale doubles"),
+    "hysteresis": ("mixed precision", ("--hysteresis",),
+                   "overflowing steps before the dynamic loss scale halves (refilled only when it grows)"),
     "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
     "grad_accum_steps": ("training", ("--grad-accum-steps",),
                          "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
@@ -173,8 +182,18 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
                                                          "per rank; all-gather / reduce-scatter replace the all-reduces "
                                                          "(chapter 04)")],
+    "bf16": [("--bf16", True, "bfloat16 mixed precision: bf16 parameters and activations, float32 main parameters "
+                              "and gradients in the optimizer (sets --params-dtype bfloat16; chapter 06)")],
+    "fp16": [("--fp16", True, "float16 mixed precision with loss scaling: fp16 parameters and activations, float32 "
+                              "main parameters (sets --params-dtype float16; chapter 06)")],
+    "accumulate_allreduce_grads_in_fp32": [("--accumulate-allreduce-grads-in-fp32", True,
+                                            "accumulate and reduce the gradients in float32 (always with --bf16)")],
+    "grad_reduce_in_bf16": [("--grad-reduce-in-bf16", True, "with --bf16: accumulate and reduce the gradients in "
+                                                            "bfloat16 instead")],
     "zero_stage": [("--use-distributed-optimizer", 1, "Megatron's distributed optimizer: the book's --zero-stage 1")],
 }
+
+PRECISION_SWITCHES = ("bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16")
 
 # Flags that exist only on the command line (not config fields): name -> (group, add_argument kwargs)
 CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
@@ -198,9 +217,6 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Megatron-LM flags for what the book does not (yet) do: refused with the reason, by name
 NOT_IN_BOOK: dict[str, str] = {
-    "--bf16": "mixed precision is not implemented in this book yet (chapter 06); --params-dtype bfloat16 "
-              "keeps plain bf16 parameters",
-    "--fp16": "mixed precision is not implemented in this book yet (chapter 06)",
     "--fp8-format": "not implemented in this book yet (chapter 06)",
     "--recompute-activations": "activation recomputation is not implemented in this book yet (chapter 06)",
     "--recompute-granularity": "activation recomputation is not implemented in this book yet (chapter 06)",
@@ -294,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
             groups[title].add_argument(*names, dest=f.name, default=None, metavar=f.name.upper(),
                                        help=f"{text} {_defaults(f.name)}", **kind)
         for switch, value, text in SWITCHES.get(f.name, []):
-            title = FLAGS[f.name][0] if f.name in FLAGS else "model" if hasattr(ModelConfig, f.name) else "training"
+            title = (FLAGS[f.name][0] if f.name in FLAGS else "model" if hasattr(ModelConfig, f.name) else
+                     "mixed precision" if f.name in PRECISION_SWITCHES else "training")
             shown = f" {_defaults(f.name)}" if f.name not in FLAGS and value is True else ""
             groups[title].add_argument(switch, dest=f.name, action="store_const", const=value, default=None,
                                        help=text + shown)
@@ -363,6 +380,8 @@ def parse_command_line(argv: Iterable[str] | None = None,
             raise ConfigError(f"lr_warmup_fraction={fraction} must be in [0, 1]")
         iters = given.get("train_iters", train_over.get("train_iters", TrainConfig.train_iters))
         given["lr_warmup_iters"] = int(fraction * iters)
+    if "params_dtype" not in given and (given.get("bf16") or given.get("fp16")):   # as Megatron's --bf16 / --fp16
+        given["params_dtype"] = "bfloat16" if given.get("bf16") else "float16"
     model_cfg = getattr(ModelConfig, style)(**{**model_over, **{k: v for k, v in given.items() if k in model_names}})
     train_cfg = TrainConfig(**{**train_over, **{k: v for k, v in given.items() if k not in model_names}})
     if cli["global_batch_size"] is not None:

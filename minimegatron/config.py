@@ -29,7 +29,7 @@ class ConfigError(ValueError):
     """A configuration that cannot work. The message names the fields and the numbers."""
 
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -83,7 +83,7 @@ class ModelConfig:
     attention_dropout: float = 0.0        # dropout on the attention probabilities
     attention_backend: str = "sdpa"       # "sdpa" (fused exact kernel) | "naive" (written out: exercise 0.1)
     seed: int = 1234                      # initial weights depend on (seed, parameter name) only
-    params_dtype: str = "float32"         # "float32" | "float64" | "bfloat16"
+    params_dtype: str = "float32"         # "float32" | "float64" | "bfloat16" | "float16"
     # mixture of experts (chapter 05); None: a dense MLP everywhere
     num_experts: int | None = None        # E experts in every moe_layer_freq-th layer
     moe_router_topk: int = 2              # k experts per token
@@ -268,6 +268,17 @@ class TrainConfig:
     expert_model_parallel_size: int = 1   # ep, ranks the experts of a layer are spread over
     expert_tensor_parallel_size: int | None = None   # etp, ranks each expert's matrices are cut over; None = tp
     moe_token_dispatcher_type: str = "alltoall"      # "alltoall" | "allgather"
+    # mixed precision (chapter 06): 16-bit parameters and activations (the model's params_dtype
+    # must say bfloat16 / float16; --bf16 and --fp16 set it), float32 main parameters in the optimizer
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None       # a constant loss scale; None: dynamic with fp16, none with bf16
+    initial_loss_scale: float = 2.0 ** 32  # fp16's dynamic scaler (grad_scaler.py), Megatron's defaults
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000         # clean steps in a row before the scale doubles
+    hysteresis: int = 2                   # overflows before the scale halves
+    accumulate_allreduce_grads_in_fp32: bool = False   # main_grad in float32 (always with bf16, unless:)
+    grad_reduce_in_bf16: bool = False     # bf16: accumulate and reduce the gradients in bf16
     data_seed: int = 1234                 # data order and dropout masks
     device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
     progress: bool = True
@@ -277,6 +288,15 @@ class TrainConfig:
         """The expert tensor-parallel size: expert_tensor_parallel_size, by default the dense tp
         (Megatron's default)."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def main_grads_dtype(self):
+        """The dtype gradients are accumulated and reduced in: float32 with bf16 (unless
+        grad_reduce_in_bf16) or with accumulate_allreduce_grads_in_fp32; else the parameters'
+        (None). Megatron's rule (megatron/training/arguments.py, checked on main d98e8a6)."""
+        if (self.bf16 and not self.grad_reduce_in_bf16) or (self.fp16 and self.accumulate_allreduce_grads_in_fp32):
+            return torch.float32
+        return None
 
     def validate(self, model: ModelConfig | None = None) -> "TrainConfig":
         """ConfigError naming the field and the numbers for any value that cannot train; with
@@ -319,8 +339,19 @@ class TrainConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                      "expert_model_parallel_size", "num_virtual_stages_per_pipeline_rank"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        need(not (self.bf16 and self.fp16), "bf16 and fp16 are both set: choose one")
+        need(self.loss_scale is None or self.loss_scale > 0, f"loss_scale={self.loss_scale} must be positive")
+        need(0 < self.min_loss_scale <= self.initial_loss_scale,
+             f"min_loss_scale={self.min_loss_scale} must be in (0, initial_loss_scale={self.initial_loss_scale}]")
+        for name in ("loss_scale_window", "hysteresis"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        need(not self.grad_reduce_in_bf16 or self.bf16, "grad_reduce_in_bf16 needs bf16")
         # how the sizes combine with the model and the world: parallelize.validate_layout
         if model is not None:
+            wanted = "bfloat16" if self.bf16 else "float16" if self.fp16 else None
+            need(wanted is None or model.params_dtype == wanted,
+                 f"{'bf16' if self.bf16 else 'fp16'} needs the model's params_dtype={wanted!r}, not "
+                 f"{model.params_dtype!r} (--{'bf16' if self.bf16 else 'fp16'} sets both)")
             need(self.seq_length <= model.max_position_embeddings,
                  f"seq_length={self.seq_length} is longer than "
                  f"max_position_embeddings={model.max_position_embeddings}")

@@ -297,11 +297,12 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (a copy): AdamW's, the main parameters when they are
-        copies, and the segments' layout (elements, decay), which a load checks."""
+        copies, the loss scaler's, and the segments' layout (elements, decay), which a load checks."""
         return {"segments": [(s.param.numel(), s.decay) for s in self.segments],
                 "main_params": [m.detach().clone() for m, s in zip(self.main_params, self.segments)
                                 if m is not s.param],
-                "optimizer": copy.deepcopy(self.adam.state_dict())}
+                "optimizer": copy.deepcopy(self.adam.state_dict()),
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         mine = [(s.param.numel(), s.decay) for s in self.segments]
@@ -315,6 +316,8 @@ class Optimizer:
                                    state["main_params"]):
                 main.copy_(saved)
         self.adam.load_state_dict(copy.deepcopy(state["optimizer"]))
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
 def clip_grad_norm(optimizer: Optimizer, max_norm: float) -> float:

@@ -30,6 +30,7 @@ from torch import nn
 from .config import ConfigError, ModelConfig, TrainConfig
 from .cp import apply_context_parallel, check_context_parallel_config, check_context_parallel_seq_length
 from .dp import apply_data_parallel, local_tensors, unwrap
+from .grad_scaler import build_grad_scaler
 from .optim import NormGroup, Optimizer, is_expert_parameter
 from .moe import apply_expert_parallel, check_expert_parallel_config
 from .parallel_state import Layout, rank_groups
@@ -84,6 +85,9 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
     if sp and (cfg.seq_length // cp) % tp:
         raise ConfigError(f"sequence_parallel: seq_length={cfg.seq_length} / context_parallel_size={cp} = "
                           f"{cfg.seq_length // cp} tokens per rank is not divisible by tensor_model_parallel_size={tp}")
+    if cfg.main_grads_dtype is not None and cfg.zero_stage == 0 and cfg.ddp_impl == "naive":
+        raise ConfigError(f"{'bf16' if cfg.bf16 else 'fp16 with accumulate_allreduce_grads_in_fp32'} keeps the "
+                          f"gradients in a float32 buffer, which ddp_impl='naive' does not have; use 'bucketed'")
     if pp > 1 and cfg.zero_stage == 3:
         raise ConfigError(f"zero_stage=3 with pipeline_model_parallel_size={pp}: ZeRO-3's units (dp/fsdp.py) are "
                           f"not combined with pipeline stages here (the head's unit reads the tied embedding, which "
@@ -144,15 +148,19 @@ def build_optimizer(chunks: list[nn.Module], cfg: TrainConfig, layout: Layout) -
     data-parallel wrapper: under ZeRO this rank's shards), whose gradient norm counts the dense
     parameters over the groups that split them (tp, pp) and a mixture's experts over theirs
     (etp, ep, pp); under ZeRO each also over the data-parallel group that shards it (dp x cp;
-    the experts' expert-dp)."""
+    the experts' expert-dp). Mixed precision (chapter 06): AdamW steps float32 main copies of
+    the 16-bit parameters, and fp16 (or a constant loss_scale) scales the loss (grad_scaler.py)."""
     zero = cfg.zero_stage > 0
+    precision = dict(main_params_dtype=torch.float32 if (cfg.bf16 or cfg.fp16) else None,
+                     grad_scaler=build_grad_scaler(cfg))
     dense = NormGroup(groups=(layout.tp_group, layout.pp_group, *([layout.dp_group] if zero else [])),
                       tp_rank=layout.tp_rank)
     if unwrap(chunks[0]).config.num_experts is None or layout.world == 1:
-        return Optimizer(chunks, cfg, [dense])
+        return Optimizer(chunks, cfg, [dense], **precision)
     experts = NormGroup(is_expert_parameter, (layout.etp_group, layout.ep_group, layout.pp_group,
                                               *([layout.expert_dp_group] if zero else [])), layout.etp_rank)
-    return Optimizer(chunks, cfg, [dataclasses.replace(dense, select=lambda r: not is_expert_parameter(r)), experts])
+    return Optimizer(chunks, cfg, [dataclasses.replace(dense, select=lambda r: not is_expert_parameter(r)), experts],
+                     **precision)
 
 
 def full_model_tensors(chunks: list[nn.Module], layout: Layout, grads: bool = False) -> dict[str, torch.Tensor]:

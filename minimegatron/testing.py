@@ -9,7 +9,10 @@ The tolerances live in one table, `TOLERANCES`. Why they are not zero: a paralle
 the same numbers in another order (an all-reduce sums shards; a tensor-parallel matmul sums
 partial products), and floating-point addition is not associative. In float64 the rounding
 is ~1e-16 per operation, so differences stay far below the float64 tolerances: those tests
-are "exact" for any practical purpose. float32 rounds at ~1e-7; bfloat16 at ~4e-3.
+are "exact" for any practical purpose. float32 rounds at ~1e-7; bfloat16 at 2^-8 ~ 4e-3;
+float16 at 2^-11 ~ 5e-4, 8 times finer, so its row is about a quarter of bfloat16's (chapter
+06: mixed precision keeps float32 main parameters and gradients, and the layouts then differ by
+the 16-bit rounding of activations and of each micro-batch's gradient).
 Adam divides each update by the root of its second moment, which turns tiny gradient
 differences on near-zero gradients into visible parameter differences: an update is
 lr * m / (sqrt(v) + eps), so for a gradient g far below eps it is about lr * g / eps, and a
@@ -42,6 +45,7 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(loss=1e-10, rtol=1e-9, atol=1e-11),
     torch.float32: Tolerance(loss=1e-5, rtol=1e-4, atol=1e-6),
     torch.bfloat16: Tolerance(loss=2e-2, rtol=5e-2, atol=5e-3),
+    torch.float16: Tolerance(loss=5e-3, rtol=1e-2, atol=1e-3),
 }
 
 
@@ -193,9 +197,9 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
                                     layout.cp, layout.cp_rank, load_balance)
                         for m in range(t.grad_accum_steps)]
 
-        def keep_grads():
+        def keep_grads():          # the loss's gradients: a loss scaler's factor divided out (exact: a power of 2)
             if not out["grads"]:
-                out["grads"] = full_model_tensors(chunks, layout, grads=True)
+                out["grads"] = {n: g / optimizer.loss_scale for n, g in full_model_tensors(chunks, layout, grads=True).items()}
         with comm.record_communication() as ledger:
             loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), p2p,
                                  t.pipeline_schedule, on_grads=keep_grads)
@@ -222,24 +226,35 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
     """The reference: train the single-device model one step per global batch, with the
     training loop's own step (train.train_step on Layout(): every size 1), AdamW and the
     learning-rate schedule of `train_cfg` (defaults: TrainConfig() with train_iters =
-    len(batches), no clipping)."""
+    len(batches), no clipping). Mixed precision (bf16 / fp16 in `train_cfg`): the model and
+    the optimizer the loop builds on one process (parallelize.build_model: a float32 main_grad
+    buffer; build_optimizer: float32 main parameters, the loss scaler), the gradients recorded
+    being the main ones."""
+    from .dp import unwrap
     from .optim import Optimizer, learning_rate
     from .parallel_state import Layout
     from .train import train_step
 
     cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
-    model = GPTModel(model_cfg)
-    optimizer = Optimizer([model], cfg)
+    if cfg.bf16 or cfg.fp16:
+        from .parallelize import build_model, build_optimizer, full_model_tensors
+        model = build_model(model_cfg, cfg, Layout())[0]
+        optimizer = build_optimizer([model], cfg, Layout())
+        grads = lambda: full_model_tensors([model], Layout(), grads=True)           # noqa: E731
+    else:
+        model = GPTModel(model_cfg)
+        optimizer = Optimizer([model], cfg)
+        grads = lambda: {n: p.grad.detach().clone() for n, p in model.named_parameters()}   # noqa: E731
     losses, first_grads = [], {}
-    def keep_first_grads():
+    def keep_first_grads():        # the loss's gradients (a loss scaler's power of 2 divided out)
         if not first_grads:
-            first_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            first_grads.update({n: g / optimizer.loss_scale for n, g in grads().items()})
 
     for step, batch in enumerate(batches):
         loss, _ = train_step([model], optimizer, split_microbatches(batch, grad_accum_steps), Layout(),
                              learning_rate(step, cfg), on_grads=keep_first_grads)
         losses.append(loss)
-    params = {n: t.detach().clone() for n, t in model.state_dict().items()}    # with saved buffers (expert bias)
+    params = {n: t.detach().clone() for n, t in unwrap(model).state_dict().items()}   # with saved buffers (expert bias)
     return RunRecord(losses, first_grads, params)
 
 

@@ -28,7 +28,7 @@ LAYERS: list[list[str]] = [
     ["config", "comm", "parallel_state", "watchdog", "launch", "data", "checkpoint"],   # foundation
     ["placement"],                  # where each parameter lives: the one record (read by everything after)
     ["model"],
-    ["optim"],
+    ["optim", "grad_scaler"],       # the optimizer; fp16's loss scaler (chapter 06)
     ["dp"],
     ["tp"],
     ["pp"],

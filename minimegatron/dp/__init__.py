@@ -27,6 +27,7 @@ ddp_bucket_size).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .. import comm
@@ -52,19 +53,27 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
     A mixture of experts (chapter 05) passes expert_group, the expert-data-parallel group: its
     experts (marked allreduce=False) are reduced there, in buckets of their own; the bucketed DDP
     and ZeRO-1 do that here (parallelize.validate_layout refuses the others with experts).
+
+    Mixed precision (chapter 06): the buffers hold the gradients in cfg.main_grads_dtype
+    (float32 beside bf16 parameters: Megatron's main_grad), and the model is wrapped even
+    without data parallelism, as Megatron wraps every model in its DDP: the micro-batches'
+    16-bit gradients are summed in that buffer, not in a 16-bit .grad.
     """
-    if comm.group_size(group) == 1 and (expert_group is None or comm.group_size(expert_group) == 1):
+    grad_dtype = cfg.main_grads_dtype
+    if (comm.group_size(group) == 1 and (expert_group is None or comm.group_size(expert_group) == 1)
+            and grad_dtype is None):
         return model
     if cfg.zero_stage == 3:
-        return FullyShardedDataParallel(model, group)
+        return FullyShardedDataParallel(model, group, grad_dtype=grad_dtype)
     if cfg.zero_stage in (1, 2):
         return ZeroDataParallel(model, group, stage=cfg.zero_stage, bucket_size=cfg.ddp_bucket_size,
-                                expert_group=expert_group)
+                                expert_group=expert_group, grad_dtype=grad_dtype)
     if cfg.ddp_impl == "naive":
         return NaiveDataParallel(model, group)
-    element_size = next(model.parameters()).element_size()
+    element_size = torch.empty((), dtype=grad_dtype or next(model.parameters()).dtype).element_size()
     bucket_bytes = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
-    return DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes, expert_group=expert_group)
+    return DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes, expert_group=expert_group,
+                                   grad_dtype=grad_dtype)
 
 
 __all__ = ["DataParallel", "no_sync", "finish_grad_sync", "grad_of", "local_tensors", "unwrap", "NaiveDataParallel",

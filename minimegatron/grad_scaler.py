@@ -1,0 +1,118 @@
+"""Loss scaling for fp16 training (chapter 06): the factor the loss is multiplied by before the
+backward, so that small gradients survive in float16, and how that factor moves.
+
+Why: float16 has 5 exponent bits. Its smallest normal number is 2^-14 ~ 6.1e-5 and its
+smallest subnormal 2^-24 ~ 6.0e-8; gradients of a language model are often smaller, and round to
+zero. Multiplying the loss by S multiplies every gradient by S (the backward is linear in its
+seed), which shifts them into range; the optimizer divides by S again (in float32) before it
+uses them. Too large an S overflows instead (float16's largest number is 65504): a gradient
+becomes inf, the step is skipped on every rank, and S is lowered.
+
+    scaler = DynamicGradScaler(initial_scale=2**32, min_scale=1.0, growth_interval=1000, hysteresis=2)
+    (loss * scaler.scale).backward()
+    found_inf = ...                    # optim.Optimizer: unscale, check every rank, agree
+    scaler.update(found_inf)           # the step is skipped if found_inf
+
+`DynamicGradScaler.update` has Megatron-Core's semantics exactly (checked on main d98e8a6,
+2026-11-27, megatron/core/optimizer/grad_scaler.py):
+
+  - an overflow: the growth tracker restarts at 0 and the hysteresis tracker drops by 1;
+    once it is at 0 or below, the scale is multiplied by backoff_factor (0.5), never below
+    min_scale. The hysteresis tracker is NOT reset by clean steps, only by a growth: after
+    `hysteresis` overflows spread over a window, every further overflow halves the scale;
+  - a clean step: the growth tracker counts up; at growth_interval (--loss-scale-window)
+    clean steps in a row, both trackers are reset and the scale is multiplied by
+    growth_factor (2).
+
+Megatron's flags: --fp16 with --initial-loss-scale (2^32), --min-loss-scale (1),
+--loss-scale-window (1000), --hysteresis (2); --loss-scale S gives a ConstantGradScaler
+(megatron/training/arguments.py; megatron/core/optimizer/__init__.py builds the scaler, with the
+growth factor 2 and the back-off factor 0.5 written there).
+Megatron keeps the scale in a one-element CUDA tensor; here it is a Python float (a power of
+two times the initial scale, exact in float64).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConstantGradScaler", "DynamicGradScaler", "update_dynamic_scale", "build_grad_scaler"]
+
+
+class ConstantGradScaler:
+    """A fixed loss scale (--loss-scale S): overflowing steps are still skipped, the scale never
+    moves."""
+
+    def __init__(self, scale: float):
+        if not scale > 0:
+            raise ValueError(f"loss scale {scale} must be positive")
+        self.scale = float(scale)
+
+    def update(self, found_inf: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+
+
+class DynamicGradScaler:
+    """The loss scale that backs off on overflow and grows after a window of clean steps
+    (the module docstring's rules)."""
+
+    def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
+        checks = [(initial_scale > 0, f"initial_scale={initial_scale} must be positive"),
+                  (0 < min_scale <= initial_scale, f"min_scale={min_scale} must be in (0, initial_scale={initial_scale}]"),
+                  (growth_factor > 1, f"growth_factor={growth_factor} must be > 1"),
+                  (0 < backoff_factor < 1, f"backoff_factor={backoff_factor} must be in (0, 1)"),
+                  (growth_interval > 0, f"growth_interval={growth_interval} must be positive"),
+                  (hysteresis > 0, f"hysteresis={hysteresis} must be positive")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self.scale, self.min_scale = float(initial_scale), float(min_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        update_dynamic_scale(self, found_inf)
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker, self.hysteresis_tracker = int(state["growth_tracker"]), int(state["hysteresis_tracker"])
+
+
+def update_dynamic_scale(scaler: DynamicGradScaler, found_inf: bool) -> None:
+    """One step of the dynamic loss scale, in place: scaler.scale, growth_tracker (clean steps
+    in a row) and hysteresis_tracker (overflows left before a back-off), with its
+    growth_interval, hysteresis, growth_factor, backoff_factor and min_scale (the module
+    docstring's rules; Megatron-Core's DynamicGradScaler.update)."""
+    if found_inf:
+        scaler.growth_tracker = 0
+        scaler.hysteresis_tracker -= 1
+        if scaler.hysteresis_tracker <= 0:
+            scaler.scale = max(scaler.scale * scaler.backoff_factor, scaler.min_scale)
+    else:
+        scaler.growth_tracker += 1
+        if scaler.growth_tracker == scaler.growth_interval:
+            scaler.growth_tracker, scaler.hysteresis_tracker = 0, scaler.hysteresis
+            scaler.scale *= scaler.growth_factor
+
+
+def build_grad_scaler(cfg) -> ConstantGradScaler | DynamicGradScaler | None:
+    """The scaler a TrainConfig asks for, as Megatron chooses it: with bf16 or fp16, a constant
+    one when loss_scale is set; else, with fp16, a dynamic one (initial_loss_scale,
+    min_loss_scale, loss_scale_window, hysteresis); None otherwise (bf16 needs no scaling: its
+    exponent has float32's range)."""
+    if cfg.loss_scale is not None and (cfg.bf16 or cfg.fp16):
+        return ConstantGradScaler(cfg.loss_scale)
+    if not cfg.fp16:
+        return None
+    return DynamicGradScaler(cfg.initial_loss_scale, cfg.min_loss_scale, growth_interval=cfg.loss_scale_window,
+                             hysteresis=cfg.hysteresis)
