@@ -111,6 +111,16 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                           "clean steps in a row after which the dynamic loss scale doubles"),
     "hysteresis": ("mixed precision", ("--hysteresis",),
                    "overflowing steps before the dynamic loss scale halves (refilled only when it grows)"),
+    "fp8_format": ("mixed precision", ("--fp8-format",), "the transformer layers' GEMMs in FP8: hybrid (e4m3 "
+                                                          "forward, e5m2 output gradients) or e4m3; unset: no FP8 "
+                                                          "(chapter 06)"),
+    "fp8_recipe": ("mixed precision", ("--fp8-recipe",), "how FP8 tensors are scaled: tensorwise, delayed, blockwise "
+                                                         "or mxfp8"),
+    "fp8_margin": ("mixed precision", ("--fp8-margin",), "delayed scaling: scale = fp8_max / amax / 2^margin"),
+    "fp8_amax_history_len": ("mixed precision", ("--fp8-amax-history-len",),
+                             "delayed scaling: amaxes remembered per tensor role"),
+    "fp8_amax_compute_algo": ("mixed precision", ("--fp8-amax-compute-algo",),
+                              "delayed scaling: the scale from the latest amax (most_recent) or the history's max"),
     "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
     "grad_accum_steps": ("training", ("--grad-accum-steps",),
                          "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
@@ -217,7 +227,8 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Megatron-LM flags for what the book does not (yet) do: refused with the reason, by name
 NOT_IN_BOOK: dict[str, str] = {
-    "--fp8-format": "not implemented in this book yet (chapter 06)",
+    "--fp8-param-gather": "not in this book: FP8 parameters stay in the model's dtype (only the GEMMs' operands are "
+                          "cast)",
     "--recompute-activations": "activation recomputation is not implemented in this book yet (chapter 06)",
     "--recompute-granularity": "activation recomputation is not implemented in this book yet (chapter 06)",
     "--use-flash-attn": "not in this book, and legacy in Megatron-LM, where nothing reads it any more (its "

@@ -279,6 +279,12 @@ class TrainConfig:
     hysteresis: int = 2                   # overflows before the scale halves
     accumulate_allreduce_grads_in_fp32: bool = False   # main_grad in float32 (always with bf16, unless:)
     grad_reduce_in_bf16: bool = False     # bf16: accumulate and reduce the gradients in bf16
+    # FP8 (chapter 06): the transformer layers' GEMMs in FP8 (fp8/), Megatron's flags
+    fp8_format: str | None = None         # None: no FP8 | "hybrid" (e4m3 forward, e5m2 gradients) | "e4m3"
+    fp8_recipe: str = "delayed"           # "tensorwise" | "delayed" | "blockwise" | "mxfp8"
+    fp8_margin: int = 0                   # delayed: scale = fp8_max / amax / 2^margin
+    fp8_amax_history_len: int = 1         # delayed: amaxes remembered per tensor role
+    fp8_amax_compute_algo: str = "most_recent"   # delayed: "most_recent" | "max" over the history
     data_seed: int = 1234                 # data order and dropout masks
     device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
     progress: bool = True
@@ -346,6 +352,13 @@ class TrainConfig:
         for name in ("loss_scale_window", "hysteresis"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         need(not self.grad_reduce_in_bf16 or self.bf16, "grad_reduce_in_bf16 needs bf16")
+        need(self.fp8_format in (None, "hybrid", "e4m3"), f"fp8_format={self.fp8_format!r} is not 'hybrid' or 'e4m3'")
+        need(self.fp8_recipe in ("tensorwise", "delayed", "blockwise", "mxfp8"),
+             f"fp8_recipe={self.fp8_recipe!r} is not one of tensorwise, delayed, blockwise, mxfp8")
+        need(self.fp8_margin >= 0, f"fp8_margin={self.fp8_margin} must be >= 0")
+        need(self.fp8_amax_history_len >= 1, f"fp8_amax_history_len={self.fp8_amax_history_len} must be >= 1")
+        need(self.fp8_amax_compute_algo in ("most_recent", "max"),
+             f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is not 'most_recent' or 'max'")
         # how the sizes combine with the model and the world: parallelize.validate_layout
         if model is not None:
             wanted = "bfloat16" if self.bf16 else "float16" if self.fp16 else None

@@ -1,7 +1,7 @@
 """How the parallelisms are applied to the one model, in one order a reader can recite:
 
     cut into pipeline chunks (03) -> tensor (+ sequence) parallel (02, 04) -> context
-    parallel (04) -> expert parallel (05) -> [FP8 (06)] -> data-parallel wrapper (01)
+    parallel (04) -> expert parallel (05) -> FP8 (06) -> data-parallel wrapper (01)
 
 `build_model` is that order, in one function; each `apply_*` is a no-op when its size is 1,
 so the single device is the same code with every size 1. A new chapter adds one `apply_*`
@@ -30,6 +30,7 @@ from torch import nn
 from .config import ConfigError, ModelConfig, TrainConfig
 from .cp import apply_context_parallel, check_context_parallel_config, check_context_parallel_seq_length
 from .dp import apply_data_parallel, local_tensors, unwrap
+from .fp8 import apply_fp8, fp8_recipe_of
 from .grad_scaler import build_grad_scaler
 from .optim import NormGroup, Optimizer, is_expert_parameter
 from .moe import apply_expert_parallel, check_expert_parallel_config
@@ -127,10 +128,12 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         # 4. expert parallel (chapter 05): each MoE layer's experts spread over the EP group, cut
         #    over the ETP group, reached through the token dispatcher
         model = apply_expert_parallel(model, layout, cfg.moe_token_dispatcher_type)
-        # (chapter 06: apply_fp8, here)
+        # 5. FP8 (chapter 06): the transformer layers' GEMMs in FP8, the amaxes of one-scale
+        #    recipes reduced over the ranks that share a micro-batch (tp x cp; the experts' etp)
+        model = apply_fp8(model, fp8_recipe_of(cfg), layout.tp_cp_group, layout.etp_group)
         if load is not None:
             model.load_state_dict(load[c])
-        # 5. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
+        # 6. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
         #    the experts' summed over the expert-data-parallel group
         model = apply_data_parallel(model, cfg, layout.dp_group, layout.expert_dp_group)
         chunks.append(model)

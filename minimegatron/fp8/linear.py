@@ -1,0 +1,176 @@
+"""FP8 GEMMs for the one model: `apply_fp8` gives each transformer layer's linear layer its own
+`Fp8Gemm` at the GEMM seam of model/linear.py (chapter 06).
+
+    model = apply_fp8(model, Fp8Recipe(scaling="current"), amax_group=layout.tp_cp_group)
+
+A linear layer's three products, each with its two operands in FP8 and the sum in float32:
+
+    fprop   y  = x W^T       x: role "input" (e4m3)        W: role "weight" (e4m3)
+    dgrad   dx = dy W        dy: role "grad_output" (e5m2 under "hybrid")
+    wgrad   dW = dy^T x      both summed over the tokens
+
+Each operand is quantized along the dimension its GEMM sums over (fp8/quantize.py): x along
+its features for fprop and along its tokens for wgrad, W along its inputs for fprop and its
+outputs for dgrad. That matters only for the blocked recipes (blockwise, mxfp8); one scale per
+tensor does not care. The product is emulated: dequantize both and multiply in float32 (on this
+CPU bit for bit torch._scaled_mm's tensorwise result), then round to the layer's dtype.
+
+One scale per tensor (current, delayed) needs the amax of the WHOLE tensor, which under tensor
+or context parallelism no rank holds: a weight's shard, a row-parallel input's features, an
+output gradient's columns, a context-parallel rank's tokens. Each cast therefore all-reduces
+its amax (max, one float, tag "fp8-amax") over `amax_group`: the tp x cp ranks, so every shard
+casts with the scale one device would use for the same micro-batch. Megatron reduces over
+tp x dp x cp (get_amax_reduction_group, with_context_parallel=True; --tp-only-amax-red for tp
+only): data-parallel replicas then share one scale for the global batch, which one device
+running the micro-batches one after the other would not. The blocked recipes need no reduction
+(each block has its own scale), so they equal one device under every layout.
+
+Which layers: the transformer layers' linear_qkv, linear_proj, linear_fc1, linear_fc2 (the
+experts' and the shared expert's too). The embedding, the output layer and the router stay in
+the model's dtype, as in Megatron (its output layer is not a Transformer Engine layer; TE's
+grouped experts take FP8). The experts' grouped form (one batched product) is refused: its
+stacked weights would share one scale.
+
+Under delayed scaling the backward re-casts the forward's input and weight, without recording
+an amax, with the scales that forward used: each forward with autograd on (`backward_follows`,
+noted by a pre-hook of its layer) queues its two scales (`forward_scales`), and the backwards, which run in the forwards' order in every schedule of
+the book (one micro-batch after another per model chunk), take them in turn. Transformer
+Engine keeps the forward's FP8 copies instead; the numbers are the same.
+
+Megatron-LM / Transformer Engine: megatron/core/extensions/transformer_engine.py (TELinear,
+TEColumnParallelLinear, TERowParallelLinear, TEGroupedLinear), megatron/core/fp8_utils.py
+(get_fp8_context, the recipe from --fp8-recipe), and TE's quantizers
+(transformer_engine/pytorch/tensor/: Float8Quantizer, Float8CurrentScalingQuantizer,
+Float8BlockQuantizer, MXFP8Quantizer).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..model.linear import Gemm
+from .quantize import quantize_blockwise, quantize_mxfp8, quantize_tensorwise
+from .scaling import DelayedScaling, Fp8Recipe, ROLES
+
+__all__ = ["Fp8Gemm", "apply_fp8", "FP8_LAYERS"]
+
+FP8_LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class Fp8Gemm(Gemm):
+    """The three products of one linear layer in FP8 (the module docstring), with the layer's
+    scaling state: `delayed[role]` (recipe "delayed"). `stats`, when a dict, collects per role
+    (relative error, fraction of non-zero elements that underflow to 0, fraction saturated) of
+    every recorded cast (the chapter's quantisation table)."""
+
+    def __init__(self, recipe: Fp8Recipe, amax_group=None):
+        self.recipe, self.amax_group = recipe, amax_group
+        self.delayed = ({role: DelayedScaling(recipe, recipe.format_of(role)) for role in ROLES}
+                        if recipe.scaling == "delayed" else None)
+        self.stats: dict | None = None
+        self.forward_scales: deque = deque()      # delayed: (input, weight) scales of forwards awaiting backward
+        self.last_scale: torch.Tensor | None = None
+        self.backward_follows = True              # set before each forward of its layer (apply_fp8's hook)
+
+    def cast(self, x: torch.Tensor, role: str, record: bool = True, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x [.., K] in FP8 along its last dimension K, returned dequantized: in float32 (the
+        GEMM's accumulation), in float64 for a float64 model (the book's exact checks)."""
+        fmt, scaling = self.recipe.format_of(role), self.recipe.scaling
+        if scaling == "blockwise":
+            q = quantize_blockwise(x, fmt, two_d=role == "weight" and x.dim() == 2)
+        elif scaling == "mxfp8":
+            q = quantize_mxfp8(x, fmt)
+        elif scaling == "delayed" and not record:        # the scale the forward (or dgrad) used
+            q = self.delayed[role].cast(x, None, record=False, scale=scale)
+        else:                   # the whole tensor's amax: the max over the ranks that hold parts of it
+            amax = x.detach().abs().max().to(torch.float32).reshape(1)
+            comm.all_reduce(amax, self.amax_group, op="max", tag="fp8-amax")
+            q = quantize_tensorwise(x, fmt, amax[0]) if scaling == "current" else self.delayed[role].cast(x, amax[0])
+        out = q.dequantize(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        self.last_scale = q.scale
+        if self.stats is not None and record:
+            _collect(self.stats, role, x, out, q)
+        return out
+
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        x_q = self.cast(x, "input")
+        x_scale = self.last_scale
+        w_q = self.cast(w, "weight")
+        if self.delayed is not None and self.backward_follows:             # for this micro-batch's backward
+            self.forward_scales.append((x_scale, self.last_scale))
+        y = x_q @ w_q.t()                                                         # [.., out], float32
+        return (y if b is None else y + b).to(x.dtype)
+
+    def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w_scale = self.forward_scales[0][1] if self.delayed is not None else None
+        w_k = self.cast(w.t(), "weight", record=False, scale=w_scale).t()         # W cut along out
+        return (self.cast(dy, "grad_output") @ w_k).to(dy.dtype)                  # [.., in]
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x_scale = self.forward_scales.popleft()[0] if self.delayed is not None else None
+        dy_t = dy.reshape(-1, dy.shape[-1]).t()                                   # [out, T]
+        x_t = x.reshape(-1, x.shape[-1]).t()                                      # [in, T]
+        dw = self.cast(dy_t, "grad_output", record=False) @ self.cast(x_t, "input", record=False, scale=x_scale).t()
+        return dw.to(x.dtype)                                                     # [out, in]
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if w.dim() != 2:
+            raise ValueError("FP8 experts run one at a time (MoELayer grouped=False): the grouped product's "
+                             "stacked weights would share one scale")
+        return _Fp8Linear.apply(x, w, b, self)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T + b through an Fp8Gemm's fprop; backward through its dgrad and wgrad."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, gemm):
+        ctx.save_for_backward(x, w)
+        ctx.gemm, ctx.has_bias = gemm, b is not None
+        return gemm.fprop(x, w, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = ctx.gemm.dgrad(dy, w)
+        dw = ctx.gemm.wgrad(dy, x)
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+def _collect(stats: dict, role: str, x: torch.Tensor, out: torch.Tensor, q) -> None:
+    x32 = x.detach().to(torch.float32)
+    nonzero = x32 != 0
+    fmt_max = 448.0 if q.data.dtype == torch.float8_e4m3fn else 57344.0
+    saturated = (q.data.to(torch.float32).abs() >= fmt_max).sum().item()
+    entry = stats.setdefault(role, {"casts": 0, "rel_error": 0.0, "underflow": 0, "saturated": 0, "elements": 0})
+    entry["casts"] += 1
+    entry["rel_error"] += float((out - x32).norm() / x32.norm().clamp(min=1e-30))
+    entry["underflow"] += int((nonzero & (out == 0)).sum())
+    entry["saturated"] += int(saturated)
+    entry["elements"] += x32.numel()
+
+
+def apply_fp8(model: nn.Module, recipe: Fp8Recipe | None, amax_group=None, expert_amax_group=None) -> nn.Module:
+    """Give every transformer-layer linear layer of `model` (FP8_LAYERS, by the last part of its
+    name) its own Fp8Gemm: the dense ones reducing their amaxes over `amax_group`, the routed
+    experts' over `expert_amax_group` (the ranks that cut one expert: etp). None: no FP8 (the
+    model unchanged). Returns the model."""
+    if recipe is None:
+        return model
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in FP8_LAYERS and hasattr(module, "gemm"):
+            group = expert_amax_group if ".local_experts." in f".{name}" else amax_group
+            module.gemm = Fp8Gemm(recipe, group)
+            # autograd switches grad mode off inside the layers' own autograd functions, where
+            # fprop runs: the layer tells its GEMM beforehand whether a backward will follow
+            module.register_forward_pre_hook(_note_grad_mode)
+    return model
+
+
+def _note_grad_mode(module: nn.Module, args) -> None:
+    module.gemm.backward_follows = torch.is_grad_enabled()

@@ -1,0 +1,119 @@
+"""The FP8 recipe (which scaling, which formats) and delayed scaling's state (chapter 06).
+
+    recipe = Fp8Recipe(scaling="delayed", fp8_format="hybrid", margin=0, amax_history_len=16,
+                       amax_compute_algo="max")
+    recipe.format_of("grad_output")         # "e5m2" (hybrid: the backward's gradients)
+
+`Fp8Recipe.scaling` is one of Megatron's --fp8-recipe choices, with "current" for its
+"tensorwise" (Transformer Engine's Float8CurrentScaling; `from_megatron` maps the flags). The
+delayed-scaling fields are Megatron's --fp8-margin, --fp8-amax-history-len and
+--fp8-amax-compute-algo, with its defaults (0, 1, "most_recent": megatron/core/transformer/
+transformer_config.py, main d98e8a6, 2026-11-27; Transformer Engine's own DelayedScaling
+defaults to a history of 1024 and "max").
+
+Delayed scaling (Transformer Engine's DelayedScaling) keeps, per tensor ROLE of a layer (its
+input, its weight, its output gradient), an amax history of `amax_history_len` entries and a
+scale that starts at 1. A cast multiplies by the CURRENT scale, so it never waits for its own
+amax (no extra pass over the tensor before the cast, the point of the recipe on a GPU), and
+records its amax. Before the role's next recorded cast the history is read:
+
+    amax  = max(history)              ("max")   or the latest entry ("most_recent")
+    scale = fp8_max / amax / 2^margin           kept as it was when amax is 0 or not finite
+    history rolls by one, the newest entry moving to the end; slot 0 is cleared for the next
+
+So the scale a cast uses always comes from earlier casts' amaxes; a tensor whose amax jumped
+since then saturates (clamps at fp8_max) once, and the next cast has caught up.
+
+Applying the update just before the role's next recorded cast (not right after this one) lets
+a backward's two uses of its output gradient (dgrad, then wgrad) share one scale; the forward's
+input and weight are re-cast in the backward with the scales the forward used, which
+fp8/linear.py keeps per micro-batch (TE keeps the FP8 copies themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quantize import FORMATS, Quantized, cast_to_fp8
+
+__all__ = ["Fp8Recipe", "DelayedScaling", "ROLES", "SCALINGS"]
+
+ROLES = ("input", "weight", "grad_output")
+SCALINGS = ("current", "delayed", "blockwise", "mxfp8")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """scaling: "current" (tensorwise), "delayed", "blockwise" or "mxfp8". fp8_format: "hybrid"
+    (e4m3 forward, e5m2 output gradients) or "e4m3" (everywhere). The delayed fields are read
+    with scaling="delayed" only."""
+    scaling: str = "delayed"
+    fp8_format: str = "hybrid"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+
+    def __post_init__(self):
+        checks = [(self.scaling in SCALINGS, f"scaling={self.scaling!r} is not one of {', '.join(SCALINGS)}"),
+                  (self.fp8_format in ("hybrid", "e4m3"), f"fp8_format={self.fp8_format!r} is not 'hybrid' or 'e4m3'"),
+                  (self.margin >= 0, f"margin={self.margin} must be >= 0"),
+                  (self.amax_history_len >= 1, f"amax_history_len={self.amax_history_len} must be >= 1"),
+                  (self.amax_compute_algo in ("max", "most_recent"),
+                   f"amax_compute_algo={self.amax_compute_algo!r} is not 'max' or 'most_recent'")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_megatron(cls, fp8_format: str, fp8_recipe: str = "delayed", fp8_margin: int = 0,
+                      fp8_amax_history_len: int = 1, fp8_amax_compute_algo: str = "most_recent") -> "Fp8Recipe":
+        """From Megatron's flags: --fp8-recipe tensorwise is the book's scaling="current"."""
+        return cls("current" if fp8_recipe == "tensorwise" else fp8_recipe, fp8_format, fp8_margin,
+                   fp8_amax_history_len, fp8_amax_compute_algo)
+
+    def format_of(self, role: str) -> str:
+        """e4m3 for inputs and weights; e5m2 for output gradients under "hybrid"."""
+        return "e5m2" if role == "grad_output" and self.fp8_format == "hybrid" else "e4m3"
+
+
+class DelayedScaling:
+    """One role's amax history and scale (the module docstring's rules), for format `fmt`."""
+
+    def __init__(self, recipe: Fp8Recipe, fmt: str):
+        self.recipe, self.fmt = recipe, fmt
+        self.history = torch.zeros(recipe.amax_history_len, dtype=torch.float32)
+        self.scale = torch.ones((), dtype=torch.float32)
+        self.pending = False                      # an amax recorded and not yet turned into a scale
+
+    def update(self) -> None:
+        """Turn the recorded amaxes into the next scale, then roll the history."""
+        amax = self.history.max() if self.recipe.amax_compute_algo == "max" else self.history[0]
+        new = FORMATS[self.fmt][1] / amax / 2.0 ** self.recipe.margin
+        if bool(amax > 0) and bool(torch.isfinite(amax)):
+            self.scale = new.to(torch.float32)
+        self.history = torch.roll(self.history, -1)
+        self.history[0] = 0.0
+        self.pending = False
+
+    def cast(self, x: torch.Tensor, amax: torch.Tensor | None, record: bool = True,
+             scale: torch.Tensor | None = None) -> Quantized:
+        """x in FP8 with the role's current scale (or `scale`, one it used before). record=True
+        (a forward's input or weight, a backward's first use of its output gradient): the
+        pending update runs first, and x's `amax` (reduced over the ranks that share the
+        tensor) is recorded for the next one."""
+        if record and self.pending:
+            self.update()
+        scale = self.scale if scale is None else scale
+        out = Quantized(cast_to_fp8(x, scale, self.fmt), scale.clone())
+        if record:
+            self.history[0] = amax
+            self.pending = True
+        return out
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.clone(), "scale": self.scale.clone(), "pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history, self.scale, self.pending = state["history"].clone(), state["scale"].clone(), state["pending"]
