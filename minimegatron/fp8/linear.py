@@ -31,11 +31,13 @@ the model's dtype, as in Megatron (its output layer is not a Transformer Engine 
 grouped experts take FP8). The experts' grouped form (one batched product) is refused: its
 stacked weights would share one scale.
 
-Under delayed scaling the backward re-casts the forward's input and weight, without recording
-an amax, with the scales that forward used: each forward with autograd on (`backward_follows`,
-noted by a pre-hook of its layer) queues its two scales (`forward_scales`), and the backwards, which run in the forwards' order in every schedule of
-the book (one micro-batch after another per model chunk), take them in turn. Transformer
-Engine keeps the forward's FP8 copies instead; the numbers are the same.
+With one scale per tensor the backward re-casts the forward's input and weight with the scales
+that forward used (no second amax): each forward with autograd on (`backward_follows`, noted
+by a pre-hook of its layer) queues its two scales (`forward_scales`), and the backwards, which
+run in the forwards' order in every schedule of the book (one micro-batch after another per
+model chunk), take them in turn; the weight gradient reuses the output gradient's scale of the
+input gradient. So each role costs one amax reduction per micro-batch: 3 per layer.
+Transformer Engine keeps the forward's FP8 copies instead; the numbers are the same.
 
 Megatron-LM / Transformer Engine: megatron/core/extensions/transformer_engine.py (TELinear,
 TEColumnParallelLinear, TERowParallelLinear, TEGroupedLinear), megatron/core/fp8_utils.py
@@ -53,7 +55,7 @@ from torch import nn
 
 from .. import comm
 from ..model.linear import Gemm
-from .quantize import quantize_blockwise, quantize_mxfp8, quantize_tensorwise
+from .quantize import Quantized, cast_to_fp8, quantize_blockwise, quantize_mxfp8, quantize_tensorwise
 from .scaling import DelayedScaling, Fp8Recipe, ROLES
 
 __all__ = ["Fp8Gemm", "apply_fp8", "FP8_LAYERS"]
@@ -63,59 +65,63 @@ FP8_LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 class Fp8Gemm(Gemm):
     """The three products of one linear layer in FP8 (the module docstring), with the layer's
-    scaling state: `delayed[role]` (recipe "delayed"). `stats`, when a dict, collects per role
-    (relative error, fraction of non-zero elements that underflow to 0, fraction saturated) of
-    every recorded cast (the chapter's quantisation table)."""
+    scaling state: `delayed[role]` (recipe "delayed"), and for both one-scale recipes the
+    scales of the forwards whose backward has not run (`forward_scales`) and of the output
+    gradient the last dgrad cast (`grad_scale`, which its wgrad reuses). `stats`, when a dict,
+    collects per role (relative error, non-zero elements that underflow to 0, elements that
+    saturate) over every scale-setting cast (the chapter's quantisation table)."""
 
     def __init__(self, recipe: Fp8Recipe, amax_group=None):
         self.recipe, self.amax_group = recipe, amax_group
+        self.one_scale = recipe.scaling in ("current", "delayed")
         self.delayed = ({role: DelayedScaling(recipe, recipe.format_of(role)) for role in ROLES}
                         if recipe.scaling == "delayed" else None)
         self.stats: dict | None = None
-        self.forward_scales: deque = deque()      # delayed: (input, weight) scales of forwards awaiting backward
-        self.last_scale: torch.Tensor | None = None
+        self.forward_scales: deque = deque()      # (input, weight) scales of forwards awaiting their backward
+        self.grad_scale: torch.Tensor | None = None
         self.backward_follows = True              # set before each forward of its layer (apply_fp8's hook)
 
-    def cast(self, x: torch.Tensor, role: str, record: bool = True, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x [.., K] in FP8 along its last dimension K, returned dequantized: in float32 (the
-        GEMM's accumulation), in float64 for a float64 model (the book's exact checks)."""
+    def cast(self, x: torch.Tensor, role: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x [.., K] in FP8 along its last dimension K, dequantized; the scale(s) used). The
+        dequantized values are float32 (the GEMM's accumulation), float64 for a float64 model
+        (the book's exact checks). One-scale recipes: with `scale` (one this layer set before
+        for the same tensor) no amax is taken; without, the amax is all-reduced over
+        amax_group (tag "fp8-amax") and sets the scale (current) or is recorded (delayed)."""
         fmt, scaling = self.recipe.format_of(role), self.recipe.scaling
         if scaling == "blockwise":
             q = quantize_blockwise(x, fmt, two_d=role == "weight" and x.dim() == 2)
         elif scaling == "mxfp8":
             q = quantize_mxfp8(x, fmt)
-        elif scaling == "delayed" and not record:        # the scale the forward (or dgrad) used
-            q = self.delayed[role].cast(x, None, record=False, scale=scale)
+        elif scale is not None:
+            q = Quantized(cast_to_fp8(x, scale, fmt), scale)
         else:                   # the whole tensor's amax: the max over the ranks that hold parts of it
             amax = x.detach().abs().max().to(torch.float32).reshape(1)
             comm.all_reduce(amax, self.amax_group, op="max", tag="fp8-amax")
             q = quantize_tensorwise(x, fmt, amax[0]) if scaling == "current" else self.delayed[role].cast(x, amax[0])
         out = q.dequantize(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        self.last_scale = q.scale
-        if self.stats is not None and record:
+        if self.stats is not None and scale is None:
             _collect(self.stats, role, x, out, q)
-        return out
+        return out, q.scale
 
     def fprop(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        x_q = self.cast(x, "input")
-        x_scale = self.last_scale
-        w_q = self.cast(w, "weight")
-        if self.delayed is not None and self.backward_follows:             # for this micro-batch's backward
-            self.forward_scales.append((x_scale, self.last_scale))
+        x_q, x_scale = self.cast(x, "input")
+        w_q, w_scale = self.cast(w, "weight")
+        if self.one_scale and self.backward_follows:      # this micro-batch's backward re-casts with them
+            self.forward_scales.append((x_scale, w_scale))
         y = x_q @ w_q.t()                                                         # [.., out], float32
         return (y if b is None else y + b).to(x.dtype)
 
     def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        w_scale = self.forward_scales[0][1] if self.delayed is not None else None
-        w_k = self.cast(w.t(), "weight", record=False, scale=w_scale).t()         # W cut along out
-        return (self.cast(dy, "grad_output") @ w_k).to(dy.dtype)                  # [.., in]
+        w_scale = self.forward_scales[0][1] if self.one_scale else None
+        w_k, _ = self.cast(w.t(), "weight", w_scale)                              # W cut along out
+        dy_q, self.grad_scale = self.cast(dy, "grad_output")
+        return (dy_q @ w_k.t()).to(dy.dtype)                                      # [.., in]
 
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x_scale = self.forward_scales.popleft()[0] if self.delayed is not None else None
-        dy_t = dy.reshape(-1, dy.shape[-1]).t()                                   # [out, T]
-        x_t = x.reshape(-1, x.shape[-1]).t()                                      # [in, T]
-        dw = self.cast(dy_t, "grad_output", record=False) @ self.cast(x_t, "input", record=False, scale=x_scale).t()
-        return dw.to(x.dtype)                                                     # [out, in]
+        x_scale, grad_scale = (self.forward_scales.popleft()[0], self.grad_scale) if self.one_scale else (None, None)
+        dy_t, _ = self.cast(dy.reshape(-1, dy.shape[-1]).t(), "grad_output", grad_scale)   # [out, T]
+        x_t, _ = self.cast(x.reshape(-1, x.shape[-1]).t(), "input", x_scale)               # [in, T]
+        return (dy_t @ x_t.t()).to(x.dtype)                                                 # [out, in]
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if w.dim() != 2:

@@ -24,10 +24,9 @@ records its amax. Before the role's next recorded cast the history is read:
 So the scale a cast uses always comes from earlier casts' amaxes; a tensor whose amax jumped
 since then saturates (clamps at fp8_max) once, and the next cast has caught up.
 
-Applying the update just before the role's next recorded cast (not right after this one) lets
-a backward's two uses of its output gradient (dgrad, then wgrad) share one scale; the forward's
-input and weight are re-cast in the backward with the scales the forward used, which
-fp8/linear.py keeps per micro-batch (TE keeps the FP8 copies themselves).
+The update runs just before the role's next cast (TE runs it at the end of each forward and
+backward: the same scales). A backward re-casts the forward's input and weight with the scales
+that forward used, which fp8/linear.py keeps per micro-batch (TE keeps the FP8 copies).
 """
 
 from __future__ import annotations
@@ -97,19 +96,14 @@ class DelayedScaling:
         self.history[0] = 0.0
         self.pending = False
 
-    def cast(self, x: torch.Tensor, amax: torch.Tensor | None, record: bool = True,
-             scale: torch.Tensor | None = None) -> Quantized:
-        """x in FP8 with the role's current scale (or `scale`, one it used before). record=True
-        (a forward's input or weight, a backward's first use of its output gradient): the
-        pending update runs first, and x's `amax` (reduced over the ranks that share the
-        tensor) is recorded for the next one."""
-        if record and self.pending:
+    def cast(self, x: torch.Tensor, amax: torch.Tensor) -> Quantized:
+        """x in FP8 with the role's scale, after the pending update; x's `amax` (reduced over
+        the ranks that share the tensor) is recorded for the next one."""
+        if self.pending:
             self.update()
-        scale = self.scale if scale is None else scale
-        out = Quantized(cast_to_fp8(x, scale, self.fmt), scale.clone())
-        if record:
-            self.history[0] = amax
-            self.pending = True
+        out = Quantized(cast_to_fp8(x, self.scale, self.fmt), self.scale.clone())
+        self.history[0] = amax
+        self.pending = True
         return out
 
     def state_dict(self) -> dict:
