@@ -38,12 +38,15 @@ This file has two parts:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .comm.ledger import ALONE
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -438,6 +441,18 @@ class Layout:
     etp_ep_group: object = None                # the allgather dispatcher's group
     expert_dp: int = 1
     expert_dp_group: object = None
+
+    @classmethod
+    def alone(cls) -> "Layout":
+        """The single device inside a distributed run: every group comm.ALONE (this process
+        alone), where Layout()'s None would mean the whole world once torch.distributed is up
+        (a check against one device, run by one rank: run_report.py, testing.single_device_run)."""
+        groups = [f.name for f in dataclasses.fields(cls) if f.name.endswith("_group")]
+        return cls(**{name: ALONE for name in groups})
+
+    @property
+    def is_alone(self) -> bool:
+        return self.tp_group is ALONE
 
     def __post_init__(self):
         if self.data_parallel_size is None:

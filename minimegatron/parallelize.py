@@ -110,7 +110,7 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
     (a resume: each chunk's saved state dict, loaded before the data-parallel wrapper
     takes the parameters)."""
     validate_layout(model_cfg, cfg, layout.world)
-    if dist.is_initialized() and dist.get_world_size() != layout.world:
+    if dist.is_initialized() and dist.get_world_size() != layout.world and not layout.is_alone:
         raise ValueError(f"layout.world={layout.world} but torch.distributed has {dist.get_world_size()} ranks: "
                          "build the layout with parallel_state.get_layout() (Layout() is one process)")
     v = cfg.num_virtual_stages_per_pipeline_rank

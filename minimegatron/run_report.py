@@ -31,7 +31,8 @@ from collections import Counter, defaultdict
 
 import torch
 
-from .analysis import ROUTING_DEPENDENT, count_parameters, rank_parameters, step_communication
+from .analysis import (ROUTING_DEPENDENT, adam_bytes_per_parameter, count_parameters, gradient_element_size,
+                       rank_parameters, step_communication)
 from .comm.ledger import CommRecord
 from .config import ModelConfig, TrainConfig
 from .parallel_state import rank_coordinates, rank_groups
@@ -123,7 +124,7 @@ def rank_grid_lines(cfg: TrainConfig, world: int) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # communication per dimension
 # ---------------------------------------------------------------------------------------
-DIMENSION_ORDER = ("tp", "cp", "ep", "etp", "dp", "expert-dp", "pp", "embedding", "loss and norm")
+DIMENSION_ORDER = ("tp", "cp", "ep", "etp", "dp", "expert-dp", "pp", "embedding", "fp8", "loss and norm")
 
 
 def dimension_of(record: CommRecord, groups: dict[str, list[int]]) -> str:
@@ -134,6 +135,8 @@ def dimension_of(record: CommRecord, groups: dict[str, list[int]]) -> str:
     tag, ranks = record.tag or "", list(record.group_ranks)
     if tag in ("loss", "grad-norm", "found-inf"):
         return "loss and norm"
+    if tag == "fp8-amax":                      # one-scale FP8 casts agree on their amax (fp8/linear.py)
+        return "fp8"
     if tag.startswith("pp-"):
         return "pp"
     if tag == "embedding-grads":
@@ -162,7 +165,7 @@ def records_by_dimension(records: list[CommRecord], groups: dict[str, list[int]]
 
 # what each line of the report is checked against, and where the book explains it
 EXPLAINED = {"tp": "02 §4, 04 §2", "cp": "04 §4, §6", "ep": "05 §4", "etp": "05 §5", "dp": "01 §3",
-             "expert-dp": "05 §6", "pp": "03 §2", "embedding": "03 §6", "loss and norm": "02 §7"}
+             "expert-dp": "05 §6", "pp": "03 §2", "embedding": "03 §6", "fp8": "06 §5", "loss and norm": "02 §7"}
 
 
 def _bytes(counter: Counter, tags=None) -> int:
@@ -175,7 +178,7 @@ def communication_checks(model_cfg: ModelConfig, cfg: TrainConfig, gathered: lis
     the rank's parameters by analysis.rank_parameters, and for the dispatcher's routing-dependent messages the sums that
     must agree (each ep group combines the rows it dispatched; a rank's dispatch backward moves
     what its combine moved; an etp reduce-scatter takes etp times what its all-gather gave)."""
-    e, n = model_cfg.dtype.itemsize, _sizes(cfg, len(gathered))
+    g, n = gradient_element_size(model_cfg, cfg), _sizes(cfg, len(gathered))
     found: dict[str, list[str]] = defaultdict(list)
     for rank, r in enumerate(gathered):
         got, formula = r["records"], rank_parameters(model_cfg, cfg, r["pp_rank"])
@@ -191,7 +194,7 @@ def communication_checks(model_cfg: ModelConfig, cfg: TrainConfig, gathered: lis
             for dim, tag, kind in (("dp", "grads", "dense"), ("expert-dp", "expert-grads", "experts")):
                 size = n["dp"] * n["cp"] if dim == "dp" else n["expert_dp"]
                 if size > 1 and formula[kind]:
-                    moved, want = _bytes(got.get(dim, Counter()), (tag,)), formula[kind] * e
+                    moved, want = _bytes(got.get(dim, Counter()), (tag,)), formula[kind] * g
                     found[dim] += [] if moved == want else [f"rank {rank}: {moved:,} bytes, its gradients {want:,}"]
         ep_records, etp_records = got.get("ep", Counter()), got.get("etp", Counter())
         if _bytes(ep_records, ("moe-dispatch-bwd",)) != _bytes(ep_records, ("moe-combine",)):
@@ -235,7 +238,7 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
             verdict = f"= formula on all {world} ranks"
         lines.append(f"  {dim:<14}{sum(records.values()):>5} calls {_bytes(records):>12,} bytes  {verdict}  "
                      f"(chapter {EXPLAINED.get(dim, '-')})")
-    e = model_cfg.dtype.itemsize
+    per_parameter = held_bytes_per_parameter(model_cfg, cfg)
     wrong = [i for i, r in enumerate(gathered) if r["params"] != rank_parameters(model_cfg, cfg, r["pp_rank"])]
     failed += bool(wrong)
     lines.append("parameters each rank holds: " + (f"= formula on all {world} ranks" if not wrong else
@@ -244,11 +247,12 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
                            for s, r in sorted({r['pp_rank']: r for r in gathered}.items())))
     if cfg.zero_stage == 0:
         state = [sum(r["held"].values()) for r in gathered]
-        formula = [4 * e * sum(rank_parameters(model_cfg, cfg, r["pp_rank"]).values()) for r in gathered]
+        formula = [per_parameter * sum(rank_parameters(model_cfg, cfg, r["pp_rank"]).values()) for r in gathered]
         off = [i for i in range(world) if state[i] != formula[i]]
         failed += bool(off)
         worst = max(range(world), key=lambda i: state[i])
-        lines.append("memory held from step to step (parameters, gradients, AdamW's two moments): " +
+        held = "parameters, gradients, " + ("float32 main parameters, " if cfg.bf16 or cfg.fp16 else "")
+        lines.append(f"memory held from step to step ({held}AdamW's two moments): " +
                      (f"= formula on all {world} ranks" if not off else f"DIFFERS on ranks {off}") +
                      f", the most {state[worst]:,} bytes on rank {worst} (chapter 00 §3, 01 §5)")
     if n["pp"] > 1:
@@ -307,15 +311,19 @@ def check_against_one_device(model_cfg: ModelConfig, cfg: TrainConfig, world: in
     """The book's promise for this very layout: train `steps` steps of the same model in float64
     on the same ranks and the same data (the run's own first global batches), and on one
     process; compare losses, first-step gradients and final parameters (testing.compare_runs).
+    A bf16, fp16 or FP8 run is checked without its rounding (float64 throughout): what is
+    checked here is the layout. Each precision against one device in that precision, and where
+    a layout and one device cannot agree bit for bit, is chapter 06's (its demo, tests/test_fp8.py).
     Collective over every rank; returns rank 0's EquivalenceReport (None elsewhere)."""
     from dataclasses import replace
     from .data import batch_for_step
     from .testing import compare_runs, RunRecord, single_device_run, train_layout
     from .train import build_datasets
 
-    model64 = replace(model_cfg, params_dtype="float64")
+    model64 = replace(model_cfg, params_dtype="float64")      # the layout checked; a 16-bit run's rounding left out
     check = replace(cfg, train_iters=steps, lr_warmup_iters=0, eval_interval=0, save_dir=None, load_dir=None,
-                    progress=False)
+                    progress=False, bf16=False, fp16=False, loss_scale=None, grad_reduce_in_bf16=False,
+                    accumulate_allreduce_grads_in_fp32=False, fp8_format=None)
     dp = world // (cfg.tensor_model_parallel_size * cfg.context_parallel_size * cfg.pipeline_model_parallel_size)
     train_ds, _ = build_datasets(model64, check)
     per_step = cfg.micro_batch_size * cfg.grad_accum_steps * dp                 # the global batch
@@ -336,18 +344,26 @@ def check_against_one_device(model_cfg: ModelConfig, cfg: TrainConfig, world: in
 KEYS_OF_THIS_RANK = ("tp", "cp", "dp", "pp", "dp-cp", "embedding", "ep", "etp", "expert-dp")
 
 
+def held_bytes_per_parameter(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
+    """Bytes a rank keeps per parameter it holds, without ZeRO (analysis.adam_bytes_per_parameter):
+    4 x e in one precision; bf16 with float32 main parameters and gradients 2 + 4 + 4 + 8 = 18
+    (Megatron's theoretical_memory_usage); fp16 2 + 2 + 4 + 8 = 16."""
+    mixed = cfg.bf16 or cfg.fp16
+    return adam_bytes_per_parameter(model_cfg.dtype, mixed, cfg.main_grads_dtype)["total"]
+
+
 def expectation_lines(model_cfg: ModelConfig, cfg: TrainConfig) -> list[str]:
     """What the formulas expect before anything is built: the model's parameters, total and
     active, and what one rank of each pipeline stage holds (rank_parameters) and keeps in
-    memory from step to step (parameters, gradients and AdamW's two moments: 4 x e bytes each,
-    without ZeRO)."""
-    counts, e = count_parameters(model_cfg), model_cfg.dtype.itemsize
+    memory from step to step (held_bytes_per_parameter each, without ZeRO)."""
+    counts, per_parameter = count_parameters(model_cfg), held_bytes_per_parameter(model_cfg, cfg)
     lines = [f"parameters: {counts['total']:,} ({counts['active']:,} active per token); one rank holds (formula, "
              f"chapter 02 §5, 05 §1):"]
     for stage in range(cfg.pipeline_model_parallel_size):
         held = rank_parameters(model_cfg, cfg, stage)
         total = sum(held.values())
-        memory = (f", {4 * e * total:,} bytes held from step to step (4 x {e} per parameter)"
+        each = f"{per_parameter}" if cfg.bf16 or cfg.fp16 else f"4 x {model_cfg.dtype.itemsize}"
+        memory = (f", {per_parameter * total:,} bytes held from step to step ({each} per parameter)"
                   if cfg.zero_stage == 0 else "")
         lines.append(f"  stage {stage}: {held['dense']:,} dense" +
                      (f" + {held['experts']:,} expert" if held["experts"] else "") + f" parameters{memory}")

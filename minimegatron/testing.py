@@ -238,9 +238,10 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
     cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
     if cfg.bf16 or cfg.fp16 or cfg.fp8_format is not None:
         from .parallelize import build_model, build_optimizer, full_model_tensors
-        model = build_model(model_cfg, cfg, Layout())[0]
-        optimizer = build_optimizer([model], cfg, Layout())
-        grads = lambda: full_model_tensors([model], Layout(), grads=True)           # noqa: E731
+        alone = Layout.alone()                    # also inside a distributed run (run_report's check)
+        model = build_model(model_cfg, cfg, alone)[0]
+        optimizer = build_optimizer([model], cfg, alone)
+        grads = lambda: full_model_tensors([model], alone, grads=True)               # noqa: E731
     else:
         model = GPTModel(model_cfg)
         optimizer = Optimizer([model], cfg)

@@ -382,14 +382,15 @@ def local_parameter_counts(chunks: list[nn.Module]) -> dict[str, int]:
 def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str, int]:
     """The bytes this rank keeps from step to step: "parameters" (a tied weight once),
     "gradients" (the data-parallel wrappers' buffers; without one, the .grad backward gives each
-    parameter, as many bytes as the parameter) and "optimizer" (AdamW's two moments; its step
-    counters left out)."""
+    parameter, as many bytes as the parameter), "main_parameters" (mixed precision: the
+    optimizer's float32 copies) and "optimizer" (AdamW's two moments; its step counters left out)."""
     params = held_parameters(chunks)
     buffers = [b.grad_data for c in chunks for b in getattr(c, "buckets", []) if b.grad_data is not None]
     moments = [t for state in optimizer.state.values() for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
+    copies = [m for m, seg in zip(optimizer.main_params, optimizer.segments) if m is not seg.param]
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)     # noqa: E731
     return {"parameters": size(params), "gradients": size(buffers) if buffers else size(params),
-            "optimizer": size(moments)}
+            "main_parameters": size(copies), "optimizer": size(moments)}
 
 
 class NonFiniteError(RuntimeError):

@@ -1,5 +1,5 @@
-"""analysis/communication.py against the ledger of real steps: in one world of 4 ranks, ten
-layouts that between them take every branch of its formulas (tensor parallelism with and
+"""analysis/communication.py against the ledger of real steps: in one world of 4 ranks, thirteen
+layouts that between them take every branch of its formulas (chapter 06's precisions too) (tensor parallelism with and
 without SP, tied GPT-2 embeddings with learned positions and biases, pipelines (interleaved too), the three
 context-parallel comm types, both token dispatchers, etp, the auxiliary loss per token set and
 per sequence, the expert bias). Each rank's parameters must equal rank_parameters, and
@@ -17,16 +17,17 @@ from workers.step_communication import measure_layouts   # tests/workers/step_co
 
 
 def _layout(name, style="llama", layers=2, tp=1, cp=1, pp=1, dp=1, sp=False, cp_comm_type="p2p", experts=None,
-            ep=1, etp=None, dispatcher="alltoall", batch=1, chunks=1, **moe):
+            ep=1, etp=None, dispatcher="alltoall", batch=1, chunks=1, precision={}, **moe):
     model = getattr(ModelConfig, style)(hidden_size=32, num_layers=layers, num_attention_heads=4, num_query_groups=2,
                                         ffn_hidden_size=64, vocab_size=60, max_position_embeddings=64,
+                                        params_dtype="bfloat16" if precision.get("bf16") else "float32",
                                         **({"num_experts": experts, "moe_router_topk": 2, **moe} if experts else {}))
     cfg = TrainConfig(seq_length=16, micro_batch_size=batch, grad_accum_steps=2, train_iters=1, lr_warmup_iters=0,
                       progress=False, eval_interval=0, tensor_model_parallel_size=tp, context_parallel_size=cp,
                       pipeline_model_parallel_size=pp, sequence_parallel=sp, cp_comm_type=cp_comm_type,
                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                       moe_token_dispatcher_type=dispatcher, num_virtual_stages_per_pipeline_rank=chunks,
-                      pipeline_schedule="interleaved" if chunks > 1 else "1f1b")
+                      pipeline_schedule="interleaved" if chunks > 1 else "1f1b", **precision)
     assert tp * cp * pp * dp == 4
     return name, model, cfg, dp
 
@@ -45,6 +46,13 @@ LAYOUTS = [
             moe_router_enable_expert_bias=True),
     _layout("cp2 dp2, ep2, sequence aux loss", cp=2, dp=2, experts=4, ep=2, batch=2, moe_aux_loss_coeff=1e-2,
             moe_router_load_balancing_type="seq_aux_loss"),
+    # chapter 06: float32 main gradients beside bf16 parameters (the SP norms' and the tied
+    # embedding's reductions), the loss's float32 all-reduces, and FP8's amax reductions
+    _layout("bf16 tp2 sp pp2, GPT-2 (tied)", "gpt2", tp=2, sp=True, pp=2, precision={"bf16": True}),
+    _layout("bf16 + FP8 delayed, tp2 sp cp2", tp=2, sp=True, cp=2,
+            precision={"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "delayed"}),
+    _layout("FP8 tensorwise, tp2 sp dp2, ep2 etp2, shared expert", tp=2, sp=True, dp=2, experts=4, ep=2, etp=2,
+            moe_shared_expert_intermediate_size=32, precision={"fp8_format": "hybrid", "fp8_recipe": "tensorwise"}),
 ]
 
 

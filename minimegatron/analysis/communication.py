@@ -55,14 +55,17 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 from ..config import ModelConfig, TrainConfig
 from ..pp import stage_layers
 from .params import count_parameters
 
-__all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT"]
+__all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT", "gradient_element_size",
+           "fp8_amax_reductions"]
 
 # the dispatcher's messages whose sizes depend on the routing: checked by their sums instead
-ROUTING_DEPENDENT = ("moe-combine", "moe-dispatch-bwd", "moe-etp", "moe-etp-bwd")
+ROUTING_DEPENDENT = ("moe-combine", "moe-dispatch-bwd", "moe-etp", "moe-etp-bwd", "fp8-amax-experts")
 
 
 def _stage(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> tuple[list[int], bool, bool]:
@@ -114,6 +117,29 @@ def rank_parameters(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> d
     return {"dense": dense, "experts": experts}
 
 
+def gradient_element_size(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
+    """Bytes of one gradient element as the reductions move it: cfg.main_grads_dtype's (float32
+    beside bf16 parameters: the main_grad buffer) or the parameters' own."""
+    dtype = cfg.main_grads_dtype or model_cfg.dtype
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def fp8_amax_reductions(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> Counter:
+    """The FP8 amax all-reduces of one step on a rank of stage pp_rank (fp8/linear.py): with one
+    scale per tensor (tensorwise, delayed) and tp x cp > 1, each FP8 layer of the stage's dense
+    layers casts its input, its weight and its output gradient once per micro-batch with an
+    amax (4 bytes) agreed over tp x cp: 3 x (4 per dense layer, 2 per MoE layer's attention, 2
+    per shared expert) x M. The routed experts' casts (tag "fp8-amax-experts", over etp) depend
+    on which experts got tokens: ROUTING_DEPENDENT. Blocked recipes reduce nothing."""
+    if (cfg.fp8_format is None or cfg.fp8_recipe not in ("tensorwise", "delayed")
+            or cfg.tensor_model_parallel_size * cfg.context_parallel_size == 1):
+        return Counter()
+    layers = _stage(model_cfg, cfg, pp_rank)[0]
+    shared = 2 if model_cfg.moe_shared_expert_intermediate_size else 0      # a shared expert's two linears
+    dense = sum(4 if not model_cfg.is_moe_layer(i) else 2 + shared for i in layers)
+    return Counter({("all_reduce", "fp8-amax", 4): 3 * dense * cfg.grad_accum_steps})
+
+
 def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int) -> dict[str, Counter]:
     """{dimension: Counter{(op, tag, bytes): calls}}: the records one optimizer step must make
     on a rank of stage pp_rank of a world of `world` ranks, for every dimension above 1, but the dispatcher's
@@ -127,12 +153,15 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
     layers, first, last = _stage(m, cfg, pp_rank)
     moe_layers = [i for i in layers if m.is_moe_layer(i)]
     n, n_mlp = len(layers), len(layers) - len(moe_layers)
+    if m.moe_shared_expert_intermediate_size:                       # a shared expert: a dense MLP in each MoE layer
+        n_mlp += len(moe_layers)
     T = b * cfg.seq_length // cp                                    # this rank's tokens of a micro-batch
     out: dict[str, Counter] = {}
 
     if tp > 1:
         full, shard = T * h * e, T * h * e // tp
-        per_mb = Counter({("all_reduce", "fwd", T * e): 3 * last})  # vocabulary-parallel cross-entropy
+        c = 4 if e == 2 else e                                      # the loss computes in float32 for 16-bit models
+        per_mb = Counter({("all_reduce", "fwd", T * c): 3 * last})  # vocabulary-parallel cross-entropy
         if sp:
             # the embedding's sum is reduce-scattered, or, with learned positions (added to the
             # whole sequence first), all-reduced and then cut without communication
@@ -153,7 +182,7 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
             routers = len(moe_layers) * counts["moe"]["router"] if moe_layers else 0
             replicated = ((layer["norms"] + layer["proj_bias"]) * n + layer["fc2_bias"] * n_mlp + routers
                           + (counts["final_norm"] if last else 0))
-            out["tp"][("all_reduce", "sp-grads", replicated * e)] += 1
+            out["tp"][("all_reduce", "sp-grads", replicated * gradient_element_size(m, cfg))] += 1
 
     if cp > 1:
         kv = b * (cfg.seq_length // cp) * (m.query_groups // tp) * m.kv_channels * e     # one of K, V
@@ -205,5 +234,8 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
                              ("send", "pp-bwd", message): M * receives_forward})
         out["pp"] = +out["pp"]                                      # drop zero counts
         if not m.untie_embeddings_and_output_weights and (first or last):
-            out["embedding"] = Counter({("all_reduce", "embedding-grads", _padded_vocab(m, tp) * h // tp * e): 1})
+            out["embedding"] = Counter({("all_reduce", "embedding-grads",
+                                         _padded_vocab(m, tp) * h // tp * gradient_element_size(m, cfg)): 1})
+    if fp8_amax_reductions(m, cfg, pp_rank):
+        out["fp8"] = fp8_amax_reductions(m, cfg, pp_rank)
     return out

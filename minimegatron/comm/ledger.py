@@ -18,20 +18,32 @@ import torch.distributed as dist
 
 # Groups are named by their global ranks in every record.
 
+class _Alone:
+    """The group of this process alone (comm.ALONE): size 1 whatever torch.distributed holds, so
+    every collective over it is a no-op. A single-device reference built inside a distributed
+    run (parallel_state.Layout.alone()) passes it where None would mean the whole world."""
+
+    def __repr__(self) -> str:
+        return "comm.ALONE"
+
+
+ALONE = _Alone()
+
+
 def group_ranks(group) -> tuple[int, ...]:
     """Global ranks of ``group`` (None = world), in group order; (0,) without a process group."""
-    if not dist.is_initialized():
-        return (0,)
+    if not dist.is_initialized() or group is ALONE:
+        return (dist.get_rank() if dist.is_initialized() else 0,)
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 def group_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    return dist.get_world_size(group) if dist.is_initialized() and group is not ALONE else 1
 
 
 def group_rank(group) -> int:
     """This rank's index inside ``group`` (what decides which shard it keeps)."""
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    return dist.get_rank(group) if dist.is_initialized() and group is not ALONE else 0
 
 
 @dataclass(frozen=True)

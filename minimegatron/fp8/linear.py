@@ -71,8 +71,8 @@ class Fp8Gemm(Gemm):
     collects per role (relative error, non-zero elements that underflow to 0, elements that
     saturate) over every scale-setting cast (the chapter's quantisation table)."""
 
-    def __init__(self, recipe: Fp8Recipe, amax_group=None):
-        self.recipe, self.amax_group = recipe, amax_group
+    def __init__(self, recipe: Fp8Recipe, amax_group=None, amax_tag: str = "fp8-amax"):
+        self.recipe, self.amax_group, self.amax_tag = recipe, amax_group, amax_tag
         self.one_scale = recipe.scaling in ("current", "delayed")
         self.delayed = ({role: DelayedScaling(recipe, recipe.format_of(role)) for role in ROLES}
                         if recipe.scaling == "delayed" else None)
@@ -96,7 +96,7 @@ class Fp8Gemm(Gemm):
             q = Quantized(cast_to_fp8(x, scale, fmt), scale)
         else:                   # the whole tensor's amax: the max over the ranks that hold parts of it
             amax = x.detach().abs().max().to(torch.float32).reshape(1)
-            comm.all_reduce(amax, self.amax_group, op="max", tag="fp8-amax")
+            comm.all_reduce(amax, self.amax_group, op="max", tag=self.amax_tag)
             q = quantize_tensorwise(x, fmt, amax[0]) if scaling == "current" else self.delayed[role].cast(x, amax[0])
         out = q.dequantize(torch.float64 if x.dtype == torch.float64 else torch.float32)
         if self.stats is not None and scale is None:
@@ -170,8 +170,9 @@ def apply_fp8(model: nn.Module, recipe: Fp8Recipe | None, amax_group=None, exper
         return model
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in FP8_LAYERS and hasattr(module, "gemm"):
-            group = expert_amax_group if ".local_experts." in f".{name}" else amax_group
-            module.gemm = Fp8Gemm(recipe, group)
+            expert = ".local_experts." in f".{name}"
+            module.gemm = (Fp8Gemm(recipe, expert_amax_group, "fp8-amax-experts") if expert
+                           else Fp8Gemm(recipe, amax_group))
             # autograd switches grad mode off inside the layers' own autograd functions, where
             # fprop runs: the layer tells its GEMM beforehand whether a backward will follow
             module.register_forward_pre_hook(_note_grad_mode)

@@ -78,6 +78,7 @@ from functools import partial
 
 from ..comm import all_reduce, group_size, scatter_to_sequence_parallel_region
 from ..config import ConfigError, ModelConfig
+from ..dp import grad_of
 from ..model.finalize import register_grad_finalizer
 from ..model.moe import MoELayer
 from ..placement import name_placements, placement_of, set_placement
@@ -223,13 +224,14 @@ def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None
     parallelism. Megatron-LM: _allreduce_non_tensor_model_parallel_grads in
     megatron/core/distributed/finalize_model_grads.py (also one coalesced all-reduce).
 
-    models: this rank's model chunks (bare, or in a data-parallel wrapper after its sync, which
-    left p.grad the reduced gradient). In place: afterwards every marked p.grad
-    is the single-device gradient, the same on every rank of the group. Parameters without a
+    models: this rank's model chunks (bare, or in a data-parallel wrapper after its sync: the
+    gradient is then where the wrapper holds it, dp.grad_of, e.g. a float32 main_grad beside
+    bf16 parameters, chapter 06). In place: afterwards every marked gradient is the
+    single-device gradient, the same on every rank of the group. Parameters without a
     gradient are left out; a group of one rank communicates nothing."""
     # BEGIN EXERCISE 4.4: spot the bug in the norm-gradient all-reduce | hint: each rank's copy of a norm weight saw only its own s/tp tokens: what does the single-device gradient do with the shares? And which parameters are marked sequence_parallel?
-    grads = [p.grad for m in models for p in m.parameters()
-             if placement_of(p).sequence_parallel and p.grad is not None]
+    grads = [grad_of(m, p) for m in models for p in m.parameters()
+             if placement_of(p).sequence_parallel and grad_of(m, p) is not None]
     if not grads or group_size(tp_group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])                  # one message, not one per norm

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from minimegatron.comm import all_reduce, group_size
+from minimegatron.dp import grad_of
 from minimegatron.placement import placement_of
 
 
@@ -26,9 +27,10 @@ def allreduce_sequence_parallel_grads(models: list[nn.Module], tp_group) -> None
     parallelism. Megatron-LM: _allreduce_non_tensor_model_parallel_grads in
     megatron/core/distributed/finalize_model_grads.py (also one coalesced all-reduce).
 
-    models: this rank's model chunks (bare, or in a data-parallel wrapper after its sync, which
-    left p.grad the reduced gradient). In place: afterwards every marked p.grad
-    is the single-device gradient, the same on every rank of the group. Parameters without a
+    models: this rank's model chunks (bare, or in a data-parallel wrapper after its sync: the
+    gradient is then where the wrapper holds it, dp.grad_of, e.g. a float32 main_grad beside
+    bf16 parameters, chapter 06). In place: afterwards every marked gradient is the
+    single-device gradient, the same on every rank of the group. Parameters without a
     gradient are left out; a group of one rank communicates nothing."""
     # BEGIN EXERCISE 4.4: spot the bug in the norm-gradient all-reduce
     # hint: each rank's copy of a norm weight saw only its own s/tp tokens: what does the single-device gradient do with the shares? And which parameters are marked sequence_parallel?
