@@ -26,6 +26,8 @@ DEMO_CP    ?= 2
 DEMO_PP    ?= 2
 DEMO_EP    ?= 2
 DEMO_EXPERTS ?= 8
+DEMO_PRECISION ?= fp32
+DEMO_FP8_RECIPE ?= delayed
 
 # The book's main job: the most parallel run it supports so far (chapter 05: 5D parallelism),
 # a GPT-MoE with DEMO_EXPERTS experts (top-2, load-balancing loss) in each of its 4 layers:
@@ -40,7 +42,9 @@ DEMO_EXPERTS ?= 8
 # float64 against one process (MATCH), and draws runs/demo/summary.png. 200 steps (the demo
 # preset's 300 take over 8 minutes on 2 cores; the wall clock: benchmarks/README.md).
 # (`make demo DEMO_EXPERTS=0 DEMO_EP=1`: chapter 04's dense 4D run; `make demo DEMO_RANKS=8 DEMO_CP=1
-# DEMO_EXPERTS=0 DEMO_EP=1`: chapter 03's 3D run, about 2).
+# DEMO_EXPERTS=0 DEMO_EP=1`: chapter 03's 3D run, about 2). Chapter 06's precisions:
+# DEMO_PRECISION=bf16 | fp16 | fp8 (FP8 GEMMs in a bf16 model, DEMO_FP8_RECIPE=tensorwise | delayed |
+# blockwise | mxfp8); the check against one process stays in float64 (it checks the layout).
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.run_report --check-steps 2 \
 		--preset demo --num-layers 4 --train-iters 200 \
@@ -50,6 +54,8 @@ demo: $(STAMP)
 			--moe-aux-loss-coeff 1e-2 --expert-model-parallel-size $(DEMO_EP)) \
 		--pipeline-model-parallel-size $(DEMO_PP) --grad-accum-steps 4 \
 		--micro-batch-size $$((2 * $(DEMO_TP) * $(DEMO_CP) * $(DEMO_PP) / $(DEMO_RANKS))) \
+		$(if $(filter bf16 fp8,$(DEMO_PRECISION)),--bf16) $(if $(filter fp16,$(DEMO_PRECISION)),--fp16) \
+		$(if $(filter fp8,$(DEMO_PRECISION)),--fp8-format hybrid --fp8-recipe $(DEMO_FP8_RECIPE)) \
 		--out-dir runs/demo
 
 # Every torchrun entry N times (chapters 01-04's demos and minimegatron.train, 4 ranks each),

@@ -93,6 +93,7 @@ def update_dynamic_scale(scaler: DynamicGradScaler, found_inf: bool) -> None:
     in a row) and hysteresis_tracker (overflows left before a back-off), with its
     growth_interval, hysteresis, growth_factor, backoff_factor and min_scale (the module
     docstring's rules; Megatron-Core's DynamicGradScaler.update)."""
+    # BEGIN EXERCISE 6.1: the dynamic loss scaler's update | hint: two counters: clean steps in a row (which an overflow restarts) and overflows left before backing off (which only a growth refills)
     if found_inf:
         scaler.growth_tracker = 0
         scaler.hysteresis_tracker -= 1
@@ -103,6 +104,7 @@ def update_dynamic_scale(scaler: DynamicGradScaler, found_inf: bool) -> None:
         if scaler.growth_tracker == scaler.growth_interval:
             scaler.growth_tracker, scaler.hysteresis_tracker = 0, scaler.hysteresis
             scaler.scale *= scaler.growth_factor
+    # END EXERCISE
 
 
 def build_grad_scaler(cfg) -> ConstantGradScaler | DynamicGradScaler | None:

@@ -165,7 +165,8 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     Returns (out, chunks, layout, optimizer); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank" (data
     replica), "ep_rank", "etp_rank", "expert_dp_rank", "losses" (per step, the global batch's mean), "grads"
     (first step) and "params" (final), full under single-device names, "ledger" (the first
-    step's (op, tag, bytes) with a tag in `tags`), "microbatches" (the last step's)}."""
+    step's (op, tag, bytes) with a tag in `tags`), "records" (the first step's comm.CommRecords,
+    the gathers this function adds for its own record left out), "microbatches" (the last step's)}."""
     from . import comm
     from .cp import get_batch_on_this_cp_rank
     from .optim import learning_rate
@@ -205,6 +206,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
                                  t.pipeline_schedule, on_grads=keep_grads)
         if step == 0:
             out["ledger"] = [(r.op, r.tag, r.nbytes) for r in ledger if r.tag in tags]
+            out["records"] = [r for r in ledger if r.tag not in ("full", "inspect")]    # the step's own
         mean = torch.tensor([loss], dtype=torch.float64)
         comm.all_reduce(mean, layout.dp_group, op="avg", tag="loss")     # over dp x cp: the global mean
         out["losses"].append(mean.item())

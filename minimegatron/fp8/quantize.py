@@ -103,9 +103,13 @@ def tensorwise_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """clamp(x * scale, -max, max) cast to the format: saturating, as torchao and TE cast.
-    Without the clamp e4m3fn would saturate anyway but e5m2 would overflow to inf."""
+    Without the clamp e4m3fn would saturate anyway but e5m2 would overflow to inf.
+    x: any shape and dtype; scale: float32, one number or broadcastable to x. Returns x's shape
+    in the format's torch dtype (FORMATS[fmt][0])."""
+    # BEGIN EXERCISE 6.2: an FP8 cast with its scale and saturation | hint: multiply in float32; what must happen to a product beyond the format's largest number before the cast, and in which format would the cast alone make it infinite?
     dtype, fp8_max = FORMATS[fmt]
     return (x.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(dtype)
+    # END EXERCISE
 
 
 def quantize_tensorwise(x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> Quantized:

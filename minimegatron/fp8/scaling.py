@@ -37,7 +37,7 @@ import torch
 
 from .quantize import FORMATS, Quantized, cast_to_fp8
 
-__all__ = ["Fp8Recipe", "DelayedScaling", "ROLES", "SCALINGS"]
+__all__ = ["Fp8Recipe", "DelayedScaling", "update_delayed_scale", "ROLES", "SCALINGS"]
 
 ROLES = ("input", "weight", "grad_output")
 SCALINGS = ("current", "delayed", "blockwise", "mxfp8")
@@ -77,6 +77,29 @@ class Fp8Recipe:
         return "e5m2" if role == "grad_output" and self.fp8_format == "hybrid" else "e4m3"
 
 
+def update_delayed_scale(history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int,
+                         algo: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed scaling's update (Transformer Engine's DelayedScaling): history [L] float32 holds
+    the recorded amaxes, the newest in slot 0; scale is the role's current scale (float32, []).
+    Returns (the next scale, the next history):
+
+      amax      = max(history) for algo "max", history[0] for "most_recent"
+      new scale = fp8_max / amax / 2^margin, in float32; the old scale when amax is 0 or not finite
+      history   rolled by one (slot 0 moves to the end, slot 1 to 0, ...), then slot 0 set to 0,
+                the empty place the next cast records its amax in
+
+    The inputs are not modified."""
+    # BEGIN EXERCISE 6.3: delayed scaling's amax-history update | hint: which amax does each compute algo read, what does the margin do to the scale, and when must the old scale be kept? Then make room for the next amax.
+    amax = history.max() if algo == "max" else history[0]
+    new = scale
+    if bool(amax > 0) and bool(torch.isfinite(amax)):
+        new = (fp8_max / amax / 2.0 ** margin).to(torch.float32)
+    rolled = torch.roll(history, -1)
+    rolled[0] = 0.0
+    return new, rolled
+    # END EXERCISE
+
+
 class DelayedScaling:
     """One role's amax history and scale (the module docstring's rules), for format `fmt`."""
 
@@ -88,12 +111,8 @@ class DelayedScaling:
 
     def update(self) -> None:
         """Turn the recorded amaxes into the next scale, then roll the history."""
-        amax = self.history.max() if self.recipe.amax_compute_algo == "max" else self.history[0]
-        new = FORMATS[self.fmt][1] / amax / 2.0 ** self.recipe.margin
-        if bool(amax > 0) and bool(torch.isfinite(amax)):
-            self.scale = new.to(torch.float32)
-        self.history = torch.roll(self.history, -1)
-        self.history[0] = 0.0
+        self.scale, self.history = update_delayed_scale(self.history, self.scale, FORMATS[self.fmt][1],
+                                                        self.recipe.margin, self.recipe.amax_compute_algo)
         self.pending = False
 
     def cast(self, x: torch.Tensor, amax: torch.Tensor) -> Quantized:

@@ -1,0 +1,60 @@
+"""The chapter-06 experiment (chapters/06_fp8/demo.py): in one spawned world of 4 ranks, a bf16,
+an fp16 and an FP8 run of each recipe, each against one device in its precision, with every
+rank's bytes and messages against the formulas (check_run); the demo's own command line ends
+with MATCH and exit 0; a layout it cannot run stops before any rank starts, naming the flags."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from booktools.demo import import_chapter
+from minimegatron.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+ch06 = import_chapter("06")
+
+
+def _train_runs(runs):
+    return [ch06.train_run(run) for run in runs]
+
+
+@pytest.mark.slow
+def test_every_precision_and_recipe_on_four_ranks():
+    fp8 = lambda recipe, hidden=32, seq=32, **kw: ch06.make_run(ch06.tiny_model("fp8", hidden), "fp8",   # noqa: E731
+                                                                fp8_recipe=recipe, steps=2, seq=seq, **kw)
+    runs = [ch06.make_run(ch06.tiny_model("bf16"), "bf16", tp=2, sp=True, dp=2, steps=2),
+            ch06.make_run(ch06.tiny_model("fp16", layers=4), "fp16", tp=2, pp=2, steps=2),
+            fp8("tensorwise", tp=2, sp=True, dp=2),
+            fp8("delayed", tp=2, sp=True, pp=2),
+            fp8("mxfp8", hidden=64, seq=128, tp=2, sp=True, cp=2),
+            ch06.make_run(ch06.tiny_model("fp8", 32, experts=4), "fp8", tp=2, sp=True, ep=2, dp=2,
+                          fp8_recipe="mxfp8", steps=2)]
+    per_rank = spawn(_train_runs, 4, runs, timeout=600)
+    for i, run in enumerate(runs):
+        report = ch06.check_run(run, [r[i] for r in per_rank])
+        if not report.ok and "ep=" in run.name():
+            # experts fed by two replicas: the equivalence is not exact for FP8 (README §5); the
+            # bytes and the messages still are
+            assert not report.problems, f"{run.name()}:\n" + "\n".join(report.lines + report.problems)
+            continue
+        assert report.ok, f"{run.name()}:\n" + "\n".join(report.lines + report.problems)
+
+
+def _demo(*args):
+    return subprocess.run([sys.executable, "chapters/06_fp8/demo.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_demo_ends_with_match_and_exits_0():
+    proc = _demo("--quick", "--precision", "fp8", "--fp8-recipe", "tensorwise", "--tp", "2", "--sp", "--dp", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("MATCH"), proc.stdout[-2000:]
+    assert "fp8" in proc.stdout and "= formula on every rank" in proc.stdout
+
+
+def test_a_layout_the_demo_cannot_run_is_named_before_any_rank_starts():
+    proc = _demo("--quick", "--ep", "2", "--tp", "2")
+    assert proc.returncode == 2 and "--ep 2 with --tp 2 needs --sp" in proc.stderr, proc.stderr[-2000:]
