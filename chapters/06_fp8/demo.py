@@ -169,7 +169,7 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
             problems.append(f"stage {stage} keeps {measured:,} bytes, the formula {n * per_parameter:,}")
     found = communication_checks(run.model, t, per_rank)
     lines.append("[3/4] one step's communication per dimension (the busiest rank), against analysis.step_communication:")
-    for dim in sorted({d for r in per_rank for d in r["records"]}):
+    for dim in sorted({d for r in per_rank for d in r["records"]} | {d for d, found_here in found.items() if found_here}):
         worst = max(per_rank, key=lambda r: sum(b * n for (_, _, b), n in r["records"].get(dim, {}).items()))
         calls = worst["records"].get(dim, {})
         verdict = "no formula" if dim in ("loss and norm", "other") else (

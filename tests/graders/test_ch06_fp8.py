@@ -1,10 +1,13 @@
 """Graders of chapter 06, low precision: the dynamic loss scaler's update (6.1), an FP8 cast with
-its scale and saturation (6.2) and delayed scaling's amax-history update (6.3).
+its scale and saturation (6.2), delayed scaling's amax-history update (6.3) and the spot-the-bug
+FP8 amax (6.4).
 
 The oracles: sequences worked out by hand from Megatron-Core's and Transformer Engine's rules
 (each expected value is derived in a comment), FP8 values read off the formats' definitions
 (sign, exponent, mantissa), and properties that hold whatever the code (a cast never produces
-inf; the inputs are left as they were). 6.1 is also checked inside a real fp16 training step.
+inf; the inputs are left as they were). 6.1 is also checked inside a real fp16 training step;
+6.4 inside FP8 runs on 4 spawned ranks (tensor, sequence and context parallelism), which must
+equal the FP8 single device (float64: summation order only; chapters/06_fp8/demo.py's check_run).
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from booktools.exercises import implementation
+from booktools.demo import import_chapter
+from booktools.exercises import implementation, plugged
 from minimegatron.grad_scaler import DynamicGradScaler
+from minimegatron.launch import spawn
+
+ch06 = import_chapter("06")          # chapters/06_fp8/demo.py
 
 
 # --------------------------------------------------------------------------------------
@@ -141,3 +148,41 @@ def test_a_zero_or_non_finite_amax_keeps_the_scale(amax):
     new, rolled = update(torch.tensor([amax, 0.0]), torch.tensor(3.5), 448.0, 0, "most_recent")
     assert new.item() == 3.5, f"amax {amax}: the old scale stays, got {new.item()}"
     assert rolled[0].item() == 0.0
+
+
+# --------------------------------------------------------------------------------------
+# 6.4 spot the bug: the FP8 amax
+# --------------------------------------------------------------------------------------
+def _amaxes(parts: list) -> dict:
+    """On each rank: its part of a tensor's amax through the exercise, over the whole world."""
+    import torch.distributed as dist
+    from minimegatron.comm import record_communication
+    tensor_amax = implementation("6.4")
+    with record_communication() as ledger:
+        amax = tensor_amax(parts[dist.get_rank()], None, "fp8-amax")
+    return {"amax": amax, "ledger": [(r.op, r.tag, r.nbytes) for r in ledger]}
+
+
+@pytest.mark.exercise("6.4")
+def test_every_rank_gets_the_whole_tensors_amax():
+    parts = [torch.tensor([0.5, -3.0]), torch.tensor([[2.0, -7.5]], dtype=torch.float64)]   # the amax: 7.5
+    for r in spawn(_amaxes, 2, parts, timeout=120):
+        assert r["amax"].dtype == torch.float32 and r["amax"].dim() == 0, r["amax"]
+        assert r["amax"].item() == 7.5, f"rank part amaxes 3.0 and 7.5: every rank needs 7.5, got {r['amax'].item()}"
+        assert r["ledger"] == [("all_reduce", "fp8-amax", 4)], r["ledger"]
+
+
+@pytest.mark.exercise("6.4")
+def test_fp8_runs_with_your_amax_equal_the_fp8_single_device():
+    model = ch06.tiny_model("fp8")
+    runs = [ch06.make_run(model, "fp8", tp=2, sp=True, dp=2, fp8_recipe="tensorwise", steps=2),
+            ch06.make_run(model, "fp8", cp=4, fp8_recipe="tensorwise", steps=2),
+            ch06.make_run(model, "fp8", tp=2, cp=2, fp8_recipe="tensorwise", steps=2)]
+    per_rank = spawn(plugged(_train_runs, "6.4"), 4, runs, timeout=400)
+    for i, run in enumerate(runs):
+        report = ch06.check_run(run, [r[i] for r in per_rank])
+        assert report.ok, f"{run.name()} with your tensor_amax inside:\n" + "\n".join(report.lines + report.problems)
+
+
+def _train_runs(runs):
+    return [ch06.train_run(run) for run in runs]
