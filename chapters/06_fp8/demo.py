@@ -227,9 +227,10 @@ def quantisation_table(steps: int = 30, seq: int = 64) -> dict:
     return out
 
 
-def quantisation_lines(table: dict) -> list[str]:
-    lines = ["[4/4] FP8 copies of real training tensors (h 64, 2 layers, the book's text; the last 10 of 30 steps, "
-             "hybrid: e4m3 forward, e5m2 output gradients):",
+def quantisation_lines(table: dict, steps: int = 30) -> list[str]:
+    """The demo's [4/4] lines for quantisation_table(steps)'s result."""
+    lines = [f"[4/4] FP8 copies of real training tensors (h 64, 2 layers, the book's text; the last 10 of {steps} "
+             f"steps, hybrid: e4m3 forward, e5m2 output gradients):",
              f"  {'recipe':<11}{'role':<13}{'rel. error':>11}{'underflow':>11}{'saturated':>11}"]
     for recipe, roles in table.items():
         for role, s in roles.items():

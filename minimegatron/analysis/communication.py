@@ -166,7 +166,11 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
             # the embedding's sum is reduce-scattered, or, with learned positions (added to the
             # whole sequence first), all-reduced and then cut without communication
             positions = m.position_embedding_type == "learned_absolute"
-            per_mb.update({("all_gather", "fwd", shard): n + n_mlp + last,
+            # FP8 with one scale per tensor gathers the transformer layers' inputs as FP8 bytes
+            # (fp8/linear.py's gather_input): 1 byte an element; the output layer's stays e
+            fp8_gathers = (n + n_mlp) if cfg.fp8_format is not None and cfg.fp8_recipe in ("tensorwise", "delayed") else 0
+            per_mb[("all_gather", "fwd", T * h // tp)] += fp8_gathers
+            per_mb.update({("all_gather", "fwd", shard): n + n_mlp + last - fp8_gathers,
                            ("reduce_scatter", "fwd", full): n + n_mlp + (first and not positions),
                            ("all_reduce", "fwd", full): first and positions,
                            ("all_gather", "regather", shard): n + n_mlp + last,

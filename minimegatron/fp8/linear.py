@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..comm import all_gather
 from ..model.linear import Gemm
 from .quantize import Quantized, cast_to_fp8, quantize_blockwise, quantize_mxfp8, quantize_tensorwise
 from .scaling import DelayedScaling, Fp8Recipe, ROLES
@@ -93,6 +94,7 @@ class Fp8Gemm(Gemm):
         self.forward_scales: deque = deque()      # (input, weight) scales of forwards awaiting their backward
         self.grad_scale: torch.Tensor | None = None
         self.backward_follows = True              # set before each forward of its layer (apply_fp8's hook)
+        self.gathered: tuple | None = None        # (input, its scale, the model's dtype) gather_input made
 
     def cast(self, x: torch.Tensor, role: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x [.., K] in FP8 along its last dimension K, dequantized; the scale(s) used). The
@@ -115,13 +117,36 @@ class Fp8Gemm(Gemm):
             _collect(self.stats, role, x, out, q)
         return out, q.scale
 
+    def gather_input(self, x: torch.Tensor, group, dim: int, tag: str) -> torch.Tensor:
+        """The sequence-parallel all-gather in FP8 (one-scale recipes; the blocked ones gather in
+        the model's dtype): cast this rank's tokens with the scale of the whole input (its amax
+        reduced over amax_group, which holds the tp group), all-gather their FP8 bytes (a uint8
+        view: gloo has no FP8 type; the ledger records 1 byte an element), and hand fprop the
+        dequantized result, which it does not cast again. The backward's regather of the
+        input (tag "regather", chapter 04's exercise 4.3) stays in the model's dtype; cast
+        with the forward's scale it gives the same FP8 values."""
+        if not self.one_scale:
+            return super().gather_input(x, group, dim, tag)
+        fmt, amax = self.recipe.format_of("input"), tensor_amax(x, self.amax_group, self.amax_tag)
+        q = quantize_tensorwise(x, fmt, amax) if self.recipe.scaling == "current" else self.delayed["input"].cast(x, amax)
+        data = all_gather(q.data.view(torch.uint8), group, dim=dim, tag=tag).view(q.data.dtype)   # [b, s, in]
+        total = Quantized(data, q.scale).dequantize(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        if self.stats is not None:
+            _collect(self.stats, "input", x, Quantized(q.data, q.scale).dequantize(), q)
+        self.gathered = (total, q.scale, x.dtype)
+        return total
+
     def fprop(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        x_q, x_scale = self.cast(x, "input")
+        if self.gathered is not None and x is self.gathered[0]:       # gathered in FP8 already
+            x_q, x_scale, dtype = self.gathered
+        else:
+            (x_q, x_scale), dtype = self.cast(x, "input"), x.dtype
+        self.gathered = None
         w_q, w_scale = self.cast(w, "weight")
         if self.one_scale and self.backward_follows:      # this micro-batch's backward re-casts with them
             self.forward_scales.append((x_scale, w_scale))
         y = x_q @ w_q.t()                                                         # [.., out], float32
-        return (y if b is None else y + b).to(x.dtype)
+        return (y if b is None else y + b).to(dtype)
 
     def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         w_scale = self.forward_scales[0][1] if self.one_scale else None

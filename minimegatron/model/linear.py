@@ -41,6 +41,9 @@ class Gemm:
     linear(x, w, b) fprop as an autograd op (a module's forward; w may be a stack [E, out, in]
                     of the experts' weights with x [E, .., in]); here torch's own backward,
                     whose products are dgrad and wgrad's
+    gather_input(x, group, dim, tag)  the sequence-parallel all-gather of a column-parallel
+                    layer's input before fprop (comm.all_gather; an FP8 GEMM gathers its FP8
+                    bytes instead, chapter 06)
     The default products are torch's; they hold no state, so every layer shares `GEMM`."""
 
     def fprop(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,6 +54,10 @@ class Gemm:
 
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+    def gather_input(self, x: torch.Tensor, group, dim: int, tag: str) -> torch.Tensor:
+        from ..comm import all_gather
+        return all_gather(x, group, dim=dim, tag=tag)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if w.dim() == 2:

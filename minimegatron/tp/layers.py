@@ -217,7 +217,8 @@ class LinearWithSequenceParallelGather(torch.autograd.Function):
     """The column-parallel linear under sequence parallelism, as Megatron-LM writes it
     (LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel=True):
 
-    forward   x_r [b, s/tp, in] -> all-gather along s (tag "fwd") -> y = x W_r^T + b_r [b, s, out/tp]
+    forward   x_r [b, s/tp, in] -> all-gather along s (tag "fwd"; through the GEMM seam, which
+              gathers FP8 bytes under chapter 06's FP8) -> y = x W_r^T + b_r [b, s, out/tp]
     backward  sequence_parallel_linear_backward: all-gather x again (tag "regather"),
               dW = dy^T x, db = sum dy, and dx = dy W_r [b, s, in] reduce-scattered along s
               (tag "bwd") -> [b, s/tp, in]
@@ -230,7 +231,7 @@ class LinearWithSequenceParallelGather(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, gemm=GEMM):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias, ctx.gemm = group, bias is not None, gemm
-        total = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="fwd")        # [b, s, in]
+        total = gemm.gather_input(x.contiguous(), group, SEQUENCE_DIM, "fwd")          # [b, s, in]
         return gemm.fprop(total, weight, bias)                                          # [b, s, out/tp]
 
     @staticmethod
