@@ -80,7 +80,7 @@ def tiny_model(precision: str, hidden: int = 32, layers: int = 2, experts: int |
 
 def make_run(model: ModelConfig, precision: str, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *,
              sp: bool = False, ep: int = 1, fp8_recipe: str = "delayed", fp8_format: str = "hybrid",
-             micro_batches: int = 2, steps: int = 3, seq: int = 32) -> PrecisionRun:
+             micro_batches: int = 2, steps: int = 3, seq: int = 32, zero_stage: int = 0) -> PrecisionRun:
     """A validated PrecisionRun (ConfigError naming the numbers before any process starts).
     AdamW eps 1e-3 for 16-bit models (a near-zero gradient's 16-bit rounding would otherwise
     flip a whole lr-sized step: tests/test_precision.py), the usual 1e-8 otherwise."""
@@ -91,7 +91,8 @@ def make_run(model: ModelConfig, precision: str, tp: int = 1, cp: int = 1, pp: i
                         bf16=precision == "bf16", fp16=precision == "fp16",
                         initial_loss_scale=2.0 ** 12 if precision == "fp16" else 2.0 ** 32, loss_scale_window=2,
                         tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
-                        sequence_parallel=sp, expert_model_parallel_size=ep, **(fp8 if precision == "fp8" else {}))
+                        sequence_parallel=sp, expert_model_parallel_size=ep, zero_stage=zero_stage,
+                        **(fp8 if precision == "fp8" else {}))
     validate_layout(model, train, tp * cp * pp * dp)
     return PrecisionRun(model, train, dp, precision=precision)
 
@@ -134,7 +135,21 @@ class RunReport:
 
 def reference_config(run: PrecisionRun) -> TrainConfig:
     return replace(run.train, tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
-                   sequence_parallel=False, expert_model_parallel_size=1)
+                   sequence_parallel=False, expert_model_parallel_size=1, zero_stage=0)
+
+
+def kept_bytes_formula(run: PrecisionRun, n: int) -> tuple[int, str]:
+    """(bytes a rank keeps for its n parameters, how): without ZeRO n x the precision's bytes per
+    parameter; with ZeRO-1 (Megatron's distributed optimizer) the parameters and gradients whole,
+    the main parameters and AdamW's moments 1/d of them, d = dp x cp (Megatron's 6 + 12/d for
+    bf16), when the shards divide evenly (as the demo's model does)."""
+    t = run.train
+    if not t.zero_stage:
+        per = held_bytes_per_parameter(run.model, t)
+        return n * per, f"{n:,} x {per}"
+    params, grads, main, moments = _bytes_each(run.model, t)
+    d = run.dp * run.cp
+    return n * (params + grads) + (main + moments) * n // d, f"{n:,} x ({params} + {grads}) + {n:,} x {main + moments} / {d}"
 
 
 def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
@@ -151,9 +166,10 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
                      f"after every {t.loss_scale_window} clean steps; the same on every rank: "
                      f"{len({r['loss_scale'] for r in per_rank}) == 1})")
     per_parameter = held_bytes_per_parameter(run.model, t)
+    zero = f", ZeRO-{t.zero_stage}: main parameters and moments over dp x cp = {run.dp * run.cp}" if t.zero_stage else ""
     lines.append(f"[2/4] memory each rank keeps from step to step, against rank_parameters x {per_parameter} bytes "
                  f"(parameters, gradients, main parameters, AdamW's moments: "
-                 f"{' + '.join(str(v) for v in _bytes_each(run.model, t))}):")
+                 f"{' + '.join(str(v) for v in _bytes_each(run.model, t))}{zero}):")
     for stage in range(run.pp):
         r = next(r for r in per_rank if r["pp_rank"] == stage)
         n = sum(rank_parameters(run.model, t, stage).values())
@@ -162,11 +178,12 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
                             f"{rank_parameters(run.model, t, stage)}")
         held = r["held"]
         measured = sum(held.values())
+        formula, how = kept_bytes_formula(run, n)
         lines.append(f"  stage {stage}: {n:,} parameters: {held['parameters']:,} + {held['gradients']:,} + "
                      f"{held['main_parameters']:,} + {held['optimizer']:,} = {measured:,} bytes; formula "
-                     f"{n * per_parameter:,}: {'equal' if measured == n * per_parameter else 'DIFFERENT'}")
-        if measured != n * per_parameter:
-            problems.append(f"stage {stage} keeps {measured:,} bytes, the formula {n * per_parameter:,}")
+                     f"{how} = {formula:,}: {'equal' if measured == formula else 'DIFFERENT'}")
+        if measured != formula:
+            problems.append(f"stage {stage} keeps {measured:,} bytes, the formula {formula:,}")
     found = communication_checks(run.model, t, per_rank)
     lines.append("[3/4] one step's communication per dimension (the busiest rank), against analysis.step_communication:")
     for dim in sorted({d for r in per_rank for d in r["records"]} | {d for d, found_here in found.items() if found_here}):
@@ -255,6 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: > 1 gives the model 4 experts per layer")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / (tp cp pp) "
                                                             "under torchrun, else 2)")
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1], default=0,
+                        help="1: ZeRO-1 (Megatron's distributed optimizer): main parameters and moments sharded")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="AdamW steps (default 3, or 2 with --quick)")
     parser.add_argument("--quick", action="store_true", help="2 steps, no quantisation table (what the tests run)")
@@ -274,6 +293,7 @@ def build_run(args: argparse.Namespace, dp: int) -> PrecisionRun:
     model = tiny_model(args.precision, hidden, layers=2 * args.pp, experts=4 if args.ep > 1 else None)
     return make_run(model, args.precision, args.tp, args.cp, args.pp, dp, sp=args.sp, ep=args.ep,
                     fp8_recipe=args.fp8_recipe, fp8_format=args.fp8_format, micro_batches=args.micro_batches,
+                    zero_stage=args.zero_stage,
                     steps=args.steps if args.steps is not None else (2 if args.quick else 3), seq=seq)
 
 

@@ -175,6 +175,7 @@ RUNS = {
     "figures": "python chapters/06_fp8/make_figures.py",
     "demo": DEMO,                                                                  # bf16, tp 2 x dp 2, the table
     "fp16": f"{DEMO} --quick --precision fp16 --tp 2 --pp 2 --dp 1",
+    "bf16-zero1": f"{DEMO} --quick --zero-stage 1 --tp 1 --dp 4",                # §2: 6 + 12/d
     "fp8-delayed": f"{DEMO} --quick --precision fp8 --fp8-recipe delayed --tp 2 --sp --pp 2 --dp 1",
     "fp8-tensorwise": f"{DEMO} --quick --precision fp8 --fp8-recipe tensorwise --tp 2 --sp --dp 2",
     "fp8-mxfp8": f"{DEMO} --quick --precision fp8 --fp8-recipe mxfp8 --tp 2 --sp --cp 2 --dp 1",
@@ -223,6 +224,11 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v["bytes_fp16"] = adam_bytes_per_parameter("float16", True)["total"]
     v["demo_stage_bytes"] = grab(demo, r"stage 0: [\d,]+ parameters: .* = ([\d,]+) bytes")
     v["demo_stage_params"] = grab(demo, r"stage 0: ([\d,]+) parameters")
+    zero1 = outputs["bf16-zero1"]
+    v["zero1_params"] = grab(zero1, r"stage 0: ([\d,]+) parameters")
+    v["zero1_bytes"] = grab(zero1, r"stage 0: [\d,]+ parameters: .* = ([\d,]+) bytes")
+    v["zero1_per_param"] = v["zero1_bytes"] / v["zero1_params"]
+    claim(v["zero1_per_param"] == 6 + 12 / 4, "ZeRO-1 over 4 ranks keeps 6 + 12/4 bytes per parameter")
     v["fp16_final_scale"] = grab(outputs["fp16"], r"loss scale after the run: (\d+)")
     v["delayed_amax_calls"] = grab(outputs["fp8-delayed"], r"^  fp8 +(\d+) calls")
     # the quantisation table, [4/4] of the demo
