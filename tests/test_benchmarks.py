@@ -32,3 +32,12 @@ def test_bench_vs_hf_runs():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "tokens/s" in proc.stdout or "ms/step" in proc.stdout and "ratio minimegatron / transformers" in proc.stdout
     assert "attn_implementation='sdpa'" in proc.stdout     # each library as shipped
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU machine runs the check itself")
+def test_the_transformer_engine_check_says_it_needs_a_gpu():
+    """benchmarks/check_fp8_te.py (chapter 06) on a machine without CUDA: exit 2, saying why."""
+    proc = subprocess.run([sys.executable, "benchmarks/check_fp8_te.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "needs a CUDA GPU with Transformer Engine: no CUDA device" in proc.stdout
