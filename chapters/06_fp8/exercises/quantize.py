@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     6.2  an FP8 cast with its scale and saturation  ->  cast_to_fp8()   make grade EX=6.2
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 6.2.
+
 Grade the whole chapter with `make grade CH=06`; start a stub over with
 `make exercises-reset CH=06` (this discards your work in the chapter).
 """
