@@ -246,6 +246,8 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     claim(max(abs(v[f"q_{r}_input_err"] - v["q_tensorwise_input_err"]) for r in ch06.RECIPES) < 0.005,
           "the inputs' error is about the same in every recipe")
     claim(v["fp16_scale_last_log2"] == 16, "after 300 steps the fp16 scale is 2^16")
+    claim(v["q_delayed_grad_output_under_pct"] == max(v[f"q_{r}_grad_output_under_pct"] for r in ch06.RECIPES),
+          "the most a gradient loses to underflow is the delayed recipe's")
     return v
 
 
