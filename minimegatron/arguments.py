@@ -229,6 +229,8 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
 NOT_IN_BOOK: dict[str, str] = {
     "--fp8-param-gather": "not in this book: FP8 parameters stay in the model's dtype (only the GEMMs' operands are "
                           "cast)",
+    "--transformer-impl": "not in this book: its layers are the book's own (Megatron's 'local'); FP8 is emulated by "
+                          "fp8/linear.py; benchmarks/check_fp8_te.py compares it with Transformer Engine on a GPU",
     "--recompute-activations": "activation recomputation is not implemented in this book yet (chapter 06)",
     "--recompute-granularity": "activation recomputation is not implemented in this book yet (chapter 06)",
     "--use-flash-attn": "not in this book, and legacy in Megatron-LM, where nothing reads it any more (its "

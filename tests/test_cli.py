@@ -119,6 +119,7 @@ def test_a_global_batch_size_that_does_not_divide_is_refused_with_the_numbers(wo
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], ["moe_token_dispatcher_type='flex'"]),
     (["--num-experts", "4", "--moe-router-topk", "5"], ["moe_router_topk=5", "num_experts=4"]),
     (["--fp8-param-gather"], ["--fp8-param-gather", "not in this book"]),
+    (["--transformer-impl", "transformer_engine"], ["--transformer-impl", "check_fp8_te.py"]),
     (["--fp8-format", "e5m2"], ["fp8_format='e5m2'", "'hybrid' or 'e4m3'"]),
     (["--fp8-format", "hybrid", "--fp8-recipe", "nvfp4"], ["fp8_recipe='nvfp4'", "tensorwise, delayed, blockwise, mxfp8"]),
     (["--bf16", "--fp16"], ["bf16 and fp16 are both set"]),
