@@ -102,9 +102,11 @@ def _compare_tensors(kind: str, ref: dict[str, torch.Tensor], other: dict[str, t
     return worst, worst_name
 
 
-def compare_runs(reference: RunRecord, candidate: RunRecord, dtype: torch.dtype) -> EquivalenceReport:
-    """Largest loss, gradient and parameter differences of `candidate` against `reference`."""
-    tol = TOLERANCES[dtype]
+def compare_runs(reference: RunRecord, candidate: RunRecord, dtype: torch.dtype,
+                 tolerance: Tolerance | None = None) -> EquivalenceReport:
+    """Largest loss, gradient and parameter differences of `candidate` against `reference`,
+    judged by TOLERANCES[dtype] (or `tolerance`, a caller's stated one)."""
+    tol = tolerance or TOLERANCES[dtype]
     problems: list[str] = []
     if len(reference.losses) != len(candidate.losses):
         problems.append(f"{len(candidate.losses)} losses, expected {len(reference.losses)}")

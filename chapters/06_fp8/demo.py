@@ -45,9 +45,14 @@ from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.parallelize import validate_layout
 from minimegatron.run_report import (KEYS_OF_THIS_RANK, communication_checks, held_bytes_per_parameter,
                                      records_by_dimension)
-from minimegatron.testing import EquivalenceReport, RunRecord, compare_runs, single_device_run, train_layout
+from minimegatron.testing import EquivalenceReport, RunRecord, Tolerance, compare_runs, single_device_run, train_layout
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# FP8 layouts that cannot equal one device bit for bit (README §5) are compared within this: a few
+# elements of a few tensors cast with another scale, each off by at most one FP8 rounding
+# (2^-4 in e4m3, 2^-3 in e5m2), and AdamW eps 1e-3 so that no near-zero gradient flips a whole
+# lr-sized step (measured 2026-11-27: loss 1.5e-4, gradients 1.5e-3, parameters 8.3e-3 at most)
+FP8_LAYOUT_TOLERANCE = Tolerance(loss=1e-3, rtol=1e-1, atol=2e-2)
 RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 
 
@@ -78,6 +83,16 @@ def tiny_model(precision: str, hidden: int = 32, layers: int = 2, experts: int |
                                        **({"num_experts": experts, "moe_router_topk": 2} if experts else {}))
 
 
+def inexact_fp8(precision: str, recipe: str, cp: int, dp: int, ep: int) -> str | None:
+    """Why an FP8 layout cannot equal one device bit for bit (README §5), or None when it can."""
+    if precision != "fp8":
+        return None
+    reasons = ([f"delayed scaling over {dp} data-parallel replicas"] * (recipe == "delayed" and dp > 1) +
+               [f"delayed scaling over {cp} context-parallel ranks"] * (recipe == "delayed" and cp > 1) +
+               [f"experts fed by the {ep} ranks of their expert-parallel group"] * (ep > 1))
+    return "; ".join(reasons) or None
+
+
 def make_run(model: ModelConfig, precision: str, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *,
              sp: bool = False, ep: int = 1, fp8_recipe: str = "delayed", fp8_format: str = "hybrid",
              micro_batches: int = 2, steps: int = 3, seq: int = 32, zero_stage: int = 0) -> PrecisionRun:
@@ -87,7 +102,8 @@ def make_run(model: ModelConfig, precision: str, tp: int = 1, cp: int = 1, pp: i
     fp8 = dict(fp8_format=fp8_format, fp8_recipe=fp8_recipe, fp8_amax_history_len=4, fp8_amax_compute_algo="max")
     train = TrainConfig(seq_length=seq, micro_batch_size=2, grad_accum_steps=micro_batches, train_iters=steps,
                         lr=1e-2, lr_warmup_iters=0, clip_grad=1.0, progress=False, eval_interval=0,
-                        adam_eps=1e-3 if precision in ("bf16", "fp16") else 1e-8,
+                        adam_eps=1e-3 if precision in ("bf16", "fp16") or inexact_fp8(precision, fp8_recipe, cp, dp, ep)
+                        else 1e-8,
                         bf16=precision == "bf16", fp16=precision == "fp16",
                         initial_loss_scale=2.0 ** 12 if precision == "fp16" else 2.0 ** 32, loss_scale_window=2,
                         tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
@@ -157,9 +173,13 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
     reference = single_device_run(run.model, run.global_batches(), reference_config(run),
                                   grad_accum_steps=t.grad_accum_steps * run.dp)
     mine = per_rank[0]
-    equivalence = compare_runs(reference, RunRecord(mine["losses"], mine["grads"], mine["params"]), run.model.dtype)
+    why = inexact_fp8(run.precision, t.fp8_recipe, run.cp, run.dp, t.expert_model_parallel_size)
+    equivalence = compare_runs(reference, RunRecord(mine["losses"], mine["grads"], mine["params"]), run.model.dtype,
+                               FP8_LAYOUT_TOLERANCE if why else None)
     lines.append(f"[1/4] equivalence with one device in {run.precision}, parameters {mine['dtype']}, over "
-                 f"{len(mine['losses'])} steps (tolerance: the {run.model.params_dtype} row of testing.TOLERANCES):")
+                 f"{len(mine['losses'])} steps (tolerance: " + (
+                     f"FP8_LAYOUT_TOLERANCE, AdamW eps 1e-3: this layout cannot equal one device bit for bit, "
+                     f"README §5: {why}" if why else f"the {run.model.params_dtype} row of testing.TOLERANCES") + "):")
     lines += ["  " + line for line in str(equivalence).splitlines()]
     if t.fp16:
         lines.append(f"  fp16 loss scale after the run: {mine['loss_scale']:g} (from {t.initial_loss_scale:g}, doubling "
