@@ -291,16 +291,17 @@ def activation_lines(cfg: TrainConfig, gathered: list[dict], one_device: int) ->
     world, n = len(gathered), _sizes(cfg, len(gathered))
     total = sum(r["saved"][0] for r in gathered)
     ratio = total / (n["dp"] * one_device)
-    failed = int(abs(ratio - 1) > ACTIVATION_TOLERANCE)
+    within = abs(ratio - 1) <= ACTIVATION_TOLERANCE
+    failed = int(not within)
     held = {r["pp_rank"]: r["peak_in_flight"] for r in gathered}
     off = [i for i, r in enumerate(gathered) if r["peak_in_flight"] != in_flight_formula(cfg, n["pp"], r["pp_rank"])]
     failed += bool(off)
     peak = max(range(world), key=lambda i: gathered[i]["peak_bytes"])
     return [f"activations saved for backward, one micro-batch summed over the {world} ranks: {total:,} bytes = "
             f"{ratio:.3f} x dp ({n['dp']}) x one process's {one_device:,} for the same micro-batch (measured; "
-            f"{'within' if not failed else 'NOT within'} {ACTIVATION_TOLERANCE:.0%}: tp and cp cut every sequence and "
+            f"{'within' if within else 'NOT within'} {ACTIVATION_TOLERANCE:.0%}: tp and cp cut every sequence and "
             f"pp the layers, but not the token ids and labels each tp rank holds; chapter 00 §3.3, 04 §2.7)",
-            (f"micro-batches held at the peak, stage by stage: " + ", ".join(f"{held[k]}" for k in sorted(held)) +
+            ("micro-batches held at the peak, stage by stage: " + ", ".join(f"{held[k]}" for k in sorted(held)) +
              (f" = the schedule's warm-up + 1 on all {world} ranks" if not off else f" DIFFERS on ranks {off}") +
              " (chapter 03 §5)" if n["pp"] > 1 else "micro-batches held at the peak: 1 (no pipeline: each backward "
              "runs before the next forward)" + ("" if not off else f" DIFFERS on ranks {off}")) +
@@ -317,7 +318,7 @@ def check_against_one_device(model_cfg: ModelConfig, cfg: TrainConfig, world: in
     Collective over every rank; returns rank 0's EquivalenceReport (None elsewhere)."""
     from dataclasses import replace
     from .data import batch_for_step
-    from .testing import compare_runs, RunRecord, single_device_run, train_layout
+    from .testing import compare_runs, one_device_config, RunRecord, single_device_run, train_layout
     from .train import build_datasets
 
     model64 = replace(model_cfg, params_dtype="float64")      # the layout checked; a 16-bit run's rounding left out
@@ -331,9 +332,7 @@ def check_against_one_device(model_cfg: ModelConfig, cfg: TrainConfig, world: in
     out, _, layout, _ = train_layout(model64, check, dp, batches)
     if layout.rank != 0:
         return None
-    one = replace(check, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                  sequence_parallel=False, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
-                  num_virtual_stages_per_pipeline_rank=1, zero_stage=0)
+    one = one_device_config(check)
     reference = single_device_run(model64, batches, one, grad_accum_steps=cfg.grad_accum_steps * dp)
     return compare_runs(reference, RunRecord(out["losses"], out["grads"], out["params"]), torch.float64)
 

@@ -225,6 +225,16 @@ def split_microbatches(batch: dict[str, torch.Tensor], num: int) -> list[dict[st
     return [{k: v[i * (B // num):(i + 1) * (B // num)] for k, v in batch.items()} for i in range(num)]
 
 
+def one_device_config(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` for one process: every parallel size 1 (tp, cp, pp, ep, etp), no sequence
+    parallelism, no interleaving (1F1B), no ZeRO; everything else (precision, optimizer,
+    batch) as it was. A parallel run's single-device reference trains with it."""
+    from dataclasses import replace
+    return replace(cfg, tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
+                   sequence_parallel=False, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                   num_virtual_stages_per_pipeline_rank=1, pipeline_schedule="1f1b", zero_stage=0)
+
+
 def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tensor]],
                       train_cfg: TrainConfig | None = None, grad_accum_steps: int = 1) -> RunRecord:
     """The reference: train the single-device model one step per global batch, with the

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -28,7 +27,7 @@ from minimegatron.fp8 import (DelayedScaling, Fp8Gemm, Fp8Recipe, apply_fp8, cas
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.model.linear import GEMM, Linear
-from minimegatron.testing import RunRecord, compare_runs, make_batches, single_device_run
+from minimegatron.testing import RunRecord, compare_runs, make_batches, one_device_config, single_device_run
 from workers import precision as W                      # tests/workers/precision.py
 
 
@@ -164,9 +163,7 @@ def trained():
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[name for name, *_ in LAYOUTS])
 def test_each_fp8_layout_equals_the_fp8_single_device(trained, index):
     name, model, cfg, dp, batches = LAYOUTS[index]
-    one = dataclasses.replace(cfg, tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
-                              sequence_parallel=False, expert_model_parallel_size=1,
-                              num_virtual_stages_per_pipeline_rank=1, pipeline_schedule="1f1b")
+    one = one_device_config(cfg)
     reference = single_device_run(model, batches, one, grad_accum_steps=cfg.grad_accum_steps * dp)
     run = trained[0][index]
     report = compare_runs(reference, RunRecord(run["losses"], run["grads"], run["params"]), torch.float64)

@@ -22,7 +22,7 @@ from minimegatron.arguments import parse_command_line
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
 from minimegatron.launch import spawn
-from minimegatron.testing import compare_runs, make_batches, RunRecord, single_device_run
+from minimegatron.testing import RunRecord, compare_runs, make_batches, one_device_config, single_device_run
 from workers import precision as W                      # tests/workers/precision.py
 
 
@@ -133,9 +133,7 @@ def trained():
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[name for name, *_ in LAYOUTS])
 def test_each_layout_trains_like_one_device_in_the_same_precision(trained, index):
     name, model, cfg, dp, batches = LAYOUTS[index]
-    one = dataclasses.replace(cfg, tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
-                              sequence_parallel=False, expert_model_parallel_size=1, zero_stage=0,
-                              num_virtual_stages_per_pipeline_rank=1, pipeline_schedule="1f1b")
+    one = one_device_config(cfg)
     reference = single_device_run(model, batches, one, grad_accum_steps=cfg.grad_accum_steps * dp)
     run = trained[0][index]
     report = compare_runs(reference, RunRecord(run["losses"], run["grads"], run["params"]), model.dtype)
@@ -208,7 +206,7 @@ def test_the_run_goes_on_and_equals_one_device_that_never_saw_the_skipped_batch(
     other batches (its losses, the skipped step's own loss left out; its final parameters)."""
     model, cfg, batches, per_rank = overflowed
     kept = [b for i, b in enumerate(batches) if i != OVERFLOW_STEP]
-    one = dataclasses.replace(cfg, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, train_iters=len(kept))
+    one = one_device_config(dataclasses.replace(cfg, train_iters=len(kept)))
     reference = single_device_run(model, kept, one, grad_accum_steps=cfg.grad_accum_steps * 2)
     run = per_rank[0]
     losses = [x for i, x in enumerate(run["losses"]) if i != OVERFLOW_STEP]

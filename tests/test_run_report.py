@@ -148,6 +148,8 @@ def test_activations_off_their_formulas_fail_the_run():
     lines, failed = activation_lines(cfg, gathered, 1000)
     assert failed == 2 and "1.200 x dp (1)" in lines[0] and "NOT within 10%" in lines[0], lines
     assert "DIFFERS on ranks [3]" in lines[1], lines
+    lines, failed = activation_lines(cfg, gathered, 1200)            # the bytes fine, one stage off
+    assert failed == 1 and "within 10%" in lines[0] and "NOT within" not in lines[0], lines
 
 
 def test_the_recorded_main_job_is_the_command_make_demo_runs():

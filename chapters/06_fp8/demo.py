@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,8 @@ from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.parallelize import validate_layout
 from minimegatron.run_report import (KEYS_OF_THIS_RANK, communication_checks, held_bytes_per_parameter,
                                      records_by_dimension)
-from minimegatron.testing import EquivalenceReport, RunRecord, Tolerance, compare_runs, single_device_run, train_layout
+from minimegatron.testing import (EquivalenceReport, RunRecord, Tolerance, compare_runs, one_device_config,
+                                  single_device_run, train_layout)
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # FP8 layouts that cannot equal one device bit for bit (README §5) are compared within this: a few
@@ -149,11 +150,6 @@ class RunReport:
         return self.equivalence.ok and not self.problems
 
 
-def reference_config(run: PrecisionRun) -> TrainConfig:
-    return replace(run.train, tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
-                   sequence_parallel=False, expert_model_parallel_size=1, zero_stage=0)
-
-
 def kept_bytes_formula(run: PrecisionRun, n: int) -> tuple[int, str]:
     """(bytes a rank keeps for its n parameters, how): without ZeRO n x the precision's bytes per
     parameter; with ZeRO-1 (Megatron's distributed optimizer) the parameters and gradients whole,
@@ -170,7 +166,7 @@ def kept_bytes_formula(run: PrecisionRun, n: int) -> tuple[int, str]:
 
 def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
     t, problems, lines = run.train, [], []
-    reference = single_device_run(run.model, run.global_batches(), reference_config(run),
+    reference = single_device_run(run.model, run.global_batches(), one_device_config(run.train),
                                   grad_accum_steps=t.grad_accum_steps * run.dp)
     mine = per_rank[0]
     why = inexact_fp8(run.precision, t.fp8_recipe, run.cp, run.dp, t.expert_model_parallel_size)
