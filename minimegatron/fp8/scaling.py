@@ -84,9 +84,12 @@ def update_delayed_scale(history: torch.Tensor, scale: torch.Tensor, fp8_max: fl
     Returns (the next scale, the next history):
 
       amax      = max(history) for algo "max", history[0] for "most_recent"
-      new scale = fp8_max / amax / 2^margin, in float32; the old scale when amax is 0 or not finite
+      new scale = fp8_max / amax / 2^margin, computed in float32 tensors (no float64 step, unlike
+                  tensorwise_scale); the old scale when amax is 0 or not finite
       history   rolled by one (slot 0 moves to the end, slot 1 to 0, ...), then slot 0 set to 0,
-                the empty place the next cast records its amax in
+                the empty place the next cast records its amax in; a non-finite amax stays in
+                the history like any other (a circular buffer: after the roll, slot 1 holds the
+                oldest entry)
 
     The inputs are not modified."""
     # BEGIN EXERCISE 6.3: delayed scaling's amax-history update | hint: which amax does each compute algo read, what does the margin do to the scale, and when must the old scale be kept? Then make room for the next amax.
