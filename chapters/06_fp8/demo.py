@@ -84,13 +84,24 @@ def tiny_model(precision: str, hidden: int = 32, layers: int = 2, experts: int |
                                        **({"num_experts": experts, "moe_router_topk": 2} if experts else {}))
 
 
-def inexact_fp8(precision: str, recipe: str, cp: int, dp: int, ep: int) -> str | None:
-    """Why an FP8 layout cannot equal one device bit for bit (README §5), or None when it can."""
+def inexact_fp8(precision: str, recipe: str, tp: int, cp: int, dp: int, ep: int, etp: int | None = None,
+                experts: bool | None = None) -> str | None:
+    """Why an FP8 layout cannot equal one device bit for bit (README §5), or None when it can.
+    `experts`: the model has routed experts (by default: ep > 1, as the demo's models do);
+    `etp` defaults to tp. An expert's tokens are one micro-batch's, as on one device, exactly
+    when its etp x ep ranks are the tp x cp ranks of one replica (Megatron's rank order lays
+    both out fastest-first from the same ranks): then one scale per tensor is the same."""
     if precision != "fp8":
         return None
+    etp, experts = etp or tp, ep > 1 if experts is None else experts
     reasons = ([f"delayed scaling over {dp} data-parallel replicas"] * (recipe == "delayed" and dp > 1) +
-               [f"delayed scaling over {cp} context-parallel ranks"] * (recipe == "delayed" and cp > 1) +
-               [f"experts fed by the {ep} ranks of their expert-parallel group"] * (ep > 1))
+               [f"delayed scaling over {cp} context-parallel ranks"] * (recipe == "delayed" and cp > 1))
+    if experts and recipe in ("tensorwise", "delayed") and ep * etp != tp * cp:
+        reasons.append(f"routed experts on ep x etp = {ep * etp} ranks, not the tp x cp = {tp * cp} ranks of one "
+                       f"micro-batch's tokens")
+    elif experts and recipe in ("blockwise", "mxfp8") and ep > 1:
+        reasons.append(f"routed experts fed by the {ep} ranks of their expert-parallel group (their tokens, "
+                       f"which the weight gradient's blocks run along, in another order)")
     return "; ".join(reasons) or None
 
 
@@ -103,7 +114,8 @@ def make_run(model: ModelConfig, precision: str, tp: int = 1, cp: int = 1, pp: i
     fp8 = dict(fp8_format=fp8_format, fp8_recipe=fp8_recipe, fp8_amax_history_len=4, fp8_amax_compute_algo="max")
     train = TrainConfig(seq_length=seq, micro_batch_size=2, grad_accum_steps=micro_batches, train_iters=steps,
                         lr=1e-2, lr_warmup_iters=0, clip_grad=1.0, progress=False, eval_interval=0,
-                        adam_eps=1e-3 if precision in ("bf16", "fp16") or inexact_fp8(precision, fp8_recipe, cp, dp, ep)
+                        adam_eps=1e-3 if precision in ("bf16", "fp16") or inexact_fp8(precision, fp8_recipe, tp, cp, dp, ep,
+                                                                                            experts=model.num_experts is not None)
                         else 1e-8,
                         bf16=precision == "bf16", fp16=precision == "fp16",
                         initial_loss_scale=2.0 ** 12 if precision == "fp16" else 2.0 ** 32, loss_scale_window=2,
@@ -169,7 +181,8 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
     reference = single_device_run(run.model, run.global_batches(), one_device_config(run.train),
                                   grad_accum_steps=t.grad_accum_steps * run.dp)
     mine = per_rank[0]
-    why = inexact_fp8(run.precision, t.fp8_recipe, run.cp, run.dp, t.expert_model_parallel_size)
+    why = inexact_fp8(run.precision, t.fp8_recipe, run.tp, run.cp, run.dp, t.expert_model_parallel_size, t.etp,
+                      run.model.num_experts is not None)
     equivalence = compare_runs(reference, RunRecord(mine["losses"], mine["grads"], mine["params"]), run.model.dtype,
                                FP8_LAYOUT_TOLERANCE if why else None)
     lines.append(f"[1/4] equivalence with one device in {run.precision}, parameters {mine['dtype']}, over "

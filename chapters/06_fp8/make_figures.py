@@ -180,6 +180,7 @@ RUNS = {
     "fp8-tensorwise": f"{DEMO} --quick --precision fp8 --fp8-recipe tensorwise --tp 2 --sp --dp 2",
     "fp8-mxfp8": f"{DEMO} --quick --precision fp8 --fp8-recipe mxfp8 --tp 2 --sp --cp 2 --dp 1",
     "fp8-blockwise": f"{DEMO} --quick --precision fp8 --fp8-recipe blockwise --tp 2 --pp 2 --dp 1",
+    "fp8-5d": f"{DEMO} --quick --precision fp8 --fp8-recipe tensorwise --tp 2 --sp --cp 2 --pp 2 --ep 2 --dp 2",  # §5
 }
 MACHINE_DEPENDENT = ()
 
@@ -231,6 +232,8 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     claim(v["zero1_per_param"] == 6 + 12 / 4, "ZeRO-1 over 4 ranks keeps 6 + 12/4 bytes per parameter")
     v["fp16_final_scale"] = grab(outputs["fp16"], r"loss scale after the run: (\d+)")
     v["delayed_amax_calls"] = grab(outputs["fp8-delayed"], r"^  fp8 +(\d+) calls")
+    claim("tolerance: the float64 row of testing.TOLERANCES" in "\n".join(outputs["fp8-5d"]),
+          "current scaling at 5D (experts on one micro-batch's ranks) equals one device to float64 summation order")
     # the quantisation table, [4/4] of the demo
     for recipe in ch06.RECIPES:
         for role in ("input", "weight", "grad_output"):
