@@ -121,6 +121,16 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                              "delayed scaling: amaxes remembered per tensor role"),
     "fp8_amax_compute_algo": ("mixed precision", ("--fp8-amax-compute-algo",),
                               "delayed scaling: the scale from the latest amax (most_recent) or the history's max"),
+    "recompute_granularity": ("training", ("--recompute-granularity",),
+                              "activation recompute (chapter 07): full (whole layers, in units) or selective "
+                              "(the parts --recompute-modules names); unset: none"),
+    "recompute_method": ("training", ("--recompute-method",),
+                         "full recompute: uniform (every --recompute-num-layers layers one unit) or block (the "
+                         "first --recompute-num-layers layers of each chunk)"),
+    "recompute_num_layers": ("training", ("--recompute-num-layers",),
+                             "full recompute: layers per unit (uniform) or recomputed layers per chunk (block)"),
+    "recompute_modules": ("training", ("--recompute-modules",),
+                          "selective recompute: any of core_attn, mlp, moe, moe_act, layernorm"),
     "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
     "grad_accum_steps": ("training", ("--grad-accum-steps",),
                          "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
@@ -182,6 +192,8 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
         ("--disable-bias-linear", False, "no biases in the linear layers"),
         ("--add-bias-linear", True, "biases in the linear layers (the book's)")],
     "activation": [("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")],
+    "recompute_granularity": [("--recompute-activations", "selective",
+                               "selective recompute of --recompute-modules (Megatron's older switch)")],
     "progress": [("--no-progress", False, "no progress bar (the book's)"),
                  ("--progress", True, "a progress bar on rank 0 (the book's)")],
     "moe_router_pre_softmax": [("--moe-router-pre-softmax", True, "softmax over all experts before the top-k "
@@ -231,8 +243,6 @@ NOT_IN_BOOK: dict[str, str] = {
                           "cast)",
     "--transformer-impl": "not in this book: its layers are the book's own (Megatron's 'local'); FP8 is emulated by "
                           "fp8/linear.py; benchmarks/check_fp8_te.py compares it with Transformer Engine on a GPU",
-    "--recompute-activations": "activation recomputation is not implemented in this book yet (chapter 06)",
-    "--recompute-granularity": "activation recomputation is not implemented in this book yet (chapter 06)",
     "--use-flash-attn": "not in this book, and legacy in Megatron-LM, where nothing reads it any more (its "
                         "--attention-backend chooses the kernel); here --attention-backend picks the book's",
     "--num-layers-per-virtual-pipeline-stage": "not in this book: give --num-virtual-stages-per-pipeline-rank",
@@ -319,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields:
         if f.name in FLAGS:
             title, names, text = FLAGS[f.name]
-            kind = dict(type=int, nargs=2) if f.name == "hierarchical_context_parallel_sizes" else dict(type=_field_kind(f))
+            kind = ({"hierarchical_context_parallel_sizes": dict(type=int, nargs=2),
+                     "recompute_modules": dict(type=str, nargs="+")}.get(f.name) or dict(type=_field_kind(f)))
             groups[title].add_argument(*names, dest=f.name, default=None, metavar=f.name.upper(),
                                        help=f"{text} {_defaults(f.name)}", **kind)
         for switch, value, text in SWITCHES.get(f.name, []):
@@ -380,8 +391,9 @@ def parse_command_line(argv: Iterable[str] | None = None,
     style = args.pop("style")
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
     given = {k: v for k, v in args.items() if v is not None}
-    if "hierarchical_context_parallel_sizes" in given:
-        given["hierarchical_context_parallel_sizes"] = tuple(given["hierarchical_context_parallel_sizes"])
+    for name in ("hierarchical_context_parallel_sizes", "recompute_modules"):
+        if name in given:
+            given[name] = tuple(given[name])
     if "train_iters" in given and "lr_warmup_iters" not in given and "lr_warmup_iters" in train_over:
         train_over["lr_warmup_iters"] = train_over["lr_warmup_iters"] * given["train_iters"] // train_over["train_iters"]
     if cli["lr_warmup_fraction"] is not None:

@@ -285,6 +285,11 @@ class TrainConfig:
     fp8_margin: int = 0                   # delayed: scale = fp8_max / amax / 2^margin
     fp8_amax_history_len: int = 1         # delayed: amaxes remembered per tensor role
     fp8_amax_compute_algo: str = "most_recent"   # delayed: "most_recent" | "max" over the history
+    # activation recompute (chapter 07, recompute.py), Megatron's flags
+    recompute_granularity: str | None = None   # None: keep every activation | "full" | "selective"
+    recompute_method: str | None = None   # full: "uniform" (units of recompute_num_layers) | "block"
+    recompute_num_layers: int | None = None    # full: layers per unit (uniform), recomputed per chunk (block)
+    recompute_modules: tuple[str, ...] = ("core_attn",)   # selective: which parts (recompute.RECOMPUTE_MODULES)
     data_seed: int = 1234                 # data order and dropout masks
     device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
     progress: bool = True
@@ -359,6 +364,7 @@ class TrainConfig:
         need(self.fp8_amax_history_len >= 1, f"fp8_amax_history_len={self.fp8_amax_history_len} must be >= 1")
         need(self.fp8_amax_compute_algo in ("most_recent", "max"),
              f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is not 'most_recent' or 'max'")
+        self._validate_recompute(need)
         # how the sizes combine with the model and the world: parallelize.validate_layout
         if model is not None:
             wanted = "bfloat16" if self.bf16 else "float16" if self.fp16 else None
@@ -370,6 +376,30 @@ class TrainConfig:
                  f"max_position_embeddings={model.max_position_embeddings}")
             adamw_step_bound(self, model.dtype)
         return self
+
+
+    def _validate_recompute(self, need) -> None:
+        """Megatron's rules (TransformerConfig.__post_init__, checked on main d98e8a6): full needs
+        a method and a number of layers; selective takes neither, and its modules from the list."""
+        granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        need(granularity in (None, "full", "selective"),
+             f"recompute_granularity={granularity!r} is not 'full' or 'selective'")
+        if granularity == "full":
+            need(method in ("uniform", "block"),
+                 f"recompute_granularity='full' needs recompute_method 'uniform' or 'block', got {method!r}")
+            need(n is not None and n >= 1, f"recompute_granularity='full' needs recompute_num_layers >= 1, got {n}")
+        else:
+            need(method is None and n is None,
+                 f"recompute_method={method!r} and recompute_num_layers={n} are for recompute_granularity='full' "
+                 f"(got {granularity!r})")
+        if granularity == "selective":
+            megatron_only = {"mla_up_proj", "shared_experts", "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc"}
+            for name in self.recompute_modules:
+                need(name not in megatron_only, f"recompute_modules: {name!r} is Megatron's, not in this book "
+                                                f"(here: core_attn, mlp, moe, moe_act, layernorm)")
+                need(name in ("core_attn", "mlp", "moe", "moe_act", "layernorm"),
+                     f"recompute_modules: {name!r} is not one of core_attn, mlp, moe, moe_act, layernorm")
+            need(len(self.recompute_modules) > 0, "recompute_granularity='selective' with no recompute_modules")
 
 
 def adamw_step_bound(cfg: TrainConfig, dtype: torch.dtype) -> None:

@@ -1,7 +1,8 @@
 """How the parallelisms are applied to the one model, in one order a reader can recite:
 
     cut into pipeline chunks (03) -> tensor (+ sequence) parallel (02, 04) -> context
-    parallel (04) -> expert parallel (05) -> FP8 (06) -> data-parallel wrapper (01)
+    parallel (04) -> expert parallel (05) -> FP8 (06) -> activation recompute (07) ->
+    data-parallel wrapper (01)
 
 `build_model` is that order, in one function; each `apply_*` is a no-op when its size is 1,
 so the single device is the same code with every size 1. A new chapter adds one `apply_*`
@@ -37,6 +38,7 @@ from .moe import apply_expert_parallel, check_expert_parallel_config
 from .parallel_state import Layout, rank_groups
 from .placement import gather_full_tensors
 from .pp import build_stage, check_schedule_args, stage_layers
+from .recompute import apply_recompute
 from .tp import apply_tensor_parallel, check_tensor_parallel_config
 
 __all__ = ["validate_layout", "build_model", "build_optimizer", "layout_device", "unwrap", "full_model_tensors"]
@@ -100,6 +102,13 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
             raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule!r} with grad_accum_steps="
                               f"{cfg.grad_accum_steps} micro-batches: {exc}") from None
         stage_layers(model_cfg.num_layers, pp, 0, v)                     # layers by pp x chunks
+    if cfg.recompute_granularity is not None and cfg.zero_stage == 3:
+        raise ConfigError("recompute_granularity with zero_stage=3: ZeRO-3's units free a layer's weights after its "
+                          "forward (dp/fsdp.py), and the recompute would run without them; use zero_stage 0, 1 or 2")
+    per_chunk = model_cfg.num_layers // (pp * v)
+    if cfg.recompute_granularity == "full" and not 1 <= cfg.recompute_num_layers <= per_chunk:
+        raise ConfigError(f"recompute_num_layers={cfg.recompute_num_layers} must be between 1 and the {per_chunk} "
+                          f"layers of a model chunk (num_layers={model_cfg.num_layers} / pp {pp} / chunks {v})")
 
 
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
@@ -131,9 +140,13 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         # 5. FP8 (chapter 06): the transformer layers' GEMMs in FP8, the amaxes of one-scale
         #    recipes reduced over the ranks that share a micro-batch (tp x cp; the experts' etp)
         model = apply_fp8(model, fp8_recipe_of(cfg), layout.tp_cp_group, layout.etp_group)
+        # 6. activation recompute (chapter 07): whole layers in units, or the named parts of each,
+        #    computed again in the backward instead of kept
+        model = apply_recompute(model, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers,
+                                cfg.recompute_modules)
         if load is not None:
             model.load_state_dict(load[c])
-        # 6. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
+        # 7. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
         #    the experts' summed over the expert-data-parallel group
         model = apply_data_parallel(model, cfg, layout.dp_group, layout.expert_dp_group)
         chunks.append(model)

@@ -240,7 +240,7 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
     """The reference: train the single-device model one step per global batch, with the
     training loop's own step (train.train_step on Layout(): every size 1), AdamW and the
     learning-rate schedule of `train_cfg` (defaults: TrainConfig() with train_iters =
-    len(batches), no clipping). Mixed precision (bf16 / fp16 / FP8 in `train_cfg`): the model and
+    len(batches), no clipping). Mixed precision (bf16 / fp16 / FP8 in `train_cfg`) or recompute: the model and
     the optimizer the loop builds on one process (parallelize.build_model: a float32 main_grad
     buffer; build_optimizer: float32 main parameters, the loss scaler), the gradients recorded
     being the main ones."""
@@ -250,7 +250,7 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
     from .train import train_step
 
     cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
-    if cfg.bf16 or cfg.fp16 or cfg.fp8_format is not None:
+    if cfg.bf16 or cfg.fp16 or cfg.fp8_format is not None or cfg.recompute_granularity is not None:
         from .parallelize import build_model, build_optimizer, full_model_tensors
         alone = Layout.alone()                    # also inside a distributed run (run_report's check)
         model = build_model(model_cfg, cfg, alone)[0]

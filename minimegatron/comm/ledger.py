@@ -164,10 +164,28 @@ def record_communication():
             _active.remove(ledger)
 
 
+_retag = threading.local()      # this thread's tag override (retagged), or none
+
+
+@contextmanager
+def retagged(tag: str):
+    """``with retagged("recompute"):`` every call this thread issues in the block is recorded
+    with ``tag`` instead of its call site's (chapter 07: the collectives a recomputed forward
+    runs again are read apart from the first forward's). Other threads keep their tags."""
+    outer = getattr(_retag, "tag", None)
+    _retag.tag = tag
+    try:
+        yield
+    finally:
+        _retag.tag = outer
+
+
 def append_record(rec: CommRecord) -> None:
     """Write one record into every open ledger (called by the collectives)."""
     if not _active:
         return
+    if getattr(_retag, "tag", None) is not None:
+        rec = CommRecord(rec.op, rec.group_ranks, rec.nbytes, rec.dtype, rec.shape, _retag.tag)
     with _lock:
         for ledger in _active:
             ledger.records.append(rec)

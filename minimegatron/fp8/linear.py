@@ -95,6 +95,19 @@ class Fp8Gemm(Gemm):
         self.grad_scale: torch.Tensor | None = None
         self.backward_follows = True              # set before each forward of its layer (apply_fp8's hook)
         self.gathered: tuple | None = None        # (input, its scale, the model's dtype) gather_input made
+        self.recompute: str | None = None         # chapter 07's phase (Gemm.set_recompute)
+
+    def set_recompute(self, phase: str | None) -> None:
+        """Under activation recompute a forward runs twice: "checkpointed" (no autograd, but a
+        backward follows: its scales are queued) and "recomputing" (the same forward in the
+        backward: it casts with the scales queued for it, takes no amax and records no history),
+        so the backward sees the numbers a run without recompute would (Transformer Engine keeps
+        the first forward's FP8 metadata for its recompute the same way)."""
+        self.recompute = phase
+
+    def _replayed_scales(self) -> tuple | None:
+        """(input scale, weight scale) of the forward being recomputed, or None."""
+        return self.forward_scales[0] if self.one_scale and self.recompute == "recomputing" else None
 
     def cast(self, x: torch.Tensor, role: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x [.., K] in FP8 along its last dimension K, dequantized; the scale(s) used). The
@@ -127,23 +140,30 @@ class Fp8Gemm(Gemm):
         with the forward's scale it gives the same FP8 values."""
         if not self.one_scale:
             return super().gather_input(x, group, dim, tag)
-        fmt, amax = self.recipe.format_of("input"), tensor_amax(x, self.amax_group, self.amax_tag)
-        q = quantize_tensorwise(x, fmt, amax) if self.recipe.scaling == "current" else self.delayed["input"].cast(x, amax)
+        fmt, replayed = self.recipe.format_of("input"), self._replayed_scales()
+        if replayed is not None:
+            q = Quantized(cast_to_fp8(x, replayed[0], fmt), replayed[0])
+        else:
+            amax = tensor_amax(x, self.amax_group, self.amax_tag)
+            q = (quantize_tensorwise(x, fmt, amax) if self.recipe.scaling == "current"
+                 else self.delayed["input"].cast(x, amax))
         data = all_gather(q.data.view(torch.uint8), group, dim=dim, tag=tag).view(q.data.dtype)   # [b, s, in]
         total = Quantized(data, q.scale).dequantize(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        if self.stats is not None:
+        if self.stats is not None and replayed is None:
             _collect(self.stats, "input", x, Quantized(q.data, q.scale).dequantize(), q)
         self.gathered = (total, q.scale, x.dtype)
         return total
 
     def fprop(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        replayed = self._replayed_scales() or (None, None)
         if self.gathered is not None and x is self.gathered[0]:       # gathered in FP8 already
             x_q, x_scale, dtype = self.gathered
         else:
-            (x_q, x_scale), dtype = self.cast(x, "input"), x.dtype
+            (x_q, x_scale), dtype = self.cast(x, "input", replayed[0]), x.dtype
         self.gathered = None
-        w_q, w_scale = self.cast(w, "weight")
-        if self.one_scale and self.backward_follows:      # this micro-batch's backward re-casts with them
+        w_q, w_scale = self.cast(w, "weight", replayed[1])
+        if self.one_scale and (self.backward_follows or self.recompute == "checkpointed") \
+                and self.recompute != "recomputing":      # this micro-batch's backward re-casts with them
             self.forward_scales.append((x_scale, w_scale))
         y = x_q @ w_q.t()                                                         # [.., out], float32
         return (y if b is None else y + b).to(dtype)

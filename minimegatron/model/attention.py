@@ -112,6 +112,26 @@ class SelfAttention(nn.Module):
         groups = self.linear_qkv.weight.shape[0] // ((heads_per_group + 2) * cfg.kv_channels)
         return groups * heads_per_group, groups
 
+    def core_attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with the causal mask and the attention dropout: q [b, a, s, d],
+        k and v [b, g, s, d] -> [b, a, s, d] (a, g: this module's heads). The part chapter 07's
+        selective recompute ("core_attn") recomputes in the backward instead of keeping its
+        [b, a, s, s] probabilities (Megatron: Attention._checkpointed_attention_forward)."""
+        if self.core_attention is not None:         # context parallel: the keys of every rank
+            attend = self.core_attention
+        elif self.config.attention_backend == "sdpa":   # the default: the fused kernel shares k, v per group
+            attend = sdpa_attention
+        else:                                       # "naive": the lesson (exercise 0.1), the test oracle
+            attend = causal_attention
+            heads_per_group = q.shape[1] // k.shape[1]
+            if heads_per_group > 1:                                       # GQA: copy k, v to every head
+                k = k.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
+                v = v.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
+        p = self.config.attention_dropout
+        rng = self.dropout_rng() if self.dropout_rng is not None and self.training and p > 0 else nullcontext()
+        with rng:
+            return attend(q, k, v, dropout_p=p, training=self.training)   # [b, a, s, d]
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         cfg = self.config
         d = cfg.kv_channels
@@ -131,19 +151,6 @@ class SelfAttention(nn.Module):
             q = apply_rotary_pos_emb(q, cos, sin)
             k = apply_rotary_pos_emb(k, cos, sin)
 
-        if self.core_attention is not None:         # context parallel: the keys of every rank
-            attend = self.core_attention
-        elif cfg.attention_backend == "sdpa":       # the default: the fused kernel shares k, v per group
-            attend = sdpa_attention
-        else:                                       # "naive": the lesson (exercise 0.1), the test oracle
-            attend = causal_attention
-            if heads_per_group > 1:                                       # GQA: copy k, v to every head
-                k = k.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
-                v = v.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
-
-        p = cfg.attention_dropout
-        rng = self.dropout_rng() if self.dropout_rng is not None and self.training and p > 0 else nullcontext()
-        with rng:
-            out = attend(q, k, v, dropout_p=p, training=self.training)    # [b, a, s, d]
+        out = self.core_attention_forward(q, k, v)                        # [b, a, s, d]
         out = out.transpose(1, 2).reshape(b, s, heads * d)                # [b, s, a d]
         return self.linear_proj(out)                                      # [b, s, h]

@@ -79,6 +79,26 @@ class TransformerLayer(nn.Module):
         return x + dropout(mlp, self.dropout, self.training, self.dropout_rng)
 
 
+class TransformerBlock(nn.Module):
+    """The decoder (Megatron-core's TransformerBlock): this stage's transformer layers, keyed by
+    their global numbers, and on the last stage the final norm, which GPTModel applies.
+
+    forward(x, rope): x [b, s, h] through the layers in order -> [b, s, h]. Chapter 07's full
+    recompute replaces this forward with one that runs the layers in checkpointed units
+    (recompute.py; Megatron's TransformerBlock._checkpointed_forward)."""
+
+    def __init__(self, config: ModelConfig, layer_numbers: list[int], post_process: bool):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in layer_numbers})
+        self.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
+                                if post_process else None)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x, rope)                                              # [b, s, h]
+        return x
+
+
 class Embedding(nn.Module):
     """tokens [b, s] (+ positions) -> hidden states [b, s, h].
 
@@ -138,10 +158,7 @@ class GPTModel(nn.Module):
         self.layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
 
         self.embedding = Embedding(config) if pre_process else None
-        self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in self.layer_numbers})
-        self.decoder.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
-                                        if post_process else None)
+        self.decoder = TransformerBlock(config, self.layer_numbers, post_process)
         # The output layer. Tied on the stage that holds the embedding: no weight of its own,
         # forward reads the word embedding. Tied on a pipeline's last stage without the
         # embedding: its own copy, marked `shared` in its placement record (Megatron's name): it
@@ -188,9 +205,7 @@ class GPTModel(nn.Module):
         if cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base, dtype=x.dtype)  # [s, d] x2
 
-        for layer in self.decoder.layers.values():
-            x = layer(x, rope)                                              # [b, s, h]
-
+        x = self.decoder(x, rope)                                           # [b, s, h]
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)                                 # [b, s, h]

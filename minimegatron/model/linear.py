@@ -44,7 +44,14 @@ class Gemm:
     gather_input(x, group, dim, tag)  the sequence-parallel all-gather of a column-parallel
                     layer's input before fprop (comm.all_gather; an FP8 GEMM gathers its FP8
                     bytes instead, chapter 06)
+    set_recompute(phase)  chapter 07's recompute tells the layer which forward runs: "checkpointed"
+                    (the first, whose activations are dropped), "recomputing" (the same forward
+                    again, in the backward), None (an ordinary one); a GEMM with state (FP8's
+                    scales) makes the recompute compute what the first forward did
     The default products are torch's; they hold no state, so every layer shares `GEMM`."""
+
+    def set_recompute(self, phase: str | None) -> None:
+        pass
 
     def fprop(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, w, b)

@@ -78,6 +78,11 @@ class MLP(nn.Module):
         self.linear_fc1 = Linear(h, 2 * f if self.swiglu else f, bias=config.add_bias_linear)
         self.linear_fc2 = Linear(f, h, bias=config.add_bias_linear)
 
+    def activation(self, y: torch.Tensor) -> torch.Tensor:
+        """fc1's output [.., f] or [.., 2f] -> [.., f] (chapter 07's "moe_act" recomputes an
+        expert's in the backward)."""
+        return mlp_activation(y, self.swiglu)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)                           # [b, s, f] or [b, s, 2f]
-        return self.linear_fc2(mlp_activation(y, self.swiglu))   # [b, s, h]
+        return self.linear_fc2(self.activation(y))       # [b, s, h]

@@ -42,7 +42,7 @@ from torch import nn
 from ..comm import all_reduce, group_size
 from ..config import ModelConfig
 from .linear import GEMM
-from .mlp import MLP, mlp_activation
+from .mlp import MLP
 from .router import apply_token_dropping, aux_loss, expert_bias_update, sequence_aux_loss, topk_routing, z_loss
 
 __all__ = ["MoELayer", "MoEAuxLossAutoScaler", "experts_loop", "experts_grouped", "experts_on_sorted_tokens",
@@ -113,7 +113,7 @@ def experts_on_sorted_tokens(x: torch.Tensor, counts: list[int], experts: list[n
     b1 = torch.stack([e.linear_fc1.bias for e in experts]) if bias else None              # [E_local, f1]
     b2 = torch.stack([e.linear_fc2.bias for e in experts]) if bias else None              # [E_local, h]
     y = first.linear_fc1.gemm.linear(padded, w1, b1)                                      # [E_local, C, f1]
-    y = first.linear_fc2.gemm.linear(mlp_activation(y, first.swiglu), w2, b2)            # [E_local, C, h]
+    y = first.linear_fc2.gemm.linear(first.activation(y), w2, b2)                         # [E_local, C, h]
     return y[expert_slot, position]
 
 

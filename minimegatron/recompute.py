@@ -1,0 +1,195 @@
+"""Activation recompute (chapter 07): keep less for the backward, and compute the rest again
+when the backward needs it. Megatron-LM's --recompute-granularity, --recompute-method,
+--recompute-num-layers and --recompute-modules, as one transformation of the one model:
+
+    model = apply_recompute(model, cfg)        # parallelize.build_model, after FP8
+
+full       the chunk's transformer layers run in units (method "uniform": every `num_layers`
+           consecutive layers form one unit; "block": each of the first `num_layers` layers is a
+           unit, the rest run as usual). A unit keeps only its input [b, s, h] (and the RoPE
+           tables); its backward first runs its forward again, with autograd on.
+selective  the named part of every layer is a unit (RECOMPUTE_MODULES): "core_attn" the
+           attention core (the [b, a, s, s] probabilities, Korthikanti et al.'s 5 a s^2 b),
+           "mlp" a dense MLP, "moe" an MoE layer, "moe_act" each expert's activation,
+           "layernorm" both norms.
+
+A recomputed forward must compute the very numbers the first one did:
+  - random numbers: torch's default generator and every stream of the tracker (tp/random.py;
+    the CUDA generator too on a GPU) are saved before the first forward, set again for the
+    recompute, and the backward's own states put back afterwards (exercise 7.1);
+  - FP8 with one scale per tensor: the recompute casts with the scales the first forward chose,
+    takes no amax and adds nothing to a delayed history (each layer's gemm is told:
+    Gemm.set_recompute; Transformer Engine does the same);
+  - collectives inside a unit run again: the ledger records them with tag "recompute"
+    (comm.retagged), and analysis.step_communication counts them.
+The result is bit for bit the run without recompute (tests/test_recompute.py).
+
+Megatron-LM: megatron/core/tensor_parallel/random.py (CheckpointFunction, checkpoint),
+megatron/core/recompute.py (checkpointed_forward: uniform and block),
+megatron/core/transformer/attention.py (_checkpointed_attention_forward) and
+transformer_layer.py (the selective modules). Where the book differs: Megatron's "layernorm"
+and "moe_act" also drop the unit's output (CheckpointWithoutOutput) and rebuild it just before
+the consuming GEMM's backward; here a unit keeps its output (the next GEMM saves it anyway), so
+those two save only what is inside them (the norm's float32 copies; the activation's gate).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .comm import retagged
+from .tp.random import get_rng_tracker
+
+__all__ = ["RECOMPUTE_MODULES", "checkpoint", "apply_recompute", "recompute_units", "get_rng_states", "set_rng_states"]
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm")
+
+
+def get_rng_states() -> tuple:
+    """Every random state a forward draws from: torch's default CPU generator, the CUDA
+    generator when there is one, and the tracker's streams."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, get_rng_tracker().get_states()
+
+
+def set_rng_states(states: tuple) -> None:
+    """Set what get_rng_states returned (the tracker's streams must not be forked now)."""
+    # BEGIN EXERCISE 7.1: spot the bug in the recompute's random states | hint: dropout draws from more than one generator in this book; which of them does a tensor-parallel layer's dropout use, and would the recompute then draw the same mask?
+    cpu, cuda, tracker = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    get_rng_tracker().set_states(tracker)
+    # END EXERCISE
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """out = run(*args), keeping only `args` for the backward (tensors or None; `run` returns
+    one tensor). The backward sets the random states of the forward, runs `run` again with
+    autograd on (its collectives tagged "recompute", the FP8 gemms in `gemms` reusing their
+    scales), goes through it with the incoming gradient, puts the backward's random states
+    back, and returns the gradients of `args`."""
+
+    @staticmethod
+    def forward(ctx, run: Callable, gemms: list, *args):
+        ctx.run, ctx.gemms, ctx.rng = run, gemms, get_rng_states()
+        with torch.no_grad(), _recompute_phase(gemms, "checkpointed"):
+            out = run(*args)
+        ctx.save_for_backward(*args)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inputs = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        backward_states = get_rng_states()
+        set_rng_states(ctx.rng)
+        try:
+            with torch.enable_grad(), retagged("recompute"), _recompute_phase(ctx.gemms, "recomputing"):
+                out = ctx.run(*inputs)
+        finally:
+            set_rng_states(backward_states)
+        torch.autograd.backward(out, grad_out)
+        return (None, None, *[t.grad if t is not None and t.requires_grad else None for t in inputs])
+
+
+class _recompute_phase:
+    """Tell each FP8 gemm of a unit which forward this is ("checkpointed": the first, whose
+    activations are recomputed; "recomputing": the recompute), and None after it."""
+
+    def __init__(self, gemms: list, phase: str):
+        self.gemms, self.phase = gemms, phase
+
+    def __enter__(self):
+        for gemm in self.gemms:
+            gemm.set_recompute(self.phase)
+
+    def __exit__(self, *exc):
+        for gemm in self.gemms:
+            gemm.set_recompute(None)
+
+
+def checkpoint(run: Callable, gemms: list, *args):
+    """run(*args) as a recomputed unit (CheckpointFunction) when a backward will follow (grad
+    mode on); plainly otherwise (evaluation, generation). `gemms`: the unit's layers' gemms,
+    told the phase (gemms_of)."""
+    if not torch.is_grad_enabled():
+        return run(*args)
+    return CheckpointFunction.apply(run, gemms, *args)
+
+
+def gemms_of(*modules: nn.Module) -> list:
+    """The distinct gemms (model/linear.py's seam) of the linear layers inside `modules`."""
+    return list({id(m.gemm): m.gemm for module in modules for m in module.modules() if hasattr(m, "gemm")}.values())
+
+
+def recompute_units(num_layers: int, method: str, per_unit: int) -> list[tuple[int, int, bool]]:
+    """The chunk's layers 0..num_layers-1 as (start, end, recomputed) runs: "uniform" cuts them
+    into units of `per_unit` layers (the last may be shorter), all recomputed; "block"
+    recomputes each of the first `per_unit` layers alone and runs the rest as usual."""
+    if method == "uniform":
+        return [(i, min(i + per_unit, num_layers), True) for i in range(0, num_layers, per_unit)]
+    return [(i, i + 1, i < per_unit) for i in range(num_layers)]
+
+
+def _run_layers(layers: list[nn.Module], x: torch.Tensor, cos, sin) -> torch.Tensor:
+    rope = None if cos is None else (cos, sin)
+    for layer in layers:
+        x = layer(x, rope)                                              # [b, s, h]
+    return x
+
+
+def _checkpointed_block_forward(block: nn.Module, units: list[tuple[int, int, bool]], x: torch.Tensor,
+                                rope) -> torch.Tensor:
+    """The TransformerBlock's forward under full recompute: its layers in `units`, x [b, s, h]
+    -> [b, s, h]. The RoPE tables go in as two tensors (a unit's inputs are tensors)."""
+    layers = list(block.layers.values())
+    cos, sin = rope if rope is not None else (None, None)
+    for start, end, recomputed in units:
+        unit = layers[start:end]
+        if recomputed:
+            x = checkpoint(partial(_run_layers, unit), gemms_of(*unit), x, cos, sin)   # [b, s, h]
+        else:
+            x = _run_layers(unit, x, cos, sin)
+    return x
+
+
+def _checkpointed_call(run: Callable, gemms: list, *args):
+    return checkpoint(run, gemms, *args)
+
+
+def _recompute(module: nn.Module, name: str, gemms: list) -> None:
+    """Make `module.<name>` (its forward, or a method its forward calls) a recomputed unit: an
+    instance attribute over the class's method, so hooks and parameter names stay as they are."""
+    setattr(module, name, partial(_checkpointed_call, getattr(module, name), gemms))
+
+
+def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
+                    num_layers: int | None = None, modules: tuple[str, ...] = ("core_attn",)) -> nn.Module:
+    """Recompute `model`'s activations as the module docstring says (granularity None: the model
+    unchanged). TrainConfig.validate has checked the combination (Megatron's rules). Returns
+    the model."""
+    if granularity is None:
+        return model
+    block = model.decoder
+    if granularity == "full":
+        block.forward = partial(_checkpointed_block_forward, block, recompute_units(len(block.layers), method,
+                                                                                     num_layers))
+        return model
+    from .model.moe import MoELayer
+    for layer in block.layers.values():
+        moe = isinstance(layer.mlp, MoELayer)
+        if "core_attn" in modules:
+            _recompute(layer.self_attention, "core_attention_forward", [])
+        if "layernorm" in modules:
+            _recompute(layer.input_layernorm, "forward", [])
+            _recompute(layer.pre_mlp_layernorm, "forward", [])
+        if ("mlp" in modules and not moe) or ("moe" in modules and moe):
+            _recompute(layer.mlp, "forward", gemms_of(layer.mlp))
+        elif "moe_act" in modules and moe:
+            for expert in layer.mlp.local_experts().values():
+                _recompute(expert, "activation", [])
+    return model
