@@ -20,8 +20,8 @@ A recomputed forward must compute the very numbers the first one did:
   - FP8 with one scale per tensor: the recompute casts with the scales the first forward chose,
     takes no amax and adds nothing to a delayed history (each layer's gemm is told:
     Gemm.set_recompute; Transformer Engine does the same);
-  - collectives inside a unit run again: the ledger records them with tag "recompute"
-    (comm.retagged), and analysis.step_communication counts them.
+  - collectives inside a unit run again: the ledger records them with their tag after
+    "recompute " (comm.retagged), and analysis.step_communication counts them.
 The result is bit for bit the run without recompute (tests/test_recompute.py).
 
 Megatron-LM: megatron/core/tensor_parallel/random.py (CheckpointFunction, checkpoint),
@@ -70,7 +70,7 @@ def set_rng_states(states: tuple) -> None:
 class CheckpointFunction(torch.autograd.Function):
     """out = run(*args), keeping only `args` for the backward (tensors or None; `run` returns
     one tensor). The backward sets the random states of the forward, runs `run` again with
-    autograd on (its collectives tagged "recompute", the FP8 gemms in `gemms` reusing their
+    autograd on (its collectives' tags after "recompute ", the FP8 gemms in `gemms` reusing their
     scales), goes through it with the incoming gradient, puts the backward's random states
     back, and returns the gradients of `args`."""
 

@@ -132,7 +132,8 @@ def dimension_of(record: CommRecord, groups: dict[str, list[int]]) -> str:
     tag says (the pipeline's p2p, the MoE dispatcher's messages, the gradient reductions, the
     reported loss and the gradient norm), else by the group it ran on (`groups`: this rank's
     group of each key of parallel_state, as global ranks)."""
-    tag, ranks = record.tag or "", list(record.group_ranks)
+    # a recomputed forward's messages (chapter 07) belong where the first forward's do
+    tag, ranks = (record.tag or "").removeprefix("recompute "), list(record.group_ranks)
     if tag in ("loss", "grad-norm", "found-inf"):
         return "loss and norm"
     if tag == "fp8-amax":                      # one-scale FP8 casts agree on their amax (fp8/linear.py)
@@ -187,7 +188,8 @@ def communication_checks(model_cfg: ModelConfig, cfg: TrainConfig, gathered: lis
                 found[dim] += []
                 continue
             mine = Counter({k: c for k, c in got.get(dim, Counter()).items()
-                            if k[1] not in ROUTING_DEPENDENT and k[1] not in ("grads", "expert-grads")})
+                            if k[1].removeprefix("recompute ") not in ROUTING_DEPENDENT
+                            and k[1] not in ("grads", "expert-grads")})
             found[dim] += [] if mine == want else [f"rank {rank}: unexpected {dict(mine - want)}, missing "
                                                    f"{dict(want - mine)}"]
         if cfg.zero_stage == 0:

@@ -2,7 +2,7 @@
 units full recompute cuts; and on every layout, the run with recompute equal bit for bit to the
 same run without (dropout on, tensor-parallel streams, the pipeline's micro-batches in flight,
 context-parallel rings run again, experts, bf16 and FP8), with its recomputed collectives in the
-ledger under the tag "recompute"."""
+ledger under their tags after "recompute "."""
 
 import dataclasses
 
@@ -187,3 +187,12 @@ def test_the_recomputed_collectives_are_in_the_ledger_under_their_own_tag(traine
     assert {op for op, _ in ring} == {"send", "recv"}                         # the ring, and nothing of tp
     fp8 = ranks[0][by_name["FP8 delayed, full uniform, tp2 + SP x pp2"]]["recompute"]["recomputed"]
     assert fp8 and all(nbytes > 4 for op, nbytes in fp8)                      # no amax taken again
+
+
+def test_every_recomputed_message_is_the_one_the_formula_adds(trained):
+    """run_report's check of each rank's step against analysis.step_communication, whose
+    "recompute ..." lines count the forwards run again."""
+    from minimegatron.run_report import communication_checks
+    for index, (name, model, cfg, dp, _) in enumerate(LAYOUTS):
+        checks = communication_checks(model, cfg, [runs[index]["summary"] for runs in trained])
+        assert not any(checks.values()), (name, {dim: found[:1] for dim, found in checks.items() if found})

@@ -49,6 +49,12 @@ others MoE), the first stage the embedding and the last the output layer and the
                per step on the first and the last stage
   dp           each dense gradient once per step (bytes; the calls depend on the buckets)
   expert-dp    each expert gradient once per step, over the expert-data-parallel group
+  recompute    (chapter 07) what a recomputed forward runs again, its tag after "recompute ": under
+               tp each recomputed linear pair's forward messages (full: a layer's attention and
+               MLP; selective "mlp": the MLP's), under cp each recomputed attention core's forward
+               ring or gathers (full, or selective "core_attn"), and an MoE layer run again (full,
+               or "moe") its counts, dispatch and auxiliary-loss messages (alltoall; allgather: not
+               computed here); FP8 takes no amax again
 """
 
 from __future__ import annotations
@@ -140,6 +146,30 @@ def fp8_amax_reductions(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) 
     return Counter({("all_reduce", "fp8-amax", 4): 3 * dense * cfg.grad_accum_steps})
 
 
+def recomputed_parts(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> dict[str, int]:
+    """What activation recompute (recompute.py) runs again per micro-batch on a rank of stage
+    pp_rank: {"attention": transformer layers whose whole attention reruns (qkv, core, proj),
+    "core_attn": attention cores only, "mlp": dense MLPs (a shared expert counts as one),
+    "moe": MoE layers}. Full recompute reruns its units' layers: every layer of a chunk
+    (uniform), or the first recompute_num_layers of each chunk (block)."""
+    m, out = model_cfg, {"attention": 0, "core_attn": 0, "mlp": 0, "moe": 0}
+    pp, v, granularity = cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank, cfg.recompute_granularity
+    chunks = [stage_layers(m.num_layers, pp, pp_rank, v, c) for c in range(v)]
+    if granularity == "full":
+        layers = [i for chunk in chunks
+                  for i in (chunk if cfg.recompute_method == "uniform" else chunk[:cfg.recompute_num_layers])]
+        moe = [i for i in layers if m.is_moe_layer(i)]
+        out.update(attention=len(layers), moe=len(moe),
+                   mlp=len(layers) - len(moe) + (len(moe) if m.moe_shared_expert_intermediate_size else 0))
+    elif granularity == "selective":
+        layers = [i for chunk in chunks for i in chunk]
+        moe = [i for i in layers if m.is_moe_layer(i)]
+        mods = cfg.recompute_modules
+        out.update(core_attn=len(layers) * ("core_attn" in mods), mlp=(len(layers) - len(moe)) * ("mlp" in mods),
+                   moe=len(moe) * ("moe" in mods))
+    return out
+
+
 def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int) -> dict[str, Counter]:
     """{dimension: Counter{(op, tag, bytes): calls}}: the records one optimizer step must make
     on a rank of stage pp_rank of a world of `world` ranks, for every dimension above 1, but the dispatcher's
@@ -157,6 +187,11 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
         n_mlp += len(moe_layers)
     T = b * cfg.seq_length // cp                                    # this rank's tokens of a micro-batch
     out: dict[str, Counter] = {}
+    # activation recompute (chapter 07) runs some forwards again in the backward: their
+    # collectives again, their tags after "recompute " (an FP8 recompute casts with the first forward's
+    # scales: no amax again)
+    again = recomputed_parts(m, cfg, pp_rank)
+    one_scale_fp8 = cfg.fp8_format is not None and cfg.fp8_recipe in ("tensorwise", "delayed")
 
     if tp > 1:
         full, shard = T * h * e, T * h * e // tp
@@ -176,9 +211,13 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
                            ("all_gather", "regather", shard): n + n_mlp + last,
                            ("reduce_scatter", "bwd", full): n + n_mlp + last,
                            ("all_gather", "bwd", shard): n + n_mlp + first})
+            linears_again = again["attention"] + again["mlp"]              # each gathers its input, scatters its output
+            per_mb.update({("all_gather", "recompute fwd", T * h // tp if one_scale_fp8 else shard): linears_again,
+                           ("reduce_scatter", "recompute fwd", full): linears_again})
         else:
             per_mb.update({("all_reduce", "fwd", full): n + n_mlp + first,
-                           ("all_reduce", "bwd", full): n + n_mlp + last})
+                           ("all_reduce", "bwd", full): n + n_mlp + last,
+                           ("all_reduce", "recompute fwd", full): again["attention"] + again["mlp"]})
         out["tp"] = Counter({k: c * M for k, c in per_mb.items() if c})
         if sp:
             counts = count_parameters(m)
@@ -198,6 +237,10 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
                      "a2a": {("all_to_all", "fwd", q): 2, ("all_to_all", "fwd", kv): 2,
                              ("all_to_all", "bwd", q): 2, ("all_to_all", "bwd", kv): 2}}.get(cfg.cp_comm_type)
         out["cp"] = None if per_layer is None else Counter({k: c * n * M for k, c in per_layer.items()})
+        cores_again = again["attention"] + again["core_attn"]
+        if out["cp"] is not None and cores_again:                      # the forward's messages once more
+            out["cp"].update({(op, "recompute fwd", nbytes): c * cores_again * M
+                              for (op, tag, nbytes), c in per_layer.items() if tag == "fwd"})
 
     if moe_layers and m.moe_expert_capacity_factor is None:
         Tm = T // (tp if sp else 1)                                 # the tokens this rank routes
@@ -221,8 +264,14 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
             out.setdefault("ep", Counter())[("all_reduce", "moe-aux", per_sequence * E * e)] += 1
         for dim in ("ep", "etp"):
             if dim in out:
+                # an MoE layer run again counts and dispatches again (the alltoall's forward messages)
+                repeated = Counter({(op, f"recompute {tag}", nbytes): c for (op, tag, nbytes), c in out[dim].items()
+                                    if tag in ("moe-counts", "moe-dispatch", "moe-aux")})
                 out[dim] = Counter({key: c * len(moe_layers) * M for key, c in out[dim].items()})
-        if m.moe_router_enable_expert_bias and world // pp > 1:
+                out[dim].update({key: c * again["moe"] * M for key, c in repeated.items()})
+        if again["moe"] and cfg.moe_token_dispatcher_type == "allgather" and ep * etp > 1:
+            out["ep"] = None                                        # its forward messages again: not computed here
+        if m.moe_router_enable_expert_bias and world // pp > 1 and out.get("ep", Counter()) is not None:
             # the expert bias: the step's routed counts of every MoE layer, summed over the stage's ranks
             out.setdefault("ep", Counter())[("all_reduce", "moe-bias", len(moe_layers) * E * 4)] += 1   # float32
     elif moe_layers and ep * etp > 1:

@@ -168,12 +168,13 @@ _retag = threading.local()      # this thread's tag override (retagged), or none
 
 
 @contextmanager
-def retagged(tag: str):
+def retagged(prefix: str):
     """``with retagged("recompute"):`` every call this thread issues in the block is recorded
-    with ``tag`` instead of its call site's (chapter 07: the collectives a recomputed forward
-    runs again are read apart from the first forward's). Other threads keep their tags."""
+    with its call site's tag after ``prefix`` ("recompute fwd", "recompute moe-dispatch"; the
+    prefix alone for an untagged call). Chapter 07: the collectives a recomputed forward runs
+    again are read apart from the first forward's. Other threads keep their tags."""
     outer = getattr(_retag, "tag", None)
-    _retag.tag = tag
+    _retag.tag = prefix
     try:
         yield
     finally:
@@ -185,7 +186,8 @@ def append_record(rec: CommRecord) -> None:
     if not _active:
         return
     if getattr(_retag, "tag", None) is not None:
-        rec = CommRecord(rec.op, rec.group_ranks, rec.nbytes, rec.dtype, rec.shape, _retag.tag)
+        rec = CommRecord(rec.op, rec.group_ranks, rec.nbytes, rec.dtype, rec.shape,
+                         f"{_retag.tag} {rec.tag}" if rec.tag else _retag.tag)
     with _lock:
         for ledger in _active:
             ledger.records.append(rec)

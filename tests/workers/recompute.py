@@ -19,7 +19,11 @@ def _seeded(cfg):
 def with_and_without_recompute(layouts: list[tuple]) -> list[dict]:
     """For each (name, model_cfg, train_cfg with recompute, dp, batches): "plain" and "recompute",
     each train_layout's losses, first-step gradients and final parameters (full, single-device
-    names), and the recompute run's first-step ledger records tagged "recompute" (op, bytes)."""
+    names), and the recompute run's first-step ledger records tagged "recompute" (op, bytes) and
+    its summary for run_report.communication_checks ("records" by dimension, "pp_rank", "ep_group")."""
+    from minimegatron.parallel_state import get_group_ranks
+    from minimegatron.run_report import KEYS_OF_THIS_RANK, records_by_dimension
+
     out = []
     for name, model, cfg, dp, batches in layouts:
         plain_cfg = dataclasses.replace(cfg, recompute_granularity=None, recompute_method=None,
@@ -28,6 +32,9 @@ def with_and_without_recompute(layouts: list[tuple]) -> list[dict]:
         for label, c in (("plain", plain_cfg), ("recompute", cfg)):
             result = train_layout(model, c, dp, batches, after_build=_seeded(c))[0]
             runs[label] = {k: result[k] for k in ("losses", "grads", "params")}
-            runs[label]["recomputed"] = [(r.op, r.nbytes) for r in result["records"] if r.tag == "recompute"]
+            runs[label]["recomputed"] = [(r.op, r.nbytes) for r in result["records"] if r.tag.startswith("recompute")]
+        groups = {k: get_group_ranks(k) for k in KEYS_OF_THIS_RANK}
+        runs["summary"] = {"records": records_by_dimension(result["records"], groups), "pp_rank": result["pp_rank"],
+                           "ep_group": groups.get("ep", [])}
         out.append({"name": name, **runs})
     return out
