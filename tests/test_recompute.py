@@ -196,3 +196,31 @@ def test_every_recomputed_message_is_the_one_the_formula_adds(trained):
     for index, (name, model, cfg, dp, _) in enumerate(LAYOUTS):
         checks = communication_checks(model, cfg, [runs[index]["summary"] for runs in trained])
         assert not any(checks.values()), (name, {dim: found[:1] for dim, found in checks.items() if found})
+
+
+# ---------------------------------------------------------------------------------------
+# memory: what a forward keeps for the backward, measured against analysis.activation_memory
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("style, backend, dtype", [("llama", "sdpa", "float32"), ("gpt2", "naive", "float32"),
+                                                   ("llama", "naive", "bfloat16"), ("gpt2", "sdpa", "float64")])
+@pytest.mark.parametrize("recompute", [
+    {}, FULL, dict(FULL, recompute_num_layers=3), dict(FULL, recompute_method="block", recompute_num_layers=2),
+    dict(recompute_granularity="selective", recompute_modules=("core_attn",)),
+    dict(recompute_granularity="selective", recompute_modules=("mlp",)),
+    dict(recompute_granularity="selective", recompute_modules=("layernorm",)),
+    dict(recompute_granularity="selective", recompute_modules=("core_attn", "mlp", "layernorm")),
+], ids=["none", "full-uniform-1", "full-uniform-3", "full-block-2", "core_attn", "mlp", "layernorm", "all-three"])
+def test_the_bytes_kept_for_the_backward_are_the_formula(style, backend, dtype, recompute):
+    from minimegatron.analysis import activation_memory, measure_saved_activation_bytes
+    from minimegatron.model import GPTModel
+    from minimegatron.recompute import apply_recompute
+    model_cfg = dataclasses.replace(_model(dropout=0.1 if backend == "naive" else 0.0, dtype=dtype, style=style),
+                                    attention_backend=backend)
+    model = apply_recompute(GPTModel(model_cfg), recompute.get("recompute_granularity"),
+                            recompute.get("recompute_method"), recompute.get("recompute_num_layers"),
+                            recompute.get("recompute_modules", ("core_attn",))).train()
+    b, s = 2, 16
+    tokens = torch.randint(0, model_cfg.vocab_size, (b, s))
+    labels = torch.randint(0, model_cfg.vocab_size, (b, s))
+    measured = measure_saved_activation_bytes(model, tokens, labels)
+    assert measured == activation_memory(model_cfg, b, s, **recompute)["total"]

@@ -23,6 +23,8 @@ agree to the byte, in fp32, fp64 and bf16, with and without dropout. Korthikanti
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -89,7 +91,9 @@ def _norm_bytes(config: ModelConfig, b: int, s: int, e: int, c: int) -> int:
 
 def activation_memory(config: ModelConfig, batch: int, seq: int,
                       dtype: torch.dtype | str | None = None, *, training: bool = True,
-                      dropout_mask_itemsize: int | None = None) -> dict:
+                      dropout_mask_itemsize: int | None = None, recompute_granularity: str | None = None,
+                      recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                      recompute_modules: tuple[str, ...] = ("core_attn",)) -> dict:
     """Bytes autograd saves for backward in one forward pass of our GPTModel (with labels).
 
     dtype: the model's dtype (default config.params_dtype); e = its bytes per element.
@@ -154,8 +158,25 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
     tokens and labels are counted as separate tensors (as `measure_saved_activation_bytes`
     sees them when they do not share a storage).
 
-    Returns {"per_layer": {component: bytes, ..., "total"}, "layers": L * per-layer total,
-    "outside_layers": {component: bytes, ..., "total"}, "total": layers + outside}.
+    With activation recompute (chapter 07, recompute.py; the arguments are TrainConfig's):
+
+      full                  a recomputed unit keeps only its input, b s h e (the RoPE tables it
+                            also keeps are the ones counted once outside the layers): "uniform"
+                            L / recompute_num_layers units (rounded up), "block" the first
+                            recompute_num_layers layers one unit each, the others whole
+      selective             each layer without what its recomputed parts keep inside them:
+        "core_attn"         naive: the mask, the softmax output, the dropout mask and the
+                            probabilities (Korthikanti's 5 a s^2 b), and q, k, v are kept as they
+                            enter (g heads of k and v, views of the QKV output where sdpa's would
+                            be: the copies to a heads are made inside); sdpa: only the log-sum-exp,
+                            which is why Megatron warns that a fused attention needs no core_attn
+                            recompute
+        "mlp"               the activation's and fc2's inputs (the MLP keeps its input only)
+        "layernorm"         each norm keeps its input in the model's dtype, b s h e
+
+    Returns {"per_layer": {component: bytes, ..., "total"}, "layers": the L layers' bytes (L x the
+    per-layer total without full recompute), "outside_layers": {component: bytes, ..., "total"},
+    "total": layers + outside}.
     """
     config.validate()
     if config.num_experts is not None:           # the dense formulas would be silently wrong
@@ -203,6 +224,22 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
         "fc2_input": b * s * f * e,
         "mlp_residual_dropout_mask": b * s * h * m if p_hidden > 0 else 0,
     })
+    if recompute_granularity == "selective":
+        if "core_attn" in recompute_modules:
+            for name in ("causal_mask", "softmax_output", "attention_dropout_mask", "attention_probs",
+                         "softmax_logsumexp"):
+                per_layer.pop(name, None)
+            # the unit keeps q, k, v as they enter it: g heads of k and v, views of the QKV output
+            # where the fused kernel's operands would be (sdpa's rule: the repeat happens inside)
+            q_in, k_in, v_in = attention_operands_share_qkv_output(dataclasses.replace(config, attention_backend="sdpa"),
+                                                                  b, s)
+            per_layer.update(qkv_output=b * s * (a + 2 * g) * d * e if (q_in or k_in or v_in) else 0,
+                             query=0 if q_in else head_tensor, key=0 if k_in else b * g * s * d * e,
+                             value=0 if v_in else b * g * s * d * e)
+        if "mlp" in recompute_modules:
+            per_layer["activation"] = per_layer["fc2_input"] = 0
+        if "layernorm" in recompute_modules:
+            per_layer["input_norm"] = per_layer["pre_mlp_norm"] = b * s * h * e
     per_layer["total"] = sum(per_layer.values())
 
     outside = {
@@ -217,6 +254,11 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
     }
     outside["total"] = sum(outside.values())
     layers = L * per_layer["total"]
+    if recompute_granularity == "full":                  # a unit keeps its input [b, s, h] only
+        n = recompute_num_layers
+        units = -(-L // n) if recompute_method == "uniform" else min(n, L)
+        whole = 0 if recompute_method == "uniform" else L - units
+        layers = units * b * s * h * e + whole * per_layer["total"]
     return {"per_layer": per_layer, "layers": layers, "outside_layers": outside,
             "total": layers + outside["total"]}
 
