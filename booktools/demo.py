@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent                 # the repository: 
 
 __all__ = ["import_chapter", "Run", "DemoParser", "demo_parser", "add_training_flags", "check_at_least",
            "check_at_least_one", "check_sequence_length", "model_line", "largest_differences", "verdict_line",
-           "data_parallel_size_under_torchrun", "refuse_under_torchrun", "verdict_under_torchrun", "run_demo"]
+           "data_parallel_size_under_torchrun", "refuse_under_torchrun", "verdict_under_torchrun", "run_demo",
+           "communication_report"]
 
 
 def import_chapter(number: str, module: str = "demo"):
@@ -195,6 +196,24 @@ def verdict_line(reports, name: Callable, claim: str) -> str:
                         for r in bad)
         return f"MISMATCH: {why}; {diffs}"
     return f"MATCH: {', '.join(name(r) for r in reports)} equal the single-device run: {diffs}; {claim}"
+
+
+def communication_report(model_cfg: ModelConfig, cfg: TrainConfig, per_rank: list[dict]) -> tuple[list[str], list[str]]:
+    """(lines, problems): one step's communication per dimension on the busiest rank, each
+    dimension checked on every rank against analysis.step_communication
+    (run_report.communication_checks; each rank's record has "records" by dimension, "pp_rank"
+    and "ep_group")."""
+    from minimegatron.run_report import communication_checks
+    found, lines, problems = communication_checks(model_cfg, cfg, per_rank), [], []
+    for dim in sorted({d for r in per_rank for d in r["records"]} | {d for d, here in found.items() if here}):
+        worst = max(per_rank, key=lambda r: sum(b * n for (_, _, b), n in r["records"].get(dim, {}).items()))
+        calls = worst["records"].get(dim, {})
+        verdict = "no formula" if dim in ("loss and norm", "other") else (
+            f"DIFFERS: {found[dim][0]}" if found.get(dim) else "= formula on every rank")
+        lines.append(f"  {dim:<14}{sum(calls.values()):>5} calls {sum(b * n for (_, _, b), n in calls.items()):>10,} "
+                     f"bytes  {verdict}")
+        problems += [f"{dim}: {p}" for p in found.get(dim, [])]
+    return lines, problems
 
 
 def data_parallel_size_under_torchrun(world: int, sizes: dict[str, int], dp: int | None) -> int:

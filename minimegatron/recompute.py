@@ -129,10 +129,14 @@ def gemms_of(*modules: nn.Module) -> list:
 def recompute_units(num_layers: int, method: str, per_unit: int) -> list[tuple[int, int, bool]]:
     """The chunk's layers 0..num_layers-1 as (start, end, recomputed) runs: "uniform" cuts them
     into units of `per_unit` layers (the last may be shorter), all recomputed; "block"
-    recomputes each of the first `per_unit` layers alone and runs the rest as usual."""
+    recomputes each of the first `per_unit` layers alone and runs the rest as usual. Every
+    layer is in exactly one run, in order (Megatron: checkpointed_forward in
+    megatron/core/recompute.py)."""
+    # BEGIN EXERCISE 7.2: full recompute's units | hint: a unit keeps only its input, so fewer, longer units keep less and recompute the same; which method leaves layers alone, and which cuts them all?
     if method == "uniform":
         return [(i, min(i + per_unit, num_layers), True) for i in range(0, num_layers, per_unit)]
     return [(i, i + 1, i < per_unit) for i in range(num_layers)]
+    # END EXERCISE
 
 
 def _run_layers(layers: list[nn.Module], x: torch.Tensor, cos, sin) -> torch.Tensor:

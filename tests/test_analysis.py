@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from minimegatron.analysis import (REAL_MODELS, activation_memory, adam_bytes_per_parameter,
@@ -20,6 +19,7 @@ from minimegatron.analysis import (REAL_MODELS, activation_memory, adam_bytes_pe
                                    training_memory)
 from minimegatron.config import ModelConfig
 from minimegatron.model import GPTModel
+from minimegatron.recompute import apply_recompute
 from booktools.demo import import_chapter
 
 plot_memory_breakdown = import_chapter("00", "make_figures").plot_memory_breakdown
@@ -155,18 +155,6 @@ def test_six_n_rule_is_what_is_left_without_attention_and_logits():
     assert flops_per_token_6n(cfg, include_embedding=True) == 6 * counts["total"]
 
 
-def _forward_with_full_recompute(model, tokens, labels):
-    """GPTModel.forward with each transformer layer checkpointed (Megatron's full recompute)."""
-    x = model.embedding(tokens, torch.arange(tokens.shape[1]))
-    # PyTorch stops a recomputation as soon as it has rebuilt what backward needs, which
-    # skips each layer's last matmul (fc2); Megatron reruns the whole layer: no early stop.
-    with set_checkpoint_early_stop(False):
-        for layer in model.decoder.layers.values():
-            x = checkpoint(layer, x, None, use_reentrant=False)
-    logits = model.decoder.final_layernorm(x) @ model.output_weight().t()
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-
-
 def test_narayanan2021_formula_matches_measurement_with_and_without_recompute():
     """Narayanan et al. 2021: 72 (no recompute) and 96 (full recompute) B s L h^2 (...)."""
     cfg = CONFIGS["gpt2"]                       # the paper's model: g = a, f = 4h
@@ -177,8 +165,10 @@ def test_narayanan2021_formula_matches_measurement_with_and_without_recompute():
     plain = forward.get_total_flops() + backward.get_total_flops()
     assert plain == narayanan2021_flops_per_iteration(cfg, b, s, recompute=False)
 
+    # the book's full recompute (recompute.py), which reruns each whole layer, as Megatron does
+    recomputed = apply_recompute(GPTModel(cfg), "full", "uniform", 1)
     with FlopCounterMode(display=False) as counter:
-        _forward_with_full_recompute(model, tokens, labels).backward()
+        recomputed(tokens, labels=labels).sum().backward()
     assert counter.get_total_flops() == narayanan2021_flops_per_iteration(cfg, b, s, recompute=True)
     h, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
     assert counter.get_total_flops() == pytest.approx(96 * b * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)))

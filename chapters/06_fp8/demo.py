@@ -39,12 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from booktools.demo import Run, check_at_least_one, demo_parser, run_demo, verdict_line
+from booktools.demo import Run, check_at_least_one, communication_report, demo_parser, run_demo, verdict_line
 from minimegatron.analysis import count_parameters, rank_parameters
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.parallelize import validate_layout
-from minimegatron.run_report import (KEYS_OF_THIS_RANK, communication_checks, held_bytes_per_parameter,
-                                     records_by_dimension)
+from minimegatron.run_report import KEYS_OF_THIS_RANK, held_bytes_per_parameter, records_by_dimension
 from minimegatron.testing import (EquivalenceReport, RunRecord, Tolerance, compare_runs, one_device_config,
                                   single_device_run, train_layout)
 
@@ -213,16 +212,10 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
                      f"{how} = {formula:,}: {'equal' if measured == formula else 'DIFFERENT'}")
         if measured != formula:
             problems.append(f"stage {stage} keeps {measured:,} bytes, the formula {formula:,}")
-    found = communication_checks(run.model, t, per_rank)
-    lines.append("[3/4] one step's communication per dimension (the busiest rank), against analysis.step_communication:")
-    for dim in sorted({d for r in per_rank for d in r["records"]} | {d for d, found_here in found.items() if found_here}):
-        worst = max(per_rank, key=lambda r: sum(b * n for (_, _, b), n in r["records"].get(dim, {}).items()))
-        calls = worst["records"].get(dim, {})
-        verdict = "no formula" if dim in ("loss and norm", "other") else (
-            f"DIFFERS: {found[dim][0]}" if found.get(dim) else "= formula on every rank")
-        lines.append(f"  {dim:<14}{sum(calls.values()):>5} calls {sum(b * n for (_, _, b), n in calls.items()):>10,} "
-                     f"bytes  {verdict}")
-        problems += [f"{dim}: {p}" for p in found.get(dim, [])]
+    comm_lines, comm_problems = communication_report(run.model, t, per_rank)
+    lines += ["[3/4] one step's communication per dimension (the busiest rank), against analysis.step_communication:",
+              *comm_lines]
+    problems += comm_problems
     if any(r["losses"] != per_rank[0]["losses"] for r in per_rank):
         problems.append("the ranks report different losses")
     return RunReport(run, equivalence, lines, problems)

@@ -1,0 +1,268 @@
+"""Chapter 07 demo: activation recompute on the one model under tp x cp x pp x dp (x ep) ranks,
+proven equal, bit for bit, to the same run without it.
+
+    python chapters/07_kernels/demo.py                           # spawns 4 ranks: full recompute, tp 2 x dp 2
+    python chapters/07_kernels/demo.py --recompute selective --recompute-modules core_attn mlp --tp 2 --cp 2 --dp 1
+    torchrun --standalone --nproc_per_node=8 chapters/07_kernels/demo.py --recompute full --recompute-method block --tp 2 --sp --pp 2
+
+This file is the chapter's experiment and its command line; make_figures.py, the notebook and
+the graders run it from Python (`import_chapter("07")`). Every rank trains the same layout twice
+from the same random states (dropout on, so the recompute must draw the masks again): without
+recompute, then with it (parallelize.build_model: ... -> FP8 -> recompute -> the data-parallel
+wrapper; testing.train_layout). The report:
+
+  [1/4] on every rank, the losses, gradients and parameters with recompute against those without:
+        equal bit for bit (chapters 01-05 prove the layout itself equals one device);
+  [2/4] communication of one step with recompute from the ledger, every dimension against
+        analysis.step_communication, whose "recompute ..." lines count the forwards run again;
+  [3/4] memory (one process, a GPT-2-style bf16 layer at s = 256, Korthikanti et al.'s setting):
+        the bytes one micro-batch keeps for the backward, measured with saved-tensor hooks,
+        against analysis.activation_memory, for no recompute, selective and full, with the
+        paper's s b h (34 + 5 a s / h), 34 s b h and 2 s b h beside them;
+  [4/4] time (one process, the same model, this machine): a forward and backward without and
+        with each recompute (skipped with --quick);
+
+and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from booktools.demo import Run, check_at_least_one, communication_report, demo_parser, run_demo
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig
+from minimegatron.parallelize import validate_layout
+
+GRANULARITIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class RecomputeRun(Run):
+    def name(self) -> str:
+        t = self.train
+        what = ("no recompute" if t.recompute_granularity is None else
+                f"full recompute ({t.recompute_method}, {t.recompute_num_layers})"
+                if t.recompute_granularity == "full" else f"selective recompute ({', '.join(t.recompute_modules)})")
+        parts = [f"tp={self.tp}" + (" + SP" if self.sp else "")] + [f"{k}={getattr(self, k)}" for k in ("cp", "pp")
+                                                                    if getattr(self, k) > 1]
+        if t.expert_model_parallel_size > 1:
+            parts.append(f"ep={t.expert_model_parallel_size}")
+        return f"{what}: " + " x ".join(parts + [f"dp={self.dp}"])
+
+
+def tiny_model(layers: int = 2, experts: int | None = None, cp: int = 1) -> ModelConfig:
+    """The demo's model in float64, dropout 0.1 (attention dropout 0 under cp > 1, which the
+    ring does not support: chapter 04)."""
+    return ModelConfig.llama(hidden_size=32, num_layers=layers, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=64, vocab_size=64, max_position_embeddings=64, params_dtype="float64",
+                             hidden_dropout=0.1, attention_dropout=0.0 if cp > 1 else 0.1,
+                             **({"num_experts": experts, "moe_router_topk": 2} if experts else {}))
+
+
+def make_run(model: ModelConfig, granularity: str = "full", tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *,
+             sp: bool = False, ep: int = 1, method: str = "uniform", num_layers: int = 1,
+             modules: tuple[str, ...] = ("core_attn",), micro_batches: int = 2, steps: int = 2,
+             seq: int = 32) -> RecomputeRun:
+    """A validated RecomputeRun (ConfigError naming the numbers before any process starts)."""
+    full = granularity == "full"
+    train = TrainConfig(seq_length=seq, micro_batch_size=2, grad_accum_steps=micro_batches, train_iters=steps,
+                        lr=1e-2, lr_warmup_iters=0, clip_grad=1.0, progress=False, eval_interval=0,
+                        recompute_granularity=None if granularity == "none" else granularity,
+                        recompute_method=method if full else None, recompute_num_layers=num_layers if full else None,
+                        recompute_modules=tuple(modules), tensor_model_parallel_size=tp, context_parallel_size=cp,
+                        pipeline_model_parallel_size=pp, sequence_parallel=sp, expert_model_parallel_size=ep)
+    validate_layout(model, train, tp * cp * pp * dp)
+    return RecomputeRun(model, train, dp)
+
+
+# ---------------------------------------------------------------------------------------
+# on every rank
+# ---------------------------------------------------------------------------------------
+def train_run(run: RecomputeRun) -> dict:
+    """Spawn (or torchrun) target: the layout trained without recompute, then with it, each from
+    the random states the training loop seeds (train._run); returns both runs' losses,
+    first-step gradients and final parameters (full, single-device names) and, for the run
+    with recompute, what run_report reads of a rank ("records" by dimension, "pp_rank",
+    "ep_group")."""
+    from minimegatron.parallel_state import get_group_ranks
+    from minimegatron.run_report import KEYS_OF_THIS_RANK, records_by_dimension
+    from minimegatron.testing import train_layout
+    from minimegatron.tp import model_parallel_manual_seed
+
+    out = {}
+    plain = dataclasses.replace(run.train, recompute_granularity=None, recompute_method=None,
+                                recompute_num_layers=None)
+    for label, cfg in (("plain", plain), ("recompute", run.train)):
+        seed = lambda chunks, layout, cfg=cfg: model_parallel_manual_seed(   # noqa: E731
+            cfg.data_seed, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
+        result, _, layout, _ = train_layout(run.model, cfg, run.dp, run.global_batches(), after_build=seed)
+        out[label] = {k: result[k] for k in ("losses", "grads", "params")}
+    groups = {k: get_group_ranks(k) for k in KEYS_OF_THIS_RANK} if layout.world > 1 else {}
+    out.update(records=records_by_dimension(result["records"], groups), pp_rank=result["pp_rank"],
+               ep_group=groups.get("ep", []))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------
+def bit_for_bit(per_rank: list[dict]) -> tuple[list[str], list[str]]:
+    """(lines, problems): on every rank, each loss, gradient and parameter with recompute
+    against the same without it, compared with torch.equal."""
+    problems = []
+    for rank, r in enumerate(per_rank):
+        plain, run = r["plain"], r["recompute"]
+        if run["losses"] != plain["losses"]:
+            problems.append(f"rank {rank}: losses {run['losses']} against {plain['losses']}")
+        for kind in ("grads", "params"):
+            for name, want in plain[kind].items():
+                if not torch.equal(run[kind][name], want):
+                    problems.append(f"rank {rank}: {kind[:-1]} {name} differs by "
+                                    f"{(run[kind][name] - want).abs().max().item():.1e}")
+    tensors = len(per_rank[0]["plain"]["grads"]) + len(per_rank[0]["plain"]["params"])
+    lines = [f"  losses {per_rank[0]['recompute']['losses']}",
+             f"  {'equal' if not problems else 'NOT equal'} on all {len(per_rank)} ranks: the losses, and {tensors} "
+             f"gradient and parameter tensors (torch.equal)"]
+    return lines, problems
+
+
+def memory_table(seq: int = 256, batch: int = 1) -> list[dict]:
+    """One process: for each recompute, the bytes one micro-batch keeps for the backward in a
+    4-layer GPT-2-style bf16 model (h 64, a 4, dropout 0.1, the naive attention whose [s, s]
+    scores Korthikanti et al. count), measured (analysis.measure_saved_activation_bytes) and by
+    analysis.activation_memory; per layer beside the paper's formulas."""
+    from minimegatron.analysis import activation_memory, measure_saved_activation_bytes
+    from minimegatron.model import GPTModel
+    from minimegatron.recompute import apply_recompute
+
+    model_cfg = ModelConfig.gpt2(hidden_size=64, num_layers=4, num_attention_heads=4, vocab_size=256,
+                                 max_position_embeddings=seq, params_dtype="bfloat16", hidden_dropout=0.1,
+                                 attention_dropout=0.1, attention_backend="naive")
+    b, s, h, a, L = batch, seq, 64, 4, model_cfg.num_layers
+    cases = [("none", {}, s * b * h * (34 + 5 * a * s / h)),
+             ("selective core_attn", dict(recompute_granularity="selective", recompute_modules=("core_attn",)),
+              34 * s * b * h),
+             ("full, uniform 1", dict(recompute_granularity="full", recompute_method="uniform",
+                                      recompute_num_layers=1), 2 * s * b * h)]
+    torch.manual_seed(0)
+    tokens, labels = torch.randint(0, 256, (b, s)), torch.randint(0, 256, (b, s))
+    rows = []
+    for name, recompute, korthikanti in cases:
+        model = apply_recompute(GPTModel(model_cfg), recompute.get("recompute_granularity"),
+                                recompute.get("recompute_method"), recompute.get("recompute_num_layers"),
+                                recompute.get("recompute_modules", ("core_attn",))).train()
+        formula = activation_memory(model_cfg, b, s, **recompute)
+        measured = measure_saved_activation_bytes(model, tokens, labels)
+        rows.append({"name": name, "measured": measured, "formula": formula["total"],
+                     "per_layer": formula["layers"] / L, "korthikanti": korthikanti, "model": model,
+                     "tokens": tokens, "labels": labels})
+    return rows
+
+
+def memory_lines(rows: list[dict]) -> tuple[list[str], list[str]]:
+    lines, problems = [], []
+    for r in rows:
+        same = r["measured"] == r["formula"]
+        lines.append(f"  {r['name']:<20} {r['measured']:>11,} bytes measured {'=' if same else '!='} formula "
+                     f"{r['formula']:>11,}; per layer {r['per_layer']:>9,.0f} (Korthikanti {r['korthikanti']:>9,.0f})")
+        if not same:
+            problems.append(f"{r['name']}: measured {r['measured']:,} bytes, activation_memory {r['formula']:,}")
+    none, full = rows[0]["per_layer"], rows[-1]["per_layer"]
+    lines.append(f"  per layer, selective keeps {rows[1]['per_layer'] / none:.2f} of it and full {full / none:.3f}")
+    return lines, problems
+
+
+def time_lines(rows: list[dict], repeats: int = 5) -> list[str]:
+    """The median of `repeats` forwards and backwards of each model of memory_table (after one
+    untimed), and the ratio to no recompute (this machine, one thread; a benchmark's number,
+    not a test's)."""
+    seconds = []
+    for r in rows:
+        times = []
+        r["model"](r["tokens"], labels=r["labels"]).sum().backward()        # warm-up: allocations, first calls
+        for _ in range(repeats):
+            start = time.perf_counter()
+            r["model"](r["tokens"], labels=r["labels"]).sum().backward()
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
+    return [f"  {r['name']:<20} {t * 1e3:8.1f} ms a forward and backward, {t / seconds[0]:.2f} x no recompute"
+            for r, t in zip(rows, seconds)]
+
+
+def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
+    exact, problems = bit_for_bit(per_rank)
+    print(f"model: llama, h=32 L={run.model.num_layers}, float64, dropout {run.model.hidden_dropout} "
+          f"(attention {run.model.attention_dropout})")
+    print(f"[1/4] with recompute against without, from the same random states, over {run.train.train_iters} steps:")
+    print("\n".join(exact))
+    comm_lines, comm_problems = communication_report(run.model, run.train, per_rank)
+    print("[2/4] one step's communication with recompute per dimension (the busiest rank), against "
+          "analysis.step_communication:")
+    print("\n".join(comm_lines))
+    rows = memory_table()
+    mem_lines, mem_problems = memory_lines(rows)
+    print("[3/4] what one micro-batch keeps for the backward (one process, GPT-2 style, bf16, h 64, 4 layers, "
+          "s 256, naive attention, dropout 0.1), against analysis.activation_memory:")
+    print("\n".join(mem_lines))
+    if not args.quick:
+        print("[4/4] time, one process, one thread (this machine):")
+        print("\n".join(time_lines(rows)))
+    problems += comm_problems + mem_problems
+    if problems:
+        return f"MISMATCH: {run.name()}: {problems[0]}"
+    return (f"MATCH: {run.name()} equals the same run without recompute bit for bit on every rank; every recomputed "
+            f"message is the formula's, and the bytes kept are the formulas'")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = demo_parser("07", "Chapter 07: train the tiny model with and without activation recompute under any "
+                               "layout, check that they are equal bit for bit, the recomputed messages against the "
+                               "formulas, and the memory each recompute keeps.")
+    parser.add_argument("--recompute", choices=GRANULARITIES, default="full", help="default full")
+    parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
+                        help="full: uniform (units of --recompute-num-layers) or block (the first layers of each chunk)")
+    parser.add_argument("--recompute-num-layers", type=int, default=1, help="full: default 1")
+    parser.add_argument("--recompute-modules", nargs="+", default=["core_attn"],
+                        help="selective: core_attn, mlp, moe, moe_act, layernorm (default core_attn)")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: > 1 gives the model 4 experts per layer")
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / (tp cp pp) "
+                                                            "under torchrun, else 2)")
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
+    parser.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
+    parser.add_argument("--quick", action="store_true", help="no timing (what the tests run)")
+    args = parser.parse_args(argv)
+    return check_at_least_one(parser, args, "tp", "cp", "pp", "ep", "dp", "micro_batches", "steps",
+                              "recompute_num_layers")
+
+
+def build_run(args: argparse.Namespace, dp: int) -> RecomputeRun:
+    """The run every rank trains; ConfigError naming the numbers if it cannot (TrainConfig's
+    and validate_layout's checks, Megatron's rules among them)."""
+    if args.ep > 1 and args.tp > 1 and not args.sp:
+        raise ConfigError(f"--ep {args.ep} with --tp {args.tp} needs --sp (chapter 05: each tp rank routes its own "
+                          f"s/tp tokens)")
+    model = tiny_model(layers=2 * args.pp, experts=4 if args.ep > 1 else None, cp=args.cp)
+    return make_run(model, args.recompute, args.tp, args.cp, args.pp, dp, sp=args.sp, ep=args.ep,
+                    method=args.recompute_method, num_layers=args.recompute_num_layers,
+                    modules=tuple(args.recompute_modules), micro_batches=args.micro_batches, steps=args.steps)
+
+
+def main(argv=None) -> int:
+    return run_demo(parse_args(argv), "07", build_run, train_run, report,
+                    model_parallel=lambda args: {"tp": args.tp, "cp": args.cp, "pp": args.pp},
+                    spawn_dp=lambda args: args.dp if args.dp is not None else 2)
+
+
+if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The figure of chapter 07 and the numbers the chapter quotes.
+
+    python chapters/07_kernels/make_figures.py       # about a minute on 2 cores; writes figures/*.png
+
+  recompute_memory.png  the bytes one transformer layer keeps for the backward against the
+                        sequence length s = 128 ... 1024, one process, a 4-layer GPT-2-style bf16
+                        model (h 64, a 4, micro-batch 1, dropout 0.1), for no recompute, selective
+                        (core_attn) and full recompute: measured with saved-tensor hooks (points)
+                        on analysis.activation_memory (lines), with the naive attention (left: its
+                        [s, s] scores, Korthikanti et al.'s 5 a s^2 b) and the fused one (right:
+                        sdpa, whose flash kernel keeps no [s, s] matrix, so core_attn buys nothing)
+
+It prints the per-layer bytes at each length and stops with an error (exit 1) if a measured
+point is not its formula, or a claim the chapter makes does not hold.
+
+RUNS and measure() at the end are what `make numbers CH=07` (python -m booktools.measured record
+07) reruns and records in measured.json; tests/test_measured.py checks the README's quoted
+numbers against it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from booktools.measured import grab
+from minimegatron.analysis import activation_memory, measure_saved_activation_bytes
+from minimegatron.config import ModelConfig
+from minimegatron.model import GPTModel
+from minimegatron.recompute import apply_recompute
+from minimegatron.viz import colour, finish_figure, new_figure
+
+OUT = Path(__file__).resolve().parent / "figures"
+LENGTHS = (128, 256, 512, 1024)
+CASES = {   # name -> TrainConfig's recompute fields
+    "none": {},
+    "selective (core_attn)": dict(recompute_granularity="selective", recompute_modules=("core_attn",)),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def per_layer_bytes(backend: str, seq: int, recompute: dict) -> tuple[float, float]:
+    """(measured, formula) bytes per layer: the whole model's saved bytes less what
+    activation_memory counts outside the layers, over the 4 layers."""
+    cfg = ModelConfig.gpt2(hidden_size=64, num_layers=4, num_attention_heads=4, vocab_size=256,
+                           max_position_embeddings=max(LENGTHS), params_dtype="bfloat16", hidden_dropout=0.1,
+                           attention_dropout=0.1 if backend == "naive" else 0.0, attention_backend=backend)
+    model = apply_recompute(GPTModel(cfg), recompute.get("recompute_granularity"), recompute.get("recompute_method"),
+                            recompute.get("recompute_num_layers"),
+                            recompute.get("recompute_modules", ("core_attn",))).train()
+    tokens, labels = torch.randint(0, 256, (1, seq)), torch.randint(0, 256, (1, seq))
+    formula = activation_memory(cfg, 1, seq, **recompute)
+    outside = formula["outside_layers"]["total"]
+    measured = measure_saved_activation_bytes(model, tokens, labels)
+    return (measured - outside) / cfg.num_layers, formula["layers"] / cfg.num_layers
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    OUT.mkdir(exist_ok=True)
+    fig = new_figure(figsize=(11, 4.2))
+    axes = fig.subplots(1, 2)
+    for ax, backend in zip(axes, ("naive", "sdpa")):
+        print(f"{backend} attention: bytes one layer keeps for the backward (measured = formula)")
+        for i, (name, recompute) in enumerate(CASES.items()):
+            points = [per_layer_bytes(backend, s, recompute) for s in LENGTHS]
+            for s, (measured, formula) in zip(LENGTHS, points):
+                if measured != formula:
+                    print(f"MISMATCH: {backend}, {name}, s {s}: measured {measured:,.0f} bytes a layer, "
+                          f"activation_memory {formula:,.0f}", file=sys.stderr)
+                    return 1
+            print(f"  {name:<22}" + "  ".join(f"s {s}: {m:>12,.0f}" for s, (m, _) in zip(LENGTHS, points)))
+            ax.plot(LENGTHS, [f / 2**20 for _, f in points], color=colour(i, len(CASES)), label=f"{name} (formula)")
+            ax.scatter(LENGTHS, [m / 2**20 for m, _ in points], color=colour(i, len(CASES)), zorder=3)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length s")
+        ax.set_ylabel("MiB one layer keeps for the backward")
+        ax.set_title(f"{backend} attention" + (" (the [s, s] scores)" if backend == "naive" else " (flash kernel)"))
+        ax.legend(fontsize=8)
+    finish_figure(fig, OUT / "recompute_memory.png")
+    print(f"wrote {OUT / 'recompute_memory.png'}")
+    return 0
+
+
+DEMO = "python chapters/07_kernels/demo.py"
+RUNS = {
+    "figures": "python chapters/07_kernels/make_figures.py",
+    "demo": DEMO,                                                              # full, tp 2 x dp 2, with timing
+    "selective-sp-cp": f"{DEMO} --quick --recompute selective --recompute-modules core_attn mlp --tp 2 --sp --cp 2 "
+                       f"--dp 1",
+    "block-pp": f"{DEMO} --quick --recompute full --recompute-method block --tp 2 --sp --pp 2 --dp 1",
+    "moe": f"{DEMO} --quick --recompute selective --recompute-modules moe --tp 2 --sp --ep 2 --dp 2",
+}
+MACHINE_DEPENDENT = ()
+
+
+def claim(holds: bool, sentence: str) -> None:
+    if not holds:
+        raise ValueError(f"the chapter says: {sentence}; the record does not")
+
+
+def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+    v = {}
+    for run_id in RUNS:
+        if run_id != "figures":
+            claim(outputs[run_id][-1].startswith("MATCH"), f"{run_id} is equal bit for bit")
+    demo, figures = outputs["demo"], outputs["figures"]
+    for key, name in (("none", "none"), ("selective", "selective core_attn"), ("full", "full, uniform 1")):
+        pattern = rf"^  {name} +([\d,]+) bytes measured = formula +[\d,]+; per layer +([\d,]+) \(Korthikanti +([\d,]+)\)"
+        v[f"mem_{key}"] = grab(demo, pattern, 1)
+        v[f"mem_{key}_layer"] = grab(demo, pattern, 2)
+        v[f"mem_{key}_korthikanti"] = grab(demo, pattern, 3)
+    v["mem_selective_fraction"] = grab(demo, r"selective keeps ([\d.]+) of it")
+    v["mem_full_fraction"] = grab(demo, r"and full ([\d.]+)$")
+    v["none_over_korthikanti"] = v["mem_none_layer"] / v["mem_none_korthikanti"]
+    claim(v["mem_full_layer"] == v["mem_full_korthikanti"], "full recompute keeps Korthikanti's 2 s b h a layer")
+    for key, name in (("none", "none"), ("selective", "selective core_attn"), ("full", "full, uniform 1")):
+        v[f"time_{key}_ratio"] = grab(demo, rf"^  {name} +[\d.]+ ms a forward and backward, ([\d.]+) x")
+    v["demo_tp_calls"] = grab(demo, r"^  tp +(\d+) calls")
+    for backend in ("naive", "sdpa"):
+        block = "\n".join(figures[figures.index(next(l for l in figures if l.startswith(backend))):])
+        for key, name in (("none", "none"), ("selective", r"selective \(core_attn\)"), ("full", "full")):
+            v[f"fig_{backend}_{key}_1024"] = grab(block, rf"^  {name} +.*s 1024: +([\d,]+)")
+    claim(v["fig_sdpa_selective_1024"] / v["fig_sdpa_none_1024"] > 0.95,
+          "with the fused attention, core_attn recompute saves almost nothing")
+    claim(v["fig_naive_selective_1024"] / v["fig_naive_none_1024"] < 0.2,
+          "with the naive attention at s 1024, core_attn recompute keeps less than a fifth")
+    v["cp_recompute_calls"] = grab(outputs["selective-sp-cp"], r"^  cp +(\d+) calls")
+    return v
+
+
+if __name__ == "__main__":
+    sys.exit(main())
