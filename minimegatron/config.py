@@ -290,6 +290,10 @@ class TrainConfig:
     recompute_method: str | None = None   # full: "uniform" (units of recompute_num_layers) | "block"
     recompute_num_layers: int | None = None    # full: layers per unit (uniform), recomputed per chunk (block)
     recompute_modules: tuple[str, ...] = ("core_attn",)   # selective: which parts (recompute.RECOMPUTE_MODULES)
+    # documents inside a window (chapter 07, data/gpt_dataset.py document_masks), Megatron's switches
+    reset_position_ids: bool = False      # positions count from 0 after each <eod>
+    reset_attention_mask: bool = False    # a token attends only to its own document
+    eod_mask_loss: bool = False           # no loss where the input token is <eod>
     data_seed: int = 1234                 # data order and dropout masks
     device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
     progress: bool = True

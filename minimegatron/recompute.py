@@ -139,15 +139,15 @@ def recompute_units(num_layers: int, method: str, per_unit: int) -> list[tuple[i
     # END EXERCISE
 
 
-def _run_layers(layers: list[nn.Module], x: torch.Tensor, cos, sin) -> torch.Tensor:
+def _run_layers(layers: list[nn.Module], x: torch.Tensor, cos, sin, document_ids) -> torch.Tensor:
     rope = None if cos is None else (cos, sin)
     for layer in layers:
-        x = layer(x, rope)                                              # [b, s, h]
+        x = layer(x, rope, document_ids)                                # [b, s, h]
     return x
 
 
 def _checkpointed_block_forward(block: nn.Module, units: list[tuple[int, int, bool]], x: torch.Tensor,
-                                rope) -> torch.Tensor:
+                                rope, document_ids=None) -> torch.Tensor:
     """The TransformerBlock's forward under full recompute: its layers in `units`, x [b, s, h]
     -> [b, s, h]. The RoPE tables go in as two tensors (a unit's inputs are tensors)."""
     layers = list(block.layers.values())
@@ -155,9 +155,9 @@ def _checkpointed_block_forward(block: nn.Module, units: list[tuple[int, int, bo
     for start, end, recomputed in units:
         unit = layers[start:end]
         if recomputed:
-            x = checkpoint(partial(_run_layers, unit), gemms_of(*unit), x, cos, sin)   # [b, s, h]
+            x = checkpoint(partial(_run_layers, unit), gemms_of(*unit), x, cos, sin, document_ids)   # [b, s, h]
         else:
-            x = _run_layers(unit, x, cos, sin)
+            x = _run_layers(unit, x, cos, sin, document_ids)
     return x
 
 

@@ -70,7 +70,7 @@ from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_
 from .dp import local_tensors, no_sync
 from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun, print_once
-from .model import finalize_model_grads
+from .model import finalize_model_grads, mean_loss
 from .model.moe import set_moe_aux_loss_scale
 from .optim import Optimizer, is_expert_parameter, learning_rate, set_learning_rate
 from .parallel_state import Layout
@@ -102,10 +102,11 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str
     for i, mb in enumerate(microbatches):
         with no_sync(model) if i < len(microbatches) - 1 else nullcontext():
             with record.saving(i, 0) if record is not None else nullcontext():
-                losses = model(mb["tokens"], position_ids=mb.get("position_ids"), labels=mb["labels"])   # [b, s]
+                losses = model(mb["tokens"], position_ids=mb.get("position_ids"), labels=mb["labels"],
+                               document_ids=mb.get("document_ids"))                                     # [b, s]
             if record is not None:
                 record.in_flight([(i, 0)])
-            loss = losses.mean() / len(microbatches)                                                 # []
+            loss = mean_loss(losses, mb.get("loss_mask")) / len(microbatches)                       # []
             (loss * loss_scale).backward()
         total += loss.item()
     return total
@@ -168,7 +169,8 @@ def evaluate(chunks: list[nn.Module], dataset: GPTDataset, cfg: TrainConfig, lay
             losses.append(evaluate_pipelining(chunks, mb, p2p, layout.pp_group, i))
         else:
             chunks[0].eval()
-            losses.append(chunks[0](mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"]).mean().item())
+            losses.append(mean_loss(chunks[0](mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"],
+                                              document_ids=mb.get("document_ids")), mb.get("loss_mask")).item())
             chunks[0].train()
     mean = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64, device=device)
     all_reduce(mean, layout.dp_group, op="avg", tag="loss")
@@ -211,8 +213,10 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
     prefix = cfg.data_path or build_default_corpus()
     indexed = IndexedDataset(prefix, vocab_size=model_cfg.vocab_size)   # every id has an embedding row
     train_docs, valid_docs = train_valid_split(indexed, valid_fraction=0.1)
-    train = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=train_docs)
-    valid = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=valid_docs)
+    masks = dict(eod=tokenizer.eod, reset_position_ids=cfg.reset_position_ids,
+                 reset_attention_mask=cfg.reset_attention_mask, eod_mask_loss=cfg.eod_mask_loss)
+    train = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=train_docs, **masks)
+    valid = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=valid_docs, **masks)
     return train, valid
 
 

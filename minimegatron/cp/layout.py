@@ -83,13 +83,14 @@ def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_r
     """This rank's part of a micro-batch {"tokens": [b, s], "labels": [b, s]}: both cut along
     the sequence to [b, s/cp], plus "position_ids" [s/cp] (the positions kept, so that the
     position embedding or RoPE sees each token's true position). The identity at cp = 1
-    (position_ids added). Megatron-LM: megatron/core/utils.py get_batch_on_this_cp_rank."""
+    (position_ids added). A micro-batch's other [b, s] tensors (chapter 07's document masks,
+    given position_ids [b, s]) are cut the same way. Megatron-LM: megatron/core/utils.py
+    get_batch_on_this_cp_rank."""
     s = batch["tokens"].shape[1]
     positions = torch.tensor(positions_on_rank(s, cp_size, cp_rank, load_balance),
                              dtype=torch.long, device=batch["tokens"].device)          # [s/cp]
-    out = {key: value.index_select(1, positions) if key in ("tokens", "labels") else value
-           for key, value in batch.items()}
-    out["position_ids"] = positions
+    out = {key: value.index_select(1, positions) if value.dim() == 2 else value for key, value in batch.items()}
+    out.setdefault("position_ids", positions)
     return out
 
 

@@ -23,7 +23,7 @@ Typical use::
 
 
 from .errors import DataError
-from .gpt_dataset import (GPTDataset, batch_for_step, global_sample_indices, resolve_split,
+from .gpt_dataset import (GPTDataset, batch_for_step, document_masks, global_sample_indices, resolve_split,
                           train_valid_split)
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from .tokenizer import BPETokenizer, ByteTokenizer, build_tokenizer
@@ -38,5 +38,5 @@ __all__ = [
     "preprocess_jsonl", "iter_jsonl_texts",
     "build_default_corpus",
     "GPTDataset", "train_valid_split", "resolve_split", "global_sample_indices",
-    "batch_for_step",
+    "batch_for_step", "document_masks",
 ]

@@ -22,6 +22,14 @@ way this file does, in three steps:
 ``dataset[i]`` returns ``{"tokens": LongTensor[s], "labels": LongTensor[s]}`` with
 ``labels[t] == tokens[t + 1]`` for t < s - 1: labels are the tokens shifted left by one.
 
+**Documents inside a window (chapter 07).** By default a window's documents see each other:
+attention runs over the whole window and positions count from its start, as Megatron's
+default does. Megatron's three switches (``--reset-position-ids``, ``--reset-attention-mask``,
+``--eod-mask-loss``; its ``_get_ltor_masks_and_position_ids``) make each document of a window
+train as if it were alone: ``document_masks`` adds ``"position_ids"`` (counting from 0 after
+each ``<eod>``), ``"document_ids"`` (which document of the window each token is in; the model
+attends only inside one) and ``"loss_mask"`` (0 where the input token is ``<eod>``).
+
 **Which sample does each rank train on at each step?** ``batch_for_step`` is a pure function,
 so a run resumed at step k sees exactly the samples the uninterrupted run saw. It follows
 Megatron's ``MegatronPretrainingSampler``. With
@@ -91,6 +99,34 @@ def train_valid_split(indexed: IndexedDataset,
     return (0, n - n_valid), (n - n_valid, n)
 
 
+def document_masks(tokens: torch.Tensor, eod: int, reset_position_ids: bool = False,
+                   reset_attention_mask: bool = False, eod_mask_loss: bool = False) -> dict[str, torch.Tensor]:
+    """Megatron's per-document masks for tokens [s] or [b, s] (the inputs, each document ending
+    with `eod`): a document starts after each `eod` (and at the window's start).
+
+      "position_ids"  [.., s] int64, reset_position_ids: t minus the start of t's document
+      "document_ids"  [.., s] int64, reset_attention_mask: the number of `eod`s before t, so
+                      a query attends to the keys of its own document only (the block-diagonal
+                      causal mask; Megatron's THD format carries the same as cu_seqlens)
+      "loss_mask"     [.., s] float32, eod_mask_loss: 0 where the input is `eod` (the
+                      prediction of the next document's first token from the last one's end)
+    Only the keys asked for. Megatron-LM: megatron/core/datasets/gpt_dataset.py,
+    _get_ltor_masks_and_position_ids."""
+    is_eod = (tokens == eod).long()                                          # [.., s]
+    out = {}
+    document = is_eod.cumsum(-1) - is_eod                                    # [.., s] eods strictly before t
+    if reset_attention_mask:
+        out["document_ids"] = document
+    if reset_position_ids:
+        positions = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)   # [.., s]
+        starts = torch.where(document != document.roll(1, -1), positions, torch.zeros_like(positions))
+        starts[..., 0] = 0
+        out["position_ids"] = positions - starts.cummax(-1).values           # [.., s]
+    if eod_mask_loss:
+        out["loss_mask"] = 1.0 - is_eod.float()
+    return out
+
+
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of ``seq_length`` tokens (+ shifted labels) from a document range, seeded.
 
@@ -100,7 +136,8 @@ class GPTDataset(torch.utils.data.Dataset):
       sample_order[i]  the window (see module docstring) that is sample i
     """
 
-    def __init__(self, indexed: IndexedDataset, seq_length: int, seed: int, split=None):
+    def __init__(self, indexed: IndexedDataset, seq_length: int, seed: int, split=None, eod: int | None = None,
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False, eod_mask_loss: bool = False):
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be positive")
         if seed < 0:
@@ -109,6 +146,11 @@ class GPTDataset(torch.utils.data.Dataset):
         self.seq_length = seq_length
         self.seed = seed
         self.split = resolve_split(split, len(indexed))
+        self.masks = dict(reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+                          eod_mask_loss=eod_mask_loss)
+        if any(self.masks.values()) and eod is None:
+            raise ValueError("reset_position_ids, reset_attention_mask and eod_mask_loss need the tokenizer's eod id")
+        self.eod = eod
 
         # Two independent streams of randomness from one seed: the document order must not
         # change when only the sample shuffle changes, and vice versa.
@@ -149,12 +191,16 @@ class GPTDataset(torch.utils.data.Dataset):
         return out
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        """Sample i: {"tokens": LongTensor[s], "labels": LongTensor[s]}."""
+        """Sample i: {"tokens": LongTensor[s], "labels": LongTensor[s]}, and document_masks'
+        keys when a switch asks for them."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range ({len(self)} samples)")
         s = self.seq_length
         window = torch.from_numpy(self.stream(int(self.sample_order[i]) * s, s + 1))
-        return {"tokens": window[:-1], "labels": window[1:]}
+        sample = {"tokens": window[:-1], "labels": window[1:]}
+        if any(self.masks.values()):
+            sample.update(document_masks(sample["tokens"], self.eod, **self.masks))
+        return sample
 
     def __repr__(self) -> str:
         return (f"GPTDataset({self.indexed.prefix!r}, documents {self.split}, "
@@ -190,14 +236,15 @@ def batch_for_step(dataset: GPTDataset, step: int, micro_batch_size: int,
                    dp_size: int = 1) -> dict[str, torch.Tensor]:
     """The microbatch ``microbatch_index`` of data-parallel rank ``dp_rank`` at ``step``.
 
-    Returns {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}, b = micro_batch_size,
-    row j being sample ``global_sample_indices(...)[j] % len(dataset)``.
+    Returns {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]} (and the dataset's document
+    masks, [b, s] each), b = micro_batch_size, row j being sample
+    ``global_sample_indices(...)[j] % len(dataset)``.
     """
     indices = global_sample_indices(step, micro_batch_size, microbatch_index,
                                     grad_accum_steps, dp_rank, dp_size)
     samples = [dataset[g % len(dataset)] for g in indices]
-    return {key: torch.stack([x[key] for x in samples]) for key in ("tokens", "labels")}
+    return {key: torch.stack([x[key] for x in samples]) for key in samples[0]}
 
 
 __all__ = ["GPTDataset", "train_valid_split", "resolve_split", "global_sample_indices",
-           "batch_for_step"]
+           "batch_for_step", "document_masks"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,22 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                           enable_gqa=key.shape[1] != query.shape[1])
 
 
+def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor,
+                       dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Causal attention kept inside each document of a packed sequence (chapter 07): query i
+    attends to key j when j <= i and both are in the same document. query [b, a, s, d]; key,
+    value [b, g, s, d]; document_ids [b, s] (data/gpt_dataset.py document_masks). Returns
+    [b, a, s, d]: per document, what attention over that document alone gives. PyTorch's
+    fused kernel with a block-diagonal boolean mask [b, 1, s, s]; Megatron's THD format gives
+    the same blocks to a variable-length kernel as cu_seqlens, without the padding of a mask."""
+    s = query.shape[-2]
+    causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()          # [s, s], j <= i
+    same = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)                  # [b, s, s]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=(same & causal).unsqueeze(1),
+                                          dropout_p=dropout_p if training else 0.0,
+                                          enable_gqa=key.shape[1] != query.shape[1])
+
+
 class SelfAttention(nn.Module):
     """Pre-normalised input [b, s, h] -> attention output [b, s, h] (before the residual add).
 
@@ -112,12 +129,19 @@ class SelfAttention(nn.Module):
         groups = self.linear_qkv.weight.shape[0] // ((heads_per_group + 2) * cfg.kv_channels)
         return groups * heads_per_group, groups
 
-    def core_attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core_attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v with the causal mask and the attention dropout: q [b, a, s, d],
-        k and v [b, g, s, d] -> [b, a, s, d] (a, g: this module's heads). The part chapter 07's
-        selective recompute ("core_attn") recomputes in the backward instead of keeping its
-        [b, a, s, s] probabilities (Megatron: Attention._checkpointed_attention_forward)."""
-        if self.core_attention is not None:         # context parallel: the keys of every rank
+        k and v [b, g, s, d] -> [b, a, s, d] (a, g: this module's heads); with document_ids [b, s]
+        (a packed sequence, chapter 07) inside each document only (document_attention, either
+        backend). The part chapter 07's selective recompute ("core_attn") recomputes in the
+        backward instead of keeping its [b, a, s, s] probabilities (Megatron:
+        Attention._checkpointed_attention_forward)."""
+        if document_ids is not None:                # packed documents: the block-diagonal mask
+            if self.core_attention is not None:
+                raise ValueError("packed documents (document_ids) under context parallelism are not in this book")
+            attend = partial(document_attention, document_ids=document_ids)
+        elif self.core_attention is not None:       # context parallel: the keys of every rank
             attend = self.core_attention
         elif self.config.attention_backend == "sdpa":   # the default: the fused kernel shares k, v per group
             attend = sdpa_attention
@@ -132,7 +156,8 @@ class SelfAttention(nn.Module):
         with rng:
             return attend(q, k, v, dropout_p=p, training=self.training)   # [b, a, s, d]
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
         d = cfg.kv_channels
         heads, groups = self.local_heads()                                # a, g (or a/tp, g/tp)
@@ -151,6 +176,6 @@ class SelfAttention(nn.Module):
             q = apply_rotary_pos_emb(q, cos, sin)
             k = apply_rotary_pos_emb(k, cos, sin)
 
-        out = self.core_attention_forward(q, k, v)                        # [b, a, s, d]
+        out = self.core_attention_forward(q, k, v, document_ids)          # [b, a, s, d]
         out = out.transpose(1, 2).reshape(b, s, heads * d)                # [b, s, a d]
         return self.linear_proj(out)                                      # [b, s, h]

@@ -72,8 +72,9 @@ class TransformerLayer(nn.Module):
         # a mixture of experts in every moe_layer_freq-th layer of a GPT-MoE (chapter 05)
         self.mlp = MoELayer(config) if config.is_moe_layer(layer_number) else MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(x), rope)          # [b, s, h]
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(x), rope, document_ids)   # [b, s, h]
         x = x + dropout(attn, self.dropout, self.training, self.dropout_rng)
         mlp = self.mlp(self.pre_mlp_layernorm(x))                          # [b, s, h]
         return x + dropout(mlp, self.dropout, self.training, self.dropout_rng)
@@ -83,7 +84,8 @@ class TransformerBlock(nn.Module):
     """The decoder (Megatron-core's TransformerBlock): this stage's transformer layers, keyed by
     their global numbers, and on the last stage the final norm, which GPTModel applies.
 
-    forward(x, rope): x [b, s, h] through the layers in order -> [b, s, h]. Chapter 07's full
+    forward(x, rope, document_ids=None): x [b, s, h] through the layers in order -> [b, s, h]
+    (document_ids [b, s]: packed documents, each attending only to itself). Chapter 07's full
     recompute replaces this forward with one that runs the layers in checkpointed units
     (recompute.py; Megatron's TransformerBlock._checkpointed_forward)."""
 
@@ -93,9 +95,10 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon)
                                 if post_process else None)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layers.values():
-            x = layer(x, rope)                                              # [b, s, h]
+            x = layer(x, rope, document_ids)                                # [b, s, h]
         return x
 
 
@@ -135,11 +138,13 @@ class GPTModel(nn.Module):
       post_process:  this stage owns the final norm, output layer and loss.
       layer_numbers: the global layer indices this stage runs (default: all L layers).
 
-    forward(tokens, position_ids=None, labels=None, hidden_states=None):
+    forward(tokens, position_ids=None, labels=None, hidden_states=None, document_ids=None):
       tokens [b, s] int64 (first stage) or hidden_states [b, s, h] (later stages);
       position_ids [b, s] or [s], default 0..s-1: pass them when this rank's tokens are not
-      positions 0..s-1 (context parallelism: cp/layout.get_batch_on_this_cp_rank), and to
-      every pipeline stage when hidden_states are cut along s (sequence parallelism);
+      positions 0..s-1 (context parallelism: cp/layout.get_batch_on_this_cp_rank; packed
+      documents), and to every pipeline stage when hidden_states are cut along s (sequence
+      parallelism); document_ids [b, s] (packed documents, chapter 07: each token attends
+      only to its own document), to every stage;
       returns, on the last stage, per-token losses [b, s] (float32, or float64 for a float64
       model) when labels [b, s] are given, otherwise logits [b, s, V]; on other stages the
       hidden states [b, s, h].
@@ -188,7 +193,8 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
         s = (tokens if tokens is not None else hidden_states).shape[1]
         if position_ids is None:                 # (given positions are not checked: no host sync)
@@ -205,7 +211,7 @@ class GPTModel(nn.Module):
         if cfg.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base, dtype=x.dtype)  # [s, d] x2
 
-        x = self.decoder(x, rope)                                           # [b, s, h]
+        x = self.decoder(x, rope, document_ids)                             # [b, s, h]
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)                                 # [b, s, h]
@@ -254,6 +260,16 @@ class CrossEntropy(torch.autograd.Function):
         minus_one = torch.full_like(labels, -1, dtype=grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, labels.unsqueeze(-1), minus_one)               # - onehot(t)
         return grad.mul_(grad_loss.unsqueeze(-1)), None                      # [N, V]
+
+
+def mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A micro-batch's loss from its per-token losses [b, s]: their mean, or with a loss_mask
+    [b, s] (chapter 07's --eod-mask-loss) the mean over the tokens it keeps, sum(losses x mask) /
+    sum(mask) (Megatron's loss_func; a micro-batch with every token masked gives 0)."""
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

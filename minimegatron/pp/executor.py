@@ -35,6 +35,7 @@ from torch import nn
 
 from .. import comm
 from ..dp import no_sync
+from ..model import mean_loss
 from .p2p import PipelineComm
 from .schedules import schedule
 from .timeline import StepRecord
@@ -66,11 +67,12 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
             labels = data["labels"] if p2p.is_last(c) else None
             with rec.span("F", mb, c):
                 with rec.saving(mb, c):
-                    positions = data.get("position_ids")         # every stage: RoPE under SP / CP
-                    out = (engine(data["tokens"], position_ids=positions, labels=labels) if x is None
-                           else engine(hidden_states=x, position_ids=positions, labels=labels))
+                    # every stage: the positions (RoPE under SP / CP) and packed documents' ids
+                    extra = dict(position_ids=data.get("position_ids"), document_ids=data.get("document_ids"))
+                    out = (engine(data["tokens"], labels=labels, **extra) if x is None
+                           else engine(hidden_states=x, labels=labels, **extra))
                 if p2p.is_last(c):
-                    out = out.mean() / M                  # the micro-batch's share of the step loss
+                    out = mean_loss(out, data.get("loss_mask")) / M     # the micro-batch's share of the step loss
                     rec.losses[mb] = out.item()
             if not p2p.is_last(c):
                 with rec.span("send", mb, c):
@@ -120,13 +122,13 @@ def evaluate_pipelining(chunks: list[nn.Module], microbatch: dict, p2p: Pipeline
     for c, chunk in enumerate(chunks):
         chunk.eval()
         labels = microbatch["labels"] if p2p.is_last(c) else None
+        extra = dict(position_ids=microbatch.get("position_ids"), document_ids=microbatch.get("document_ids"))
         if p2p.is_first(c):
-            out = chunk(microbatch["tokens"], position_ids=microbatch.get("position_ids"), labels=labels)
+            out = chunk(microbatch["tokens"], labels=labels, **extra)
         else:
-            out = chunk(hidden_states=p2p.recv_forward(index, c), position_ids=microbatch.get("position_ids"),
-                        labels=labels)
+            out = chunk(hidden_states=p2p.recv_forward(index, c), labels=labels, **extra)
         if p2p.is_last(c):
-            loss = out.mean().item()
+            loss = mean_loss(out, microbatch.get("loss_mask")).item()
         else:
             p2p.send_forward(out, index, c)
         chunk.train()
