@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("benchmarks/bench_ddp.py", ["--smoke", "--ranks", "1", "2"]),
     ("benchmarks/bench_tp.py", ["--smoke", "--tp", "1", "2"]),
     ("benchmarks/bench_precision.py", ["--smoke"]),
+    ("benchmarks/bench_packing.py", ["--smoke"]),
 ])
 def test_benchmark_runs(script, args):
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,

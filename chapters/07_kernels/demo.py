@@ -3,6 +3,7 @@ proven equal, bit for bit, to the same run without it.
 
     python chapters/07_kernels/demo.py                           # spawns 4 ranks: full recompute, tp 2 x dp 2
     python chapters/07_kernels/demo.py --recompute selective --recompute-modules core_attn mlp --tp 2 --cp 2 --dp 1
+    python chapters/07_kernels/demo.py --pack --recompute selective --tp 2 --sp --dp 2
     torchrun --standalone --nproc_per_node=8 chapters/07_kernels/demo.py --recompute full --recompute-method block --tp 2 --sp --pp 2
 
 This file is the chapter's experiment and its command line; make_figures.py, the notebook and
@@ -21,6 +22,8 @@ wrapper; testing.train_layout). The report:
         paper's s b h (34 + 5 a s / h), 34 s b h and 2 s b h beside them;
   [4/4] time (one process, the same model, this machine): a forward and backward without and
         with each recompute (skipped with --quick);
+  [packed] with --pack (documents packed in each row, Megatron's three switches on): the logits
+        of packed documents against each document alone, one process;
 
 and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 """
@@ -43,8 +46,19 @@ from minimegatron.parallelize import validate_layout
 GRANULARITIES = ("none", "selective", "full")
 
 
+PACKED = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+
+
 @dataclass(frozen=True)
 class RecomputeRun(Run):
+    def global_batches(self) -> list[dict[str, torch.Tensor]]:
+        """testing.global_batches; with packed documents (the three switches on) every 7th token,
+        from the 6th, an <eod> (the vocabulary's last id), and document_masks' keys added."""
+        batches = super().global_batches()
+        if not self.train.reset_attention_mask:
+            return batches
+        return [pack(batch, self.model.vocab_size - 1) for batch in batches]
+
     def name(self) -> str:
         t = self.train
         what = ("no recompute" if t.recompute_granularity is None else
@@ -54,7 +68,37 @@ class RecomputeRun(Run):
                                                                     if getattr(self, k) > 1]
         if t.expert_model_parallel_size > 1:
             parts.append(f"ep={t.expert_model_parallel_size}")
-        return f"{what}: " + " x ".join(parts + [f"dp={self.dp}"])
+        return f"{what}{', packed documents' if t.reset_attention_mask else ''}: " + " x ".join(parts + [f"dp={self.dp}"])
+
+
+def pack(batch: dict[str, torch.Tensor], eod: int) -> dict[str, torch.Tensor]:
+    """A batch whose rows hold documents of 7 tokens ending with `eod`, and their masks."""
+    from minimegatron.data import document_masks
+    tokens = batch["tokens"].clone()
+    tokens[:, 5::7] = eod
+    labels = torch.cat([tokens[:, 1:], batch["labels"][:, -1:]], dim=1)
+    return {"tokens": tokens, "labels": labels, **document_masks(tokens, eod, **PACKED)}
+
+
+def packed_equals_alone(model_cfg: ModelConfig, lengths=(5, 9, 4, 14)) -> tuple[float, float]:
+    """One process: documents of `lengths` tokens packed into one row with the three switches'
+    masks, against each document run alone (positions from 0). Returns (max |logit difference|
+    packed with the masks against alone, the same without the masks for the documents after
+    the first)."""
+    from minimegatron.data import document_masks
+    from minimegatron.model import GPTModel
+    model = GPTModel(dataclasses.replace(model_cfg, num_experts=None)).eval()
+    eod = model_cfg.vocab_size - 1
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.cat([torch.randint(0, eod, (n - 1,), generator=g), torch.tensor([eod])]) for n in lengths]
+    packed = torch.cat(docs).unsqueeze(0)                                             # [1, s]
+    masks = document_masks(packed, eod, reset_position_ids=True, reset_attention_mask=True)
+    with torch.no_grad():
+        together = model(packed, position_ids=masks["position_ids"], document_ids=masks["document_ids"])[0]
+        mixed = model(packed)[0]
+        alone = torch.cat([model(doc.unsqueeze(0))[0] for doc in docs])
+    first = lengths[0]
+    return (together - alone).abs().max().item(), (mixed[first:] - alone[first:]).abs().max().item()
 
 
 def tiny_model(layers: int = 2, experts: int | None = None, cp: int = 1) -> ModelConfig:
@@ -69,7 +113,7 @@ def tiny_model(layers: int = 2, experts: int | None = None, cp: int = 1) -> Mode
 def make_run(model: ModelConfig, granularity: str = "full", tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *,
              sp: bool = False, ep: int = 1, method: str = "uniform", num_layers: int = 1,
              modules: tuple[str, ...] = ("core_attn",), micro_batches: int = 2, steps: int = 2,
-             seq: int = 32) -> RecomputeRun:
+             seq: int = 32, packed: bool = False) -> RecomputeRun:
     """A validated RecomputeRun (ConfigError naming the numbers before any process starts)."""
     full = granularity == "full"
     train = TrainConfig(seq_length=seq, micro_batch_size=2, grad_accum_steps=micro_batches, train_iters=steps,
@@ -77,7 +121,8 @@ def make_run(model: ModelConfig, granularity: str = "full", tp: int = 1, cp: int
                         recompute_granularity=None if granularity == "none" else granularity,
                         recompute_method=method if full else None, recompute_num_layers=num_layers if full else None,
                         recompute_modules=tuple(modules), tensor_model_parallel_size=tp, context_parallel_size=cp,
-                        pipeline_model_parallel_size=pp, sequence_parallel=sp, expert_model_parallel_size=ep)
+                        pipeline_model_parallel_size=pp, sequence_parallel=sp, expert_model_parallel_size=ep,
+                        **(PACKED if packed else {}))
     validate_layout(model, train, tp * cp * pp * dp)
     return RecomputeRun(model, train, dp)
 
@@ -215,6 +260,13 @@ def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
         print("[4/4] time, one process, one thread (this machine):")
         print("\n".join(time_lines(rows)))
     problems += comm_problems + mem_problems
+    if run.train.reset_attention_mask:
+        packed, mixed = packed_equals_alone(run.model)
+        print(f"[packed] documents of 5, 9, 4 and 14 tokens in one row, with --reset-position-ids "
+              f"--reset-attention-mask: max |logit difference| to each document alone {packed:.1e} "
+              f"(without the switches {mixed:.1e})")
+        if not packed < 1e-10:
+            problems.append(f"a packed document's logits differ from its own by {packed:.1e}")
     if problems:
         return f"MISMATCH: {run.name()}: {problems[0]}"
     return (f"MATCH: {run.name()} equals the same run without recompute bit for bit on every rank; every recomputed "
@@ -238,6 +290,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: > 1 gives the model 4 experts per layer")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / (tp cp pp) "
                                                             "under torchrun, else 2)")
+    parser.add_argument("--pack", action="store_true",
+                        help="documents of 7 tokens in each row, with Megatron's --reset-position-ids "
+                             "--reset-attention-mask --eod-mask-loss (not with --cp)")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     parser.add_argument("--quick", action="store_true", help="no timing (what the tests run)")
@@ -255,7 +310,8 @@ def build_run(args: argparse.Namespace, dp: int) -> RecomputeRun:
     model = tiny_model(layers=2 * args.pp, experts=4 if args.ep > 1 else None, cp=args.cp)
     return make_run(model, args.recompute, args.tp, args.cp, args.pp, dp, sp=args.sp, ep=args.ep,
                     method=args.recompute_method, num_layers=args.recompute_num_layers,
-                    modules=tuple(args.recompute_modules), micro_batches=args.micro_batches, steps=args.steps)
+                    modules=tuple(args.recompute_modules), micro_batches=args.micro_batches, steps=args.steps,
+                    packed=args.pack)
 
 
 def main(argv=None) -> int:
