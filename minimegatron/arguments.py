@@ -43,7 +43,7 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 # flag is Megatron's spelling (checked 2026-11-24 against Megatron-LM main: the flags
 # megatron/training/arguments.py adds, and those it generates from TransformerConfig,
 # TrainingConfig, SchedulerConfig, CheckpointConfig, RNGConfig); more names are the book's.
-GROUPS = ("model", "moe", "training", "mixed precision", "parallelism", "data", "checkpointing")
+GROUPS = ("model", "moe", "training", "mixed precision", "parallelism", "data", "checkpointing", "logging")
 
 # field -> (group, flag names, help). Booleans are switches (SWITCHES below), not flags.
 FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -131,6 +131,10 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                              "full recompute: layers per unit (uniform) or recomputed layers per chunk (block)"),
     "recompute_modules": ("training", ("--recompute-modules",),
                           "selective recompute: any of core_attn, mlp, moe, moe_act, layernorm"),
+    "profile_step_start": ("logging", ("--profile-step-start",),
+                           "with --profile: the first step recorded, counted from 0 (chapter 07)"),
+    "profile_step_end": ("logging", ("--profile-step-end",), "with --profile: the step the recording stops before"),
+    "profile_ranks": ("logging", ("--profile-ranks",), "with --profile: the ranks that profile; unset: all"),
     "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
     "grad_accum_steps": ("training", ("--grad-accum-steps",),
                          "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
@@ -192,6 +196,8 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
         ("--disable-bias-linear", False, "no biases in the linear layers"),
         ("--add-bias-linear", True, "biases in the linear layers (the book's)")],
     "activation": [("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")],
+    "profile": [("--profile", True, "torch.profiler over --profile-step-start .. --profile-step-end: a Chrome trace per "
+                                    "rank in <out-dir>/torch_profile/ and rank 0's top operators (chapter 07)")],
     "reset_position_ids": [("--reset-position-ids", True, "positions count from 0 after each <eod> (chapter 07)")],
     "reset_attention_mask": [("--reset-attention-mask", True,
                               "each token attends only to the tokens of its own document (chapter 07)")],
@@ -239,6 +245,9 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
         "accepted as Megatron spells it; the bucketed DDP always overlaps here"))),
     "--no-overlap-p2p-communication": ("parallelism", dict(action="store_true", help=(
         "accepted as Megatron spells it; the book's pipeline p2p is never overlapped"))),
+    "--use-pytorch-profiler": ("logging", dict(action="store_true", help=(
+        "accepted as Megatron spells it; the book's --profile always uses torch.profiler (Megatron's default is "
+        "Nsight Systems, which needs a GPU)"))),
 }
 
 # Megatron-LM flags for what the book does not (yet) do: refused with the reason, by name
@@ -334,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in FLAGS:
             title, names, text = FLAGS[f.name]
             kind = ({"hierarchical_context_parallel_sizes": dict(type=int, nargs=2),
-                     "recompute_modules": dict(type=str, nargs="+")}.get(f.name) or dict(type=_field_kind(f)))
+                     "recompute_modules": dict(type=str, nargs="+"),
+                     "profile_ranks": dict(type=int, nargs="+")}.get(f.name) or dict(type=_field_kind(f)))
             groups[title].add_argument(*names, dest=f.name, default=None, metavar=f.name.upper(),
                                        help=f"{text} {_defaults(f.name)}", **kind)
         for switch, value, text in SWITCHES.get(f.name, []):
@@ -395,7 +405,7 @@ def parse_command_line(argv: Iterable[str] | None = None,
     style = args.pop("style")
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
     given = {k: v for k, v in args.items() if v is not None}
-    for name in ("hierarchical_context_parallel_sizes", "recompute_modules"):
+    for name in ("hierarchical_context_parallel_sizes", "recompute_modules", "profile_ranks"):
         if name in given:
             given[name] = tuple(given[name])
     if "train_iters" in given and "lr_warmup_iters" not in given and "lr_warmup_iters" in train_over:

@@ -290,6 +290,11 @@ class TrainConfig:
     recompute_method: str | None = None   # full: "uniform" (units of recompute_num_layers) | "block"
     recompute_num_layers: int | None = None    # full: layers per unit (uniform), recomputed per chunk (block)
     recompute_modules: tuple[str, ...] = ("core_attn",)   # selective: which parts (recompute.RECOMPUTE_MODULES)
+    # torch.profiler over steps [profile_step_start, profile_step_end) (chapter 07, profiling.py)
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = ()   # the ranks that profile; () = all
     # documents inside a window (chapter 07, data/gpt_dataset.py document_masks), Megatron's switches
     reset_position_ids: bool = False      # positions count from 0 after each <eod>
     reset_attention_mask: bool = False    # a token attends only to its own document
@@ -369,6 +374,10 @@ class TrainConfig:
         need(self.fp8_amax_compute_algo in ("most_recent", "max"),
              f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is not 'most_recent' or 'max'")
         self._validate_recompute(need)
+        if self.profile:
+            need(0 <= self.profile_step_start < self.profile_step_end <= self.train_iters,
+                 f"profile: profile_step_start={self.profile_step_start} and profile_step_end={self.profile_step_end} "
+                 f"must satisfy 0 <= start < end <= train_iters={self.train_iters} (steps counted from 0)")
         # how the sizes combine with the model and the world: parallelize.validate_layout
         if model is not None:
             wanted = "bfloat16" if self.bf16 else "float16" if self.fp16 else None

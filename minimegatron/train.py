@@ -71,6 +71,7 @@ from .dp import local_tensors, no_sync
 from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun, print_once
 from .model import finalize_model_grads, mean_loss
+from .profiling import StepProfiler
 from .model.moe import set_moe_aux_loss_scale
 from .optim import Optimizer, is_expert_parameter, learning_rate, set_learning_rate
 from .parallel_state import Layout
@@ -333,35 +334,40 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
 
     progress = _progress_bar(start, cfg) if layout.rank == 0 else None
     started = time.perf_counter()
-    for step in range(start, cfg.train_iters):
-        set_doing(f"iteration {step + 1}")
-        microbatches = [local_microbatch(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout, device)
-                        for m in range(cfg.grad_accum_steps)]
-        lr = learning_rate(step, cfg)
-        last = step == cfg.train_iters - 1      # what it moves and how long the pipeline idles: run_report.py
-        with record_communication() if last else nullcontext() as ledger:
-            loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, p2p, cfg.pipeline_schedule,
-                                         pipeline_records=result.pipeline_records if last else None)
-        if ledger is not None:
-            result.last_step_communication = list(ledger)
-        loss_t = torch.tensor([loss], dtype=torch.float64, device=device)   # report the global batch's loss
-        all_reduce(loss_t, layout.dp_group, op="avg", tag="loss")
-        check_finite_step(step + 1, loss_t.item(), grad_norm, optimizer)
-        result.losses.append(loss_t.item())
-        done = step + 1
-        if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
-            set_doing(f"evaluating after iteration {done}")
-            result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
-        if progress is not None:
-            tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * layout.data_parallel_size
-            progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
-                                 gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}",
-                                 tokens_per_s=f"{tokens * (done - start) / (time.perf_counter() - started):,.0f}")
-            progress.update(1)
-        if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
-            set_doing(f"saving iteration {done}")
-            result.checkpoint = _save(cfg, model_cfg, done, chunks, optimizer, result, layout)
+    with StepProfiler(cfg, layout.rank, cfg.out_dir) as profiler:          # --profile (chapter 07)
+        for step in range(start, cfg.train_iters):
+            set_doing(f"iteration {step + 1}")
+            microbatches = [local_microbatch(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout, device)
+                            for m in range(cfg.grad_accum_steps)]
+            lr = learning_rate(step, cfg)
+            last = step == cfg.train_iters - 1      # what it moves and how long the pipeline idles: run_report.py
+            with record_communication() if last else nullcontext() as ledger:
+                loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, p2p, cfg.pipeline_schedule,
+                                             pipeline_records=result.pipeline_records if last else None)
+            profiler.step()
+            if ledger is not None:
+                result.last_step_communication = list(ledger)
+            loss_t = torch.tensor([loss], dtype=torch.float64, device=device)   # report the global batch's loss
+            all_reduce(loss_t, layout.dp_group, op="avg", tag="loss")
+            check_finite_step(step + 1, loss_t.item(), grad_norm, optimizer)
+            result.losses.append(loss_t.item())
+            done = step + 1
+            if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
+                set_doing(f"evaluating after iteration {done}")
+                result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
+            if progress is not None:
+                tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * layout.data_parallel_size
+                progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
+                                     gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}",
+                                     tokens_per_s=f"{tokens * (done - start) / (time.perf_counter() - started):,.0f}")
+                progress.update(1)
+            if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
+                set_doing(f"saving iteration {done}")
+                result.checkpoint = _save(cfg, model_cfg, done, chunks, optimizer, result, layout)
     result.seconds = time.perf_counter() - started
+    if profiler.table is not None:                                     # rank 0
+        print(f"--profile: steps {cfg.profile_step_start}..{cfg.profile_step_end - 1}, a Chrome trace per rank in "
+              f"{profiler.trace.parent}; rank 0's operators by their own time:\n{profiler.table}")
     result.held_bytes = held_state_bytes(chunks, optimizer)
     if progress is not None:
         progress.close()

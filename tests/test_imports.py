@@ -42,7 +42,7 @@ LAYERS: list[list[str]] = [
     ["parallelize"],
     ["viz"],                                        # every figure (the loop draws its loss curve)
     ["arguments"],                                  # the loop's command line
-    ["resume", "train"],                            # what a resume checks and loads; the loop
+    ["profiling", "resume", "train"],               # --profile; what a resume checks and loads; the loop
     ["testing"],                                    # the harness (it runs train_step)
     ["run_report"],                                 # make demo's entry: the loop, its report and its check
 ]

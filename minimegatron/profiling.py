@@ -1,0 +1,75 @@
+"""`--profile` (chapter 07): torch.profiler over a few steps of any layout, as Megatron-LM's
+`--profile --use-pytorch-profiler` does.
+
+    with StepProfiler(cfg, rank, out_dir) as profiler:   # the training loop
+        for step in ...:
+            train_step(...)
+            profiler.step()
+
+The profiler waits until step profile_step_start, warms up on the step before it, records the
+steps [profile_step_start, profile_step_end) (counted from 0, as the loop's steps are), then
+writes a Chrome trace per rank, `<out_dir>/torch_profile/rank-<r>.json.gz` (open it in
+chrome://tracing or https://ui.perfetto.dev), and rank 0 prints the operators that took the most
+time. Only the ranks in profile_ranks profile (all when it is empty). On a CPU the trace holds
+the CPU operators, the collectives (gloo) and the Python function ranges the book's code opens;
+on a GPU torch adds the CUDA kernels. Megatron's default `--profile` drives Nsight Systems
+(nsys) instead, which needs a GPU.
+
+Megatron-LM: megatron/training/training.py (the torch.profiler schedule: wait =
+profile_step_start - 1, warmup 1, active = profile_step_end - profile_step_start, repeat 1) and
+megatron/training/config/common_config.py (ProfilingConfig: --profile, --profile-step-start,
+--profile-step-end, --use-pytorch-profiler, --profile-ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["StepProfiler", "top_operators"]
+
+
+def top_operators(prof: torch.profiler.profile, rows: int = 12) -> str:
+    """The operators that took the most time on this rank, self time first (torch's own table)."""
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+class StepProfiler:
+    """torch.profiler over steps [cfg.profile_step_start, cfg.profile_step_end) of this rank
+    (nothing when cfg.profile is off or the rank is not in cfg.profile_ranks). `trace` is the
+    Chrome trace written, `table` rank 0's top operators, once the last step has been recorded."""
+
+    def __init__(self, cfg, rank: int, out_dir: str | Path):
+        self.on = cfg.profile and (not cfg.profile_ranks or rank in cfg.profile_ranks)
+        self.rank, self.trace, self.table, self.prof = rank, None, None, None
+        if not self.on:
+            return
+        start, end = cfg.profile_step_start, cfg.profile_step_end
+        self.trace = Path(out_dir) / "torch_profile" / f"rank-{rank}.json.gz"
+        self.prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
+            schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
+                                             active=end - start, repeat=1),
+            on_trace_ready=self._write)
+
+    def _write(self, prof: torch.profiler.profile) -> None:
+        self.trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.trace))
+        if self.rank == 0:
+            self.table = top_operators(prof)
+
+    def __enter__(self) -> "StepProfiler":
+        if self.on:
+            self.prof.start()
+        return self
+
+    def step(self) -> None:
+        """After each training step."""
+        if self.on:
+            self.prof.step()
+
+    def __exit__(self, *exc) -> None:
+        if self.on:
+            self.prof.stop()
