@@ -1,8 +1,8 @@
 """How the parallelisms are applied to the one model, in one order a reader can recite:
 
     cut into pipeline chunks (03) -> tensor (+ sequence) parallel (02, 04) -> context
-    parallel (04) -> expert parallel (05) -> FP8 (06) -> activation recompute (07) ->
-    data-parallel wrapper (01)
+    parallel (04) -> expert parallel (05) -> FP8 (06) -> Triton kernels, activation
+    recompute (07) -> data-parallel wrapper (01)
 
 `build_model` is that order, in one function; each `apply_*` is a no-op when its size is 1,
 so the single device is the same code with every size 1. A new chapter adds one `apply_*`
@@ -37,6 +37,7 @@ from .optim import NormGroup, Optimizer, is_expert_parameter
 from .moe import apply_expert_parallel, check_expert_parallel_config
 from .parallel_state import Layout, rank_groups
 from .placement import gather_full_tensors
+from .kernels import apply_kernels
 from .pp import build_stage, check_schedule_args, stage_layers
 from .recompute import apply_recompute
 from .tp import apply_tensor_parallel, check_tensor_parallel_config
@@ -102,6 +103,8 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
             raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule!r} with grad_accum_steps="
                               f"{cfg.grad_accum_steps} micro-batches: {exc}") from None
         stage_layers(model_cfg.num_layers, pp, 0, v)                     # layers by pp x chunks
+    if cfg.kernels == "triton":
+        _check_triton_kernels(model_cfg, cfg)
     packing = [f for f in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(cfg, f)]
     if packing and cp > 1:
         raise ConfigError(f"{', '.join(packing)} with context_parallel_size={cp}: a context-parallel rank would need "
@@ -114,6 +117,21 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
     if cfg.recompute_granularity == "full" and not 1 <= cfg.recompute_num_layers <= per_chunk:
         raise ConfigError(f"recompute_num_layers={cfg.recompute_num_layers} must be between 1 and the {per_chunk} "
                           f"layers of a model chunk (num_layers={model_cfg.num_layers} / pp {pp} / chunks {v})")
+
+
+def _check_triton_kernels(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
+    """What the Triton kernels (kernels/) cannot run, named."""
+    from .kernels import available
+    why = available()
+    d = model_cfg.kv_channels
+    for bad, message in ((why is not None, why),
+                         (model_cfg.attention_dropout > 0, f"attention_dropout={model_cfg.attention_dropout}: the "
+                                                           f"Triton FlashAttention has no dropout"),
+                         (cfg.context_parallel_size > 1, f"context_parallel_size={cfg.context_parallel_size}: the "
+                                                         f"attention is context parallelism's own"),
+                         (d & (d - 1) != 0, f"head size {d} (hidden_size / num_attention_heads) is not a power of 2")):
+        if bad:
+            raise ConfigError(f"kernels='triton' with {message}")
 
 
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
@@ -145,13 +163,15 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         # 5. FP8 (chapter 06): the transformer layers' GEMMs in FP8, the amaxes of one-scale
         #    recipes reduced over the ranks that share a micro-batch (tp x cp; the experts' etp)
         model = apply_fp8(model, fp8_recipe_of(cfg), layout.tp_cp_group, layout.etp_group)
-        # 6. activation recompute (chapter 07): whole layers in units, or the named parts of each,
+        # 6. kernels (chapter 07): the norms, the attention core and SwiGLU as Triton programs
+        model = apply_kernels(model, cfg.kernels)
+        # 7. activation recompute (chapter 07): whole layers in units, or the named parts of each,
         #    computed again in the backward instead of kept
         model = apply_recompute(model, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers,
                                 cfg.recompute_modules)
         if load is not None:
             model.load_state_dict(load[c])
-        # 7. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
+        # 8. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
         #    the experts' summed over the expert-data-parallel group
         model = apply_data_parallel(model, cfg, layout.dp_group, layout.expert_dp_group)
         chunks.append(model)

@@ -250,7 +250,8 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
     from .train import train_step
 
     cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
-    if cfg.bf16 or cfg.fp16 or cfg.fp8_format is not None or cfg.recompute_granularity is not None:
+    if (cfg.bf16 or cfg.fp16 or cfg.fp8_format is not None or cfg.recompute_granularity is not None
+            or cfg.kernels != "torch"):
         from .parallelize import build_model, build_optimizer, full_model_tensors
         alone = Layout.alone()                    # also inside a distributed run (run_report's check)
         model = build_model(model_cfg, cfg, alone)[0]

@@ -35,6 +35,7 @@ LAYERS: list[list[str]] = [
     ["cp"],                         # chapter 04 (sequence parallelism lives in tp, as in Megatron)
     ["moe"],                        # chapter 05
     ["fp8"],                        # chapter 06 (bf16 / fp16 live in optim, grad_scaler and dp)
+    ["kernels"],                    # chapter 07: Triton programs
     ["recompute"],                  # chapter 07
     # formulas (parameters, FLOPs, memory): may check a layout with the chapters' own rules
     # (tp.check_tensor_parallel_config); never the model builder or the training loop

@@ -1,0 +1,64 @@
+"""Kernels written in Triton (chapter 07): FlashAttention-2, RMSNorm and SwiGLU, forward and
+backward, each beside the book's PyTorch function it replaces and checked against it.
+
+Triton compiles them for a GPU. On a CPU (no CUDA device) they run in Triton's interpreter:
+importing this package sets TRITON_INTERPRET=1 there, which Triton reads when it is first
+imported, so this package must come before any `import triton` of the process (or set the
+variable yourself). The interpreter is exact in float32 and hundreds of times slower than
+PyTorch: it is for reading and testing the programs, not for speed. Without the `triton`
+package the kernels cannot be imported (`available()` says why).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_TRITON_BEFORE_US = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def available() -> str | None:
+    """None when the Triton kernels can run here, else the reason they cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed (pip install triton; requirements.txt pins it)"
+    if _TRITON_BEFORE_US and not torch.cuda.is_available():
+        return ("triton was imported before minimegatron.kernels could set TRITON_INTERPRET=1 for this CPU; import "
+                "minimegatron first, or set TRITON_INTERPRET=1 in the environment")
+    return None
+
+
+def apply_kernels(model, kernels: str):
+    """Run `model`'s transformer layers through the Triton kernels (kernels "triton"), or leave
+    it as it is ("torch"): each RMSNorm (the final one too) through rmsnorm.rms_norm, the
+    attention core through flash_attention.flash_attention (the SelfAttention.core_attention
+    seam), and a SwiGLU MLP's activation, the experts' too, through swiglu.swiglu (MLP.activation).
+    LayerNorm and GELU stay PyTorch's. parallelize.validate_layout has refused what the kernels
+    cannot run (attention dropout, context parallelism, a head size that is not a power of 2).
+    Returns the model."""
+    if kernels == "torch":
+        return model
+    from functools import partial
+
+    from ..model.linear import RMSNorm
+    from ..model.mlp import MLP
+    from .flash_attention import flash_attention
+    from .swiglu import swiglu
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.forward = partial(_rms_norm_forward, module)
+        elif isinstance(module, MLP) and module.swiglu:
+            module.activation = swiglu
+    for layer in model.decoder.layers.values():
+        layer.self_attention.core_attention = flash_attention
+    return model
+
+
+def _rms_norm_forward(norm, x):
+    from .rmsnorm import rms_norm
+    return rms_norm(x, norm.weight, norm.eps)

@@ -1,0 +1,106 @@
+"""RMSNorm in Triton, forward and backward (chapter 07), beside the same backward in PyTorch.
+
+    y = rms_norm(x, weight, eps)        x [.., h], weight [h] -> [.., h]
+
+The book's RMSNorm (model/linear.py) is five PyTorch ops, each a pass over [.., h] in memory
+(pow, mean, rsqrt, two multiplies), and autograd keeps their inputs. Fused, one program reads a
+block of rows once, computes in float32, writes y, and keeps one number per row for the
+backward: rstd = 1 / sqrt(mean(x^2) + eps). With xhat = x rstd and g = dy w:
+
+    dx = rstd (g - xhat mean(g xhat))          (over the row's h features)
+    dw = sum over rows of dy xhat
+
+Each program sums dw over its own rows only (BLOCK_ROWS of them) and writes that partial sum;
+PyTorch adds the programs' partials (one [programs, h] tensor), so no two programs write the
+same address. `rmsnorm_backward` is the same backward in PyTorch (exercise 7.4); the tests
+check both against autograd through the book's RMSNorm.
+
+Megatron-LM: Transformer Engine's fused RMSNorm (megatron/core/extensions/transformer_engine.py,
+TENorm) or Apex's (megatron/core/fusions/fused_layer_norm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rmsnorm_backward"]
+
+
+def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of y = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps) over the last dimension:
+    dy, x [N, h], weight [h], rstd [N] (the forward's) -> (dx [N, h], dw [h]), all float32."""
+    # BEGIN EXERCISE 7.4: RMSNorm's backward | hint: x reaches y twice, directly and through rstd, which every feature of the row shares; differentiate the mean of squares, and sum dw over the rows
+    xhat = x * rstd[:, None]                                                 # [N, h]
+    g = dy * weight                                                          # [N, h]
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(dim=-1, keepdim=True))
+    return dx, (dy * xhat).sum(dim=0)
+    # END EXERCISE
+
+
+@triton.jit
+def _rmsnorm_forward(X, W, Y, RSTD, rows, h, eps, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    cols = tl.arange(0, BLOCK_H)
+    w = tl.load(W + cols, mask=cols < h, other=0.0).to(tl.float32)
+    for i in range(BLOCK_ROWS):
+        row = tl.program_id(0) * BLOCK_ROWS + i
+        if row < rows:
+            x = tl.load(X + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / h + eps)
+            tl.store(Y + row * h + cols, x * rstd * w, mask=cols < h)
+            tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rmsnorm_backward(DY, X, W, RSTD, DX, DW_PARTIAL, rows, h, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    cols = tl.arange(0, BLOCK_H)
+    w = tl.load(W + cols, mask=cols < h, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_H], tl.float32)
+    for i in range(BLOCK_ROWS):
+        row = tl.program_id(0) * BLOCK_ROWS + i
+        if row < rows:
+            x = tl.load(X + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            xhat = x * rstd
+            g = dy * w
+            dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / h))
+            tl.store(DX + row * h + cols, dx, mask=cols < h)
+            dw += dy * xhat
+    tl.store(DW_PARTIAL + tl.program_id(0) * h + cols, dw, mask=cols < h)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """rms_norm as an autograd op; saves x, weight and rstd [N] (float32)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, block_rows: int):
+        shape, h = x.shape, x.shape[-1]
+        x2 = x.reshape(-1, h).contiguous()
+        n = x2.shape[0]
+        y = torch.empty(n, h, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+        _rmsnorm_forward[(triton.cdiv(n, block_rows),)](x2, weight, y, rstd, n, h, eps,
+                                                        BLOCK_ROWS=block_rows, BLOCK_H=triton.next_power_of_2(h))
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.block_rows, ctx.shape = block_rows, shape
+        return y.to(x.dtype).view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n, h = x2.shape
+        programs = triton.cdiv(n, ctx.block_rows)
+        dx = torch.empty(n, h, dtype=torch.float32, device=x2.device)
+        partial = torch.empty(programs, h, dtype=torch.float32, device=x2.device)     # each program's dw
+        _rmsnorm_backward[(programs,)](dy.reshape(-1, h).contiguous(), x2, weight, rstd, dx, partial, n, h,
+                                       BLOCK_ROWS=ctx.block_rows, BLOCK_H=triton.next_power_of_2(h))
+        return dx.to(x2.dtype).view(ctx.shape), partial.sum(0).to(weight.dtype), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, block_rows: int = 8) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, computed in float32, returned
+    in x's dtype: the book's RMSNorm, fused (the Triton kernels above)."""
+    return RMSNormFunction.apply(x, weight, eps, block_rows)

@@ -1,0 +1,149 @@
+"""The Triton kernels of chapter 07 (minimegatron/kernels/): FlashAttention-2, RMSNorm and SwiGLU,
+forward and every gradient, against the book's PyTorch functions (float32, in Triton's
+interpreter on this CPU, small shapes); the PyTorch references the kernels mirror (the online
+softmax step, RMSNorm's backward); and the model with --kernels triton, on one device and under
+tensor, sequence and pipeline parallelism, against one device with the same kernels."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from minimegatron.kernels import available      # first: it sets TRITON_INTERPRET=1 before triton is imported
+
+if available() is not None:
+    pytest.skip(available(), allow_module_level=True)
+
+from minimegatron.config import ConfigError, ModelConfig, TrainConfig          # noqa: E402
+from minimegatron.kernels.flash_attention import flash_attention, online_softmax_step   # noqa: E402
+from minimegatron.kernels.rmsnorm import rms_norm, rmsnorm_backward          # noqa: E402
+from minimegatron.kernels.swiglu import swiglu                               # noqa: E402
+from minimegatron.launch import spawn                                        # noqa: E402
+from minimegatron.model.attention import causal_attention, sdpa_attention    # noqa: E402
+from minimegatron.model.linear import RMSNorm                                # noqa: E402
+from minimegatron.model.mlp import mlp_activation                            # noqa: E402
+from minimegatron.parallelize import validate_layout                         # noqa: E402
+from minimegatron.testing import RunRecord, compare_runs, make_batches, single_device_run, Tolerance   # noqa: E402
+from tests.workers import precision as W                                     # noqa: E402
+
+
+def _grads(fn, inputs, dout):
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*inputs)
+    out.backward(dout)
+    return out.detach(), [x.grad for x in inputs]
+
+
+@pytest.mark.parametrize("b, a, g, s, d", [(2, 4, 2, 24, 8), (1, 2, 2, 16, 16), (1, 4, 1, 33, 8)],
+                         ids=["gqa, s not a multiple of the block", "mha", "one kv head, s 33"])
+def test_flash_attention_equals_the_naive_attention_and_sdpa(b, a, g, s, d):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(b, a, s, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    dout = torch.randn(b, a, s, d)
+    got, got_grads = _grads(flash_attention, (q, k, v), dout)
+    naive = lambda q, k, v: causal_attention(q, k.repeat_interleave(a // g, 1), v.repeat_interleave(a // g, 1))  # noqa: E731
+    for reference in (naive, sdpa_attention):
+        want, want_grads = _grads(reference, (q, k, v), dout)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for name, x, y in zip(("dq", "dk", "dv"), got_grads, want_grads):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_online_softmax_step_merges_blocks_into_the_full_softmax():
+    torch.manual_seed(0)
+    scores, v = torch.randn(5, 12), torch.randn(12, 3)
+    scores[0, :7] = float("-inf")                                  # a row whose first blocks are all masked
+    m, l, acc = torch.full((5,), float("-inf")), torch.zeros(5), torch.zeros(5, 3)
+    for block in range(0, 12, 4):
+        m, l, acc = online_softmax_step(m, l, acc, scores[:, block:block + 4], v[block:block + 4])
+    torch.testing.assert_close(acc / l[:, None], torch.softmax(scores, -1) @ v)
+    torch.testing.assert_close(m + l.log(), scores.logsumexp(-1))
+
+
+def test_rmsnorm_forward_and_backward_equal_the_books_rmsnorm():
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(3, 10, 48), torch.randn(48), torch.randn(3, 10, 48)    # h 48: not a power of 2
+    got, (dx, dw) = _grads(lambda x, w: rms_norm(x, w, 1e-5, block_rows=4), (x, w), dy)
+    norm = RMSNorm(48, 1e-5)
+
+    def book(x, w):
+        norm.weight = torch.nn.Parameter(w)
+        return norm(x)
+    want, (want_dx, _) = _grads(book, (x, w), dy)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(dx, want_dx)
+    torch.testing.assert_close(dw, norm.weight.grad)
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-5).reshape(-1)               # the PyTorch backward the kernel mirrors
+    ref_dx, ref_dw = rmsnorm_backward(dy.reshape(-1, 48), x.reshape(-1, 48), w, rstd)
+    torch.testing.assert_close(ref_dx.view_as(x), want_dx)
+    torch.testing.assert_close(ref_dw, norm.weight.grad)
+
+
+def test_swiglu_forward_and_backward_equal_the_books_swiglu():
+    torch.manual_seed(0)
+    y, dout = torch.randn(3, 10, 80), torch.randn(3, 10, 40)
+    got, (dy,) = _grads(lambda y: swiglu(y, block_rows=4), (y,), dout)
+    want, (want_dy,) = _grads(lambda y: mlp_activation(y, True), (y,), dout)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(dy, want_dy)
+
+
+def _model(**kw):
+    sizes = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                 vocab_size=64, max_position_embeddings=32, params_dtype="float32")
+    return ModelConfig.llama(**{**sizes, **kw})
+
+
+# AdamW eps 1e-3: a float32 rounding of a near-zero gradient would otherwise flip a whole lr-sized
+# step (tests/test_precision.py says the same for 16-bit models)
+BASE = TrainConfig(seq_length=16, micro_batch_size=2, grad_accum_steps=2, train_iters=2, lr=1e-2, lr_warmup_iters=0,
+                   eval_interval=0, progress=False, adam_eps=1e-3)
+FLOAT32 = Tolerance(loss=1e-5, rtol=1e-3, atol=1e-5)     # Triton's float32 against PyTorch's, summation order
+
+
+def test_the_model_with_triton_kernels_trains_as_with_torchs():
+    model = _model()
+    batches = make_batches(model, 2, 4, 16)
+    torch_run = single_device_run(model, batches, BASE, grad_accum_steps=2)
+    triton_run = single_device_run(model, batches, dataclasses.replace(BASE, kernels="triton"), grad_accum_steps=2)
+    report = compare_runs(torch_run, triton_run, torch.float32, FLOAT32)
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("fields, model_kw, message", [
+    (dict(kernels="triton"), dict(attention_dropout=0.1), "attention_dropout=0.1: the Triton FlashAttention"),
+    (dict(kernels="triton", context_parallel_size=2), {}, "context_parallel_size=2"),
+    (dict(kernels="triton"), dict(hidden_size=48, num_attention_heads=4), "head size 12"),
+])
+def test_what_the_kernels_cannot_run_is_named(fields, model_kw, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_layout(_model(**model_kw), dataclasses.replace(BASE, **fields), 2)
+
+
+def _layout(name, tp=1, pp=1, dp=1, sp=False, **train):
+    model = _model()
+    cfg = dataclasses.replace(BASE, kernels="triton", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              sequence_parallel=sp, **train)
+    return name, model, cfg, dp, make_batches(model, 2, 2 * 2 * dp, 16)
+
+
+LAYOUTS = [_layout("tp2 + SP x dp2", tp=2, sp=True, dp=2),
+           _layout("tp2 x pp2, full recompute", tp=2, pp=2, recompute_granularity="full", recompute_method="uniform",
+                   recompute_num_layers=1)]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return spawn(W.train_layouts, 4, LAYOUTS, timeout=600)
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[name for name, *_ in LAYOUTS])
+def test_each_layout_with_triton_kernels_equals_one_device_with_them(trained, index):
+    name, model, cfg, dp, batches = LAYOUTS[index]
+    one = dataclasses.replace(cfg, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+                              recompute_num_layers=None)
+    reference = single_device_run(model, batches, one, grad_accum_steps=cfg.grad_accum_steps * dp)
+    run = trained[0][index]
+    report = compare_runs(reference, RunRecord(run["losses"], run["grads"], run["params"]), torch.float32)
+    assert report.ok, f"{name}\n{report}"
