@@ -4,6 +4,7 @@ proven equal, bit for bit, to the same run without it.
     python chapters/07_kernels/demo.py                           # spawns 4 ranks: full recompute, tp 2 x dp 2
     python chapters/07_kernels/demo.py --recompute selective --recompute-modules core_attn mlp --tp 2 --cp 2 --dp 1
     python chapters/07_kernels/demo.py --pack --recompute selective --tp 2 --sp --dp 2
+    python chapters/07_kernels/demo.py --kernels triton --recompute full --tp 2 --sp --dp 2
     torchrun --standalone --nproc_per_node=8 chapters/07_kernels/demo.py --recompute full --recompute-method block --tp 2 --sp --pp 2
 
 This file is the chapter's experiment and its command line; make_figures.py, the notebook and
@@ -24,6 +25,9 @@ wrapper; testing.train_layout). The report:
         with each recompute (skipped with --quick);
   [packed] with --pack (documents packed in each row, Megatron's three switches on): the logits
         of packed documents against each document alone, one process;
+  [kernels] with --kernels triton (the model's norms, attention core and SwiGLU as Triton
+        programs, interpreted on a CPU): each kernel's forward and gradients against the book's
+        PyTorch function, one process;
 
 and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 """
@@ -68,7 +72,8 @@ class RecomputeRun(Run):
                                                                     if getattr(self, k) > 1]
         if t.expert_model_parallel_size > 1:
             parts.append(f"ep={t.expert_model_parallel_size}")
-        return f"{what}{', packed documents' if t.reset_attention_mask else ''}: " + " x ".join(parts + [f"dp={self.dp}"])
+        extras = ", packed documents" * t.reset_attention_mask + ", Triton kernels" * (t.kernels == "triton")
+        return f"{what}{extras}: " + " x ".join(parts + [f"dp={self.dp}"])
 
 
 def pack(batch: dict[str, torch.Tensor], eod: int) -> dict[str, torch.Tensor]:
@@ -101,19 +106,22 @@ def packed_equals_alone(model_cfg: ModelConfig, lengths=(5, 9, 4, 14)) -> tuple[
     return (together - alone).abs().max().item(), (mixed[first:] - alone[first:]).abs().max().item()
 
 
-def tiny_model(layers: int = 2, experts: int | None = None, cp: int = 1) -> ModelConfig:
+def tiny_model(layers: int = 2, experts: int | None = None, cp: int = 1, kernels: str = "torch") -> ModelConfig:
     """The demo's model in float64, dropout 0.1 (attention dropout 0 under cp > 1, which the
-    ring does not support: chapter 04)."""
+    ring does not support: chapter 04). With the Triton kernels: float32 (they compute in it)
+    and no attention dropout (the Triton FlashAttention has none)."""
+    triton = kernels == "triton"
     return ModelConfig.llama(hidden_size=32, num_layers=layers, num_attention_heads=4, num_query_groups=2,
-                             ffn_hidden_size=64, vocab_size=64, max_position_embeddings=64, params_dtype="float64",
-                             hidden_dropout=0.1, attention_dropout=0.0 if cp > 1 else 0.1,
+                             ffn_hidden_size=64, vocab_size=64, max_position_embeddings=64,
+                             params_dtype="float32" if triton else "float64", hidden_dropout=0.1,
+                             attention_dropout=0.0 if cp > 1 or triton else 0.1,
                              **({"num_experts": experts, "moe_router_topk": 2} if experts else {}))
 
 
 def make_run(model: ModelConfig, granularity: str = "full", tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, *,
              sp: bool = False, ep: int = 1, method: str = "uniform", num_layers: int = 1,
              modules: tuple[str, ...] = ("core_attn",), micro_batches: int = 2, steps: int = 2,
-             seq: int = 32, packed: bool = False) -> RecomputeRun:
+             seq: int = 32, packed: bool = False, kernels: str = "torch") -> RecomputeRun:
     """A validated RecomputeRun (ConfigError naming the numbers before any process starts)."""
     full = granularity == "full"
     train = TrainConfig(seq_length=seq, micro_batch_size=2, grad_accum_steps=micro_batches, train_iters=steps,
@@ -122,7 +130,7 @@ def make_run(model: ModelConfig, granularity: str = "full", tp: int = 1, cp: int
                         recompute_method=method if full else None, recompute_num_layers=num_layers if full else None,
                         recompute_modules=tuple(modules), tensor_model_parallel_size=tp, context_parallel_size=cp,
                         pipeline_model_parallel_size=pp, sequence_parallel=sp, expert_model_parallel_size=ep,
-                        **(PACKED if packed else {}))
+                        kernels=kernels, **(PACKED if packed else {}))
     validate_layout(model, train, tp * cp * pp * dp)
     return RecomputeRun(model, train, dp)
 
@@ -241,9 +249,64 @@ def time_lines(rows: list[dict], repeats: int = 5) -> list[str]:
             for r, t in zip(rows, seconds)]
 
 
+def kernel_errors() -> list[tuple[str, float]]:
+    """One process, float32: each Triton kernel (minimegatron/kernels/) against the book's
+    PyTorch function, forward and every gradient: [(what, max |difference|)]."""
+    from minimegatron.kernels.flash_attention import flash_attention
+    from minimegatron.kernels.rmsnorm import rms_norm
+    from minimegatron.kernels.swiglu import swiglu
+    from minimegatron.model.attention import sdpa_attention
+    from minimegatron.model.linear import RMSNorm
+    from minimegatron.model.mlp import mlp_activation
+
+    def run(fn, inputs, dout):
+        inputs = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*inputs)
+        out.backward(dout)
+        return [out.detach()] + [x.grad for x in inputs]
+
+    def norm(x, w):                                   # the book's module, its weight given
+        return torch.func.functional_call(RMSNorm(w.shape[0], 1e-5), {"weight": w}, (x,))
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    x, w, y = torch.randn(2, 40, 48), torch.randn(48), torch.randn(2, 40, 96)
+    cases = [("FlashAttention-2 (GQA, s 40, d 16)", ("out", "dq", "dk", "dv"), flash_attention, sdpa_attention,
+              (q, k, v), torch.randn(2, 4, 40, 16)),
+             ("RMSNorm (h 48)", ("y", "dx", "dw"), lambda x, w: rms_norm(x, w, 1e-5), norm, (x, w), torch.randn(2, 40, 48)),
+             ("SwiGLU (f 48)", ("out", "dy"), swiglu, lambda y: mlp_activation(y, True), (y,), torch.randn(2, 40, 48))]
+    out = []
+    for name, parts, kernel, reference, inputs, dout in cases:
+        for part, a, b in zip(parts, run(kernel, inputs, dout), run(reference, inputs, dout)):
+            out.append((f"{name} {part}", (a - b).abs().max().item()))
+    return out
+
+
+def attention_saved_bytes(seq: int = 512) -> dict[str, int]:
+    """One process, float32, b 1, a 4, d 16: the bytes one causal attention call keeps for its
+    backward (its saved tensors' storages, counted once), the book's written-out attention
+    against the Triton FlashAttention (q, k, v, out and one float32 log-sum-exp per row)."""
+    from minimegatron.kernels.flash_attention import flash_attention
+    from minimegatron.model.attention import causal_attention
+
+    q, k, v = (torch.randn(1, 4, seq, 16, requires_grad=True) for _ in range(3))
+    out = {}
+    for name, attend in (("naive", causal_attention), ("flash", flash_attention)):
+        storages = {}
+
+        def pack(t):
+            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            kept = attend(q, k, v)
+        out[name] = sum(storages.values())
+        del kept
+    return out
+
+
 def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
     exact, problems = bit_for_bit(per_rank)
-    print(f"model: llama, h=32 L={run.model.num_layers}, float64, dropout {run.model.hidden_dropout} "
+    print(f"model: llama, h=32 L={run.model.num_layers}, {run.model.params_dtype}, dropout {run.model.hidden_dropout} "
           f"(attention {run.model.attention_dropout})")
     print(f"[1/4] with recompute against without, from the same random states, over {run.train.train_iters} steps:")
     print("\n".join(exact))
@@ -260,6 +323,15 @@ def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
         print("[4/4] time, one process, one thread (this machine):")
         print("\n".join(time_lines(rows)))
     problems += comm_problems + mem_problems
+    if run.train.kernels == "triton":
+        print("[kernels] each Triton kernel against the book's PyTorch function, float32, Triton's interpreter on a CPU:")
+        for what, error in kernel_errors():
+            print(f"  {what:<40} max |difference| {error:.1e}")
+            if not error < 1e-4:
+                problems.append(f"{what} differs by {error:.1e}")
+        kept = attention_saved_bytes()
+        print(f"  one causal attention at s 512 (a 4, d 16, float32) keeps {kept['naive']:,} bytes for its backward "
+              f"written out, {kept['flash']:,} as FlashAttention-2 (no [s, s] matrix)")
     if run.train.reset_attention_mask:
         packed, mixed = packed_equals_alone(run.model)
         print(f"[packed] documents of 5, 9, 4 and 14 tokens in one row, with --reset-position-ids "
@@ -290,6 +362,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: > 1 gives the model 4 experts per layer")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / (tp cp pp) "
                                                             "under torchrun, else 2)")
+    parser.add_argument("--kernels", choices=["torch", "triton"], default="torch",
+                        help="triton: RMSNorm, FlashAttention-2 and SwiGLU as Triton kernels (a float32 model without "
+                             "attention dropout; interpreted on a CPU)")
     parser.add_argument("--pack", action="store_true",
                         help="documents of 7 tokens in each row, with Megatron's --reset-position-ids "
                              "--reset-attention-mask --eod-mask-loss (not with --cp)")
@@ -307,11 +382,11 @@ def build_run(args: argparse.Namespace, dp: int) -> RecomputeRun:
     if args.ep > 1 and args.tp > 1 and not args.sp:
         raise ConfigError(f"--ep {args.ep} with --tp {args.tp} needs --sp (chapter 05: each tp rank routes its own "
                           f"s/tp tokens)")
-    model = tiny_model(layers=2 * args.pp, experts=4 if args.ep > 1 else None, cp=args.cp)
+    model = tiny_model(layers=2 * args.pp, experts=4 if args.ep > 1 else None, cp=args.cp, kernels=args.kernels)
     return make_run(model, args.recompute, args.tp, args.cp, args.pp, dp, sp=args.sp, ep=args.ep,
                     method=args.recompute_method, num_layers=args.recompute_num_layers,
                     modules=tuple(args.recompute_modules), micro_batches=args.micro_batches, steps=args.steps,
-                    packed=args.pack)
+                    packed=args.pack, kernels=args.kernels)
 
 
 def main(argv=None) -> int:

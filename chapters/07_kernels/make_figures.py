@@ -95,6 +95,7 @@ RUNS = {
     "moe": f"{DEMO} --quick --recompute selective --recompute-modules moe --tp 2 --sp --ep 2 --dp 2",
     "pack": f"{DEMO} --quick --pack --recompute selective --tp 2 --sp --dp 2",                  # §5
     "packing": "python benchmarks/bench_packing.py",                                           # §5, timed
+    "kernels": f"{DEMO} --quick --kernels triton --recompute full --tp 2 --sp --dp 2",        # §6
 }
 MACHINE_DEPENDENT = ()
 
@@ -143,6 +144,13 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v["pack_rows_ratio"] = grab(packing, r"([\d.]+) x fewer rows packed")
     v["pack_speedup"] = grab(packing, r"packed / padded: ([\d.]+) x")
     claim(v["pack_speedup"] > 1, "packed rows get through more real tokens per second than padded ones")
+    kernels = outputs["kernels"]
+    errors = [float(x) for x in __import__("re").findall(r"max \|difference\| ([\d.e+-]+)", "\n".join(kernels))]
+    v["kernel_max_error"] = max(errors)
+    claim(len(errors) == 9, "nine kernel outputs and gradients are checked")
+    v["flash_naive_bytes"] = grab(kernels, r"keeps ([\d,]+) bytes for its backward written out")
+    v["flash_bytes"] = grab(kernels, r"written out, ([\d,]+) as FlashAttention-2")
+    claim(v["flash_bytes"] == 4 * 4 * 512 * 16 * 4 + 4 * 512 * 4, "FlashAttention keeps q, k, v, out and the lse only")
     return v
 
 

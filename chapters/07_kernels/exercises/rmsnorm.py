@@ -6,6 +6,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
 
     7.4  RMSNorm's backward  ->  rmsnorm_backward()   make grade EX=7.4
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 7.4.
+
 Grade the whole chapter with `make grade CH=07`; start a stub over with
 `make exercises-reset CH=07` (this discards your work in the chapter).
 """
