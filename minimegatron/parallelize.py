@@ -129,7 +129,9 @@ def _check_triton_kernels(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
                                                            f"Triton FlashAttention has no dropout"),
                          (cfg.context_parallel_size > 1, f"context_parallel_size={cfg.context_parallel_size}: the "
                                                          f"attention is context parallelism's own"),
-                         (d & (d - 1) != 0, f"head size {d} (hidden_size / num_attention_heads) is not a power of 2")):
+                         (d & (d - 1) != 0 or (cfg.device == "cuda" and d < 16),
+                          f"head size {d} (hidden_size / num_attention_heads): it must be a power of 2, and at least 16 "
+                          f"on a GPU")):
         if bad:
             raise ConfigError(f"kernels='triton' with {message}")
 

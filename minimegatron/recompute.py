@@ -2,7 +2,8 @@
 when the backward needs it. Megatron-LM's --recompute-granularity, --recompute-method,
 --recompute-num-layers and --recompute-modules, as one transformation of the one model:
 
-    model = apply_recompute(model, cfg)        # parallelize.build_model, after FP8
+    model = apply_recompute(model, cfg.recompute_granularity, cfg.recompute_method,
+                            cfg.recompute_num_layers, cfg.recompute_modules)   # parallelize.build_model
 
 full       the chunk's transformer layers run in units (method "uniform": every `num_layers`
            consecutive layers form one unit; "block": each of the first `num_layers` layers is a
@@ -128,10 +129,10 @@ def gemms_of(*modules: nn.Module) -> list:
 
 def recompute_units(num_layers: int, method: str, per_unit: int) -> list[tuple[int, int, bool]]:
     """The chunk's layers 0..num_layers-1 as (start, end, recomputed) runs: "uniform" cuts them
-    into units of `per_unit` layers (the last may be shorter), all recomputed; "block"
-    recomputes each of the first `per_unit` layers alone and runs the rest as usual. Every
-    layer is in exactly one run, in order (Megatron: checkpointed_forward in
-    megatron/core/recompute.py)."""
+    into units of `per_unit` layers (the last may be shorter), all recomputed; "block" gives
+    every layer a run of its own, (i, i + 1, ...), recomputed for the first `per_unit` layers
+    and not for the rest. Every layer is in exactly one run, in order (Megatron:
+    checkpointed_forward in megatron/core/recompute.py)."""
     # BEGIN EXERCISE 7.2: full recompute's units | hint: a unit keeps only its input, so fewer, longer units keep less and recompute the same; which method leaves layers alone, and which cuts them all?
     if method == "uniform":
         return [(i, min(i + per_unit, num_layers), True) for i in range(0, num_layers, per_unit)]

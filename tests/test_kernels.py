@@ -143,3 +143,20 @@ def test_each_layout_with_triton_kernels_equals_one_device_with_them(trained, in
     run = trained[0][index]
     report = compare_runs(reference, RunRecord(run["losses"], run["grads"], run["params"]), torch.float32)
     assert report.ok, f"{name}\n{report}"
+
+
+def test_a_bf16_model_runs_the_kernels_in_float32():
+    """16-bit tensors are upcast for the kernels (Triton's dot takes one dtype; its interpreter
+    gets 16-bit arithmetic wrong) and the results cast back: a bf16 model with the kernels trains
+    as the bf16 model without them, within the bf16 row of testing.TOLERANCES."""
+    q, k, v = (torch.randn(1, 4, 24, 8).bfloat16() for _ in range(3))
+    got = flash_attention(q, k[:, :2], v[:, :2])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, sdpa_attention(q, k[:, :2], v[:, :2]), rtol=2e-2, atol=2e-2)
+    model = _model(params_dtype="bfloat16")
+    batches = make_batches(model, 2, 4, 16)
+    bf16 = dataclasses.replace(BASE, bf16=True)
+    plain = single_device_run(model, batches, bf16, grad_accum_steps=2)
+    fused = single_device_run(model, batches, dataclasses.replace(bf16, kernels="triton"), grad_accum_steps=2)
+    report = compare_runs(plain, fused, torch.bfloat16)
+    assert report.ok, str(report)

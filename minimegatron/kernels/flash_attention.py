@@ -14,20 +14,25 @@ running output acc; a new block of scores S moves them to
 
 (exercise 7.3 writes this merge in PyTorch: `online_softmax_step`), and at the end out = acc / l.
 Causal: a query block reads only the key blocks at or before it, and masks the diagonal block.
-It saves out and one log-sum-exp per row, lse = m + log l, for the backward: 4 b a s bytes,
-where naive attention keeps the b a s^2 probabilities.
+Starting at key 0, every row meets a finite score in its first block, so unlike the general
+merge of exercise 7.3 the kernel never sees a row whose maximum is still -inf. For the backward
+it keeps its inputs q, k, v, its output, and one float32 log-sum-exp per row, lse = m + log l
+(4 b a s bytes), where the written-out attention keeps the b a s^2 probabilities and more.
 
 Backward, with D = rowsum(dout * out) (one pass in PyTorch): the probabilities come back from
 the scores and lse, P = exp(S - lse), so nothing [s, s] was kept. Two kernels, each summing in
 its own program (no atomics): one per key block, which loops over the query blocks at or after
 it for dv = P^T dout and dk = dS^T q / sqrt(d), dS = P (dout v^T - D); one per query block for
 dq = dS k / sqrt(d). Under GQA each query head's dk, dv are written apart and summed over the
-a/g heads of a group afterwards (one [b, a, s, d] buffer; a fused kernel would accumulate them
-in place).
+a/g heads of a group afterwards (two float32 [b, a, s, d] buffers; a fused kernel would
+accumulate them in place).
 
-On a CPU the kernels run in Triton's interpreter (kernels/__init__.py sets TRITON_INTERPRET=1
-there): exact in float32, hundreds of times slower than PyTorch, so the tests keep s and d
-small. Compiled on a GPU, d must be a power of 2 of at least 16 (Triton's tl.dot). No dropout.
+The kernels compute in float32: 16-bit inputs are upcast before the launch and the results
+cast back (a production kernel reads them in 16 bits and accumulates in float32; Triton's
+interpreter gets 16-bit arithmetic wrong, so the book keeps one path). On a CPU the kernels run
+in that interpreter (kernels/__init__.py sets TRITON_INTERPRET=1 there): exact in float32,
+hundreds of times slower than PyTorch, so the tests keep s and d small. d must be a power of
+2, and on a GPU at least 16 (Triton's tl.dot); both are refused by name. No dropout.
 
 Reference: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
 Partitioning" (2023), Algorithms 1 and 2. Megatron-LM reaches the same algorithm through
@@ -160,7 +165,8 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, block_m: int, block_n: int):
         b, a, s, d = q.shape
         g = k.shape[1]
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        ctx.dtype = q.dtype
+        q, k, v = (t.float().contiguous() for t in (q, k, v))                           # the kernels' float32
         out = torch.empty_like(q)
         lse = torch.empty(b, a, s, dtype=torch.float32, device=q.device)
         grid = (triton.cdiv(s, block_m), b * a)
@@ -169,7 +175,7 @@ class FlashAttention(torch.autograd.Function):
                              BLOCK_M=block_m, BLOCK_N=block_n, D=d)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks = (block_m, block_n)
-        return out
+        return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -177,8 +183,8 @@ class FlashAttention(torch.autograd.Function):
         block_m, block_n = ctx.blocks
         b, a, s, d = q.shape
         g = k.shape[1]
-        dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1).contiguous()                        # [b, a, s]
+        dout = dout.float().contiguous()
+        delta = (dout * out).sum(-1).contiguous()                                         # [b, a, s]
         dk_heads = torch.empty(b, a, s, d, dtype=torch.float32, device=q.device)         # per query head
         dv_heads = torch.empty_like(dk_heads)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -191,7 +197,7 @@ class FlashAttention(torch.autograd.Function):
             *q.stride()[:3], *k.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, D=d)
         dk = dk_heads.view(b, g, a // g, s, d).sum(2)                                     # [b, g, s, d]
         dv = dv_heads.view(b, g, a // g, s, d).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -202,6 +208,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     if dropout_p and training:
         raise ValueError("flash_attention (Triton) has no dropout: use attention_dropout 0 with --kernels triton")
     d = q.shape[-1]
-    if d & (d - 1):
-        raise ValueError(f"flash_attention needs a head size that is a power of 2, got {d}")
+    if d & (d - 1) or (q.is_cuda and d < 16):
+        raise ValueError(f"flash_attention needs a head size that is a power of 2 (at least 16 on a GPU), got {d}")
     return FlashAttention.apply(q, k, v, block_m, block_n)

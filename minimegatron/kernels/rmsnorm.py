@@ -13,7 +13,8 @@ backward: rstd = 1 / sqrt(mean(x^2) + eps). With xhat = x rstd and g = dy w:
 Each program sums dw over its own rows only (BLOCK_ROWS of them) and writes that partial sum;
 PyTorch adds the programs' partials (one [programs, h] tensor), so no two programs write the
 same address. `rmsnorm_backward` is the same backward in PyTorch (exercise 7.4); the tests
-check both against autograd through the book's RMSNorm.
+check both against autograd through the book's RMSNorm. 16-bit inputs are upcast before the
+launch (flash_attention.py says why).
 
 Megatron-LM: Transformer Engine's fused RMSNorm (megatron/core/extensions/transformer_engine.py,
 TENorm) or Apex's (megatron/core/fusions/fused_layer_norm.py).
@@ -77,8 +78,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, block_rows: int):
-        shape, h = x.shape, x.shape[-1]
-        x2 = x.reshape(-1, h).contiguous()
+        shape, h, ctx.dtypes = x.shape, x.shape[-1], (x.dtype, weight.dtype)
+        x2, weight = x.reshape(-1, h).float().contiguous(), weight.float()        # the kernels' float32
         n = x2.shape[0]
         y = torch.empty(n, h, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -86,7 +87,7 @@ class RMSNormFunction(torch.autograd.Function):
                                                         BLOCK_ROWS=block_rows, BLOCK_H=triton.next_power_of_2(h))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.block_rows, ctx.shape = block_rows, shape
-        return y.to(x.dtype).view(shape)
+        return y.to(ctx.dtypes[0]).view(shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -95,9 +96,9 @@ class RMSNormFunction(torch.autograd.Function):
         programs = triton.cdiv(n, ctx.block_rows)
         dx = torch.empty(n, h, dtype=torch.float32, device=x2.device)
         partial = torch.empty(programs, h, dtype=torch.float32, device=x2.device)     # each program's dw
-        _rmsnorm_backward[(programs,)](dy.reshape(-1, h).contiguous(), x2, weight, rstd, dx, partial, n, h,
+        _rmsnorm_backward[(programs,)](dy.reshape(-1, h).float().contiguous(), x2, weight, rstd, dx, partial, n, h,
                                        BLOCK_ROWS=ctx.block_rows, BLOCK_H=triton.next_power_of_2(h))
-        return dx.to(x2.dtype).view(ctx.shape), partial.sum(0).to(weight.dtype), None, None
+        return dx.to(ctx.dtypes[0]).view(ctx.shape), partial.sum(0).to(ctx.dtypes[1]), None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, block_rows: int = 8) -> torch.Tensor:

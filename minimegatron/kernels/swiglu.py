@@ -10,7 +10,7 @@ and writes out; the backward reads them again with dout and writes both halves o
 
 so it keeps only y, as Megatron's fused SwiGLU does (megatron/core/fusions/fused_bias_swiglu.py,
 which torch.compile fuses on the GPU); the book's PyTorch SwiGLU (model/mlp.py) keeps silu(gate)
-as well. Computed in float32, returned in y's dtype.
+as well. Computed in float32 (16-bit inputs upcast before the launch), returned in y's dtype.
 """
 
 from __future__ import annotations
@@ -52,25 +52,25 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, block_rows: int):
-        two_f = y.shape[-1]
-        y2 = y.reshape(-1, two_f).contiguous()
+        two_f, ctx.dtype = y.shape[-1], y.dtype
+        y2 = y.reshape(-1, two_f).float().contiguous()                              # the kernels' float32
         n, f = y2.shape[0], two_f // 2
         out = torch.empty(n, f, dtype=torch.float32, device=y.device)
         _swiglu_forward[(triton.cdiv(n, block_rows),)](y2, out, n, f, BLOCK_ROWS=block_rows,
                                                        BLOCK_F=triton.next_power_of_2(f))
         ctx.save_for_backward(y2)
         ctx.block_rows, ctx.shape = block_rows, y.shape
-        return out.to(y.dtype).view(*y.shape[:-1], f)
+        return out.to(ctx.dtype).view(*y.shape[:-1], f)
 
     @staticmethod
     def backward(ctx, dout):
         (y2,) = ctx.saved_tensors
         n, f = y2.shape[0], y2.shape[1] // 2
         dy = torch.empty(n, 2 * f, dtype=torch.float32, device=y2.device)
-        _swiglu_backward[(triton.cdiv(n, ctx.block_rows),)](dout.reshape(-1, f).contiguous(), y2, dy, n, f,
+        _swiglu_backward[(triton.cdiv(n, ctx.block_rows),)](dout.reshape(-1, f).float().contiguous(), y2, dy, n, f,
                                                             BLOCK_ROWS=ctx.block_rows,
                                                             BLOCK_F=triton.next_power_of_2(f))
-        return dy.to(y2.dtype).view(ctx.shape), None
+        return dy.to(ctx.dtype).view(ctx.shape), None
 
 
 def swiglu(y: torch.Tensor, block_rows: int = 8) -> torch.Tensor:

@@ -30,10 +30,10 @@ def set_rng_states(states: tuple) -> None:
 
 def recompute_units(num_layers: int, method: str, per_unit: int) -> list[tuple[int, int, bool]]:
     """The chunk's layers 0..num_layers-1 as (start, end, recomputed) runs: "uniform" cuts them
-    into units of `per_unit` layers (the last may be shorter), all recomputed; "block"
-    recomputes each of the first `per_unit` layers alone and runs the rest as usual. Every
-    layer is in exactly one run, in order (Megatron: checkpointed_forward in
-    megatron/core/recompute.py)."""
+    into units of `per_unit` layers (the last may be shorter), all recomputed; "block" gives
+    every layer a run of its own, (i, i + 1, ...), recomputed for the first `per_unit` layers
+    and not for the rest. Every layer is in exactly one run, in order (Megatron:
+    checkpointed_forward in megatron/core/recompute.py)."""
     # BEGIN EXERCISE 7.2: full recompute's units
     # hint: a unit keeps only its input, so fewer, longer units keep less and recompute the same; which method leaves layers alone, and which cuts them all?
     raise NotImplementedError("exercise 7.2")
