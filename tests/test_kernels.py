@@ -160,3 +160,45 @@ def test_a_bf16_model_runs_the_kernels_in_float32():
     fused = single_device_run(model, batches, dataclasses.replace(bf16, kernels="triton"), grad_accum_steps=2)
     report = compare_runs(plain, fused, torch.bfloat16)
     assert report.ok, str(report)
+
+
+def test_the_fused_linear_cross_entropy_equals_the_unfused_one():
+    from minimegatron.kernels.cross_entropy import cross_entropy_grad, linear_cross_entropy
+    torch.manual_seed(0)
+    x, w, labels = torch.randn(37, 16), torch.randn(100, 16), torch.randint(0, 100, (37,))
+    g = torch.rand(37) * (torch.rand(37) > 0.3)                 # per-token gradients, some masked to 0
+    got, (dx, dw) = _grads(lambda x, w: linear_cross_entropy(x, w, labels, chunk=8), (x, w), g)
+    want, (want_dx, want_dw) = _grads(lambda x, w: torch.nn.functional.cross_entropy(x @ w.t(), labels,
+                                                                                      reduction="none"), (x, w), g)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(dx, want_dx)
+    torch.testing.assert_close(dw, want_dw)
+    logits = x @ w.t()                                          # the PyTorch gradient the backward uses
+    dlogits = cross_entropy_grad(logits.clone(), labels, logits.logsumexp(-1), g)
+    torch.testing.assert_close(dlogits, torch.func.grad(lambda z: (torch.nn.functional.cross_entropy(
+        z, labels, reduction="none") * g).sum())(logits))
+
+
+def test_the_fused_cross_entropy_never_keeps_the_logits():
+    """At Llama-3's vocabulary (128,256) the unfused loss keeps a [T, V] float32 tensor for the
+    backward; the fused one keeps one log-sum-exp a token besides its inputs."""
+    from minimegatron.kernels.cross_entropy import linear_cross_entropy
+    from minimegatron.model.gpt import language_model_loss
+    T, h, V = 8, 16, 128256
+    x, w = torch.randn(T, h, requires_grad=True), torch.randn(V, h, requires_grad=True)
+    labels = torch.randint(0, V, (T,))
+
+    def kept(fn) -> int:
+        storages = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in (x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()):
+                storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(storages.values())
+    unfused = kept(lambda: language_model_loss((x @ w.t()).view(1, T, V), labels.view(1, T)))
+    fused = kept(lambda: linear_cross_entropy(x, w, labels, chunk=4))
+    assert unfused >= T * V * 4, unfused                         # the log-probabilities, [T, V] float32
+    assert fused == T * 4 + T * 8, fused                          # lse (float32) and the labels (int64)

@@ -1,5 +1,6 @@
 """Kernels written in Triton (chapter 07): FlashAttention-2, RMSNorm and SwiGLU, forward and
-backward, each beside the book's PyTorch function it replaces and checked against it.
+backward, each beside the book's PyTorch function it replaces and checked against it, and the
+output layer fused with the cross-entropy, chunked over tokens (cross_entropy.py; standalone).
 
 Triton compiles them for a GPU. On a CPU (no CUDA device) they run in Triton's interpreter:
 importing this package sets TRITON_INTERPRET=1 there, which Triton reads when it is first

@@ -67,3 +67,35 @@ def test_the_gradients_are_autograds_through_the_books_rmsnorm(rows, h):
     dx, dw = implementation("7.4")(dy, x, w, rstd)
     torch.testing.assert_close(dx, xr.grad, msg="dx differs from autograd through model/linear.py's RMSNorm")
     torch.testing.assert_close(dw, norm.weight.grad, msg="dw differs from autograd (summed over every row?)")
+
+
+# --------------------------------------------------------------------------------------
+# 7.5 the chunked cross-entropy's gradient
+# --------------------------------------------------------------------------------------
+@pytest.mark.exercise("7.5")
+@pytest.mark.parametrize("rows, vocab", [(1, 3), (6, 50), (9, 257)])
+def test_the_logits_gradient_is_autograds_through_torchs_cross_entropy(rows, vocab):
+    torch.manual_seed(vocab)
+    logits, labels = torch.randn(rows, vocab) * 2, torch.randint(0, vocab, (rows,))
+    grad = torch.rand(rows)
+    grad[0] = 0.0                                                 # a masked token: no gradient at all
+    want = torch.func.grad(lambda z: (torch.nn.functional.cross_entropy(z, labels, reduction="none") * grad).sum())(
+        logits)
+    got = implementation("7.5")(logits.clone(), labels, logits.logsumexp(-1), grad)
+    torch.testing.assert_close(got, want, msg="dlogits differs from autograd through F.cross_entropy "
+                                              "(each token's own incoming gradient, the softmax, the label's -1?)")
+
+
+@pytest.mark.exercise("7.5")
+def test_the_fused_loss_with_your_gradient_equals_the_unfused_one():
+    from booktools.exercises import plugged
+    from minimegatron.kernels.cross_entropy import linear_cross_entropy
+    torch.manual_seed(0)
+    x, w, labels = torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True), \
+        torch.randint(0, 30, (20,))
+    plugged(lambda: linear_cross_entropy(x, w, labels, chunk=6).sum().backward(), "7.5")()
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    torch.nn.functional.cross_entropy(x @ w.t(), labels, reduction="sum").backward()
+    torch.testing.assert_close(dx, x.grad)
+    torch.testing.assert_close(dw, w.grad)
