@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from minimegatron.kernels import available      # first: it sets TRITON_INTERPRET=1 before triton is imported
+from minimegatron.kernels import available      # tests/conftest.py imported minimegatron first (TRITON_INTERPRET)
 
 if available() is not None:
     pytest.skip(available(), allow_module_level=True)

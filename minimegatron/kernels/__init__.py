@@ -3,23 +3,19 @@ backward, each beside the book's PyTorch function it replaces and checked agains
 output layer fused with the cross-entropy, chunked over tokens (cross_entropy.py; standalone).
 
 Triton compiles them for a GPU. On a CPU (no CUDA device) they run in Triton's interpreter:
-importing this package sets TRITON_INTERPRET=1 there, which Triton reads when it is first
-imported, so this package must come before any `import triton` of the process (or set the
-variable yourself). The interpreter is exact in float32 and hundreds of times slower than
-PyTorch: it is for reading and testing the programs, not for speed. Without the `triton`
-package the kernels cannot be imported (`available()` says why).
+importing `minimegatron` sets TRITON_INTERPRET=1 there (minimegatron/__init__.py), which
+Triton reads when it is first imported, so `minimegatron` must come before any `import triton`
+of the process, or torch module that imports it (or set the variable yourself). The
+interpreter is exact in float32 and hundreds of times slower than PyTorch: it is for reading and
+testing the programs, not for speed. Without the `triton` package the kernels cannot be
+imported (`available()` says why).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-_TRITON_BEFORE_US = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .. import TRITON_IMPORTED_FIRST
 
 
 def available() -> str | None:
@@ -28,8 +24,8 @@ def available() -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "the triton package is not installed (pip install triton; requirements.txt pins it)"
-    if _TRITON_BEFORE_US and not torch.cuda.is_available():
-        return ("triton was imported before minimegatron.kernels could set TRITON_INTERPRET=1 for this CPU; import "
+    if TRITON_IMPORTED_FIRST and not torch.cuda.is_available():
+        return ("triton was imported before minimegatron could set TRITON_INTERPRET=1 for this CPU; import "
                 "minimegatron first, or set TRITON_INTERPRET=1 in the environment")
     return None
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-import minimegatron.kernels  # noqa: F401  first: on a CPU, TRITON_INTERPRET=1 before a stub imports triton
+import minimegatron  # noqa: F401  first: on a CPU, TRITON_INTERPRET=1 before a stub imports triton
 
 from booktools.exercises import (IMPL_ENV, IMPLEMENTATIONS, CatalogError, MarkerError, current_impl,
                                     default_catalog)
