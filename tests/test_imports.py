@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # placed here (the test fails until it is). Later chapters' folders (sp/cp, moe, fp8,
 # kernels) go between pp and analysis, in chapter order.
 LAYERS: list[list[str]] = [
-    ["config", "comm", "parallel_state", "watchdog", "launch", "data", "checkpoint"],   # foundation
+    ["config", "comm", "parallel_state", "watchdog", "launch", "data", "checkpoint",    # foundation
+     "triton_mode"],
     ["placement"],                  # where each parameter lives: the one record (read by everything after)
     ["model"],
     ["optim", "grad_scaler"],       # the optimizer; fp16's loss scaler (chapter 06)

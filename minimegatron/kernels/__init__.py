@@ -3,7 +3,7 @@ backward, each beside the book's PyTorch function it replaces and checked agains
 output layer fused with the cross-entropy, chunked over tokens (cross_entropy.py; standalone).
 
 Triton compiles them for a GPU. On a CPU (no CUDA device) they run in Triton's interpreter:
-importing `minimegatron` sets TRITON_INTERPRET=1 there (minimegatron/__init__.py), which
+importing `minimegatron` sets TRITON_INTERPRET=1 there (minimegatron/triton_mode.py), which
 Triton reads when it is first imported, so `minimegatron` must come before any `import triton`
 of the process, or torch module that imports it (or set the variable yourself). The
 interpreter is exact in float32 and hundreds of times slower than PyTorch: it is for reading and
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import TRITON_IMPORTED_FIRST
+from ..triton_mode import TRITON_IMPORTED_FIRST
 
 
 def available() -> str | None:

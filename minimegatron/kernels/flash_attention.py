@@ -30,7 +30,7 @@ accumulate them in place).
 The kernels compute in float32: 16-bit inputs are upcast before the launch and the results
 cast back (a production kernel reads them in 16 bits and accumulates in float32; Triton's
 interpreter gets 16-bit arithmetic wrong, so the book keeps one path). On a CPU the kernels run
-in that interpreter (minimegatron/__init__.py sets TRITON_INTERPRET=1 there): exact in float32,
+in that interpreter (minimegatron/triton_mode.py sets TRITON_INTERPRET=1 there): exact in float32,
 hundreds of times slower than PyTorch, so the tests keep s and d small. d must be a power of
 2, and on a GPU at least 16 (Triton's tl.dot); both are refused by name. No dropout.
 
