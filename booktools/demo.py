@@ -238,10 +238,12 @@ def refuse_under_torchrun(message: str, root_cause: str | None = None) -> int:
     status every rank exits with.
 
     Every rank finds the same error (they parse the same flags and build the same run), so
-    only rank 0 prints `message`: once per job, not once per rank run together on one line. It
-    also writes `root_cause` (default: the message) to the file torchrun gives each rank for the
+    only rank 0 prints `message`: once per job, not once per rank run together on one line.
+    Every rank writes `root_cause` (default: the message) to the file torchrun gives it for the
     reason it failed (TORCHELASTIC_ERROR_FILE), so that torchrun's closing summary names it
-    under "Root Cause" instead of a link to its documentation. Then every rank leaves through
+    under "Root Cause" instead of a link to its documentation, whichever rank torchrun sees
+    exit first (rank 0 alone writing it made the summary depend on which rank won that race).
+    Then every rank leaves through
     launch.finish_torchrun, whose barrier keeps the other ranks from exiting before rank 0 has
     printed (torchrun stops the whole job when the first rank exits non-zero).
 
@@ -253,7 +255,7 @@ def refuse_under_torchrun(message: str, root_cause: str | None = None) -> int:
     rank, _ = init_from_torchrun()
     if rank == 0:
         print(message, file=sys.stderr, flush=True)
-        _tell_torchrun(root_cause or message)
+    _tell_torchrun(root_cause or message)
     return finish_torchrun(2)
 
 
