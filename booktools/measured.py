@@ -196,6 +196,14 @@ def grab(output: list[str] | str, pattern: str, group: int = 1) -> float:
     return parse_number(m.group(group))
 
 
+def claim(holds: bool, sentence: str) -> None:
+    """For a chapter's measure(): a sentence of its text that states a fact about the record in
+    words ("exactly twice", "a quarter"); a ValueError naming it when the recorded runs no
+    longer show it."""
+    if not holds:
+        raise ValueError(f"the chapter says {sentence!r}, which the recorded runs no longer show")
+
+
 def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
     """Run the chapter's RUNS (all, or `only`: [] reruns none and recomputes the values from
     the recorded printouts), keep the rest of the old record, compute its values with

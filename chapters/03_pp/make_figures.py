@@ -54,7 +54,7 @@ from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.pp import (Interval, bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
                              peak_in_flight, schedule, simulate)
 from booktools.demo import import_chapter  # noqa: E402
-from booktools.measured import grab, numbers_of, parse_number  # noqa: E402
+from booktools.measured import claim, grab, numbers_of, parse_number  # noqa: E402
 from minimegatron.viz import draw_rank_grid, new_figure  # noqa: E402
 
 ch03 = import_chapter("03")        # chapters/03_pp/demo.py: the runs and their checks
@@ -485,12 +485,6 @@ def numbers_after(output: list[str], prefix: str) -> list[float]:
     """The numbers of the first line that starts (after its indent) with `prefix`."""
     line = next(line for line in output if line.strip().startswith(prefix))
     return [parse_number(x) for x in numbers_of(line[line.index(prefix) + len(prefix):])]
-
-
-def claim(holds: bool, sentence: str) -> None:
-    """A sentence of the text that is a fact about the record, in words ("exactly twice")."""
-    if not holds:
-        raise ValueError(f"the chapter says {sentence!r}, which the recorded runs no longer show")
 
 
 def measure(outputs: dict[str, list[str]]) -> dict[str, float]:

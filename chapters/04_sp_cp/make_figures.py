@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import grab, parse_number
+from booktools.measured import claim, grab, parse_number
 from minimegatron import comm
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
 from minimegatron.config import ConfigError, ModelConfig
@@ -478,12 +478,6 @@ def demo_run(command: str):
     """The SeqRun a recorded demo command trains (the demo's own parse_args and build_run)."""
     args = ch04.parse_args(shlex.split(command)[2:])
     return ch04.build_run(args, args.dp or 1)
-
-
-def claim(holds: bool, sentence: str) -> None:
-    """A sentence of the text that is a fact about the record, in words ("a quarter")."""
-    if not holds:
-        raise ValueError(f"the chapter says {sentence!r}, which the recorded runs no longer show")
 
 
 def measure_demo_runs(outputs: dict[str, list[str]]) -> dict[str, float]:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import grab, numbers_of, parse_number
+from booktools.measured import claim, grab, numbers_of, parse_number
 from minimegatron.analysis import count_parameters, training_flops
 from minimegatron.config import ModelConfig
 from minimegatron.moe import aux_loss, expert_capacity, topk_routing
@@ -155,12 +155,6 @@ TEXTS = ["README.md"]          # besides this chapter's README and notebook: the
 GB, MiB = 1e9, 2**20
 MIXTRAL_SHAPES = dict(hidden_size=4096, num_layers=32, num_attention_heads=32, num_query_groups=8,
                       ffn_hidden_size=14336, vocab_size=32000, max_position_embeddings=32768)
-
-
-def claim(holds: bool, sentence: str) -> None:
-    """A sentence of the text that states a fact about the record in words ("stay there")."""
-    if not holds:
-        raise ValueError(f"the chapter says {sentence!r}, which the recorded runs no longer show")
 
 
 def verdict(output: list[str]) -> dict[str, float]:

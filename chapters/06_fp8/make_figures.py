@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import grab
+from booktools.measured import claim, grab
 from minimegatron.analysis import adam_bytes_per_parameter
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.viz import colour, finish_figure, new_figure
@@ -191,11 +191,6 @@ def grab_text(output: list[str], pattern: str) -> str:
     if m is None:
         raise ValueError(f"the printout has no match for {pattern!r}")
     return m.group(1)
-
-
-def claim(holds: bool, sentence: str) -> None:
-    if not holds:
-        raise ValueError(f"the chapter says: {sentence}; the record does not")
 
 
 def measure(outputs: dict[str, list[str]]) -> dict[str, float]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from booktools.measured import grab
+from booktools.measured import claim, grab
 from minimegatron.analysis import activation_memory, measure_saved_activation_bytes
 from minimegatron.config import ModelConfig
 from minimegatron.model import GPTModel
@@ -98,11 +98,6 @@ RUNS = {
     "kernels": f"{DEMO} --quick --kernels triton --recompute full --tp 2 --sp --dp 2",        # §6
 }
 MACHINE_DEPENDENT = ()
-
-
-def claim(holds: bool, sentence: str) -> None:
-    if not holds:
-        raise ValueError(f"the chapter says: {sentence}; the record does not")
 
 
 def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
