@@ -129,6 +129,9 @@ def _check_triton_kernels(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
                                                            f"Triton FlashAttention has no dropout"),
                          (cfg.context_parallel_size > 1, f"context_parallel_size={cfg.context_parallel_size}: the "
                                                          f"attention is context parallelism's own"),
+                         (cfg.reset_attention_mask, "reset_attention_mask: the Triton FlashAttention keeps no "
+                                                    "document mask (Megatron's THD format needs a variable-length "
+                                                    "kernel)"),
                          (d & (d - 1) != 0 or (cfg.device == "cuda" and d < 16),
                           f"head size {d} (hidden_size / num_attention_heads): it must be a power of 2, and at least 16 "
                           f"on a GPU")):

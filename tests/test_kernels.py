@@ -109,6 +109,7 @@ def test_the_model_with_triton_kernels_trains_as_with_torchs():
 @pytest.mark.parametrize("fields, model_kw, message", [
     (dict(kernels="triton"), dict(attention_dropout=0.1), "attention_dropout=0.1: the Triton FlashAttention"),
     (dict(kernels="triton", context_parallel_size=2), {}, "context_parallel_size=2"),
+    (dict(kernels="triton", reset_attention_mask=True), {}, "reset_attention_mask: the Triton FlashAttention"),
     (dict(kernels="triton"), dict(hidden_size=48, num_attention_heads=4), "head size 12"),
 ])
 def test_what_the_kernels_cannot_run_is_named(fields, model_kw, message):

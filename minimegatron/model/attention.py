@@ -139,7 +139,8 @@ class SelfAttention(nn.Module):
         Attention._checkpointed_attention_forward)."""
         if document_ids is not None:                # packed documents: the block-diagonal mask
             if self.core_attention is not None:
-                raise ValueError("packed documents (document_ids) under context parallelism are not in this book")
+                raise ValueError("packed documents (document_ids) with the attention replaced (context parallelism, "
+                                 "the Triton kernel) are not in this book")
             attend = partial(document_attention, document_ids=document_ids)
         elif self.core_attention is not None:       # context parallel: the keys of every rank
             attend = self.core_attention
