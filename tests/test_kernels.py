@@ -1,8 +1,8 @@
-"""The Triton kernels of chapter 07 (minimegatron/kernels/): FlashAttention-2, RMSNorm and SwiGLU,
-forward and every gradient, against the book's PyTorch functions (float32, in Triton's
+"""The Triton kernels of chapter 07 (minimegatron/kernels/): FlashAttention-2, RMSNorm, LayerNorm and
+SwiGLU, forward and every gradient, against the book's PyTorch functions (float32, in Triton's
 interpreter on this CPU, small shapes); the PyTorch references the kernels mirror (the online
-softmax step, RMSNorm's backward); and the model with --kernels triton, on one device and under
-tensor, sequence and pipeline parallelism, against one device with the same kernels."""
+softmax step, RMSNorm's and LayerNorm's backward); and the model with --kernels triton, on one
+device and under tensor, sequence and pipeline parallelism, against one device with the same kernels."""
 
 import dataclasses
 
@@ -16,11 +16,12 @@ if available() is not None:
 
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig          # noqa: E402
 from minimegatron.kernels.flash_attention import flash_attention, online_softmax_step   # noqa: E402
+from minimegatron.kernels.layernorm import layer_norm, layernorm_backward    # noqa: E402
 from minimegatron.kernels.rmsnorm import rms_norm, rmsnorm_backward          # noqa: E402
 from minimegatron.kernels.swiglu import swiglu                               # noqa: E402
 from minimegatron.launch import spawn                                        # noqa: E402
 from minimegatron.model.attention import causal_attention, sdpa_attention    # noqa: E402
-from minimegatron.model.linear import RMSNorm                                # noqa: E402
+from minimegatron.model.linear import LayerNorm, RMSNorm                     # noqa: E402
 from minimegatron.model.mlp import mlp_activation                            # noqa: E402
 from minimegatron.parallelize import validate_layout                         # noqa: E402
 from minimegatron.testing import RunRecord, compare_runs, make_batches, single_device_run, Tolerance   # noqa: E402
@@ -75,6 +76,25 @@ def test_rmsnorm_forward_and_backward_equal_the_books_rmsnorm():
     torch.testing.assert_close(ref_dw, want_dw)
 
 
+@pytest.mark.parametrize("shape", [(10, 48), (3, 10, 48)], ids=["rows 10, h 48", "3-D"])   # h 48: not a power of 2
+def test_layernorm_forward_and_backward_equal_the_books_layernorm(shape):
+    torch.manual_seed(0)
+    x, w, b, dy = torch.randn(shape) + 1.0, torch.randn(48), torch.randn(48), torch.randn(shape)   # rows' mean not 0
+    got, (dx, dw, db) = _grads(lambda x, w, b: layer_norm(x, w, b, 1e-5, block_rows=4), (x, w, b), dy)
+    book = lambda x, w, b: torch.func.functional_call(LayerNorm(48, 1e-5), {"weight": w, "bias": b}, (x,))  # noqa: E731
+    want, (want_dx, want_dw, want_db) = _grads(book, (x, w, b), dy)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(dx, want_dx)
+    torch.testing.assert_close(dw, want_dw)
+    torch.testing.assert_close(db, want_db)
+    x2, dy2 = x.reshape(-1, 48), dy.reshape(-1, 48)                        # the PyTorch backward the kernel mirrors
+    mean, rstd = x2.mean(-1), torch.rsqrt(x2.var(-1, unbiased=False) + 1e-5)
+    ref_dx, ref_dw, ref_db = layernorm_backward(dy2, x2, w, mean, rstd)
+    torch.testing.assert_close(ref_dx.view_as(x), want_dx)
+    torch.testing.assert_close(ref_dw, want_dw)
+    torch.testing.assert_close(ref_db, want_db)
+
+
 def test_swiglu_forward_and_backward_equal_the_books_swiglu():
     torch.manual_seed(0)
     y, dout = torch.randn(3, 10, 80), torch.randn(3, 10, 40)
@@ -84,10 +104,10 @@ def test_swiglu_forward_and_backward_equal_the_books_swiglu():
     torch.testing.assert_close(dy, want_dy)
 
 
-def _model(**kw):
+def _model(preset="llama", **kw):
     sizes = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                  vocab_size=64, max_position_embeddings=32, params_dtype="float32")
-    return ModelConfig.llama(**{**sizes, **kw})
+    return getattr(ModelConfig, preset)(**{**sizes, **kw})
 
 
 # AdamW eps 1e-3: a float32 rounding of a near-zero gradient would otherwise flip a whole lr-sized
@@ -97,8 +117,9 @@ BASE = TrainConfig(seq_length=16, micro_batch_size=2, grad_accum_steps=2, train_
 FLOAT32 = Tolerance(loss=1e-5, rtol=1e-3, atol=1e-5)     # Triton's float32 against PyTorch's, summation order
 
 
-def test_the_model_with_triton_kernels_trains_as_with_torchs():
-    model = _model()
+@pytest.mark.parametrize("preset", ["llama", "gpt2"], ids=["llama: RMSNorm, SwiGLU", "gpt2: LayerNorm, GELU"])
+def test_the_model_with_triton_kernels_trains_as_with_torchs(preset):
+    model = _model(preset)
     batches = make_batches(model, 2, 4, 16)
     torch_run = single_device_run(model, batches, BASE, grad_accum_steps=2)
     triton_run = single_device_run(model, batches, dataclasses.replace(BASE, kernels="triton"), grad_accum_steps=2)

@@ -1,5 +1,5 @@
-"""Kernels written in Triton (chapter 07): FlashAttention-2, RMSNorm and SwiGLU, forward and
-backward, each beside the book's PyTorch function it replaces and checked against it, and the
+"""Kernels written in Triton (chapter 07): FlashAttention-2, RMSNorm, LayerNorm and SwiGLU, forward
+and backward, each beside the book's PyTorch function it replaces and checked against it, and the
 output layer fused with the cross-entropy, chunked over tokens (cross_entropy.py; standalone).
 
 Triton compiles them for a GPU. On a CPU (no CUDA device) they run in Triton's interpreter:
@@ -18,6 +18,9 @@ import torch
 from ..triton_mode import TRITON_IMPORTED_FIRST
 
 
+LOSS_CHUNK_TOKENS = 1024      # tokens whose logits the fused loss holds at a time ([chunk, V/tp])
+
+
 def available() -> str | None:
     """None when the Triton kernels can run here, else the reason they cannot."""
     try:
@@ -32,30 +35,55 @@ def available() -> str | None:
 
 def apply_kernels(model, kernels: str):
     """Run `model`'s transformer layers through the Triton kernels (kernels "triton"), or leave
-    it as it is ("torch"): each RMSNorm (the final one too) through rmsnorm.rms_norm, the
+    it as it is ("torch"): each RMSNorm (the final one too) through rmsnorm.rms_norm, each
+    LayerNorm likewise through layernorm.layer_norm, the
     attention core through flash_attention.flash_attention (the SelfAttention.core_attention
     seam), and a SwiGLU MLP's activation, the experts' too, through swiglu.swiglu (MLP.activation).
-    LayerNorm and GELU stay PyTorch's. parallelize.validate_layout has refused what the kernels
+    GELU stays PyTorch's. parallelize.validate_layout has refused what the kernels
     cannot run (attention dropout, context parallelism, a head size that is not a power of 2).
     Returns the model."""
     if kernels == "torch":
         return model
     from functools import partial
 
-    from ..model.linear import RMSNorm
+    from ..model.linear import LayerNorm, RMSNorm
     from ..model.mlp import MLP
     from .flash_attention import flash_attention
     from .swiglu import swiglu
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.forward = partial(_rms_norm_forward, module)
+        elif isinstance(module, LayerNorm):
+            module.forward = partial(_layer_norm_forward, module)
         elif isinstance(module, MLP) and module.swiglu:
             module.activation = swiglu
     for layer in model.decoder.layers.values():
         layer.self_attention.core_attention = flash_attention
+    if model.post_process:
+        model.output_and_loss = partial(_fused_output_and_loss, model, model.output_and_loss)
     return model
+
+
+def _fused_output_and_loss(model, unfused, x, labels):
+    """GPTModel.output_and_loss through cross_entropy.linear_cross_entropy: the output layer
+    and the loss in one op, vocabulary-parallel under TP (the group, the real vocabulary and
+    sequence parallelism read from the tensor-parallel output layer and loss); logits
+    (labels None) as before."""
+    from ..comm import ALONE
+    from .cross_entropy import linear_cross_entropy
+    if labels is None:
+        return unfused(x, labels)
+    return linear_cross_entropy(x, model.output_weight(), labels, chunk=LOSS_CHUNK_TOKENS,
+                                group=getattr(model.loss, "group", ALONE),
+                                vocab_size=getattr(model.loss, "vocab_size", model.config.vocab_size),
+                                sequence_parallel=getattr(model.output_layer, "sequence_parallel", False))
 
 
 def _rms_norm_forward(norm, x):
     from .rmsnorm import rms_norm
     return rms_norm(x, norm.weight, norm.eps)
+
+
+def _layer_norm_forward(norm, x):
+    from .layernorm import layer_norm
+    return layer_norm(x, norm.weight, norm.bias, norm.eps)

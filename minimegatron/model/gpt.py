@@ -215,6 +215,12 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)                                 # [b, s, h]
+        return self.output_and_loss(x, labels)                              # [b, s] or [b, s, V]
+
+    def output_and_loss(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's head: x [b, s, h] (after the final norm) -> per-token losses [b, s]
+        when labels [b, s] are given, else logits [b, s, V]. The seam chapter 07's fused linear
+        cross-entropy takes (kernels.apply_kernels): the loss without the logits."""
         logits = self.output_layer(x, weight=self.output_weight())          # [b, s, V]
         if labels is None:
             return logits

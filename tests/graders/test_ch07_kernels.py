@@ -87,6 +87,20 @@ def test_the_logits_gradient_is_autograds_through_torchs_cross_entropy(rows, voc
 
 
 @pytest.mark.exercise("7.5")
+def test_a_rank_holding_part_of_the_vocabulary_subtracts_only_its_own_labels():
+    torch.manual_seed(1)
+    logits, labels = torch.randn(8, 40), torch.randint(0, 40, (8,))
+    grad, lse = torch.rand(8), logits.logsumexp(-1)
+    want = torch.func.grad(lambda z: (torch.nn.functional.cross_entropy(z, labels, reduction="none") * grad).sum())(
+        logits)
+    for start in (0, 16, 32):                                    # three ranks' columns [start, start + 16)
+        got = implementation("7.5")(logits[:, start:start + 16].clone(), labels - start, lse, grad)
+        torch.testing.assert_close(got, want[:, start:start + 16], msg=(
+            f"the columns [{start}, {start + 16}) differ: a label outside a rank's columns belongs to another "
+            "rank and has no one-hot here (labels are local: label - the rank's first id)"))
+
+
+@pytest.mark.exercise("7.5")
 def test_the_fused_loss_with_your_gradient_equals_the_unfused_one():
     from booktools.exercises import plugged
     from minimegatron.kernels.cross_entropy import linear_cross_entropy
