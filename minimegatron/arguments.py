@@ -121,8 +121,9 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                              "delayed scaling: amaxes remembered per tensor role"),
     "fp8_amax_compute_algo": ("mixed precision", ("--fp8-amax-compute-algo",),
                               "delayed scaling: the scale from the latest amax (most_recent) or the history's max"),
-    "kernels": ("training", ("--kernels",), "torch, or triton: RMSNorm, FlashAttention-2 and SwiGLU as Triton kernels "
-                                            "(chapter 07; interpreted on a CPU: for reading, not speed) (the book's)"),
+    "kernels": ("training", ("--kernels",), "torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton "
+                                            "kernels (interpreted on a CPU: for reading, not speed); compile: each layer "
+                                            "through torch.compile (chapter 07) (the book's)"),
     "recompute_granularity": ("training", ("--recompute-granularity",),
                               "activation recompute (chapter 07): full (whole layers, in units) or selective "
                               "(the parts --recompute-modules names); unset: none"),

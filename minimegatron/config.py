@@ -285,7 +285,7 @@ class TrainConfig:
     fp8_margin: int = 0                   # delayed: scale = fp8_max / amax / 2^margin
     fp8_amax_history_len: int = 1         # delayed: amaxes remembered per tensor role
     fp8_amax_compute_algo: str = "most_recent"   # delayed: "most_recent" | "max" over the history
-    kernels: str = "torch"                # "torch" | "triton": the layers' norms, attention, SwiGLU in Triton (chapter 07)
+    kernels: str = "torch"                # "torch" | "triton" (norms, attention, SwiGLU, loss in Triton) | "compile" (chapter 07)
     # activation recompute (chapter 07, recompute.py), Megatron's flags
     recompute_granularity: str | None = None   # None: keep every activation | "full" | "selective"
     recompute_method: str | None = None   # full: "uniform" (units of recompute_num_layers) | "block"
@@ -374,7 +374,7 @@ class TrainConfig:
         need(self.fp8_amax_history_len >= 1, f"fp8_amax_history_len={self.fp8_amax_history_len} must be >= 1")
         need(self.fp8_amax_compute_algo in ("most_recent", "max"),
              f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is not 'most_recent' or 'max'")
-        need(self.kernels in ("torch", "triton"), f"kernels={self.kernels!r} is not 'torch' or 'triton'")
+        need(self.kernels in ("torch", "triton", "compile"), f"kernels={self.kernels!r} is not 'torch', 'triton' or 'compile'")
         self._validate_recompute(need)
         if self.profile:
             need(0 <= self.profile_step_start < self.profile_step_end <= self.train_iters,

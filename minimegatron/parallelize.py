@@ -105,6 +105,8 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
         stage_layers(model_cfg.num_layers, pp, 0, v)                     # layers by pp x chunks
     if cfg.kernels == "triton":
         _check_triton_kernels(model_cfg, cfg)
+    if cfg.kernels == "compile":
+        _check_compile(model_cfg, cfg)
     packing = [f for f in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(cfg, f)]
     if packing and cp > 1:
         raise ConfigError(f"{', '.join(packing)} with context_parallel_size={cp}: a context-parallel rank would need "
@@ -139,6 +141,22 @@ def _check_triton_kernels(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
             raise ConfigError(f"kernels='triton' with {message}")
 
 
+def _check_compile(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
+    """What --kernels compile does not take, named: random masks (Inductor draws its own, so a
+    compiled run would not equal the eager one), and the transformations that rewrite a layer's
+    forward at run time (recompute, FP8's scale bookkeeping), which this book does not compile."""
+    dropout = [f"{name}={getattr(model_cfg, name)}" for name in ("hidden_dropout", "attention_dropout")
+               if getattr(model_cfg, name) > 0]
+    for bad, message in ((dropout, f"{', '.join(dropout)}: Inductor draws its own random numbers, so the masks "
+                                   f"would differ from the eager run's; use dropout 0"),
+                         (cfg.recompute_granularity is not None, f"recompute_granularity={cfg.recompute_granularity!r}: "
+                                                                 f"not compiled in this book"),
+                         (cfg.fp8_format is not None, f"fp8_format={cfg.fp8_format!r}: FP8's scales are Python-side "
+                                                      f"state, not compiled in this book")):
+        if bad:
+            raise ConfigError(f"kernels='compile' with {message}")
+
+
 def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
                 load: list[dict] | None = None) -> list[nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage it holds; one without
@@ -168,7 +186,8 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         # 5. FP8 (chapter 06): the transformer layers' GEMMs in FP8, the amaxes of one-scale
         #    recipes reduced over the ranks that share a micro-batch (tp x cp; the experts' etp)
         model = apply_fp8(model, fp8_recipe_of(cfg), layout.tp_cp_group, layout.etp_group)
-        # 6. kernels (chapter 07): the norms, the attention core and SwiGLU as Triton programs
+        # 6. kernels (chapter 07): the norms, the attention core, SwiGLU and the loss as Triton
+        #    programs, or each layer through torch.compile
         model = apply_kernels(model, cfg.kernels)
         # 7. activation recompute (chapter 07): whole layers in units, or the named parts of each,
         #    computed again in the backward instead of kept

@@ -5,6 +5,7 @@ proven equal, bit for bit, to the same run without it.
     python chapters/07_kernels/demo.py --recompute selective --recompute-modules core_attn mlp --tp 2 --cp 2 --dp 1
     python chapters/07_kernels/demo.py --pack --recompute selective --tp 2 --sp --dp 2
     python chapters/07_kernels/demo.py --kernels triton --recompute full --tp 2 --sp --dp 2
+    python chapters/07_kernels/demo.py --kernels compile --tp 2 --sp --dp 2    # each layer through torch.compile
     torchrun --standalone --nproc_per_node=8 chapters/07_kernels/demo.py --recompute full --recompute-method block --tp 2 --sp --pp 2
 
 This file is the chapter's experiment and its command line; make_figures.py, the notebook and
@@ -28,6 +29,11 @@ wrapper; testing.train_layout). The report:
   [kernels] with --kernels triton (the model's norms, attention core and SwiGLU as Triton
         programs, interpreted on a CPU): each kernel's forward and gradients against the book's
         PyTorch function, one process;
+
+With --kernels compile (each layer through torch.compile; no recompute, no dropout) [1/4]
+compares the compiled run with the eager one instead, within float32's summation-order
+tolerance (Inductor fuses and reorders the elementwise work), and [2/4] checks that the
+compiled layers send exactly the formula's messages.
 
 and ends with a line starting MATCH (exit 0) or MISMATCH (exit 1).
 """
@@ -72,7 +78,8 @@ class RecomputeRun(Run):
                                                                     if getattr(self, k) > 1]
         if t.expert_model_parallel_size > 1:
             parts.append(f"ep={t.expert_model_parallel_size}")
-        extras = ", packed documents" * t.reset_attention_mask + ", Triton kernels" * (t.kernels == "triton")
+        extras = (", packed documents" * t.reset_attention_mask + ", Triton kernels" * (t.kernels == "triton")
+                  + ", compiled layers" * (t.kernels == "compile"))
         return f"{what}{extras}: " + " x ".join(parts + [f"dp={self.dp}"])
 
 
@@ -109,12 +116,14 @@ def packed_equals_alone(model_cfg: ModelConfig, lengths=(5, 9, 4, 14)) -> tuple[
 def tiny_model(layers: int = 2, experts: int | None = None, cp: int = 1, kernels: str = "torch") -> ModelConfig:
     """The demo's model in float64, dropout 0.1 (attention dropout 0 under cp > 1, which the
     ring does not support: chapter 04). With the Triton kernels: float32 (they compute in it)
-    and no attention dropout (the Triton FlashAttention has none)."""
-    triton = kernels == "triton"
+    and no attention dropout (the Triton FlashAttention has none). Compiled: float32 (the
+    CPU's compiled path) and no dropout (Inductor draws its own masks)."""
+    triton, compiled = kernels == "triton", kernels == "compile"
     return ModelConfig.llama(hidden_size=32, num_layers=layers, num_attention_heads=4, num_query_groups=2,
                              ffn_hidden_size=64, vocab_size=64, max_position_embeddings=64,
-                             params_dtype="float32" if triton else "float64", hidden_dropout=0.1,
-                             attention_dropout=0.0 if cp > 1 or triton else 0.1,
+                             params_dtype="float32" if triton or compiled else "float64",
+                             hidden_dropout=0.0 if compiled else 0.1,
+                             attention_dropout=0.0 if cp > 1 or triton or compiled else 0.1,
                              **({"num_experts": experts, "moe_router_topk": 2} if experts else {}))
 
 
@@ -140,7 +149,8 @@ def make_run(model: ModelConfig, granularity: str = "full", tp: int = 1, cp: int
 # ---------------------------------------------------------------------------------------
 def train_run(run: RecomputeRun) -> dict:
     """Spawn (or torchrun) target: the layout trained without recompute, then with it, each from
-    the random states the training loop seeds (train._run); returns both runs' losses,
+    the random states the training loop seeds (train._run); under --kernels compile eagerly,
+    then compiled (the "recompute" run is the compiled one); returns both runs' losses,
     first-step gradients and final parameters (full, single-device names) and, for the run
     with recompute, what run_report reads of a rank ("records" by dimension, "pp_rank",
     "ep_group")."""
@@ -151,7 +161,8 @@ def train_run(run: RecomputeRun) -> dict:
 
     out = {}
     plain = dataclasses.replace(run.train, recompute_granularity=None, recompute_method=None,
-                                recompute_num_layers=None)
+                                recompute_num_layers=None,
+                                kernels="torch" if run.train.kernels == "compile" else run.train.kernels)
     for label, cfg in (("plain", plain), ("recompute", run.train)):
         seed = lambda chunks, layout, cfg=cfg: model_parallel_manual_seed(   # noqa: E731
             cfg.data_seed, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
@@ -166,23 +177,34 @@ def train_run(run: RecomputeRun) -> dict:
 # ---------------------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------------------
-def bit_for_bit(per_rank: list[dict]) -> tuple[list[str], list[str]]:
+COMPILED = dict(loss=1e-5, rtol=1e-3, atol=1e-5)     # tests/test_compile.py's float32 tolerance
+
+
+def bit_for_bit(per_rank: list[dict], compiled: bool = False) -> tuple[list[str], list[str]]:
     """(lines, problems): on every rank, each loss, gradient and parameter with recompute
-    against the same without it, compared with torch.equal."""
+    against the same without it, compared with torch.equal; `compiled`: the compiled run
+    against the eager one, within COMPILED."""
     problems = []
+
+    def same(got, want) -> bool:
+        if not compiled:
+            return torch.equal(got, want)
+        return torch.allclose(got, want, rtol=COMPILED["rtol"], atol=COMPILED["atol"])
     for rank, r in enumerate(per_rank):
         plain, run = r["plain"], r["recompute"]
-        if run["losses"] != plain["losses"]:
+        far = max(abs(a - b) for a, b in zip(run["losses"], plain["losses"]))
+        if (far > COMPILED["loss"]) if compiled else run["losses"] != plain["losses"]:
             problems.append(f"rank {rank}: losses {run['losses']} against {plain['losses']}")
         for kind in ("grads", "params"):
             for name, want in plain[kind].items():
-                if not torch.equal(run[kind][name], want):
+                if not same(run[kind][name], want):
                     problems.append(f"rank {rank}: {kind[:-1]} {name} differs by "
                                     f"{(run[kind][name] - want).abs().max().item():.1e}")
     tensors = len(per_rank[0]["plain"]["grads"]) + len(per_rank[0]["plain"]["params"])
     lines = [f"  losses {per_rank[0]['recompute']['losses']}",
              f"  {'equal' if not problems else 'NOT equal'} on all {len(per_rank)} ranks: the losses, and {tensors} "
-             f"gradient and parameter tensors (torch.equal)"]
+             f"gradient and parameter tensors " + (f"(within loss {COMPILED['loss']:g}, rtol {COMPILED['rtol']:g}, "
+                                                   f"atol {COMPILED['atol']:g})" if compiled else "(torch.equal)")]
     return lines, problems
 
 
@@ -305,13 +327,15 @@ def attention_saved_bytes(seq: int = 512) -> dict[str, int]:
 
 
 def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
-    exact, problems = bit_for_bit(per_rank)
+    compiled = run.train.kernels == "compile"
+    exact, problems = bit_for_bit(per_rank, compiled)
     print(f"model: llama, h=32 L={run.model.num_layers}, {run.model.params_dtype}, dropout {run.model.hidden_dropout} "
           f"(attention {run.model.attention_dropout})")
-    print(f"[1/4] with recompute against without, from the same random states, over {run.train.train_iters} steps:")
+    print(f"[1/4] {'compiled against eager' if compiled else 'with recompute against without'}, from the same "
+          f"random states, over {run.train.train_iters} steps:")
     print("\n".join(exact))
     comm_lines, comm_problems = communication_report(run.model, run.train, per_rank)
-    print("[2/4] one step's communication with recompute per dimension (the busiest rank), against "
+    print(f"[2/4] one step's communication {'compiled' if compiled else 'with recompute'} per dimension (the busiest rank), against "
           "analysis.step_communication:")
     print("\n".join(comm_lines))
     rows = memory_table()
@@ -341,6 +365,9 @@ def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
             problems.append(f"a packed document's logits differ from its own by {packed:.1e}")
     if problems:
         return f"MISMATCH: {run.name()}: {problems[0]}"
+    if compiled:
+        return (f"MATCH: {run.name()} equals the same run eager within float32's tolerance on every rank; every "
+                f"message is the formula's, and the bytes kept are the formulas'")
     return (f"MATCH: {run.name()} equals the same run without recompute bit for bit on every rank; every recomputed "
             f"message is the formula's, and the bytes kept are the formulas'")
 
@@ -349,7 +376,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = demo_parser("07", "Chapter 07: train the tiny model with and without activation recompute under any "
                                "layout, check that they are equal bit for bit, the recomputed messages against the "
                                "formulas, and the memory each recompute keeps.")
-    parser.add_argument("--recompute", choices=GRANULARITIES, default="full", help="default full")
+    parser.add_argument("--recompute", choices=GRANULARITIES, default=None,
+                        help="default full (none with --kernels compile, which takes no recompute)")
     parser.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
                         help="full: uniform (units of --recompute-num-layers) or block (the first layers of each chunk)")
     parser.add_argument("--recompute-num-layers", type=int, default=1, help="full: default 1")
@@ -362,9 +390,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size: > 1 gives the model 4 experts per layer")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / (tp cp pp) "
                                                             "under torchrun, else 2)")
-    parser.add_argument("--kernels", choices=["torch", "triton"], default="torch",
-                        help="triton: RMSNorm, FlashAttention-2 and SwiGLU as Triton kernels (a float32 model without "
-                             "attention dropout; interpreted on a CPU)")
+    parser.add_argument("--kernels", choices=["torch", "triton", "compile"], default="torch",
+                        help="triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton kernels (a float32 "
+                             "model without attention dropout; interpreted on a CPU); compile: each layer through "
+                             "torch.compile (a float32 model without dropout, no recompute)")
     parser.add_argument("--pack", action="store_true",
                         help="documents of 7 tokens in each row, with Megatron's --reset-position-ids "
                              "--reset-attention-mask --eod-mask-loss (not with --cp)")
@@ -372,6 +401,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     parser.add_argument("--quick", action="store_true", help="no timing (what the tests run)")
     args = parser.parse_args(argv)
+    if args.recompute is None:
+        args.recompute = "none" if args.kernels == "compile" else "full"
     return check_at_least_one(parser, args, "tp", "cp", "pp", "ep", "dp", "micro_batches", "steps",
                               "recompute_num_layers")
 

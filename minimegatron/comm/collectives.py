@@ -53,6 +53,14 @@ def _check_buffer(t: torch.Tensor, what: str) -> None:
                          "call .contiguous() and copy the result back")
 
 
+def _eager(collective):
+    """Every collective runs eagerly, also inside a compiled region (chapter 07's --kernels
+    compile): torch.compile stops its graph at the call and resumes after it, so the ledger
+    records each call in Python and the process group sees plain tensors. Costs well under a
+    microsecond a call in eager mode."""
+    return torch.compiler.disable(collective)
+
+
 def _record(op: str, group, t: torch.Tensor | None, tag: str | None, nbytes=None) -> None:
     rec = CommRecord(op, group_ranks(group),
                      nbytes if nbytes is not None else t.numel() * t.element_size(),
@@ -64,6 +72,7 @@ def _record(op: str, group, t: torch.Tensor | None, tag: str | None, nbytes=None
 # Plain collectives
 # ======================================================================================
 
+@_eager
 def all_reduce(t, group, op="sum", tag=None, async_op=False):
     """In place: ``t`` becomes the reduction (sum, avg, max or min) of every member's ``t``.
 
@@ -79,6 +88,7 @@ def all_reduce(t, group, op="sum", tag=None, async_op=False):
     return work if async_op else t
 
 
+@_eager
 def all_gather_into_tensor(out, t, group, tag=None, async_op=False):
     """``out`` (n * t.shape[0], *t.shape[1:]) receives every member's ``t``, in group order.
 
@@ -97,6 +107,7 @@ def all_gather_into_tensor(out, t, group, tag=None, async_op=False):
     return work if async_op else out
 
 
+@_eager
 def all_gather(t, group, dim=0, sizes=None, tag=None):
     """Concatenate every member's ``t`` along ``dim``, in group order: a new tensor.
 
@@ -128,6 +139,7 @@ def all_gather(t, group, dim=0, sizes=None, tag=None):
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
+@_eager
 def reduce_scatter_tensor(out, t, group, op="sum", tag=None, async_op=False):
     """Reduce ``t`` (n * out.shape[0], ...) over the group; ``out`` gets chunk ``group_rank``.
 
@@ -148,6 +160,7 @@ def reduce_scatter_tensor(out, t, group, op="sum", tag=None, async_op=False):
     return work if async_op else out
 
 
+@_eager
 def reduce_scatter(t, group, dim=0, op="sum", tag=None):
     """Reduce ``t`` over the group and return this member's chunk along ``dim`` (a new tensor).
 
@@ -165,6 +178,7 @@ def reduce_scatter(t, group, dim=0, op="sum", tag=None):
     return out.movedim(0, dim).contiguous()
 
 
+@_eager
 def broadcast(t, src, group, tag=None, async_op=False):
     """In place: every member's ``t`` becomes global rank ``src``'s ``t``. Records "broadcast"."""
     _check_buffer(t, "broadcast")
@@ -178,6 +192,7 @@ def broadcast(t, src, group, tag=None, async_op=False):
     return work if async_op else t
 
 
+@_eager
 def send(t, dst, group=None, tag=None, p2p_tag=0):
     """Send ``t`` to global rank ``dst`` (blocks until handed off). Records "send".
     ``tag`` labels the ledger record; ``p2p_tag`` is the message tag the receiver must name
@@ -186,6 +201,7 @@ def send(t, dst, group=None, tag=None, p2p_tag=0):
     dist.send(_wire(t.contiguous()), dst=dst, group=group, tag=p2p_tag)
 
 
+@_eager
 def recv(t, src, group=None, tag=None, p2p_tag=0):
     """Receive into ``t`` from global rank ``src`` the message tagged ``p2p_tag``. Records
     "recv". Returns ``t``."""
@@ -195,12 +211,14 @@ def recv(t, src, group=None, tag=None, p2p_tag=0):
     return t
 
 
+@_eager
 def isend(t, dst, group=None, tag=None, p2p_tag=0):
     """Start sending ``t`` to ``dst``; returns a work handle. Do not modify ``t`` until waited."""
     _record("send", group, t, tag)
     return dist.isend(_wire(t.contiguous()), dst=dst, group=group, tag=p2p_tag)
 
 
+@_eager
 def irecv(t, src, group=None, tag=None, p2p_tag=0):
     """Start receiving into ``t`` from ``src``; returns a work handle (``t`` valid after wait)."""
     _check_buffer(t, "irecv")
@@ -217,6 +235,7 @@ class P2POp:
     group: object = None
 
 
+@_eager
 def batch_isend_irecv(ops, tag=None):
     """Start all sends and receives of ``ops`` together; returns their work handles.
 
@@ -240,6 +259,7 @@ def batch_isend_irecv(ops, tag=None):
     return dist.batch_isend_irecv(torch_ops) if torch_ops else []
 
 
+@_eager
 def all_to_all_single(out, t, group, in_splits=None, out_splits=None, tag=None, async_op=False):
     """Member i sends block j of ``t`` (dim 0) to member j, which stores it as its block i.
 
@@ -256,6 +276,7 @@ def all_to_all_single(out, t, group, in_splits=None, out_splits=None, tag=None, 
     return work if async_op else out
 
 
+@_eager
 def all_to_all(t, group, scatter_dim, gather_dim, tag=None):
     """Cut ``t`` into n chunks along ``scatter_dim``, send chunk j to member j, and
     concatenate the chunks received, in group order, along ``gather_dim`` (a new tensor)."""
@@ -271,6 +292,7 @@ def all_to_all(t, group, scatter_dim, gather_dim, tag=None):
     return torch.cat(incoming.unbind(0), dim=gather_dim)
 
 
+@_eager
 def barrier(group, tag=None):
     """Wait until every member arrives. Records "barrier" with 0 bytes."""
     if group_size(group) == 1:

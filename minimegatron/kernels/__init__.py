@@ -34,8 +34,8 @@ def available() -> str | None:
 
 
 def apply_kernels(model, kernels: str):
-    """Run `model`'s transformer layers through the Triton kernels (kernels "triton"), or leave
-    it as it is ("torch"): each RMSNorm (the final one too) through rmsnorm.rms_norm, each
+    """Run `model`'s transformer layers through the Triton kernels (kernels "triton"), through
+    torch.compile ("compile", _compile_layers), or leave it as it is ("torch"). Triton: each RMSNorm (the final one too) through rmsnorm.rms_norm, each
     LayerNorm likewise through layernorm.layer_norm, the
     attention core through flash_attention.flash_attention (the SelfAttention.core_attention
     seam), and a SwiGLU MLP's activation, the experts' too, through swiglu.swiglu (MLP.activation).
@@ -45,6 +45,8 @@ def apply_kernels(model, kernels: str):
     if kernels == "torch":
         return model
     from functools import partial
+    if kernels == "compile":
+        return _compile_layers(model)
 
     from ..model.linear import LayerNorm, RMSNorm
     from ..model.mlp import MLP
@@ -61,6 +63,29 @@ def apply_kernels(model, kernels: str):
         layer.self_attention.core_attention = flash_attention
     if model.post_process:
         model.output_and_loss = partial(_fused_output_and_loss, model, model.output_and_loss)
+    return model
+
+
+def _compile_layers(model):
+    """kernels "compile": each transformer layer's forward through torch.compile (Inductor; on a
+    CPU it writes C++ that fuses the elementwise work: the norms, RoPE, the activation, the
+    residual adds). The collectives run eagerly between the compiled pieces (comm's collectives
+    are compiler-disabled), so the ledger and the process groups work as without it. SwiGLU goes
+    back to autograd's plain form (silu(gate) * up): the book's hand-written backward
+    (model/mlp.py) writes into views, which the compiler cannot trace, and Inductor fuses the
+    plain one anyway. Compiled on the first forward (seconds per distinct layer shape)."""
+    import torch.nn.functional as F
+
+    from ..model.mlp import MLP
+
+    def plain_swiglu(y):
+        gate, up = y.chunk(2, dim=-1)                                        # [.., f] each
+        return F.silu(gate) * up
+    for module in model.modules():
+        if isinstance(module, MLP) and module.swiglu:
+            module.activation = plain_swiglu
+    for layer in model.decoder.layers.values():
+        layer.compile()
     return model
 
 
