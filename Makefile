@@ -74,6 +74,14 @@ CH ?= all
 numbers: $(STAMP)
 	$(PY) -m booktools.measured record $(filter-out all,$(CH))
 
+# On a machine with one NVIDIA GPU only (under 10 minutes on an H100: its budget): the Triton kernels
+# compiled for CUDA, flash-attn and Transformer Engine if installed (requirements-gpu.txt), the
+# training step on CUDA against the CPU with its tokens/s and MFU, and two gloo ranks sharing the GPU
+# against one device (benchmarks/gpu_check.py; --list names the checks). Without CUDA it exits 2.
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/graders
 	$(PY) -m booktools.exercises check

@@ -30,8 +30,12 @@ Timing: --warmup untimed steps each, then --repeats windows of --steps steps, th
 implementations interleaved window by window, so a busy moment of a shared machine slows
 both. Reported per implementation: steps/s and tokens/s of the median window (and the best);
 the ratio is minimegatron / transformers of the median windows (>= 1 means minimegatron is
-at least as fast). With --compile, both models are also wrapped in torch.compile (default
-inductor backend) and timed the same way after their compile-time warm-up, which is printed.
+at least as fast). With --compile, minimegatron also runs as --kernels compile (each layer
+through torch.compile) and transformers' model wrapped in torch.compile (default inductor
+backend), all four timed in the same interleaved windows after their compile-time warm-ups,
+which are printed; the ratios include the compiled path against transformers as shipped.
+Last, one profiled eager step of minimegatron says where its time goes: the matrix products,
+the attention kernel and everything else, the only part compiling can fuse.
 
 This is a measurement, not a test: nothing here asserts a speed.
 """
@@ -51,6 +55,7 @@ import torch
 from torch import nn
 
 from minimegatron.config import ModelConfig, TrainConfig
+from minimegatron.kernels import apply_kernels
 from minimegatron.model import GPTModel
 from minimegatron.optim import Optimizer
 from minimegatron.parallel_state import Layout
@@ -110,12 +115,15 @@ class Runner:
 
 
 def our_runner(cfg: ModelConfig, train_cfg: TrainConfig, batch: dict, compiled: bool) -> Runner:
+    """compiled: the book's --kernels compile (kernels.apply_kernels: each layer through
+    torch.compile, the collectives eager; here there are none)."""
     model = GPTModel(cfg)
     opt = Optimizer([model], train_cfg)
-    chunk = torch.compile(model) if compiled else model
+    if compiled:
+        apply_kernels(model, "compile")
 
     def step() -> float:
-        loss, _ = train_step([chunk], opt, [batch], Layout(), train_cfg.lr)
+        loss, _ = train_step([model], opt, [batch], Layout(), train_cfg.lr)
         return loss
     return Runner("minimegatron" + (" (compiled)" if compiled else ""), model, step)
 
@@ -144,6 +152,19 @@ def logits_difference(ours: GPTModel, hf: nn.Module, tokens: torch.Tensor) -> fl
     diff = (ours(tokens) - hf(input_ids=tokens).logits).abs().max().item()
     ours.train(), hf.train()
     return diff
+
+
+def step_shares(runner: Runner) -> dict[str, float]:
+    """The shares of one profiled step's operator self time: matrix products (aten::mm, addmm,
+    bmm), the attention kernel (SDPA's CPU kernels, forward and backward), the rest."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.step()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
+    return {"gemm": gemm / total, "attention": attention / total, "rest": (total - gemm - attention) / total}
 
 
 def time_windows(runners: list[Runner], warmup: int, steps: int, repeats: int) -> dict[str, list[float]]:
@@ -190,20 +211,20 @@ def bench_seq(seq: int, args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"not the same model: parameters {n_ours:,} vs {n_hf:,}, logits differ by {diff:.1e} "
                          f"(> --logits-tolerance {args.logits_tolerance:.0e}); nothing timed")
 
-    pairs = [(ours, hf)]
+    runners = [ours, hf]
     if args.compile:
         c_ours = our_runner(cfg, train_cfg, batch, compiled=True)
-        c_hf = hf_runner(cfg, train_cfg, batch, c_ours.model, compiled=True)
-        pairs.append((c_ours, c_hf))
+        runners += [c_ours, hf_runner(cfg, train_cfg, batch, c_ours.model, compiled=True)]
+    times = time_windows(runners, args.warmup, args.steps, args.repeats)     # all interleaved, window by window
+    tokens = args.steps * args.batch * seq
+    print(f"   {'':<26} {'steps/s':>8} {'tokens/s':>9}   (median of {args.repeats} windows; best in brackets)")
+    for r in runners:
+        med, best = statistics.median(times[r.name]), min(times[r.name])
+        print(f"   {r.name:<26} {args.steps / med:>8.3f} {tokens / med:>9,.0f}   "
+              f"({args.steps / best:.3f} steps/s, {tokens / best:,.0f} tokens/s)")
     rows = []
+    pairs = [(ours, hf)] + ([(runners[2], hf), (runners[2], runners[3])] if args.compile else [])
     for a, b in pairs:
-        times = time_windows([a, b], args.warmup, args.steps, args.repeats)
-        tokens = args.steps * args.batch * seq
-        print(f"   {'':<26} {'steps/s':>8} {'tokens/s':>9}   (median of {args.repeats} windows; best in brackets)")
-        for r in (a, b):
-            med, best = statistics.median(times[r.name]), min(times[r.name])
-            print(f"   {r.name:<26} {args.steps / med:>8.3f} {tokens / med:>9,.0f}   "
-                  f"({args.steps / best:.3f} steps/s, {tokens / best:,.0f} tokens/s)")
         ratio = statistics.median(times[b.name]) / statistics.median(times[a.name])
         ratio_best = min(times[b.name]) / min(times[a.name])
         per_window = sorted(tb / ta for ta, tb in zip(times[a.name], times[b.name]))
@@ -213,10 +234,14 @@ def bench_seq(seq: int, args: argparse.Namespace) -> list[dict]:
                          ours_tokens_per_s=tokens / statistics.median(times[a.name]),
                          theirs_tokens_per_s=tokens / statistics.median(times[b.name])))
     if args.compile:                     # compiled vs eager, each library against itself
-        eager, compiled = rows
-        print(f"   torch.compile speed-up (median windows): minimegatron "
-              f"{compiled['ours_tokens_per_s'] / eager['ours_tokens_per_s']:.2f}x, transformers "
-              f"{compiled['theirs_tokens_per_s'] / eager['theirs_tokens_per_s']:.2f}x")
+        speedup = lambda c, e: statistics.median(times[e.name]) / statistics.median(times[c.name])  # noqa: E731
+        print(f"   torch.compile speed-up (median windows): minimegatron {speedup(runners[2], ours):.2f}x, "
+              f"transformers {speedup(runners[3], hf):.2f}x")
+    shares = step_shares(ours)
+    print(f"   where minimegatron's eager step goes (torch.profiler, one step, operators' own time): matrix products "
+          f"{shares['gemm']:.0%}, the attention kernel {shares['attention']:.0%}, everything else "
+          f"{shares['rest']:.0%}; with everything else free a step would be at most {1 / (1 - shares['rest']):.2f}x "
+          f"faster", flush=True)
     return rows
 
 

@@ -42,3 +42,35 @@ def test_the_transformer_engine_check_says_it_needs_a_gpu():
                           timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "needs a CUDA GPU with Transformer Engine: no CUDA device" in proc.stdout
+
+
+GPU_CHECKS = ("environment", "kernels", "libraries", "baseline", "multirank")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU machine runs the check itself")
+def test_the_gpu_check_says_it_needs_a_gpu():
+    """benchmarks/gpu_check.py (make gpu-check) without CUDA: exit 2 with one message naming the
+    GPU and what it would check; where the machine has no NVIDIA driver, before importing torch."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "benchmarks/gpu_check.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert "needs an NVIDIA GPU with CUDA" in proc.stdout and "Nothing was checked" in proc.stdout
+    assert len(proc.stdout.strip().splitlines()) == 1                   # one paragraph
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    if not gpu_check.nvidia_driver_present():
+        imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+        assert "torch" not in imported and "minimegatron" not in imported
+
+
+def test_the_gpu_check_lists_its_checks():
+    """--list names every check, in order, and runs none (on any machine)."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--list"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    for i, name in enumerate(GPU_CHECKS, 1):
+        assert lines[i - 1].startswith(f"{i}. {name} "), proc.stdout

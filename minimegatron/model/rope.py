@@ -30,7 +30,8 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float = 10000.
     Returns cos, sin: [s, d] or [b, s, d] in `dtype`; the angles are computed in float64 so
     that the table does not depend on the model's dtype.
     """
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [d/2]
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device)
+                        / head_dim)                                                    # [d/2]
     angles = position_ids.to(torch.float64).unsqueeze(-1) * inv_freq                   # [.., s, d/2]
     angles = torch.cat([angles, angles], dim=-1)                                       # [.., s, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
