@@ -150,6 +150,9 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "adam_beta1": ("training", ("--adam-beta1",), "Adam's first-moment decay, in [0, 1)"),
     "adam_beta2": ("training", ("--adam-beta2",), "Adam's second-moment decay, in [0, 1)"),
     "adam_eps": ("training", ("--adam-eps",), "Adam's epsilon in the denominator, > 0"),
+    "adam_impl": ("training", ("--adam-impl",), "torch's AdamW kernels: default (a loop over the tensors on a CPU), "
+                                               "foreach (each op over all tensors at once) or fused (one kernel; "
+                                               "Megatron uses Transformer Engine's or Apex's FusedAdam) (the book's)"),
     "clip_grad": ("training", ("--clip-grad",), "clip the global gradient L2 norm to this; 0: no clipping"),
     "eval_interval": ("training", ("--eval-interval",), "steps between validation runs; 0: never"),
     "eval_iters": ("training", ("--eval-iters",), "validation batches per validation run"),

@@ -240,6 +240,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    adam_impl: str = "default"           # torch's AdamW: "default" (a for-loop on a CPU) | "foreach" | "fused"
     clip_grad: float = 1.0                # 0 disables clipping
     eval_interval: int = 50
     eval_iters: int = 4
@@ -339,6 +340,8 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):      # torch.optim.AdamW's own ranges
             need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
         need(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
+        need(self.adam_impl in ("default", "foreach", "fused"),
+             f"adam_impl={self.adam_impl!r} is not 'default', 'foreach' or 'fused'")
         need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no "
                                   f"negative seed)")
         need(self.save_interval >= 0, f"save_interval={self.save_interval} must be >= 0 (0: save at the end only)")

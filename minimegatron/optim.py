@@ -228,7 +228,9 @@ class Optimizer:
                             for seg in self.segments]
         groups = [{"params": [m for m, s in zip(self.main_params, self.segments) if s.decay == decay],
                    "weight_decay": cfg.weight_decay if decay else 0.0} for decay in (True, False)]
-        self.adam = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        impl = {"default": {}, "foreach": dict(foreach=True), "fused": dict(fused=True)}[cfg.adam_impl]
+        self.adam = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                      **impl)
         self.norm_dtype = dtype or (self.segments[0].param.dtype if self.segments else torch.float32)
 
     @property
