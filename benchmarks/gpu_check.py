@@ -33,11 +33,10 @@ Exit status: 0 when CUDA is present and no check failed (SKIP is no failure), 1 
 the machine has no NVIDIA driver. The checks stop after --budget seconds (570) together.
 
 First run, 2026-11-27, on one NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0; flash-attn and
-Transformer Engine not installed, so their comparisons have never run): environment, kernels and
-libraries PASS; baseline and multirank FAIL for the LLaMA models only, because model/rope.py's
-rope_cos_sin builds its frequency table on the CPU, so no RoPE model runs on CUDA. With that one
-line given device=position_ids.device (in that machine's copy only) all five PASSed in 76 s
-(benchmarks/README.md, "gpu_check.py").
+Transformer Engine not installed, so their comparisons have never run): baseline and multirank
+failed for the LLaMA models, because model/rope.py's rope_cos_sin built its frequency table on
+the CPU; fixed, and the second run on the same machine PASSed all five in 82 s
+(benchmarks/README.md, "gpu_check.py"; gpu_runs/ has its output).
 """
 
 from __future__ import annotations

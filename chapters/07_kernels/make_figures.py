@@ -96,6 +96,10 @@ RUNS = {
     "pack": f"{DEMO} --quick --pack --recompute selective --tp 2 --sp --dp 2",                  # §5
     "packing": "python benchmarks/bench_packing.py",                                           # §5, timed
     "kernels": f"{DEMO} --quick --kernels triton --recompute full --tp 2 --sp --dp 2",        # §6
+    "compile": f"{DEMO} --quick --kernels compile --tp 2 --sp --dp 2",                        # §7
+    "case-study": "python benchmarks/bench_case_study.py",                                     # §7, timed
+    # §7, timed; needs transformers (pip install -r requirements-bench.txt)
+    "vs-hf": "python benchmarks/bench_vs_hf.py --compile --repeats 5",
 }
 MACHINE_DEPENDENT = ()
 
@@ -103,9 +107,8 @@ MACHINE_DEPENDENT = ()
 def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v = {}
     for run_id in RUNS:
-        if run_id != "figures":
-            if run_id != "packing":
-                claim(outputs[run_id][-1].startswith("MATCH"), f"{run_id} is equal bit for bit")
+        if run_id not in ("figures", "packing", "case-study", "vs-hf"):
+            claim(outputs[run_id][-1].startswith("MATCH"), f"{run_id} matches")
     demo, figures = outputs["demo"], outputs["figures"]
     for key, name in (("none", "none"), ("selective", "selective core_attn"), ("full", "full, uniform 1")):
         pattern = rf"^  {name} +([\d,]+) bytes measured = formula +[\d,]+; per layer +([\d,]+) \(Korthikanti +([\d,]+)\)"
@@ -146,6 +149,42 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v["flash_naive_bytes"] = grab(kernels, r"keeps ([\d,]+) bytes for its backward written out")
     v["flash_bytes"] = grab(kernels, r"written out, ([\d,]+) as FlashAttention-2")
     claim(v["flash_bytes"] == 4 * 4 * 512 * 16 * 4 + 4 * 512 * 4, "FlashAttention keeps q, k, v, out and the lse only")
+    v.update(measure_speed(outputs))
+    return v
+
+
+def measure_speed(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """§7's numbers: the case study's profiles and step times, and the comparison with
+    transformers."""
+    v = {}
+    case = outputs["case-study"]
+    for preset in ("tiny", "demo"):
+        block = "\n".join(case[case.index(next(l for l in case if l.startswith(f"== --preset {preset} "))):])
+        block = block.split("\n== ")[0]                                  # this preset's lines only
+        for key, name in (("base", "baseline"), ("both", "both")):
+            v[f"case_{preset}_{key}_calls"] = grab(block, rf"^\[profile\] {name}: .* a step, ([\d,]+) operator calls")
+        for key, name in (("base", "baseline"), ("fused", "fused AdamW"), ("compiled", "compiled layers"),
+                          ("both", "both")):
+            v[f"case_{preset}_{key}_ms"] = grab(block, rf"^  {name} +([\d.]+) ms")
+            v[f"case_{preset}_{key}_x"] = grab(block, rf"^  {name} +[\d.]+ ms +\( *[\d.]+ ms\) +([\d.]+) x the baseline")
+        shares = __import__("re").findall(r"matrix products (\d+)% of the time, the optimizer's step (\d+)%", block)
+        claim(len(shares) == 2, "two profiles a preset")
+        for key, (gemm, optimizer) in zip(("base", "both"), shares):
+            v[f"case_{preset}_{key}_gemm"], v[f"case_{preset}_{key}_optimizer"] = float(gemm), float(optimizer)
+    v["case_demo_compile_s"] = grab("\n".join(case).split("== --preset demo")[1],
+                                    r"built and warmed up compiled layers +in +([\d.]+) s")
+    claim(v["case_tiny_both_x"] >= 1.2, "the profile-guided changes make the default command's step at least 20% faster")
+    claim(v["case_demo_both_x"] > 1.0, "they make the demo preset's step faster too")
+    claim(v["case_demo_base_gemm"] > v["case_tiny_base_gemm"], "the larger preset's step is more matrix products")
+    hf = outputs["vs-hf"]
+    for seq in (256, 1024):
+        block = "\n".join(hf[hf.index(next(l for l in hf if l.startswith(f"== LLaMA") and f"s={seq} " in l)):])
+        v[f"hf_{seq}_eager"] = grab(block, r"ratio minimegatron / transformers: ([\d.]+)x")
+        v[f"hf_{seq}_compiled"] = grab(block, r"ratio minimegatron \(compiled\) / transformers: ([\d.]+)x")
+        v[f"hf_{seq}_compile_speedup"] = grab(block, r"speed-up \(median windows\): minimegatron ([\d.]+)x")
+        v[f"hf_{seq}_gemm"] = grab(block, r"matrix products (\d+)%")
+        v[f"hf_{seq}_attention"] = grab(block, r"the attention kernel (\d+)%")
+        v[f"hf_{seq}_bound"] = grab(block, r"at most ([\d.]+)x faster")
     return v
 
 
