@@ -17,6 +17,10 @@ apply_data_parallel leaves a model on one rank unwrapped):
   ddp-no-overlap  the same buckets, all-reduced one after the other after backward
   zero1           ZeRO-1 (the optimizer over its shards): reduce-scatter, AdamW on this rank's shard,
                   all-gather of the updated parameters
+  zero1-overlap   the same with --overlap-grad-reduce --overlap-param-gather (chapter 07): each
+                  bucket's reduce-scatter launched from the backward, the all-gathers waited
+                  module by module in the next forward
+  zero2, zero2-overlap   ZeRO-2 (the gradients sharded too), without and with the overlaps
 
 Each world size runs in its own `minimegatron.launch.spawn` world (gloo, one intra-op thread
 per rank). In a world, every variant is built from the same initial weights; after --warmup
@@ -26,7 +30,9 @@ slowest rank's (the ranks wait for each other in every collective anyway). Repor
 variant: tokens/s of the best, median and worst window (global tokens: ranks x b x s per
 step), and the share of the step spent *blocked on communication*: time inside
 `finish_grad_sync` (naive: every all-reduce; ddp: waiting for buckets still in flight;
-zero1: the reduce-scatters) plus, for ZeRO-1, the parameter all-gather after the step.
+zero1: the reduce-scatters) plus, for ZeRO, the parameter all-gather after the step (with the
+overlaps: the waits for the buckets still in flight, and the forward pre-hooks' waits for the
+all-gathers).
 For ddp, also how many buckets were launched before backward ended (the DDP timeline).
 
 On a machine shared with other work, other processes only make a window slower: the best
@@ -60,7 +66,7 @@ from minimegatron.parallel_state import Layout
 from minimegatron.train import train_step
 from machine import cpu_model, load_average  # benchmarks/machine.py
 
-VARIANTS = ("naive", "ddp", "ddp-no-overlap", "zero1")
+VARIANTS = ("naive", "ddp", "ddp-no-overlap", "zero1", "zero1-overlap", "zero2", "zero2-overlap")
 
 
 def model_config(args: dict) -> ModelConfig:
@@ -79,8 +85,10 @@ def build_variant(variant: str, args: dict, group):
         wrapper = NaiveDataParallel(model, group)
     elif variant in ("ddp", "ddp-no-overlap"):
         wrapper = DistributedDataParallel(model, group, bucket_size_bytes=bucket * 4, overlap=variant == "ddp")
-    elif variant == "zero1":
-        wrapper = ZeroDataParallel(model, group, stage=1, bucket_size=bucket)
+    elif variant.startswith("zero"):
+        overlap = variant.endswith("-overlap")                      # --overlap-grad-reduce --overlap-param-gather
+        wrapper = ZeroDataParallel(model, group, stage=int(variant[4]), bucket_size=bucket,
+                                   overlap_grad_reduce=overlap, overlap_param_gather=overlap)
         return wrapper, Optimizer([wrapper], cfg, [NormGroup(groups=(group,))])   # the shards' norm over dp
     else:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
@@ -118,7 +126,7 @@ def bench_rank(variants: list[str], args: dict) -> dict:
     runners = {}
     for v in variants:
         wrapper, optimizer = build_variant(v, args, group)
-        comm = Timed(wrapper, ["finish_grad_sync", "after_optimizer_step"])
+        comm = Timed(wrapper, ["finish_grad_sync", "after_optimizer_step", "_wait_for_params"])
         runners[v] = (wrapper, optimizer, comm)
 
     def step(v: str) -> None:

@@ -217,6 +217,12 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "moe_router_enable_expert_bias": [("--moe-router-enable-expert-bias", True,
                                        "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias for the "
                                        "choice, updated after each step (needs sigmoid scores)")],
+    "overlap_grad_reduce": [("--overlap-grad-reduce", True, "ZeRO-1/2: launch each bucket's reduce-scatter from the "
+                                                              "backward as soon as it is complete (the bucketed DDP "
+                                                              "always overlaps its all-reduces; chapter 07)")],
+    "overlap_param_gather": [("--overlap-param-gather", True, "ZeRO-1/2: the parameter all-gathers launched after the "
+                                                                "step, waited module by module in the next forward "
+                                                                "(needs --overlap-grad-reduce; chapter 07)")],
     "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
                                                          "per rank; all-gather / reduce-scatter replace the all-reduces "
                                                          "(chapter 04)")],
@@ -247,8 +253,6 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
         "process group [default: 1, the book's; Megatron: 10]"))),
     "--group-query-attention": ("model", dict(action="store_true", help=(
         "accepted as Megatron spells it; here --num-query-groups alone sets g"))),
-    "--overlap-grad-reduce": ("parallelism", dict(action="store_true", help=(
-        "accepted as Megatron spells it; the bucketed DDP always overlaps here"))),
     "--no-overlap-p2p-communication": ("parallelism", dict(action="store_true", help=(
         "accepted as Megatron spells it; the book's pipeline p2p is never overlapped"))),
     "--use-pytorch-profiler": ("logging", dict(action="store_true", help=(

@@ -253,6 +253,8 @@ class TrainConfig:
     ddp_impl: str = "bucketed"            # zero_stage 0: "naive" (one all-reduce per gradient) | "bucketed"
     ddp_bucket_size: int | None = None    # elements per bucket; None = Megatron's default for DDP,
                                           # one bucket per weight-decay group for ZeRO-1/2
+    overlap_grad_reduce: bool = False     # ZeRO-1/2: each bucket's reduce-scatter launched from the backward
+    overlap_param_gather: bool = False    # ZeRO-1/2: the parameter all-gathers waited in the next forward
     # tensor parallelism (chapter 02): the ranks form a grid, tp fastest; dp = world / tp
     tensor_model_parallel_size: int = 1   # each matrix split over this many ranks
     # pipeline parallelism (chapter 03): pp stages, the slowest dimension; dp = world / (tp pp)
@@ -352,6 +354,12 @@ class TrainConfig:
              "device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
         need(self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage} is not 0, 1, 2 or 3")
         need(self.ddp_impl in ("naive", "bucketed"), f"ddp_impl={self.ddp_impl!r} is not 'naive' or 'bucketed'")
+        need(not self.overlap_param_gather or self.overlap_grad_reduce,
+             "overlap_param_gather needs overlap_grad_reduce (Megatron's rule)")
+        need(not (self.overlap_grad_reduce or self.overlap_param_gather) or self.zero_stage in (1, 2),
+             f"overlap_grad_reduce / overlap_param_gather with zero_stage={self.zero_stage}: they time ZeRO-1/2's "
+             f"reduce-scatters and all-gathers (the bucketed DDP always overlaps its all-reduces; ZeRO-3 gathers per "
+             f"unit)")
         need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
         need(self.cp_comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"),

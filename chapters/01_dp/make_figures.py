@@ -204,13 +204,14 @@ def fmt(n: float) -> str:
 # the figures (drawn from the records the code keeps; the notebook and the tests draw them too)
 # ---------------------------------------------------------------------------------------
 def plot_bucket_timeline(timeline: BucketTimeline, path: str | os.PathLike | None = None,
-                         title: str | None = None):
+                         title: str | None = None, collective: str = "all-reduce"):
     """Draw backward and each bucket's all-reduce (dp.timeline.BucketTimeline) as bars on one
     time axis (milliseconds).
 
     Row "backward": 0 .. backward_end. Row "sync": finish_grad_sync. One row per bucket, in
     launch order: a bar from launch to completion (hatched where finish_grad_sync waited for
-    it). Saves a PNG to `path` if given; returns the matplotlib Figure (Agg canvas).
+    it). `collective`: what each bucket runs (ZeRO's: "reduce-scatter"). Saves a PNG to `path`
+    if given; returns the matplotlib Figure (Agg canvas).
     """
     events = timeline.buckets
     rows = ["backward", "finish_grad_sync"] + [f"bucket {e.bucket}" for e in events]
@@ -224,11 +225,12 @@ def plot_bucket_timeline(timeline: BucketTimeline, path: str | os.PathLike | Non
     ax.barh(y["finish_grad_sync"], (timeline.sync_end - timeline.sync_start) * ms,
             left=timeline.sync_start * ms, height=0.6, color="tab:gray", label="finish_grad_sync")
     hatched = False
+    done = "done" if collective == "all-reduce" else "seen done"   # gloo's reduce-scatter: at the wait
     for e in events:
         end = e.completed if e.completed is not None else timeline.sync_end
         ax.barh(y[f"bucket {e.bucket}"], max(end - e.launched, 1e-6) * ms, left=e.launched * ms,
                 height=0.6, color="tab:orange",
-                label="all-reduce (launch .. done)" if e is events[0] else None)
+                label=f"{collective} (launch .. {done})" if e is events[0] else None)
         if e.waited > 0.01 * span and e.wait_start is not None:   # communication the step waited for
             ax.barh(y[f"bucket {e.bucket}"], e.waited * ms, left=e.wait_start * ms, height=0.6,
                     fill=False, hatch="///", edgecolor="black", linewidth=0,

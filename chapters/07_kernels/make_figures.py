@@ -2,6 +2,10 @@
 
     python chapters/07_kernels/make_figures.py       # about a minute on 2 cores; writes figures/*.png
 
+  zero1_overlap_timeline.png  ZeRO-1 on 2 ranks with --overlap-grad-reduce (bench_ddp.py's model,
+                        buckets of 500,000 elements): rank 0's median step, the backward and each
+                        bucket's reduce-scatter from its launch to the end of its wait
+
   recompute_memory.png  the bytes one transformer layer keeps for the backward against the
                         sequence length s = 128 ... 1024, one process, a 4-layer GPT-2-style bf16
                         model (h 64, a 4, micro-batch 1, dropout 0.1), for no recompute, selective
@@ -82,6 +86,56 @@ def main() -> int:
         ax.legend(fontsize=8)
     finish_figure(fig, OUT / "recompute_memory.png")
     print(f"wrote {OUT / 'recompute_memory.png'}")
+    return draw_zero_timeline()
+
+
+# ZeRO-1 with --overlap-grad-reduce on 2 ranks: bench_ddp.py's model and buckets
+TIMELINE_MODEL = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=257,
+                      max_position_embeddings=128)
+TIMELINE_BUCKET, TIMELINE_S, TIMELINE_B, TIMELINE_STEPS = 500_000, 128, 4, 5
+
+
+def zero_timeline_rank() -> list:
+    """Spawn target: ZeRO-1 with overlap_grad_reduce and overlap_param_gather, the timelines of
+    TIMELINE_STEPS steps (after 2 of warm-up) of this rank."""
+    import torch.distributed as dist
+
+    from minimegatron.config import TrainConfig
+    from minimegatron.dp import ZeroDataParallel
+    from minimegatron.optim import NormGroup, Optimizer
+    from minimegatron.parallel_state import Layout
+    from minimegatron.train import train_step
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = Layout(world=world, rank=rank, dp=world, dp_rank=rank, dp_group=dist.group.WORLD)
+    x = torch.randint(0, 257, (TIMELINE_B, TIMELINE_S + 1), generator=torch.Generator().manual_seed(100 + rank))
+    batch = {"tokens": x[:, :-1], "labels": x[:, 1:]}
+    cfg = TrainConfig(seq_length=TIMELINE_S, micro_batch_size=TIMELINE_B, lr=1e-4, progress=False)
+    zero = ZeroDataParallel(GPTModel(ModelConfig.llama(**TIMELINE_MODEL)), layout.dp_group, stage=1,
+                            bucket_size=TIMELINE_BUCKET, overlap_grad_reduce=True, overlap_param_gather=True)
+    optimizer = Optimizer([zero], cfg, [NormGroup(groups=(layout.dp_group,))])
+    recorded = []
+    for step in range(2 + TIMELINE_STEPS):
+        train_step([zero], optimizer, [batch], layout, 1e-4)
+        if step >= 2:
+            recorded.append(zero.timeline)
+    return recorded
+
+
+def draw_zero_timeline() -> int:
+    """zero1_overlap_timeline.png: rank 0's step of median length."""
+    from booktools.demo import import_chapter
+    from minimegatron.launch import spawn
+    recorded = spawn(zero_timeline_rank, 2, timeout=300)[0]
+    timeline = sorted(recorded, key=lambda t: t.sync_end)[len(recorded) // 2]
+    print(f"ZeRO-1 with --overlap-grad-reduce on 2 ranks, rank 0's median step of {len(recorded)}:")
+    print(timeline.table())
+    print(f"reduce-scatters launched during the backward: {len(timeline.launched_during_backward())} of "
+          f"{len(timeline.buckets)}; blocked in finish_grad_sync {1e3 * (timeline.sync_end - timeline.sync_start):.1f} "
+          f"ms of {1e3 * timeline.sync_end:.1f} ms")
+    plot = import_chapter("01", "make_figures").plot_bucket_timeline
+    plot(timeline, OUT / "zero1_overlap_timeline.png", collective="reduce-scatter",
+         title=f"ZeRO-1 on 2 ranks, --overlap-grad-reduce: {len(timeline.buckets)} buckets' reduce-scatters")
+    print(f"wrote {OUT / 'zero1_overlap_timeline.png'}")
     return 0
 
 
@@ -100,6 +154,8 @@ RUNS = {
     "case-study": "python benchmarks/bench_case_study.py",                                     # §7, timed
     # §7, timed; needs transformers (pip install -r requirements-bench.txt)
     "vs-hf": "python benchmarks/bench_vs_hf.py --compile --repeats 5",
+    "overlap": "python benchmarks/bench_ddp.py --ranks 1 2 --variants ddp zero1 zero1-overlap zero2 zero2-overlap "
+               "--repeats 6",                                                                  # §8, timed
 }
 MACHINE_DEPENDENT = ()
 
@@ -107,7 +163,7 @@ MACHINE_DEPENDENT = ()
 def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v = {}
     for run_id in RUNS:
-        if run_id not in ("figures", "packing", "case-study", "vs-hf"):
+        if run_id not in ("figures", "packing", "case-study", "vs-hf", "overlap"):
             claim(outputs[run_id][-1].startswith("MATCH"), f"{run_id} matches")
     demo, figures = outputs["demo"], outputs["figures"]
     for key, name in (("none", "none"), ("selective", "selective core_attn"), ("full", "full, uniform 1")):
@@ -150,6 +206,26 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v["flash_bytes"] = grab(kernels, r"written out, ([\d,]+) as FlashAttention-2")
     claim(v["flash_bytes"] == 4 * 4 * 512 * 16 * 4 + 4 * 512 * 4, "FlashAttention keeps q, k, v, out and the lse only")
     v.update(measure_speed(outputs))
+    v.update(measure_overlap(outputs))
+    return v
+
+
+def measure_overlap(outputs: dict[str, list[str]]) -> dict[str, float]:
+    """§8's numbers: bench_ddp.py's speed-ups over one rank and blocked shares at 2 ranks, and the
+    timeline of the figure."""
+    v = {}
+    for variant in ("ddp", "zero1", "zero1-overlap", "zero2", "zero2-overlap"):
+        key = variant.replace("-", "_")
+        row = rf"^\| 2 \| {variant} \| ([\d,]+) \| [\d,]+ \| [\d,]+ \| ([\d.]+) \| ([\d.]+)× \| (\d+)% \|"
+        v[f"overlap_{key}_speedup"] = grab(outputs["overlap"], row, 3)
+        v[f"overlap_{key}_blocked"] = grab(outputs["overlap"], row, 4)
+    claim(v["overlap_zero1_overlap_speedup"] > v["overlap_zero1_speedup"], "the overlaps make ZeRO-1 faster")
+    claim(v["overlap_zero2_overlap_speedup"] > v["overlap_zero2_speedup"], "the overlaps make ZeRO-2 faster")
+    figures = outputs["figures"]
+    v["timeline_launched"] = grab(figures, r"reduce-scatters launched during the backward: (\d+) of")
+    v["timeline_buckets"] = grab(figures, r"reduce-scatters launched during the backward: \d+ of (\d+)")
+    v["timeline_blocked_ms"] = grab(figures, r"blocked in finish_grad_sync ([\d.]+) ms of")
+    v["timeline_step_ms"] = grab(figures, r"blocked in finish_grad_sync [\d.]+ ms of ([\d.]+) ms")
     return v
 
 

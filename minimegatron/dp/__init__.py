@@ -47,7 +47,8 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
 
     zero_stage 0: `ddp_impl` "naive" (NaiveDataParallel) or "bucketed"
                   (DistributedDataParallel, buckets of `ddp_bucket_size` elements);
-    zero_stage 1, 2: ZeroDataParallel (its shards are what the optimizer steps);
+    zero_stage 1, 2: ZeroDataParallel (its shards are what the optimizer steps; overlap_grad_reduce
+                     and overlap_param_gather time its reduce-scatters and all-gathers);
     zero_stage 3: FullyShardedDataParallel (the same).
 
     A mixture of experts (chapter 05) passes expert_group, the expert-data-parallel group: its
@@ -67,7 +68,9 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
         return FullyShardedDataParallel(model, group, grad_dtype=grad_dtype)
     if cfg.zero_stage in (1, 2):
         return ZeroDataParallel(model, group, stage=cfg.zero_stage, bucket_size=cfg.ddp_bucket_size,
-                                expert_group=expert_group, grad_dtype=grad_dtype)
+                                expert_group=expert_group, grad_dtype=grad_dtype,
+                                overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                overlap_param_gather=cfg.overlap_param_gather)
     if cfg.ddp_impl == "naive":
         return NaiveDataParallel(model, group)
     element_size = torch.empty((), dtype=grad_dtype or next(model.parameters()).dtype).element_size()

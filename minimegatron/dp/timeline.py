@@ -1,7 +1,8 @@
 """When did each bucket's all-reduce run, relative to backward? The record (plot_bucket_timeline
 in chapters/01_dp/make_figures.py draws it).
 
-`DistributedDataParallel` (ddp.py) fills one `BucketTimeline` per optimizer step, for the
+`DistributedDataParallel` (ddp.py), and ZeRO-1 with overlap_grad_reduce (zero.py), fill one
+`BucketTimeline` per optimizer step, for the
 backward of the last micro-batch (the one that communicates). All times are seconds after
 that backward started, measured with `time.perf_counter()` in the rank's own process:
 
@@ -14,7 +15,8 @@ that backward started, measured with `time.perf_counter()` in the rank's own pro
                    (`work.get_future().then(...)`) runs in gloo's own thread as soon as the
                    collective completes. It is a wall-clock time, an upper bound: the callback
                    is Python, so it waits for the interpreter lock if the training thread
-                   holds it. None if gloo never reported (a one-rank group has no collective);
+                   holds it. Where the work has no future (gloo's reduce-scatter, ZeRO's): when
+                   the wait for it returned, a coarser upper bound (the step learns only then);
   waited           how long `finish_grad_sync()` blocked in `work.wait()` for this bucket: the
                    communication that was *not* hidden behind computation;
   sync start/end   when `finish_grad_sync()` was entered and returned.
@@ -104,7 +106,10 @@ class TimelineRecorder:
             def completed(future):                     # runs in gloo's thread when it is done
                 event.completed = time.perf_counter()
                 return future.value()
-            self._stamps[bucket] = work.get_future().then(completed)
+            try:
+                self._stamps[bucket] = work.get_future().then(completed)
+            except RuntimeError:                       # gloo's reduce-scatter has no future:
+                event.completed = float("nan")         # stamped when waited (below)
         else:                                          # a one-rank group: nothing was sent
             event.completed = event.launched
 
@@ -121,6 +126,8 @@ class TimelineRecorder:
         stamp = self._stamps.pop(bucket, None)
         if stamp is not None:
             stamp.wait()                               # the completion time has been written
+        elif event.completed != event.completed:       # (nan) no future: when the wait returned
+            event.completed = time.perf_counter()
 
     def finish(self) -> BucketTimeline:
         """This step's timeline, in seconds after the syncing backward started."""

@@ -135,26 +135,55 @@ class ZeroDataParallel(DistributedDataParallel):
     reduce-scatters each bucket during the backward of the last micro-batch, as soon as the
     bucket is complete, and frees its .grad; smaller buckets mean a smaller gradient peak.
     grad_dtype and expert_group as DistributedDataParallel (experts: stage 1 only).
+
+    Overlap (chapter 07; Megatron's --overlap-grad-reduce and --overlap-param-gather):
+    overlap_grad_reduce launches each bucket's reduce-scatter asynchronously from the backward
+    the moment the bucket is complete (as the bucketed DDP launches its all-reduces), and
+    finish_grad_sync waits for them; without it stage 1 reduces every bucket in
+    finish_grad_sync, and stage 2 reduces a complete bucket from the backward but blocks on it.
+    overlap_param_gather (needs overlap_grad_reduce, as in Megatron) launches the parameter
+    all-gathers asynchronously after the optimizer step, in the order the next forward uses
+    the buckets, and a forward pre-hook on each module waits only for the buckets holding that
+    module's parameters: the gathers of later layers travel while earlier layers compute
+    (Megatron's forward pre-hooks, finish_param_sync). finish_param_sync() waits for all of
+    them; whatever reads the parameters outside a forward calls it (local_tensors does).
+    The same collectives, bytes and order of launches either way: only when they are waited
+    for moves, so the numbers are identical.
     """
 
     def __init__(self, module: nn.Module, group, stage: int = 1, bucket_size: int | None = None,
-                 expert_group=None, grad_dtype: torch.dtype | None = None):
+                 expert_group=None, grad_dtype: torch.dtype | None = None, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel: stage={stage} must be 1 or 2 (stage 3: FullyShardedDataParallel)")
         has_experts = any(is_expert_parameter(p) for p in module.parameters())
         if has_experts and (expert_group is None or stage != 1):
             raise ValueError("ZeroDataParallel with experts (parameters marked allreduce=False): stage 1 only, "
                              "with the expert-data-parallel group as expert_group")
+        if overlap_param_gather and not overlap_grad_reduce:
+            raise ValueError("ZeroDataParallel: overlap_param_gather needs overlap_grad_reduce (Megatron's rule)")
         self.stage, self.bucket_size = stage, bucket_size     # (read by _make_buckets while DDP builds)
-        super().__init__(module, group, overlap=False, expert_group=expert_group if has_experts else None,
-                         grad_dtype=grad_dtype)
+        super().__init__(module, group, overlap=overlap_grad_reduce,
+                         expert_group=expert_group if has_experts else None, grad_dtype=grad_dtype)
         self.dp, self.rank = group_size(group), group_rank(group)
         # a mixture's experts (chapter 05): buckets of their own, sharded over expert_group
         self.expert_dp = group_size(expert_group) if has_experts else 1
         self.expert_buckets = [b for b in self.buckets if b.experts]
         self.buckets = [b for b in self.buckets if not b.experts]
         self._reduced: set[int] = set()  # stage 2: buckets reduced since the last finish_grad_sync
+        self._in_flight: dict[int, tuple] = {}   # stage 2 with overlap: index -> (bucket, work, its slice)
         self.grad_bytes_peak = 0         # stage 2: most full-gradient bytes held during backward
+        self.overlap_param_gather = overlap_param_gather
+        self._gathers: dict[int, object] = {}    # bucket index -> its parameter all-gather in flight
+        if overlap_param_gather:
+            owners = {}                           # module -> the buckets holding its own parameters
+            for module_ in self.module.modules():
+                mine = {id(p) for p in module_.parameters(recurse=False)}
+                held = [b for b in self.buckets + self.expert_buckets if mine & {id(p) for p in b.params}]
+                if held:
+                    owners[module_] = held
+            for module_, held in owners.items():
+                module_.register_forward_pre_hook(lambda _m, _args, held=held: self._wait_for_params(held))
 
     def _make_buckets(self, params, group, bucket_numel, experts=False) -> None:
         """build_buckets over `group`, appended to self.buckets (DDP's constructor calls it)."""
@@ -180,7 +209,8 @@ class ZeroDataParallel(DistributedDataParallel):
 
     def _reduce_bucket(self, b: Bucket) -> None:
         """Stage 2: pack the bucket's .grad into a temporary flat buffer, free them, and
-        reduce-scatter (avg) the buffer; this rank's slice is added to main_grad."""
+        reduce-scatter (avg) the buffer; this rank's slice is added to main_grad (with
+        overlap_grad_reduce: launched here, added in finish_grad_sync)."""
         flat = b.main_grad.new_zeros(b.padded_numel)
         for i, p in enumerate(b.params):
             if p.grad is not None:
@@ -188,17 +218,45 @@ class ZeroDataParallel(DistributedDataParallel):
                 p.grad = None                              # the full gradient is gone
         self.grad_bytes_peak = max(self.grad_bytes_peak, self._full_grad_bytes() + flat.numel() * flat.element_size())
         mine = flat[b.start:b.end]
-        reduce_scatter_tensor(mine, flat, self.group, op="avg", tag="grads")
-        b.main_grad.add_(mine)                           # add: a step may sync more than once
+        work = reduce_scatter_tensor(mine, flat, self.group, op="avg", tag="grads", async_op=self.overlap)
+        if self.overlap:
+            self._in_flight[b.index] = (b, work, mine)     # flat stays alive until the wait
+        else:
+            b.main_grad.add_(mine)                         # add: a step may sync more than once
         self._reduced.add(b.index)
         b.ready.clear()
+
+    # ---- stage 1 with overlap_grad_reduce: launched from the backward (DDP's hook) -------
+    def _start_grad_sync(self, bucket: Bucket) -> None:
+        """Launch the bucket's reduce-scatter (avg) asynchronously, in place into main_grad (the
+        experts' scaled first: finish_grad_sync's rule)."""
+        if bucket.experts:
+            bucket.grad_data.mul_(self.expert_dp / self.dp)
+        bucket.work = reduce_scatter_tensor(bucket.main_grad, bucket.grad_data, bucket.group, op="avg",
+                                            tag="grads", async_op=True)
+        self.recorder.launched(bucket.index, bucket.work, bucket.grad_data.numel(),
+                               bucket.grad_data.numel() * bucket.grad_data.element_size())
 
     def finish_grad_sync(self) -> None:
         """After the last micro-batch's backward: every bucket's main_grad holds this rank's
         shard of the gradient averaged over the group (stage 1: one in-place reduce-scatter
         per bucket now; stage 2: the buckets the backward did not complete are reduced now)."""
         self.check_can_sync()
-        if self.stage == 1:
+        if self.stage == 1 and self.overlap:
+            self.recorder.sync_started()
+            for b in self.buckets + self.expert_buckets:
+                if b.work is None:                 # a bucket the backward did not complete
+                    self._start_grad_sync(b)
+            for b in self.buckets + self.expert_buckets:
+                with self.recorder.waiting(b.index):
+                    b.work.wait()
+                b.work = None
+                b.ready.clear()
+            self.timeline = self.recorder.finish()
+            for p, view in self.main_grad.items():
+                if view.dtype == p.dtype:
+                    p.grad = view
+        elif self.stage == 1:
             reduce_scatter_gradients(self.buckets, self.group)     # exercise 1.3
             # experts: the SUM over expert_group divided by the dense dp (ddp.py's rule), as an
             # average over expert_group of the gradients scaled by expert_dp / dp (Megatron's
@@ -213,6 +271,10 @@ class ZeroDataParallel(DistributedDataParallel):
             for b in self.buckets:
                 if b.index not in self._reduced:
                     self._reduce_bucket(b)
+            for b, work, mine in self._in_flight.values():
+                work.wait()
+                b.main_grad.add_(mine)
+            self._in_flight.clear()
         self._reduced.clear()
         self._synced = True
 
@@ -238,10 +300,26 @@ class ZeroDataParallel(DistributedDataParallel):
         return [(self.buckets, self.group), (self.expert_buckets, self.expert_group)]
 
     def after_optimizer_step(self) -> None:
-        """All-gather every bucket's updated shard: all ranks hold the full parameters again."""
+        """All-gather every bucket's updated shard: all ranks hold the full parameters again.
+        With overlap_param_gather: launched asynchronously, the last bucket first (it holds the
+        first layers the next forward runs), waited by the forward pre-hooks."""
         for buckets, group in self._bucket_groups():
-            for b in buckets:
-                all_gather_into_tensor(b.param_data, b.shard_param, group, tag="params")
+            for b in (buckets[::-1] if self.overlap_param_gather else buckets):
+                work = all_gather_into_tensor(b.param_data, b.shard_param, group, tag="params",
+                                              async_op=self.overlap_param_gather)
+                if self.overlap_param_gather:
+                    self._gathers[b.index] = work
+
+    def _wait_for_params(self, buckets: list[Bucket]) -> None:
+        for b in buckets:
+            work = self._gathers.pop(b.index, None)
+            if work is not None:
+                work.wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight (overlap_param_gather): the
+        parameters are whole again."""
+        self._wait_for_params(self.buckets + self.expert_buckets)
 
     def zero_grad_buffer(self) -> None:
         for b in self.buckets + self.expert_buckets:
@@ -256,6 +334,7 @@ class ZeroDataParallel(DistributedDataParallel):
     def local_tensors(self, grads: bool = False) -> dict[str, tuple[Placement, torch.Tensor]]:
         """As DataParallel's; the gradients gathered from every rank's reduced shard (one
         all-gather per bucket, tag "inspect")."""
+        self.finish_param_sync()
         if not grads:
             return super().local_tensors()
         out = {}
