@@ -304,26 +304,49 @@ def kernel_errors() -> list[tuple[str, float]]:
     return out
 
 
-def attention_saved_bytes(seq: int = 512) -> dict[str, int]:
+def saved_bytes(fn) -> int:
+    """The bytes of the storages fn()'s autograd graph keeps for the backward, counted once."""
+    storages = {}
+
+    def pack(t):
+        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kept = fn()
+    del kept
+    return sum(storages.values())
+
+
+def attention_saved_bytes(seq: int = 512, block: int = 16) -> dict[str, int]:
     """One process, float32, b 1, a 4, d 16: the bytes one causal attention call keeps for its
-    backward (its saved tensors' storages, counted once), the book's written-out attention
-    against the Triton FlashAttention (q, k, v, out and one float32 log-sum-exp per row)."""
+    backward, the book's written-out attention against the Triton FlashAttention (q, k, v, out
+    and one float32 log-sum-exp per row; `block` queries and keys a program: the same bytes, and
+    larger blocks run the interpreter faster at long sequences)."""
+    from functools import partial
+
     from minimegatron.kernels.flash_attention import flash_attention
     from minimegatron.model.attention import causal_attention
 
     q, k, v = (torch.randn(1, 4, seq, 16, requires_grad=True) for _ in range(3))
-    out = {}
-    for name, attend in (("naive", causal_attention), ("flash", flash_attention)):
-        storages = {}
+    flash = partial(flash_attention, block_m=block, block_n=block)
+    return {name: saved_bytes(lambda attend=attend: attend(q, k, v))
+            for name, attend in (("naive", causal_attention), ("flash", flash))}
 
-        def pack(t):
-            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            kept = attend(q, k, v)
-        out[name] = sum(storages.values())
-        del kept
-    return out
+
+def loss_saved_bytes(vocab: int, tokens: int = 64, hidden: int = 32) -> dict[str, int]:
+    """One process, float32: the bytes the output layer and the loss keep for the backward over
+    `tokens` tokens, unfused (the logits, then the book's loss: log-probabilities [T, V]) and
+    fused (kernels/cross_entropy.linear_cross_entropy: one log-sum-exp a token and the labels),
+    the inputs x and W left out."""
+    from minimegatron.kernels.cross_entropy import linear_cross_entropy
+    from minimegatron.model.gpt import language_model_loss
+
+    x, w = torch.randn(tokens, hidden, requires_grad=True), torch.randn(vocab, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    inputs = x.untyped_storage().nbytes() + w.untyped_storage().nbytes()
+    unfused = saved_bytes(lambda: language_model_loss((x @ w.t()).view(1, tokens, vocab), labels.view(1, tokens)))
+    fused = saved_bytes(lambda: linear_cross_entropy(x, w, labels, chunk=16))
+    return {"unfused": unfused - inputs, "fused": fused - inputs}
 
 
 def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
@@ -356,6 +379,16 @@ def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
         kept = attention_saved_bytes()
         print(f"  one causal attention at s 512 (a 4, d 16, float32) keeps {kept['naive']:,} bytes for its backward "
               f"written out, {kept['flash']:,} as FlashAttention-2 (no [s, s] matrix)")
+        if not args.quick:
+            print("  the same at longer sequences (blocks of 128 in the interpreter; the bytes do not depend on them):")
+            for seq in (1024, 2048, 4096):
+                kept = attention_saved_bytes(seq, block=128)
+                print(f"    s {seq:>5}: written out {kept['naive']:>13,} bytes, FlashAttention-2 {kept['flash']:>11,} "
+                      f"({kept['naive'] / kept['flash']:.0f} x less)")
+            for vocab in (257, 128256):
+                kept = loss_saved_bytes(vocab)
+                print(f"  the output layer and loss over 64 tokens at V {vocab:,}: unfused keeps {kept['unfused']:,} "
+                      f"bytes, fused {kept['fused']:,} ({kept['unfused'] / 64:,.0f} and {kept['fused'] / 64:,.0f} a token)")
     if run.train.reset_attention_mask:
         packed, mixed = packed_equals_alone(run.model)
         print(f"[packed] documents of 5, 9, 4 and 14 tokens in one row, with --reset-position-ids "

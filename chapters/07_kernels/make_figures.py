@@ -149,7 +149,7 @@ RUNS = {
     "moe": f"{DEMO} --quick --recompute selective --recompute-modules moe --tp 2 --sp --ep 2 --dp 2",
     "pack": f"{DEMO} --quick --pack --recompute selective --tp 2 --sp --dp 2",                  # §5
     "packing": "python benchmarks/bench_packing.py",                                           # §5, timed
-    "kernels": f"{DEMO} --quick --kernels triton --recompute full --tp 2 --sp --dp 2",        # §6
+    "kernels": f"{DEMO} --kernels triton --recompute full --tp 2 --sp --dp 2",                # §6, timed
     "compile": f"{DEMO} --quick --kernels compile --tp 2 --sp --dp 2",                        # §7
     "case-study": "python benchmarks/bench_case_study.py",                                     # §7, timed
     # §7, timed; needs transformers (pip install -r requirements-bench.txt)
@@ -205,6 +205,19 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v["flash_naive_bytes"] = grab(kernels, r"keeps ([\d,]+) bytes for its backward written out")
     v["flash_bytes"] = grab(kernels, r"written out, ([\d,]+) as FlashAttention-2")
     claim(v["flash_bytes"] == 4 * 4 * 512 * 16 * 4 + 4 * 512 * 4, "FlashAttention keeps q, k, v, out and the lse only")
+    for seq in (1024, 2048, 4096):
+        row = rf"^    s +{seq}: written out +([\d,]+) bytes, FlashAttention-2 +([\d,]+) \((\d+) x less\)"
+        v[f"flash_{seq}_naive"], v[f"flash_{seq}"] = grab(kernels, row, 1), grab(kernels, row, 2)
+        v[f"flash_{seq}_ratio"] = grab(kernels, row, 3)
+        claim(v[f"flash_{seq}"] == (4 * 4 * 16 * 4 + 4 * 4) * seq, f"at s {seq} too FlashAttention keeps only q, k, v, "
+                                                                    f"out and the lse: linear in s")
+    claim(v["flash_4096_naive"] / v["flash_naive_bytes"] > 50,
+          "the written-out attention grows with s squared (8 x the length, over 50 x the bytes)")
+    for vocab, key in ((257, "257"), (128256, "128k")):
+        row = rf"over 64 tokens at V {vocab:,}: unfused keeps ([\d,]+) bytes, fused ([\d,]+)"
+        v[f"loss_{key}_unfused"], v[f"loss_{key}_fused"] = grab(kernels, row, 1), grab(kernels, row, 2)
+    claim(v["loss_128k_fused"] == v["loss_257_fused"] == 64 * 12, "the fused loss keeps 12 bytes a token at any V")
+    claim(v["loss_128k_unfused"] >= 64 * 128256 * 4, "the unfused one keeps the [T, V] float32 log-probabilities")
     v.update(measure_speed(outputs))
     v.update(measure_overlap(outputs))
     return v
