@@ -217,6 +217,8 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "moe_router_enable_expert_bias": [("--moe-router-enable-expert-bias", True,
                                        "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias for the "
                                        "choice, updated after each step (needs sigmoid scores)")],
+    "kernels": [("--compile", "compile", "each transformer layer through torch.compile, the same as --kernels compile "
+                                         "(chapter 07)")],
     "overlap_grad_reduce": [("--overlap-grad-reduce", True, "ZeRO-1/2: launch each bucket's reduce-scatter from the "
                                                               "backward as soon as it is complete (the bucketed DDP "
                                                               "always overlaps its all-reduces; chapter 07)")],

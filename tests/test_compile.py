@@ -60,3 +60,8 @@ def test_under_tp_and_sp_the_compiled_layers_equal_one_device_and_send_the_same_
 def test_what_the_compile_path_does_not_take_is_named(model_kw, fields, message):
     with pytest.raises(ConfigError, match=f"kernels='compile' with {message}"):
         validate_layout(dataclasses.replace(MODEL, **model_kw), dataclasses.replace(BASE, kernels="compile", **fields), 1)
+
+
+def test_the_compile_switch_is_kernels_compile():
+    from minimegatron.arguments import parse_command_line
+    assert parse_command_line(["--compile"])[1].kernels == "compile"
