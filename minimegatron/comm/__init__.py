@@ -46,8 +46,8 @@ from __future__ import annotations
 
 
 from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all,
-                          all_to_all_single, barrier, batch_isend_irecv, broadcast, irecv, isend,
-                          recv, reduce_scatter, reduce_scatter_tensor, send)
+                          all_to_all_single, barrier, batch_isend_irecv, broadcast, compile_barriers, irecv,
+                          isend, recv, reduce_scatter, reduce_scatter_tensor, send)
 from .ledger import (ALONE, CommRecord, Ledger, OpSummary, group_rank, group_ranks, group_size,
                      record_communication, retagged, ring_traffic)
 from .regions import (all_to_all_region, all_to_all_uneven_region, gather_uneven_region, reduce_scatter_uneven_region,
@@ -61,7 +61,7 @@ __all__ = ["ALONE", "CommRecord", "Ledger", "OpSummary", "record_communication",
            "group_ranks", "group_size", "group_rank",
            "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
            "reduce_scatter_tensor", "broadcast", "send", "recv", "isend", "irecv", "P2POp",
-           "batch_isend_irecv", "all_to_all_single", "all_to_all", "barrier",
+           "batch_isend_irecv", "all_to_all_single", "all_to_all", "barrier", "compile_barriers",
            "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
            "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
            "reduce_scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

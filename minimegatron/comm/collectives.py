@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -53,12 +55,37 @@ def _check_buffer(t: torch.Tensor, what: str) -> None:
                          "call .contiguous() and copy the result back")
 
 
+_COLLECTIVES: dict[str, object] = {}      # name -> the plain function, for compile_barriers
+_OUTSIDE_GRAPHS: dict[str, object] = {}   # name -> its compiler-disabled version (compile_barriers)
+
+
 def _eager(collective):
     """Every collective runs eagerly, also inside a compiled region (chapter 07's --kernels
-    compile): torch.compile stops its graph at the call and resumes after it, so the ledger
-    records each call in Python and the process group sees plain tensors. Costs well under a
-    microsecond a call in eager mode."""
-    return torch.compiler.disable(collective)
+    compile): when torch.compile traces a call, the call goes to the compiler-disabled version
+    that compile_barriers() made, so the graph stops there and resumes after it; the ledger
+    records each call in Python and the process group sees plain tensors. Eagerly it is one
+    flag test a call (well under a microsecond), and importing comm does not import the
+    compiler (torch._dynamo, over a second a process)."""
+    name = collective.__name__
+    _COLLECTIVES[name] = collective
+
+    @functools.wraps(collective)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if name not in _OUTSIDE_GRAPHS:
+                raise RuntimeError(f"comm.{name} traced by torch.compile: call comm.compile_barriers() before "
+                                   f"compiling code that communicates (kernels.apply_kernels does)")
+            return _OUTSIDE_GRAPHS[name](*args, **kwargs)
+        return collective(*args, **kwargs)
+    return call
+
+
+def compile_barriers() -> None:
+    """Make every collective a graph break for torch.compile (see _eager): call it before
+    compiling code that communicates. Imports torch._dynamo; idempotent."""
+    for name, collective in _COLLECTIVES.items():
+        if name not in _OUTSIDE_GRAPHS:
+            _OUTSIDE_GRAPHS[name] = torch.compiler.disable(collective)
 
 
 def _record(op: str, group, t: torch.Tensor | None, tag: str | None, nbytes=None) -> None:

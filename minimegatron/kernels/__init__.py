@@ -69,14 +69,16 @@ def apply_kernels(model, kernels: str):
 def _compile_layers(model):
     """kernels "compile": each transformer layer's forward through torch.compile (Inductor; on a
     CPU it writes C++ that fuses the elementwise work: the norms, RoPE, the activation, the
-    residual adds). The collectives run eagerly between the compiled pieces (comm's collectives
-    are compiler-disabled), so the ledger and the process groups work as without it. SwiGLU goes
+    residual adds). The collectives run eagerly between the compiled pieces
+    (comm.compile_barriers: each collective a graph break), so the ledger and the process groups work as without it. SwiGLU goes
     back to autograd's plain form (silu(gate) * up): the book's hand-written backward
     (model/mlp.py) writes into views, which the compiler cannot trace, and Inductor fuses the
     plain one anyway. Compiled on the first forward (seconds per distinct layer shape)."""
     import torch.nn.functional as F
 
+    from ..comm import compile_barriers
     from ..model.mlp import MLP
+    compile_barriers()                                 # every collective a graph break
 
     def plain_swiglu(y):
         gate, up = y.chunk(2, dim=-1)                                        # [.., f] each
