@@ -217,6 +217,29 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     return out, chunks, layout, optimizer
 
 
+def saved_activation_bytes_per_rank(cases: list[tuple]) -> list[int]:
+    """Spawn target: for each (model_cfg, train_cfg, b, s), this rank's model (train.initialize_layout
+    and parallelize.build_model over the whole world, one tensor-parallel group for a tp-only
+    layout), one forward with random labels in train mode, and the bytes it saved for the backward
+    (analysis.measure_saved_activation_bytes; dropout streams seeded as the training loop seeds
+    them). Collective: every rank calls it with the same cases."""
+    from .analysis import measure_saved_activation_bytes
+    from .parallelize import build_model
+    from .tp import model_parallel_manual_seed
+    from .train import initialize_layout
+    out = []
+    for model_cfg, train_cfg, b, s in cases:
+        layout = initialize_layout(train_cfg)
+        model = build_model(model_cfg, train_cfg, layout)[0].train()
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, model_cfg.vocab_size, (b, s), generator=g)
+        labels = torch.randint(0, model_cfg.vocab_size, (b, s), generator=g)
+        torch.manual_seed(1)
+        model_parallel_manual_seed(1234, tp_rank=layout.tp_rank)
+        out.append(measure_saved_activation_bytes(model, tokens, labels))
+    return out
+
+
 def split_microbatches(batch: dict[str, torch.Tensor], num: int) -> list[dict[str, torch.Tensor]]:
     """Cut a global batch [B, s] into `num` micro-batches [B/num, s] along the batch dim."""
     B = batch["tokens"].shape[0]

@@ -24,6 +24,7 @@ numbers against it.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -86,7 +87,60 @@ def main() -> int:
         ax.legend(fontsize=8)
     finish_figure(fig, OUT / "recompute_memory.png")
     print(f"wrote {OUT / 'recompute_memory.png'}")
+    if tp_memory_table():
+        return 1
     return draw_zero_timeline()
+
+
+def tp_memory_table() -> int:
+    """2 ranks: what one micro-batch keeps on a tensor-parallel rank (tp 2, with and without SP)
+    for each recompute, measured (testing.saved_activation_bytes_per_rank) against
+    analysis.activation_memory, per layer beside Korthikanti et al.'s. Returns 1 on a mismatch."""
+    import dataclasses
+
+    from minimegatron.analysis import activation_memory, korthikanti_activation_memory
+    from minimegatron.config import TrainConfig
+    from minimegatron.launch import spawn
+    from minimegatron.testing import saved_activation_bytes_per_rank
+
+    cfg = ModelConfig.gpt2(hidden_size=64, num_layers=4, num_attention_heads=4, vocab_size=256,
+                           max_position_embeddings=256, params_dtype="bfloat16", hidden_dropout=0.1,
+                           attention_dropout=0.1, attention_backend="naive")
+    b, s = 1, 256
+    cases = []
+    for sp in (False, True):
+        for name, recompute in CASES.items():
+            model = dataclasses.replace(cfg, attention_dropout=0.0) if "selective" in name else cfg
+            train = TrainConfig(seq_length=s, micro_batch_size=b, tensor_model_parallel_size=2, sequence_parallel=sp,
+                                bf16=True, progress=False, **recompute)
+            cases.append((f"tp 2{' + SP' if sp else '     '}  {name}", name, model, train))
+    measured = spawn(saved_activation_bytes_per_rank, 2, [(m, t, b, s) for _, _, m, t in cases], timeout=300)
+    print("on each of 2 tensor-parallel ranks (GPT-2 style, bf16, h 64, 4 layers, s 256, naive attention, "
+          "dropout 0.1; selective without attention dropout, as Megatron's core_attn):")
+    for i, (label, name, model, train) in enumerate(cases):
+        formula = activation_memory(model, b, s, tp=2, sequence_parallel=train.sequence_parallel, **CASES[name])
+        korthikanti = korthikanti_per_layer(name, model, b, s, 2, train.sequence_parallel)
+        ranks = sorted({rank[i] for rank in measured})
+        if ranks != [formula["total"]]:
+            print(f"MISMATCH: {label}: measured {ranks}, activation_memory {formula['total']:,}", file=sys.stderr)
+            return 1
+        layer = formula["layers"] // model.num_layers
+        print(f"  {label:<34} {ranks[0]:>11,} bytes measured = formula; per layer {layer:>9,} "
+              f"(Korthikanti {korthikanti:>9,})")
+    return 0
+
+
+def korthikanti_per_layer(recompute: str, cfg: ModelConfig, b: int, s: int, t: int, sp: bool) -> int:
+    """Korthikanti et al.'s bytes per layer and rank (16-bit): none as korthikanti_activation_memory;
+    selective (their attention core recomputed) without the 5 a s^2 b / t term, 34 s b h / t with
+    SP and (10 + 24 / t) s b h without; full, the layer input, 2 s b h (/ t with SP)."""
+    from minimegatron.analysis import korthikanti_activation_memory
+    sbh = s * b * cfg.hidden_size
+    if recompute == "none":
+        return korthikanti_activation_memory(cfg, b, s, tp=t, sequence_parallel=sp)["per_layer"]
+    if recompute == "full":
+        return 2 * sbh // (t if sp else 1)
+    return 34 * sbh // t if sp else 10 * sbh + 24 * sbh // t
 
 
 # ZeRO-1 with --overlap-grad-reduce on 2 ranks: bench_ddp.py's model and buckets
@@ -186,6 +240,13 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
           "with the fused attention, core_attn recompute saves almost nothing")
     claim(v["fig_naive_selective_1024"] / v["fig_naive_none_1024"] < 0.2,
           "with the naive attention at s 1024, core_attn recompute keeps less than a fifth")
+    for sp, layout_key in (("     ", "tp2"), (" + SP", "tp2sp")):
+        for key, name in (("none", "none"), ("selective", r"selective \(core_attn\)"), ("full", "full")):
+            row = (rf"^  tp 2{re.escape(sp)}  {name} +[\d,]+ bytes measured = formula; per layer +([\d,]+) "
+                   rf"\(Korthikanti +([\d,]+)\)")
+            v[f"{layout_key}_{key}_layer"] = grab(figures, row, 1)
+            v[f"{layout_key}_{key}_korthikanti"] = grab(figures, row, 2)
+    claim(v["tp2sp_full_layer"] == v["tp2sp_full_korthikanti"], "full recompute under SP keeps Korthikanti's 2sbh/t")
     v["cp_recompute_calls"] = grab(outputs["selective-sp-cp"], r"^  cp +(\d+) calls")
     v["pack_alone"] = grab(outputs["pack"], r"to each document alone ([\d.e+-]+)")
     v["pack_mixed"] = grab(outputs["pack"], r"without the switches ([\d.e+-]+)\)")

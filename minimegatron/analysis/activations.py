@@ -34,7 +34,8 @@ from .memory import as_dtype, bytes_per_element
 INDEX_BYTES = 8  # token ids, labels and positions are int64
 
 
-def attention_operands_share_qkv_output(config: ModelConfig, batch: int, seq: int) -> tuple[bool, bool, bool]:
+def attention_operands_share_qkv_output(config: ModelConfig, batch: int, seq: int, tp: int = 1
+                                         ) -> tuple[bool, bool, bool]:
     """Are the q, k, v that attention saves VIEWS of the fused QKV output (or new tensors)?
 
     A saved view keeps the whole storage it points into alive; for q, k, v that storage is
@@ -56,8 +57,9 @@ def attention_operands_share_qkv_output(config: ModelConfig, batch: int, seq: in
 
     Returns (q_is_view, k_is_view, v_is_view). With the naive backend and b, s, a > 1 all
     three are False: q, k, v are saved as three new [b a, s, d] tensors, 3 b s h elements.
+    tp: the heads of one tensor-parallel rank (a / tp and g / tp) decide it.
     """
-    a, g = config.num_attention_heads, config.query_groups
+    a, g = config.num_attention_heads // tp, config.query_groups // tp
     per_group = a // g
     rope = config.position_embedding_type == "rope"
     q_slice = not rope and (g == 1 or per_group == 1)      # q still points into the QKV output
@@ -93,7 +95,8 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
                       dtype: torch.dtype | str | None = None, *, training: bool = True,
                       dropout_mask_itemsize: int | None = None, recompute_granularity: str | None = None,
                       recompute_method: str | None = None, recompute_num_layers: int | None = None,
-                      recompute_modules: tuple[str, ...] = ("core_attn",)) -> dict:
+                      recompute_modules: tuple[str, ...] = ("core_attn",), tp: int = 1,
+                      sequence_parallel: bool = False) -> dict:
     """Bytes autograd saves for backward in one forward pass of our GPTModel (with labels).
 
     dtype: the model's dtype (default config.params_dtype); e = its bytes per element.
@@ -174,6 +177,18 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
         "mlp"               the activation's and fc2's inputs (the MLP keeps its input only)
         "layernorm"         each norm keeps its input in the model's dtype, b s h e
 
+    Under tensor parallelism of size t (tp; chapter 02), on one rank: q, k, v, the attention and
+    the MLP's inner activations hold a / t heads, g / t groups and f / t features, and linear_proj
+    saves its [b, s, h / t] input; the norms, the inputs of linear_qkv and linear_fc1 and the
+    residual dropouts stay whole. With sequence parallelism (chapter 04) those hold s / t tokens:
+    a column-parallel linear saves only its own tokens and gathers them again in the backward.
+    Outside the layers, the vocabulary-parallel embedding keeps its local ids and the mask of the
+    ids it does not own (b s 8 + b s), the output layer its input (s / t tokens under SP), and the
+    vocabulary-parallel loss its softmax over V / t ids in c, the local labels and the mask of
+    the labels it does not own (b s (V / t) c + b s 8 + b s) instead of the log-probabilities
+    and the labels. Korthikanti et al.'s s b h (10 + 24 / t + 5 a s / (h t)) and, with SP,
+    s b h (34 + 5 a s / h) / t are the same division (korthikanti_activation_memory).
+
     Returns {"per_layer": {component: bytes, ..., "total"}, "layers": the L layers' bytes (L x the
     per-layer total without full recompute), "outside_layers": {component: bytes, ..., "total"},
     "total": layers + outside}.
@@ -187,20 +202,22 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
     c = 4 if e == 2 else e
     m = e if dropout_mask_itemsize is None else dropout_mask_itemsize
     b, s, h, V, L = batch, seq, config.hidden_size, config.vocab_size, config.num_layers
-    a, g, d, f = config.num_attention_heads, config.query_groups, config.kv_channels, config.ffn_size
+    t = tp
+    a, g, d, f = config.num_attention_heads // t, config.query_groups // t, config.kv_channels, config.ffn_size // t
+    s_sp = s // t if sequence_parallel else s            # tokens of the norms, dropouts and column inputs
     p_attn = config.attention_dropout if training else 0.0
     p_hidden = config.hidden_dropout if training else 0.0
     naive = config.attention_backend == "naive"
     if not naive and p_attn > 0:
         raise ValueError("activation_memory does not model the sdpa backend with attention_dropout > 0")
 
-    q_view, k_view, v_view = attention_operands_share_qkv_output(config, b, s)
+    q_view, k_view, v_view = attention_operands_share_qkv_output(config, b, s, t)
     head_tensor = b * a * s * d * e                       # one of q, k, v: [b, a, s, d]
     kv_tensor = head_tensor if naive else b * g * s * d * e   # sdpa: k, v keep their g heads
     scores = b * a * s * s                                # elements of one [b, a, s, s] matrix
     per_layer = {
-        "input_norm": _norm_bytes(config, b, s, e, c),
-        "qkv_input": b * s * h * e,
+        "input_norm": _norm_bytes(config, b, s_sp, e, c),
+        "qkv_input": b * s_sp * h * e,
         "qkv_output": b * s * (a + 2 * g) * d * e if (q_view or k_view or v_view) else 0,
         "query": 0 if q_view else head_tensor,
         "key": 0 if k_view else kv_tensor,
@@ -216,13 +233,13 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
     else:
         per_layer["softmax_logsumexp"] = b * a * s * c
     per_layer.update({
-        "proj_input": b * s * h * e,
-        "attention_residual_dropout_mask": b * s * h * m if p_hidden > 0 else 0,
-        "pre_mlp_norm": _norm_bytes(config, b, s, e, c),
-        "fc1_input": b * s * h * e,
+        "proj_input": b * s * a * d * e,
+        "attention_residual_dropout_mask": b * s_sp * h * m if p_hidden > 0 else 0,
+        "pre_mlp_norm": _norm_bytes(config, b, s_sp, e, c),
+        "fc1_input": b * s_sp * h * e,
         "activation": 3 * b * s * f * e if config.activation == "swiglu" else b * s * f * e,
         "fc2_input": b * s * f * e,
-        "mlp_residual_dropout_mask": b * s * h * m if p_hidden > 0 else 0,
+        "mlp_residual_dropout_mask": b * s_sp * h * m if p_hidden > 0 else 0,
     })
     if recompute_granularity == "selective":
         if "core_attn" in recompute_modules:
@@ -232,33 +249,36 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
             # the unit keeps q, k, v as they enter it: g heads of k and v, views of the QKV output
             # where the fused kernel's operands would be (sdpa's rule: the repeat happens inside)
             q_in, k_in, v_in = attention_operands_share_qkv_output(dataclasses.replace(config, attention_backend="sdpa"),
-                                                                  b, s)
+                                                                  b, s, t)
             per_layer.update(qkv_output=b * s * (a + 2 * g) * d * e if (q_in or k_in or v_in) else 0,
                              query=0 if q_in else head_tensor, key=0 if k_in else b * g * s * d * e,
                              value=0 if v_in else b * g * s * d * e)
         if "mlp" in recompute_modules:
             per_layer["activation"] = per_layer["fc2_input"] = 0
         if "layernorm" in recompute_modules:
-            per_layer["input_norm"] = per_layer["pre_mlp_norm"] = b * s * h * e
+            per_layer["input_norm"] = per_layer["pre_mlp_norm"] = b * s_sp * h * e
     per_layer["total"] = sum(per_layer.values())
 
     outside = {
         "tokens": b * s * INDEX_BYTES,
         "position_ids": s * INDEX_BYTES if config.position_embedding_type == "learned_absolute" else 0,
-        "embedding_dropout_mask": b * s * h * m if p_hidden > 0 else 0,
+        "embedding_dropout_mask": b * s_sp * h * m if p_hidden > 0 else 0,
         "rope_tables": 2 * s * d * e if config.position_embedding_type == "rope" else 0,
-        "final_norm": _norm_bytes(config, b, s, e, c),
-        "output_input": b * s * h * e,
+        "final_norm": _norm_bytes(config, b, s_sp, e, c),
+        "output_input": b * s_sp * h * e,
         "log_softmax": b * s * V * c,
         "labels": b * s * INDEX_BYTES,
     }
+    if t > 1:                     # the vocabulary-parallel embedding and loss (tp/layers.py, tp/cross_entropy.py)
+        outside.update(tokens=b * s * INDEX_BYTES + b * s, log_softmax=b * s * (-(-V // t)) * c,
+                       labels=b * s * INDEX_BYTES + b * s)
     outside["total"] = sum(outside.values())
     layers = L * per_layer["total"]
     if recompute_granularity == "full":                  # a unit keeps its input [b, s, h] only
         n = recompute_num_layers
         units = -(-L // n) if recompute_method == "uniform" else min(n, L)
         whole = 0 if recompute_method == "uniform" else L - units
-        layers = units * b * s * h * e + whole * per_layer["total"]
+        layers = units * b * s_sp * h * e + whole * per_layer["total"]
     return {"per_layer": per_layer, "layers": layers, "outside_layers": outside,
             "total": layers + outside["total"]}
 
