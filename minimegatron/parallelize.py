@@ -107,11 +107,6 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
         _check_triton_kernels(model_cfg, cfg)
     if cfg.kernels == "compile":
         _check_compile(model_cfg, cfg)
-    packing = [f for f in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(cfg, f)]
-    if packing and cp > 1:
-        raise ConfigError(f"{', '.join(packing)} with context_parallel_size={cp}: a context-parallel rank would need "
-                          f"the other ranks' document boundaries (Megatron's THD format with cu_seqlens); not in "
-                          f"this book yet, use context_parallel_size 1")
     if cfg.recompute_granularity is not None and cfg.zero_stage == 3:
         raise ConfigError("recompute_granularity with zero_stage=3: ZeRO-3's units free a layer's weights after its "
                           "forward (dp/fsdp.py), and the recompute would run without them; use zero_stage 0, 1 or 2")

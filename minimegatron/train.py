@@ -107,7 +107,7 @@ def forward_backward_no_pipelining(model: nn.Module, microbatches: list[dict[str
                                document_ids=mb.get("document_ids"))                                     # [b, s]
             if record is not None:
                 record.in_flight([(i, 0)])
-            loss = mean_loss(losses, mb.get("loss_mask")) / len(microbatches)                       # []
+            loss = mean_loss(losses, mb.get("loss_mask"), mb.get("loss_tokens")) / len(microbatches)      # []
             (loss * loss_scale).backward()
         total += loss.item()
     return total
@@ -171,7 +171,8 @@ def evaluate(chunks: list[nn.Module], dataset: GPTDataset, cfg: TrainConfig, lay
         else:
             chunks[0].eval()
             losses.append(mean_loss(chunks[0](mb["tokens"], position_ids=mb["position_ids"], labels=mb["labels"],
-                                              document_ids=mb.get("document_ids")), mb.get("loss_mask")).item())
+                                              document_ids=mb.get("document_ids")), mb.get("loss_mask"),
+                                    mb.get("loss_tokens")).item())
             chunks[0].train()
     mean = torch.tensor([sum(losses) / max(1, len(losses))], dtype=torch.float64, device=device)
     all_reduce(mean, layout.dp_group, op="avg", tag="loss")

@@ -61,12 +61,9 @@ def test_a_packed_document_is_computed_as_if_it_were_alone(style):
     assert not torch.allclose(unpacked[5:12], model(docs[1].unsqueeze(0))[0], atol=1e-6)
 
 
-def test_the_switches_are_megatrons_and_context_parallelism_is_refused():
+def test_the_switches_are_megatrons():
     _, cfg, _ = parse_command_line(["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"], world_size=1)
     assert (cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss) == (True, True, True)
-    model = ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4, vocab_size=64)
-    with pytest.raises(ConfigError, match="reset_attention_mask with context_parallel_size=2"):
-        validate_layout(model, TrainConfig(reset_attention_mask=True, context_parallel_size=2, seq_length=32), 2)
 
 
 def test_the_dataset_adds_the_masks_and_the_batches_carry_them(tmp_path):
@@ -99,18 +96,23 @@ def _packed_batches(model, steps, rows, seq):
     return out
 
 
-def _layout(name, tp=1, pp=1, dp=1, sp=False, style="llama"):
+def _layout(name, tp=1, pp=1, dp=1, sp=False, style="llama", cp=1, cp_comm_type="p2p"):
     model = getattr(ModelConfig, style)(hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
                                         ffn_hidden_size=64, vocab_size=64, max_position_embeddings=16,
                                         params_dtype="float64")
     cfg = TrainConfig(seq_length=16, micro_batch_size=2, grad_accum_steps=2, train_iters=2, lr=1e-2, lr_warmup_iters=0,
                       eval_interval=0, progress=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                      sequence_parallel=sp, **PACKED)
+                      sequence_parallel=sp, context_parallel_size=cp, cp_comm_type=cp_comm_type, **PACKED)
     return name, model, cfg, dp, _packed_batches(model, 2, 2 * 2 * dp, 16)
 
 
 LAYOUTS = [_layout("tp2 + SP x dp2", tp=2, sp=True, dp=2), _layout("tp2 x pp2, GPT-2", tp=2, pp=2, style="gpt2"),
-           _layout("pp2 x dp2", pp=2, dp=2)]
+           _layout("pp2 x dp2", pp=2, dp=2),
+           # context parallelism: every rank's attention masks the keys of all ranks by their documents
+           _layout("cp2 ring x dp2", cp=2, dp=2), _layout("tp2 + SP x cp2 all_gather", tp=2, sp=True, cp=2,
+                                                          cp_comm_type="all_gather"),
+           _layout("cp2 a2a x pp2, GPT-2", cp=2, pp=2, cp_comm_type="a2a", style="gpt2"),
+           _layout("cp4 a2a+p2p", cp=4, cp_comm_type="a2a+p2p")]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +125,7 @@ def test_each_layout_with_packed_documents_equals_one_device(trained, index):
     name, model, cfg, dp, batches = LAYOUTS[index]
     reference = single_device_run(model, batches, dataclasses.replace(cfg, tensor_model_parallel_size=1,
                                                                       pipeline_model_parallel_size=1,
+                                                                      context_parallel_size=1,
                                                                       sequence_parallel=False),
                                   grad_accum_steps=cfg.grad_accum_steps * dp)
     run = trained[0][index]

@@ -429,7 +429,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "torch.compile (a float32 model without dropout, no recompute)")
     parser.add_argument("--pack", action="store_true",
                         help="documents of 7 tokens in each row, with Megatron's --reset-position-ids "
-                             "--reset-attention-mask --eod-mask-loss (not with --cp)")
+                             "--reset-attention-mask --eod-mask-loss")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default 2)")
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     parser.add_argument("--quick", action="store_true", help="no timing (what the tests run)")

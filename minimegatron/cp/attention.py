@@ -102,14 +102,14 @@ class _AllGatherAttention(torch.autograd.Function):
     dK, dV, reduce-scatter dK, dV (tag "bwd") so each rank gets the sum for its own tokens."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, q_ids, all_ids, backend):
+    def forward(ctx, q, k, v, group, q_ids, all_ids, backend, document_ids=None):
         k_all = all_gather(k.contiguous(), group, dim=SEQ, tag="fwd")             # [b, g, s, d]
         v_all = all_gather(v.contiguous(), group, dim=SEQ, tag="fwd")
-        partial = attend_blocks(q, k_all, v_all, q_ids, all_ids, backend, [None] * len(q_ids))
+        partial = attend_blocks(q, k_all, v_all, q_ids, all_ids, backend, [None] * len(q_ids), document_ids)
         out = torch.cat([o for o, _ in partial], dim=SEQ)                          # [b, a, s/cp, d]
         lse = torch.cat([l for _, l in partial], dim=SEQ)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.q_ids, ctx.all_ids, ctx.backend = group, q_ids, all_ids, backend
+        ctx.group, ctx.q_ids, ctx.all_ids, ctx.backend, ctx.document_ids = group, q_ids, all_ids, backend, document_ids
         return out
 
     @staticmethod
@@ -118,10 +118,11 @@ class _AllGatherAttention(torch.autograd.Function):
         k_all = all_gather(k, ctx.group, dim=SEQ, tag="regather")
         v_all = all_gather(v, ctx.group, dim=SEQ, tag="regather")
         dq, dkv = torch.zeros_like(q), torch.zeros(2, *k_all.shape, dtype=k.dtype, device=k.device)
-        attend_blocks_backward(dout, q, k_all, v_all, out, lse, ctx.q_ids, ctx.all_ids, ctx.backend, dq, dkv)
+        attend_blocks_backward(dout, q, k_all, v_all, out, lse, ctx.q_ids, ctx.all_ids, ctx.backend, dq, dkv,
+                               ctx.document_ids)
         dk = reduce_scatter(dkv[0], ctx.group, dim=SEQ, tag="bwd")                # [b, g, s/cp, d]
         dv = reduce_scatter(dkv[1], ctx.group, dim=SEQ, tag="bwd")
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 class ContextParallelAttention:
@@ -141,8 +142,14 @@ class ContextParallelAttention:
       a2a         4 all-to-alls forward (q, k, v, out: 2 q + 2 kv) and 4 backward
       a2a+p2p     the a2a's 4 + 4 in the sub-group of A ranks, then p2p's ring over the P = cp / A
                   sub-groups
+    Packed documents (chapter 07, --reset-attention-mask): document_ids [b, s], the WHOLE
+    sequence's (cp/layout.get_batch_on_this_cp_rank leaves them uncut), give every block pair
+    its mask (ring.same_document), so each query attends to its own document only; the same
+    messages as without.
     Not an nn.Module: it holds no parameters, so the state dict is unchanged.
     """
+
+    takes_document_ids = True           # SelfAttention.core_attention_forward may pass them
 
     def __init__(self, cp_group, comm_type: str, chunk_ids_per_rank: list[list[int]], backend: str = "sdpa",
                  a2a_group=None, p2p_group=None):
@@ -150,29 +157,31 @@ class ContextParallelAttention:
         self.chunk_ids_per_rank = chunk_ids_per_rank
         self.a2a_group, self.p2p_group = a2a_group, p2p_group
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0, training: bool = False):
+    def __call__(self, q, k, v, dropout_p: float = 0.0, training: bool = False, document_ids=None):
         ids, me = self.chunk_ids_per_rank, group_rank(self.cp_group)
         if self.comm_type == "p2p":
-            return ring_attention(q, k, v, self.cp_group, ids[me], ids, self.backend)             # [b, a, s/cp, d]
+            return ring_attention(q, k, v, self.cp_group, ids[me], ids, self.backend, document_ids)   # [b, a, s/cp, d]
         if self.comm_type == "all_gather":
             every = [i for r in ids for i in r]                                                 # cp rank order
-            return _AllGatherAttention.apply(q, k, v, self.cp_group, ids[me], every, self.backend)  # [b, a, s/cp, d]
+            return _AllGatherAttention.apply(q, k, v, self.cp_group, ids[me], every, self.backend,
+                                             document_ids)                                      # [b, a, s/cp, d]
         if self.comm_type == "a2a":
             every = [i for r in ids for i in r]
-            return self._ulysses(q, k, v, self.cp_group, None, every, [every])
+            return self._ulysses(q, k, v, self.cp_group, None, every, [every], document_ids)
         # "a2a+p2p": the all-to-all inside my sub-group, then a ring across sub-groups
         n_a2a, ring = group_size(self.a2a_group), group_size(self.p2p_group)
         members = [ids[j * n_a2a:(j + 1) * n_a2a] for j in range(ring)]                       # sub-group j's ranks
         per_ring_rank = [[i for r in m for i in r] for m in members]
         mine = per_ring_rank[group_rank(self.p2p_group)]
-        return self._ulysses(q, k, v, self.a2a_group, self.p2p_group, mine, per_ring_rank)
+        return self._ulysses(q, k, v, self.a2a_group, self.p2p_group, mine, per_ring_rank, document_ids)
 
-    def _ulysses(self, q, k, v, a2a_group, ring_group, q_ids, kv_ids_per_rank):
+    def _ulysses(self, q, k, v, a2a_group, ring_group, q_ids, kv_ids_per_rank, document_ids=None):
         # sequence-sharded -> head-sharded: scatter heads, gather the sub-group's tokens
         q = all_to_all_region(q, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, a/n, n s/cp, d]
         k = all_to_all_region(k, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)                 # [b, g/n, n s/cp, d]
         v = all_to_all_region(v, a2a_group, scatter_dim=HEADS, gather_dim=SEQ)
-        out = ring_attention(q, k, v, ring_group, q_ids, kv_ids_per_rank, self.backend)          # [b, a/n, n s/cp, d]
+        out = ring_attention(q, k, v, ring_group, q_ids, kv_ids_per_rank, self.backend,
+                             document_ids)                                                      # [b, a/n, n s/cp, d]
         return all_to_all_region(out, a2a_group, scatter_dim=SEQ, gather_dim=HEADS)              # [b, a, s/cp, d]
 
 

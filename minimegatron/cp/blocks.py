@@ -30,6 +30,13 @@ Backends, one interface:
            on other devices, or a torch without it, the naive path (same numbers).
 `causal` means the top-left triangle of a square block: query row i sees key columns j <= i,
 which is the mask of a block whose queries and keys are the same chunk of positions.
+
+Packed documents (chapter 07): `same_document` [b, sq, sk] (True where the query and the key
+belong to one document) masks the rest, on the naive path (the CPU flash kernel takes no mask).
+A masked score is OUTSIDE_DOCUMENT, finite, not -inf: a block can hold no key of a row's
+document at all, and its lse is then about -1e30 where -inf would give nan (exp(-inf + inf));
+merged with any block that holds one, its weight exp(-1e30 - lse) is exactly 0, and every row
+meets its own position in the diagonal block.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from ..model.linear import compute_dtype
 
 __all__ = ["attention_block_forward", "attention_block_backward", "merge_attention", "flash_kernel_available"]
 
+OUTSIDE_DOCUMENT = -1e30     # the score of a key in another document (see the module docstring)
+
 
 def flash_kernel_available(t: torch.Tensor) -> bool:
     """True when PyTorch's CPU flash-attention kernel (with lse) can run on `t`."""
@@ -53,10 +62,13 @@ def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _scores(q, k, causal):
-    """Scaled scores [b, a, sq, sk] in the compute dtype, -inf above the diagonal if causal."""
+def _scores(q, k, causal, same_document=None):
+    """Scaled scores [b, a, sq, sk] in the compute dtype, -inf above the diagonal if causal,
+    OUTSIDE_DOCUMENT where same_document [b, sq, sk] is False."""
     dtype = compute_dtype(q)
     scores = (q.to(dtype) @ _repeat_kv(k, q.shape[1]).to(dtype).transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if same_document is not None:
+        scores = scores.masked_fill(~same_document.unsqueeze(1), OUTSIDE_DOCUMENT)
     if causal:
         sq, sk = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
@@ -64,15 +76,17 @@ def _scores(q, k, causal):
 
 
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                            backend: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+                            backend: str = "sdpa", same_document: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one block of keys: (out [b, a, sq, d] in q's dtype, lse [b, a, sq]
-    in float32 for 16-bit inputs, else in q's dtype). No autograd: the callers write the
-    backward (attention_block_backward)."""
+    in float32 for 16-bit inputs, else in q's dtype); same_document [b, sq, sk]: packed
+    documents' mask (the naive path). No autograd: the callers write the backward
+    (attention_block_backward)."""
     with torch.no_grad():
-        if backend == "sdpa" and flash_kernel_available(q):
+        if backend == "sdpa" and flash_kernel_available(q) and same_document is None:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
             return out, lse.to(compute_dtype(q))
-        scores = _scores(q, k, causal)                                         # [b, a, sq, sk]
+        scores = _scores(q, k, causal, same_document)                          # [b, a, sq, sk]
         lse = torch.logsumexp(scores, dim=-1)                                  # [b, a, sq]
         probs = torch.exp(scores - lse.unsqueeze(-1))
         out = probs @ _repeat_kv(v, q.shape[1]).to(probs.dtype)               # [b, a, sq, d]
@@ -80,19 +94,20 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                             backend: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool, backend: str = "sdpa",
+                             same_document: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients (dq [b, a, sq, d], dk and dv [b, g, sk, d]), given
     the FINAL out and lse of the query rows (merged over every block they attend to), as
     derived in the module docstring. dk, dv of grouped heads are summed over their group."""
     with torch.no_grad():
-        if backend == "sdpa" and flash_kernel_available(q):
+        if backend == "sdpa" and flash_kernel_available(q) and same_document is None:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout.contiguous(), q, k, v, out.contiguous(), lse.to(compute_dtype(q)).contiguous(), 0.0, causal)
             return dq, dk, dv
         dtype = compute_dtype(q)
         heads, groups = q.shape[1], k.shape[1]
-        probs = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1).to(dtype))  # [b, a, sq, sk]
+        probs = torch.exp(_scores(q, k, causal, same_document) - lse.unsqueeze(-1).to(dtype))  # [b, a, sq, sk]
         dout_, q_ = dout.to(dtype), q.to(dtype)
         dv = probs.transpose(-2, -1) @ dout_                                     # [b, a, sk, d]
         dprobs = dout_ @ _repeat_kv(v, heads).to(dtype).transpose(-2, -1)         # [b, a, sq, sk]

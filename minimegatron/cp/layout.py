@@ -83,13 +83,21 @@ def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_r
     """This rank's part of a micro-batch {"tokens": [b, s], "labels": [b, s]}: both cut along
     the sequence to [b, s/cp], plus "position_ids" [s/cp] (the positions kept, so that the
     position embedding or RoPE sees each token's true position). The identity at cp = 1
-    (position_ids added). A micro-batch's other [b, s] tensors (chapter 07's document masks,
-    given position_ids [b, s]) are cut the same way. Megatron-LM: megatron/core/utils.py
-    get_batch_on_this_cp_rank."""
+    (position_ids added). A micro-batch's other [b, s] tensors (chapter 07's packed documents:
+    given position_ids [b, s], the loss mask) are cut the same way, but for document_ids, which
+    stay whole: a rank's attention masks the keys of every rank by their documents
+    (ContextParallelAttention); with a loss_mask, "loss_tokens" is added: the tokens the mask
+    keeps in the whole micro-batch over cp_size, model.mean_loss's denominator (each rank keeps
+    a different number, and the average over the cp ranks must be the micro-batch's mean). Megatron-LM: megatron/core/utils.py get_batch_on_this_cp_rank
+    (its THD format cuts packed sequences with cu_seqlens instead, through Transformer Engine).
+    """
     s = batch["tokens"].shape[1]
     positions = torch.tensor(positions_on_rank(s, cp_size, cp_rank, load_balance),
                              dtype=torch.long, device=batch["tokens"].device)          # [s/cp]
-    out = {key: value.index_select(1, positions) if value.dim() == 2 else value for key, value in batch.items()}
+    out = {key: value.index_select(1, positions) if value.dim() == 2 and key != "document_ids" else value
+           for key, value in batch.items()}
+    if "loss_mask" in batch and cp_size > 1:       # the whole micro-batch's kept tokens, over cp (mean_loss)
+        out["loss_tokens"] = batch["loss_mask"].sum() / cp_size
     out.setdefault("position_ids", positions)
     return out
 

@@ -59,24 +59,36 @@ def _chunk(t: torch.Tensor, slot: int, c: int) -> torch.Tensor:
     return t.narrow(2, slot * c, c)                                  # [b, heads, c, d]
 
 
-def attend_blocks(q, k, v, q_ids, kv_ids, backend, partial):
+def same_document(document_ids: torch.Tensor | None, q_chunk: int, kv_chunk: int, c: int) -> torch.Tensor | None:
+    """[b, c, c]: which keys of chunk kv_chunk are in each query's document of chunk q_chunk
+    (document_ids [b, s], the whole sequence's: every rank holds it), or None (no documents)."""
+    if document_ids is None:
+        return None
+    rows = document_ids.narrow(1, q_chunk * c, c)                    # [b, c]
+    cols = document_ids.narrow(1, kv_chunk * c, c)
+    return rows.unsqueeze(-1) == cols.unsqueeze(-2)
+
+
+def attend_blocks(q, k, v, q_ids, kv_ids, backend, partial, document_ids=None):
     """Merge into `partial` (one (out, lse) or None per query chunk) the attention of q's
-    chunks over the key chunks kv_ids held in k, v."""
+    chunks over the key chunks kv_ids held in k, v (document_ids [b, s]: packed documents)."""
     c = q.shape[2] // len(q_ids)
     for i, j, causal in block_pairs(q_ids, kv_ids):
-        out, lse = attention_block_forward(_chunk(q, i, c), _chunk(k, j, c), _chunk(v, j, c), causal, backend)
+        out, lse = attention_block_forward(_chunk(q, i, c), _chunk(k, j, c), _chunk(v, j, c), causal, backend,
+                                           same_document(document_ids, q_ids[i], kv_ids[j], c))
         partial[i] = (out, lse) if partial[i] is None else merge_attention(*partial[i], out, lse)
     return partial
 
 
-def attend_blocks_backward(dout, q, k, v, out, lse, q_ids, kv_ids, backend, dq, dkv):
+def attend_blocks_backward(dout, q, k, v, out, lse, q_ids, kv_ids, backend, dq, dkv, document_ids=None):
     """Add to dq (this rank's queries) and dkv [2, b, g, sk, d] (the block held) the
     gradients of the pairs computed in the forward."""
     c = q.shape[2] // len(q_ids)
     for i, j, causal in block_pairs(q_ids, kv_ids):
         dq_i, dk_j, dv_j = attention_block_backward(
             _chunk(dout, i, c), _chunk(q, i, c), _chunk(k, j, c), _chunk(v, j, c),
-            _chunk(out, i, c), lse.narrow(2, i * c, c), causal, backend)
+            _chunk(out, i, c), lse.narrow(2, i * c, c), causal, backend,
+            same_document(document_ids, q_ids[i], kv_ids[j], c))
         _chunk(dq, i, c).add_(dq_i)
         _chunk(dkv[0], j, c).add_(dk_j)
         _chunk(dkv[1], j, c).add_(dv_j)
@@ -106,14 +118,15 @@ def _ring(group) -> tuple[int, int]:
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, q_ids, kv_ids_per_rank, backend):
+    def forward(ctx, q, k, v, group, q_ids, kv_ids_per_rank, backend, document_ids=None):
         n, me = _ring(group)
         kv = torch.stack([k, v])                                     # [2, b, g, sk, d]: one message
         partial = [None] * len(q_ids)
         for step in range(n):
             if step < n - 1:
                 incoming, handles = _ring_shift(kv, group, "fwd")    # overlaps with the attention below
-            partial = attend_blocks(q, kv[0], kv[1], q_ids, kv_ids_per_rank[(me - step) % n], backend, partial)
+            partial = attend_blocks(q, kv[0], kv[1], q_ids, kv_ids_per_rank[(me - step) % n], backend, partial,
+                                    document_ids)
             if step < n - 1:
                 _wait(handles)
                 kv = incoming
@@ -121,6 +134,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.cat([l for _, l in partial], dim=2)              # [b, a, sq]
         ctx.save_for_backward(q, out, lse, kv)                       # kv: the last block held (rank me + 1's)
         ctx.group, ctx.q_ids, ctx.kv_ids_per_rank, ctx.backend = group, q_ids, kv_ids_per_rank, backend
+        ctx.document_ids = document_ids
         return out
 
     @staticmethod
@@ -132,21 +146,24 @@ class _RingAttention(torch.autograd.Function):
         kv_dkv = torch.cat([kv, torch.zeros_like(kv)])               # [4, b, g, sk, d]: K, V, dK, dV
         for step in range(n):                                        # step t: rank me + 1 + t's block
             attend_blocks_backward(dout, q, kv_dkv[0], kv_dkv[1], out, lse, q_ids,
-                                   kv_ids_per_rank[(me + 1 + step) % n], backend, dq, kv_dkv[2:])
+                                   kv_ids_per_rank[(me + 1 + step) % n], backend, dq, kv_dkv[2:], ctx.document_ids)
             if step < n - 1:                                         # the block and its gradient move on
                 kv_dkv, handles = _ring_shift(kv_dkv, group, "bwd", step=-1)
                 _wait(handles)
-        return dq, kv_dkv[2], kv_dkv[3], None, None, None, None      # the last block held is my own
+        return dq, kv_dkv[2], kv_dkv[3], None, None, None, None, None   # the last block held is my own
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, q_ids: list[int],
-                   kv_ids_per_rank: list[list[int]], backend: str = "sdpa") -> torch.Tensor:
+                   kv_ids_per_rank: list[list[int]], backend: str = "sdpa",
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the keys of every rank of the ring `group`.
 
     q [b, a, sq, d], k and v [b, g, sk, d]: this rank's tokens, the chunks `q_ids` (and the
     same chunks for its k, v) concatenated along the sequence; kv_ids_per_rank[r]: the chunks
     ring rank r's k, v hold (a list per rank of `group`; with group None or of one rank, the
     one list of the local k, v). Returns out [b, a, sq, d], equal to the rows q_ids of
-    single-device causal attention over the whole sequence. Differentiable (the ring backward
-    above); communication as in the module docstring."""
-    return _RingAttention.apply(q, k, v, group, list(q_ids), [list(x) for x in kv_ids_per_rank], backend)
+    single-device causal attention over the whole sequence. document_ids [b, s] (the whole
+    sequence's; packed documents, chapter 07): each query attends to its own document only.
+    Differentiable (the ring backward above); communication as in the module docstring."""
+    return _RingAttention.apply(q, k, v, group, list(q_ids), [list(x) for x in kv_ids_per_rank], backend,
+                                document_ids)

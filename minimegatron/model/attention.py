@@ -138,10 +138,13 @@ class SelfAttention(nn.Module):
         backward instead of keeping its [b, a, s, s] probabilities (Megatron:
         Attention._checkpointed_attention_forward)."""
         if document_ids is not None:                # packed documents: the block-diagonal mask
-            if self.core_attention is not None:
-                raise ValueError("packed documents (document_ids) with the attention replaced (context parallelism, "
-                                 "the Triton kernel) are not in this book")
-            attend = partial(document_attention, document_ids=document_ids)
+            if self.core_attention is None:
+                attend = partial(document_attention, document_ids=document_ids)
+            elif getattr(self.core_attention, "takes_document_ids", False):   # context parallelism's
+                attend = partial(self.core_attention, document_ids=document_ids)
+            else:
+                raise ValueError("packed documents (document_ids) with the attention replaced by one that takes no "
+                                 "document mask (the Triton kernel) are not in this book")
         elif self.core_attention is not None:       # context parallel: the keys of every rank
             attend = self.core_attention
         elif self.config.attention_backend == "sdpa":   # the default: the fused kernel shares k, v per group

@@ -268,14 +268,20 @@ class CrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_loss.unsqueeze(-1)), None                      # [N, V]
 
 
-def mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+def mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None = None,
+              loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """A micro-batch's loss from its per-token losses [b, s]: their mean, or with a loss_mask
     [b, s] (chapter 07's --eod-mask-loss) the mean over the tokens it keeps, sum(losses x mask) /
-    sum(mask) (Megatron's loss_func; a micro-batch with every token masked gives 0)."""
+    sum(mask) (Megatron's loss_func; a micro-batch with every token masked gives 0).
+    loss_tokens (a number, cp/layout.get_batch_on_this_cp_rank puts it in the batch): the tokens
+    the mask keeps in the WHOLE micro-batch over the context-parallel size, the denominator
+    instead of this rank's own count, so that the average over the cp ranks (the gradients'
+    and the loss's) is the micro-batch's mean although the ranks keep different numbers."""
     if loss_mask is None:
         return losses.mean()
     mask = loss_mask.to(losses.dtype)
-    return (losses * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum() if loss_tokens is None else loss_tokens.to(losses.dtype)
+    return (losses * mask).sum() / count.clamp(min=1)
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

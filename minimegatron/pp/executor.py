@@ -72,7 +72,8 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
                     out = (engine(data["tokens"], labels=labels, **extra) if x is None
                            else engine(hidden_states=x, labels=labels, **extra))
                 if p2p.is_last(c):
-                    out = mean_loss(out, data.get("loss_mask")) / M     # the micro-batch's share of the step loss
+                    # the micro-batch's share of the step loss
+                    out = mean_loss(out, data.get("loss_mask"), data.get("loss_tokens")) / M
                     rec.losses[mb] = out.item()
             if not p2p.is_last(c):
                 with rec.span("send", mb, c):
@@ -128,7 +129,7 @@ def evaluate_pipelining(chunks: list[nn.Module], microbatch: dict, p2p: Pipeline
         else:
             out = chunk(hidden_states=p2p.recv_forward(index, c), labels=labels, **extra)
         if p2p.is_last(c):
-            loss = mean_loss(out, microbatch.get("loss_mask")).item()
+            loss = mean_loss(out, microbatch.get("loss_mask"), microbatch.get("loss_tokens")).item()
         else:
             p2p.send_forward(out, index, c)
         chunk.train()
