@@ -13,15 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script, args", [
     ("benchmarks/bench_baseline.py", ["--smoke"]),
     ("benchmarks/bench_ddp.py", ["--smoke", "--ranks", "1", "2"]),
+    ("benchmarks/bench_ddp.py", ["--smoke", "--ranks", "2", "--variants", "zero1-overlap", "zero2-overlap"]),
     ("benchmarks/bench_tp.py", ["--smoke", "--tp", "1", "2"]),
     ("benchmarks/bench_precision.py", ["--smoke"]),
     ("benchmarks/bench_packing.py", ["--smoke"]),
+    ("benchmarks/bench_case_study.py", ["--smoke", "--presets", "tiny"]),
 ])
 def test_benchmark_runs(script, args):
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "tokens/s" in proc.stdout or "ms/step" in proc.stdout
+    assert "tokens/s" in proc.stdout or "ms/step" in proc.stdout or "x the baseline" in proc.stdout
 
 
 def test_bench_vs_hf_runs():
@@ -42,6 +44,13 @@ def test_the_transformer_engine_check_says_it_needs_a_gpu():
                           timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "needs a CUDA GPU with Transformer Engine: no CUDA device" in proc.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU machine runs it itself")
+def test_the_kernels_in_the_model_on_a_gpu_say_they_need_one():
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_kernels_in_model.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "needs an NVIDIA GPU" in proc.stderr, proc.stdout + proc.stderr
 
 
 GPU_CHECKS = ("environment", "kernels", "libraries", "baseline", "multirank")
