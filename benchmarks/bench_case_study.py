@@ -105,7 +105,8 @@ def case_study(name: str, args: argparse.Namespace) -> None:
     tokens = torch.randint(0, model_cfg.vocab_size, (train_cfg.micro_batch_size, train_cfg.seq_length + 1),
                            generator=gen)
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
-    print(f"== --preset {name} (h {model_cfg.hidden_size}, {model_cfg.num_layers} layers, s {train_cfg.seq_length}, "
+    print(f"== --preset {name}{' (shrunk by --smoke)' if args.smoke else ''} (h {model_cfg.hidden_size}, "
+          f"layers {model_cfg.num_layers}, s {train_cfg.seq_length}, "
           f"micro-batch {train_cfg.micro_batch_size}, V {model_cfg.vocab_size}, float32), one process, one thread; "
           f"load average {load_average()}")
     steps = {}

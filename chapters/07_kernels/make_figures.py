@@ -281,6 +281,7 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     claim(v["loss_128k_unfused"] >= 64 * 128256 * 4, "the unfused one keeps the [T, V] float32 log-probabilities")
     v.update(measure_speed(outputs))
     v.update(measure_overlap(outputs))
+    claim(v["hf_256_eager"] * v["hf_256_bound"] < 1.3, "fusing everything but the GEMMs and attention stays under 1.3x")
     return v
 
 
@@ -323,6 +324,7 @@ def measure_speed(outputs: dict[str, list[str]]) -> dict[str, float]:
             v[f"case_{preset}_{key}_gemm"], v[f"case_{preset}_{key}_optimizer"] = float(gemm), float(optimizer)
     v["case_demo_compile_s"] = grab("\n".join(case).split("== --preset demo")[1],
                                     r"built and warmed up compiled layers +in +([\d.]+) s")
+    claim(v["case_demo_fused_x"] < 1.1, "the demo preset's fused AdamW alone is within the noise")
     claim(v["case_tiny_both_x"] >= 1.2, "the profile-guided changes make the default command's step at least 20% faster")
     claim(v["case_demo_both_x"] > 1.0, "they make the demo preset's step faster too")
     claim(v["case_demo_base_gemm"] > v["case_tiny_base_gemm"], "the larger preset's step is more matrix products")

@@ -22,10 +22,11 @@ def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Te
                        grad: torch.Tensor) -> torch.Tensor:
     """The gradient of the per-token losses lse - logits[label] with respect to the logits:
     logits [c, n] (float32 or float64), labels [c], lse [c] (each row's log-sum-exp over the
-    whole vocabulary), grad [c] (the incoming gradient of each token's loss) -> dlogits [c, n]
-    = grad (softmax - onehot). Under TP the n columns are this rank's share of the vocabulary
-    and labels are local (label - this rank's first id): a label outside [0, n) is another
-    rank's, and its one-hot is not in these columns."""
+    whole vocabulary), grad [c] (the incoming gradient of each token's loss; 0 for a token the
+    loss mask drops) -> dlogits [c, n] = grad[:, None] (softmax - onehot), a new tensor in the
+    logits' dtype (logits are left as they are). Under TP the n columns are this rank's share of
+    the vocabulary and labels are local (label - this rank's first id): a label outside [0, n)
+    is another rank's, and its one-hot is not in these columns."""
     # BEGIN EXERCISE 7.5: the chunked cross-entropy's gradient
     # hint: the loss is the log of the sum of exponentials minus one logit; what is the derivative of each part, which rows own their label's column, and where does each token's own incoming gradient go?
     raise NotImplementedError("exercise 7.5")
