@@ -225,6 +225,13 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "overlap_param_gather": [("--overlap-param-gather", True, "ZeRO-1/2: the parameter all-gathers launched after the "
                                                                 "step, waited module by module in the next forward "
                                                                 "(needs --overlap-grad-reduce; chapter 07)")],
+    "overlap_p2p_comm": [("--overlap-p2p-communication", True, "with pp > 1: each receive posted one op ahead, so it "
+                                                               "arrives while the stage computes (chapter 07)"),
+                         ("--no-overlap-p2p-communication", False, "receives posted when needed (the book's default; "
+                                                                   "Megatron overlaps by default with interleaving)")],
+    "overlap_sp_backward": [("--overlap-sp-backward", True, "with --sequence-parallel: the column-parallel backward's "
+                                                             "all-gather and reduce-scatter run behind its GEMMs, as "
+                                                             "Megatron's layer always does (chapter 07)")],
     "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
                                                          "per rank; all-gather / reduce-scatter replace the all-reduces "
                                                          "(chapter 04)")],
@@ -255,8 +262,6 @@ CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
         "process group [default: 1, the book's; Megatron: 10]"))),
     "--group-query-attention": ("model", dict(action="store_true", help=(
         "accepted as Megatron spells it; here --num-query-groups alone sets g"))),
-    "--no-overlap-p2p-communication": ("parallelism", dict(action="store_true", help=(
-        "accepted as Megatron spells it; the book's pipeline p2p is never overlapped"))),
     "--use-pytorch-profiler": ("logging", dict(action="store_true", help=(
         "accepted as Megatron spells it; the book's --profile always uses torch.profiler (Megatron's default is "
         "Nsight Systems, which needs a GPU)"))),

@@ -261,8 +261,10 @@ class TrainConfig:
     pipeline_model_parallel_size: int = 1
     pipeline_schedule: str = "1f1b"       # "gpipe" | "1f1b" | "interleaved"; grad_accum_steps micro-batches
     num_virtual_stages_per_pipeline_rank: int = 1   # model chunks per rank (> 1: interleaved)
+    overlap_p2p_comm: bool = False        # post each receive one op ahead, so it arrives during compute (chapter 07)
     # sequence and context parallelism (chapter 04); dp = world / (tp cp pp)
     sequence_parallel: bool = False       # with tp > 1: norms, dropout, residuals hold s/tp tokens
+    overlap_sp_backward: bool = False     # SP's backward collectives behind its GEMMs (chapter 07, tp/overlap.py)
     context_parallel_size: int = 1        # cp, ranks each sequence is split over (zig-zag)
     cp_comm_type: str = "p2p"             # "p2p" (ring) | "all_gather" | "a2a" (Ulysses) | "a2a+p2p"
     hierarchical_context_parallel_sizes: tuple[int, int] | None = None   # a2a+p2p: (all-to-all, ring) sizes

@@ -72,6 +72,11 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
     if sp and tp == 1:
         raise ConfigError("sequence_parallel with tensor_model_parallel_size=1: sequence parallelism cuts the regions "
                           "tensor parallelism leaves replicated, so it needs tp > 1 (Megatron ignores it at tp 1)")
+    if cfg.overlap_sp_backward and not sp:
+        raise ConfigError("overlap_sp_backward without sequence_parallel: it reorders sequence parallelism's "
+                          "backward all-gather and reduce-scatter (tp without SP already overlaps its all-reduce)")
+    if cfg.overlap_p2p_comm and pp == 1:
+        raise ConfigError("overlap_p2p_comm with pipeline_model_parallel_size=1: there is no pipeline p2p to overlap")
     if sp and cfg.zero_stage >= 2:
         raise ConfigError(f"sequence_parallel with zero_stage={cfg.zero_stage}: the norms' gradients are summed over "
                           f"tp after the data-parallel reduction, which ZeRO-2/3 frees; use zero_stage 0 or 1")
@@ -126,9 +131,6 @@ def _check_triton_kernels(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
                                                            f"Triton FlashAttention has no dropout"),
                          (cfg.context_parallel_size > 1, f"context_parallel_size={cfg.context_parallel_size}: the "
                                                          f"attention is context parallelism's own"),
-                         (cfg.reset_attention_mask, "reset_attention_mask: the Triton FlashAttention keeps no "
-                                                    "document mask (Megatron's THD format needs a variable-length "
-                                                    "kernel)"),
                          (d & (d - 1) != 0 or (cfg.device == "cuda" and d < 16),
                           f"head size {d} (hidden_size / num_attention_heads): it must be a power of 2, and at least 16 "
                           f"on a GPU")):
@@ -171,7 +173,8 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
         model = build_stage(model_cfg, layout, c, v, device=layout_device(cfg))
         # 2. tensor parallel (chapter 02): every matrix cut over the TP group; with sequence
         #    parallelism (chapter 04) the regions between them cut along the sequence
-        model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=cfg.sequence_parallel)
+        model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=cfg.sequence_parallel,
+                                      overlap_sp_backward=cfg.overlap_sp_backward)
         # 3. context parallel (chapter 04): attention over the sequence cut over the CP group
         model = apply_context_parallel(model, layout.cp_group, cfg.cp_comm_type,
                                        a2a_group=layout.cp_a2a_group, p2p_group=layout.cp_p2p_group)

@@ -190,7 +190,7 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     optimizer = build_optimizer(chunks, t, layout)
     local_seq = t.seq_length // layout.cp // (layout.tp if t.sequence_parallel else 1)
     p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks), (t.micro_batch_size, local_seq, model_cfg.hidden_size),
-                        model_cfg.dtype) if layout.pp > 1 else None)
+                        model_cfg.dtype, overlap_p2p_comm=t.overlap_p2p_comm) if layout.pp > 1 else None)
     out = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank,
            "dp_rank": layout.data_parallel_rank, "ep_rank": layout.ep_rank, "etp_rank": layout.etp_rank,
            "expert_dp_rank": comm.group_rank(layout.expert_dp_group) if layout.expert_dp_group is not None else 0,

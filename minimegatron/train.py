@@ -315,7 +315,8 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
     # what travels between stages: this rank's tokens, [b, s/cp, h], and [b, s/(cp tp), h] under SP
     local_seq = cfg.seq_length // layout.cp // (layout.tp if cfg.sequence_parallel else 1)
     p2p = (PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks), (cfg.micro_batch_size, local_seq,
-                                                                      model_cfg.hidden_size), model_cfg.dtype, device)
+                                                                      model_cfg.hidden_size), model_cfg.dtype, device,
+                        overlap_p2p_comm=cfg.overlap_p2p_comm)
            if layout.pp > 1 else None)
     result = TrainResult(out_dir=cfg.out_dir, local_parameters=local_parameter_counts(chunks))
 

@@ -15,12 +15,12 @@ if available() is not None:
     pytest.skip(available(), allow_module_level=True)
 
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig          # noqa: E402
-from minimegatron.kernels.flash_attention import flash_attention, online_softmax_step   # noqa: E402
+from minimegatron.kernels.flash_attention import attention_tiles, flash_attention, online_softmax_step   # noqa: E402
 from minimegatron.kernels.layernorm import layer_norm, layernorm_backward    # noqa: E402
 from minimegatron.kernels.rmsnorm import rms_norm, rmsnorm_backward          # noqa: E402
 from minimegatron.kernels.swiglu import swiglu                               # noqa: E402
 from minimegatron.launch import spawn                                        # noqa: E402
-from minimegatron.model.attention import causal_attention, sdpa_attention    # noqa: E402
+from minimegatron.model.attention import causal_attention, document_attention, sdpa_attention    # noqa: E402
 from minimegatron.model.linear import LayerNorm, RMSNorm                     # noqa: E402
 from minimegatron.model.mlp import mlp_activation                            # noqa: E402
 from minimegatron.parallelize import validate_layout                         # noqa: E402
@@ -48,6 +48,28 @@ def test_flash_attention_equals_the_naive_attention_and_sdpa(b, a, g, s, d):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for name, x, y in zip(("dq", "dk", "dv"), got_grads, want_grads):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_flash_attention_with_documents_equals_the_block_diagonal_mask_and_skips_tiles():
+    """Packed documents (THD's cu_seqlens as ids): documents that start inside a block, end at a
+    block's edge, one that spans three blocks, one token long; against SDPA with the mask."""
+    torch.manual_seed(0)
+    b, a, g, s, d = 2, 4, 2, 48, 8
+    ids = torch.tensor([[0] * 5 + [1] * 27 + [2] * 1 + [3] * 15, [0] * 16 + [1] * 32])
+    q, k, v = torch.randn(b, a, s, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    dout = torch.randn(b, a, s, d)
+    got, got_grads = _grads(lambda q, k, v: flash_attention(q, k, v, document_ids=ids), (q, k, v), dout)
+    want, want_grads = _grads(lambda q, k, v: document_attention(q, k, v, ids), (q, k, v), dout)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, x, y in zip(("dq", "dk", "dv"), got_grads, want_grads):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=name)
+    # causal alone: query block i reads key blocks 0..i, 1 + 2 + 3 a row. With the documents,
+    # row 0's third query block starts at key 32 (its first row's document, 2, starts there):
+    # 1 + 2 + 1; row 1's second and third start at key 16 (document 1): 1 + 1 + 2
+    assert attention_tiles(None, b, s) == 12
+    assert attention_tiles(ids, b, s) == 8
+    with pytest.raises(ValueError, match="must not decrease"):
+        flash_attention(q, k, v, document_ids=ids.flip(-1))
 
 
 def test_the_online_softmax_step_merges_blocks_into_the_full_softmax():
@@ -127,10 +149,20 @@ def test_the_model_with_triton_kernels_trains_as_with_torchs(preset):
     assert report.ok, str(report)
 
 
+def test_packed_documents_train_through_the_triton_kernels_as_through_torchs():
+    from tests.test_packing import PACKED, _packed_batches
+    model = _model()
+    batches = _packed_batches(model, 2, 4, 16)                            # documents of 7 tokens
+    cfg = dataclasses.replace(BASE, **PACKED)
+    torch_run = single_device_run(model, batches, cfg, grad_accum_steps=2)
+    triton_run = single_device_run(model, batches, dataclasses.replace(cfg, kernels="triton"), grad_accum_steps=2)
+    report = compare_runs(torch_run, triton_run, torch.float32, FLOAT32)
+    assert report.ok, str(report)
+
+
 @pytest.mark.parametrize("fields, model_kw, message", [
     (dict(kernels="triton"), dict(attention_dropout=0.1), "attention_dropout=0.1: the Triton FlashAttention"),
     (dict(kernels="triton", context_parallel_size=2), {}, "context_parallel_size=2"),
-    (dict(kernels="triton", reset_attention_mask=True), {}, "reset_attention_mask: the Triton FlashAttention"),
     (dict(kernels="triton"), dict(hidden_size=48, num_attention_heads=4), "head size 12"),
 ])
 def test_what_the_kernels_cannot_run_is_named(fields, model_kw, message):

@@ -3,6 +3,7 @@ forward and backward, with grouped-query attention (k, v shared by a/g query hea
 repeated in memory). Chapter 07.
 
     out = flash_attention(q, k, v)          q [b, a, s, d], k and v [b, g, s, d] -> [b, a, s, d]
+    out = flash_attention(q, k, v, document_ids=ids)      packed documents, ids [b, s]
 
 Forward, one program per (block of BLOCK_M queries, batch x head): the queries' rows of
 softmax(q k^T / sqrt(d)) v, computed over key blocks of BLOCK_N with the online softmax. The
@@ -14,8 +15,7 @@ running output acc; a new block of scores S moves them to
 
 (exercise 7.3 writes this merge in PyTorch: `online_softmax_step`), and at the end out = acc / l.
 Causal: a query block reads only the key blocks at or before it, and masks the diagonal block.
-Starting at key 0, every row meets a finite score in its first block, so unlike the general
-merge of exercise 7.3 the kernel never sees a row whose maximum is still -inf. For the backward
+For the backward
 it keeps its inputs q, k, v, its output, and one float32 log-sum-exp per row, lse = m + log l
 (4 b a s bytes), where the written-out attention keeps the b a s^2 probabilities and more.
 
@@ -34,6 +34,17 @@ in that interpreter (minimegatron/triton_mode.py sets TRITON_INTERPRET=1 there):
 hundreds of times slower than PyTorch, so the tests keep s and d small. d must be a power of
 2, and on a GPU at least 16 (Triton's tl.dot); both are refused by name. No dropout.
 
+Packed documents (chapter 07 §5; Megatron's THD format): with document_ids [b, s] (the data
+pipeline's, non-decreasing along s) a query sees only the keys of its own document, and the
+kernels skip the tiles that mask would empty. `document_tile_bounds` turns the ids into what
+flash-attn's variable-length kernels get from cu_seqlens: per query block the first key block
+its first row's document reaches (the forward and dq loops start there instead of at 0), and
+per key block the end of its last key's document (the dk, dv loop stops there instead of at s).
+Inside the visited tiles the mask compares the ids. A row of a later document can then meet a
+tile it sees nothing of before its own, so the merge guards a maximum that is still -inf as
+exercise 7.3 does. `attention_tiles` counts the [BLOCK_M, BLOCK_N] tiles the forward visits,
+from the same bounds; without documents the bounds are 0 and s, the causal kernel's.
+
 Reference: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
 Partitioning" (2023), Algorithms 1 and 2. Megatron-LM reaches the same algorithm through
 Transformer Engine's fused attention or the flash-attn package (megatron/core/extensions/
@@ -48,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["flash_attention", "online_softmax_step"]
+__all__ = ["flash_attention", "online_softmax_step", "document_tile_bounds", "attention_tiles"]
 
 
 def online_softmax_step(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
@@ -68,7 +79,7 @@ def online_softmax_step(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, sco
 
 
 @triton.jit
-def _flash_forward(Q, K, V, O, LSE, sm_scale, seq, heads, group_size,
+def _flash_forward(Q, K, V, O, LSE, DOC, KEY_START, sm_scale, seq, heads, group_size,
                    sqb, sqh, sqs, skb, skh, sks, sob, soh, sos,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -78,29 +89,35 @@ def _flash_forward(Q, K, V, O, LSE, sm_scale, seq, heads, group_size,
     cols = tl.arange(0, BLOCK_N)                                           # [N]
     dims = tl.arange(0, D)                                                 # [D]
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=rows[:, None] < seq, other=0.0)
+    row_doc = tl.load(DOC + b * seq + rows, mask=rows < seq, other=-1)      # [M] their documents
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     k_base, v_base = K + b * skb + kv * skh, V + b * skb + kv * skh
+    begin = tl.load(KEY_START + b * tl.num_programs(0) + block)            # no key before the first row's document
     end = tl.minimum((block + 1) * BLOCK_M, seq)                           # causal: no key after the last row
-    for start in range(0, end, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         keys = start + cols                                                # [N] key positions
         k = tl.load(k_base + keys[:, None] * sks + dims[None, :], mask=keys[:, None] < seq, other=0.0)   # [N, D]
         v = tl.load(v_base + keys[:, None] * sks + dims[None, :], mask=keys[:, None] < seq, other=0.0)   # [N, D]
+        key_doc = tl.load(DOC + b * seq + keys, mask=keys < seq, other=-2)                              # [N]
         s = tl.dot(q, tl.trans(k)) * sm_scale                                                            # [M, N]
-        s = tl.where((keys[None, :] <= rows[:, None]) & (keys[None, :] < seq), s, float("-inf"))
+        keep = (keys[None, :] <= rows[:, None]) & (keys[None, :] < seq) & (key_doc[None, :] == row_doc[:, None])
+        s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)                # a row that has seen nothing yet
+        p = tl.exp(s - safe[:, None])
+        alpha = tl.exp(m - safe)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m = m_new
+    l = tl.where(rows < seq, l, 1.0)                                       # rows past the end: saw nothing, not stored
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + dims[None, :], acc / l[:, None], mask=rows[:, None] < seq)
     tl.store(LSE + bh * seq + rows, m + tl.log(l), mask=rows < seq)
 
 
 @triton.jit
-def _flash_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, seq, heads, group_size,
+def _flash_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, QUERY_END, sm_scale, seq, heads, group_size,
                        sqb, sqh, sqs, skb, skh, sks, sdb, sdh, sds,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -110,18 +127,22 @@ def _flash_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, seq, heads, gr
     dims = tl.arange(0, D)
     k = tl.load(K + b * skb + kv * skh + keys[:, None] * sks + dims[None, :], mask=keys[:, None] < seq, other=0.0)
     v = tl.load(V + b * skb + kv * skh + keys[:, None] * sks + dims[None, :], mask=keys[:, None] < seq, other=0.0)
+    key_doc = tl.load(DOC + b * seq + keys, mask=keys < seq, other=-2)     # [N]
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     first = (block * BLOCK_N) // BLOCK_M * BLOCK_M                         # causal: no query before the block
-    for start in range(first, seq, BLOCK_M):
+    last = tl.load(QUERY_END + b * tl.num_programs(0) + block)             # no query after the last key's document
+    for start in range(first, last, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)                               # [M]
         in_seq = rows < seq
         q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_seq[:, None], other=0.0)
         do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_seq[:, None], other=0.0)
         lse = tl.load(LSE + bh * seq + rows, mask=in_seq, other=0.0)
         delta = tl.load(DELTA + bh * seq + rows, mask=in_seq, other=0.0)
+        row_doc = tl.load(DOC + b * seq + rows, mask=in_seq, other=-1)
         s = tl.dot(q, tl.trans(k)) * sm_scale                                                        # [M, N]
-        keep = (keys[None, :] <= rows[:, None]) & in_seq[:, None] & (keys[None, :] < seq)
+        keep = ((keys[None, :] <= rows[:, None]) & in_seq[:, None] & (keys[None, :] < seq)
+                & (key_doc[None, :] == row_doc[:, None]))
         p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)                                            # [M, N]
         dv += tl.dot(tl.trans(p), do)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
@@ -131,7 +152,7 @@ def _flash_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, seq, heads, gr
 
 
 @triton.jit
-def _flash_backward_q(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, seq, heads, group_size,
+def _flash_backward_q(Q, K, V, DO, LSE, DELTA, DQ, DOC, KEY_START, sm_scale, seq, heads, group_size,
                       sqb, sqh, sqs, skb, skh, sks,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -144,42 +165,87 @@ def _flash_backward_q(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, seq, heads, group_s
     do = tl.load(DO + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=in_seq[:, None], other=0.0)
     lse = tl.load(LSE + bh * seq + rows, mask=in_seq, other=0.0)
     delta = tl.load(DELTA + bh * seq + rows, mask=in_seq, other=0.0)
+    row_doc = tl.load(DOC + b * seq + rows, mask=in_seq, other=-1)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
+    begin = tl.load(KEY_START + b * tl.num_programs(0) + block)
     end = tl.minimum((block + 1) * BLOCK_M, seq)
-    for start in range(0, end, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k = tl.load(K + b * skb + kv * skh + keys[:, None] * sks + dims[None, :], mask=keys[:, None] < seq, other=0.0)
         v = tl.load(V + b * skb + kv * skh + keys[:, None] * sks + dims[None, :], mask=keys[:, None] < seq, other=0.0)
+        key_doc = tl.load(DOC + b * seq + keys, mask=keys < seq, other=-2)
         s = tl.dot(q, tl.trans(k)) * sm_scale
-        keep = (keys[None, :] <= rows[:, None]) & in_seq[:, None] & (keys[None, :] < seq)
+        keep = ((keys[None, :] <= rows[:, None]) & in_seq[:, None] & (keys[None, :] < seq)
+                & (key_doc[None, :] == row_doc[:, None]))
         p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds, k) * sm_scale
     tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], dq, mask=in_seq[:, None])
 
 
+def document_tile_bounds(document_ids: torch.Tensor | None, b: int, s: int, block_m: int, block_n: int,
+                         device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' loop bounds for document_ids [b, s] (None: one document per row):
+    (ids [b, s] int32 contiguous, key_start [b, cdiv(s, block_m)] int32: the first key the
+    query block's loop reads, its first row's document start rounded down to a multiple of
+    block_n; query_end [b, cdiv(s, block_n)] int32: one past the last query row the key block's
+    loop reads, the end of the document of the block's last key). Megatron's THD format holds
+    the same in cu_seqlens, the documents' start offsets. ValueError if ids decrease along s
+    (a document in two pieces could not be skipped by ranges)."""
+    if document_ids is None:
+        ids = torch.zeros(b, s, dtype=torch.int32, device=device)
+    else:
+        if tuple(document_ids.shape) != (b, s):
+            raise ValueError(f"document_ids must be [b, s] = [{b}, {s}], got {list(document_ids.shape)}")
+        if s > 1 and (document_ids[:, 1:] < document_ids[:, :-1]).any():
+            raise ValueError("document_ids must not decrease along the sequence (each document one contiguous run)")
+        ids = document_ids.to(torch.int32).contiguous()
+    positions = torch.arange(s, device=ids.device).expand(b, s)                     # [b, s]
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = torch.where(first, positions, 0).cummax(-1).values                     # [b, s] its document's start
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    ends = torch.where(last, positions + 1, s).flip(-1).cummin(-1).values.flip(-1)  # [b, s] its document's end
+    query_rows = torch.arange(0, s, block_m, device=ids.device)                      # first row of each query block
+    key_lasts = (torch.arange(0, s, block_n, device=ids.device) + block_n).clamp(max=s) - 1
+    key_start = (starts[:, query_rows] // block_n * block_n).to(torch.int32).contiguous()
+    query_end = ends[:, key_lasts].to(torch.int32).contiguous()
+    return ids, key_start, query_end
+
+
+def attention_tiles(document_ids: torch.Tensor | None, b: int, s: int, block_m: int = 16, block_n: int = 16) -> int:
+    """How many [block_m, block_n] score tiles the forward kernel computes per head over b
+    sequences of s tokens (its loop: key_start up to the query block's last row), with or
+    without packed documents. No kernel runs: the bounds are document_tile_bounds'."""
+    _, key_start, _ = document_tile_bounds(document_ids, b, s, block_m, block_n)
+    ends = (torch.arange(0, s, block_m) + block_m).clamp(max=s)                      # [cdiv(s, block_m)]
+    return int((-(-(ends - key_start) // block_n)).sum())
+
+
 class FlashAttention(torch.autograd.Function):
     """flash_attention as an autograd op; saves q, k, v, out and lse [b, a, s] (float32)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block_m: int, block_n: int):
+    def forward(ctx, q, k, v, document_ids, block_m: int, block_n: int):
         b, a, s, d = q.shape
         g = k.shape[1]
         ctx.dtype = q.dtype
         q, k, v = (t.float().contiguous() for t in (q, k, v))                           # the kernels' float32
+        ids, key_start, query_end = document_tile_bounds(document_ids, b, s, block_m, block_n, q.device)
         out = torch.empty_like(q)
         lse = torch.empty(b, a, s, dtype=torch.float32, device=q.device)
         grid = (triton.cdiv(s, block_m), b * a)
-        _flash_forward[grid](q, k, v, out, lse, 1.0 / math.sqrt(d), s, a, a // g,
+        _flash_forward[grid](q, k, v, out, lse, ids, key_start, 1.0 / math.sqrt(d), s, a, a // g,
                              *q.stride()[:3], *k.stride()[:3], *out.stride()[:3],
                              BLOCK_M=block_m, BLOCK_N=block_n, D=d)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, ids, key_start, query_end)
         ctx.blocks = (block_m, block_n)
         return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, ids, key_start, query_end = ctx.saved_tensors
         block_m, block_n = ctx.blocks
         b, a, s, d = q.shape
         g = k.shape[1]
@@ -190,24 +256,31 @@ class FlashAttention(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         scale = 1.0 / math.sqrt(d)
         _flash_backward_kv[(triton.cdiv(s, block_n), b * a)](
-            q, k, v, dout, lse, delta, dk_heads, dv_heads, scale, s, a, a // g,
+            q, k, v, dout, lse, delta, dk_heads, dv_heads, ids, query_end, scale, s, a, a // g,
             *q.stride()[:3], *k.stride()[:3], *dk_heads.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, D=d)
         _flash_backward_q[(triton.cdiv(s, block_m), b * a)](
-            q, k, v, dout, lse, delta, dq, scale, s, a, a // g,
+            q, k, v, dout, lse, delta, dq, ids, key_start, scale, s, a, a // g,
             *q.stride()[:3], *k.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, D=d)
         dk = dk_heads.view(b, g, a // g, s, d).sum(2)                                     # [b, g, s, d]
         dv = dv_heads.view(b, g, a // g, s, d).sum(2)
-        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                    training: bool = False, block_m: int = 16, block_n: int = 16) -> torch.Tensor:
+                    training: bool = False, block_m: int = 16, block_n: int = 16,
+                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v: q [b, a, s, d], k and v [b, g, s, d] (a a multiple of
-    g; d a power of 2) -> [b, a, s, d], through the Triton kernels above. The signature of the
-    book's attention backends (model/attention.py); dropout is not supported."""
+    g; d a power of 2) -> [b, a, s, d], through the Triton kernels above; with document_ids
+    [b, s] (non-decreasing) each query attends to its own document's keys only, and the tiles
+    outside every document are skipped. The signature of the book's attention backends
+    (model/attention.py; takes_document_ids: the attention module passes packed documents' ids);
+    dropout is not supported."""
     if dropout_p and training:
         raise ValueError("flash_attention (Triton) has no dropout: use attention_dropout 0 with --kernels triton")
     d = q.shape[-1]
     if d & (d - 1) or (q.is_cuda and d < 16):
         raise ValueError(f"flash_attention needs a head size that is a power of 2 (at least 16 on a GPU), got {d}")
-    return FlashAttention.apply(q, k, v, block_m, block_n)
+    return FlashAttention.apply(q, k, v, document_ids, block_m, block_n)
+
+
+flash_attention.takes_document_ids = True

@@ -49,8 +49,10 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
     same on every stage of the pipeline). engines[c] is chunk c: a GPTModel stage or a
     data-parallel wrapper of one (then its gradient sync runs with the last backward of the
     chunk; call model.finalize_model_grads after). The last stage's backward starts from its
-    loss times `loss_scale` (the optimizer's loss scaler; 1 without one). Returns the StepRecord;
-    gradients are left accumulated in the parameters (DP-synced where wrapped)."""
+    loss times `loss_scale` (the optimizer's loss scaler; 1 without one). With
+    p2p.overlap_p2p_comm (chapter 07) the receive of op i+1 is posted before op i computes, so it
+    travels meanwhile; each receive is still waited for just before its op. Returns the
+    StepRecord; gradients are left accumulated in the parameters (DP-synced where wrapped)."""
     M = len(microbatches)
     rec = StepRecord(rank, params={p.untyped_storage().data_ptr() for e in engines for p in e.parameters()})
     last_backward = {c: max(i for i, (op, _, ch) in enumerate(ops) if op == "B" and ch == c)
@@ -64,6 +66,8 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
             if not p2p.is_first(c):
                 with rec.span("recv wait", mb, c):
                     x = p2p.recv_forward(mb, c)                               # [b, s, h]
+            if p2p.overlap_p2p_comm and i + 1 < len(ops):
+                p2p.post_recv_ahead(ops[i + 1])                               # arrives while this op computes
             labels = data["labels"] if p2p.is_last(c) else None
             with rec.span("F", mb, c):
                 with rec.saving(mb, c):
@@ -86,6 +90,8 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
             if not p2p.is_last(c):
                 with rec.span("recv wait", mb, c):
                     grad = p2p.recv_backward(mb, c)                           # [b, s, h]
+            if p2p.overlap_p2p_comm and i + 1 < len(ops):
+                p2p.post_recv_ahead(ops[i + 1])
             with rec.span("B", mb, c):
                 with nullcontext() if i == last_backward[c] else no_sync(engine):   # DP: sync on the last
                     torch.autograd.backward(out * loss_scale if grad is None else out, grad)

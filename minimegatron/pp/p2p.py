@@ -13,6 +13,12 @@ its input has arrived, and that waiting is the pipeline bubble made visible. Bec
 receives block, any schedule whose dependencies can be met runs without deadlock, whatever
 order two stages post their messages in.
 
+Receives posted ahead (chapter 07, TrainConfig.overlap_p2p_comm, Megatron's overlap_p2p_comm):
+`post_recv_forward` / `post_recv_backward` post a receive without waiting; the executor posts
+the next op's receive before it computes the current op, so the message travels while this
+stage computes, and `recv_forward` / `recv_backward` then only wait for a receive already in
+flight. The same messages, bytes and tags; only when each receive is posted changes.
+
 Messages are matched by tag: each (direction, micro-batch, receiving virtual stage) has its
 own, so a forward activation and a backward gradient travelling between the same two ranks
 (with interleaving, rank pp-1 sends chunk c's output to rank 0's chunk c+1 while rank 0 sends
@@ -40,16 +46,19 @@ class PipelineComm:
     ranks: the global ranks of this pipeline group, in stage order (ranks[i] = stage i).
     pp_rank: this rank's stage. num_chunks: model chunks per rank (v). shape, dtype: of the
     hidden states every message carries ([b, s, h], the model's dtype); device: where the
-    received buffers live (the model's device).
+    received buffers live (the model's device). overlap_p2p_comm: the executor posts each
+    receive one op ahead (see the module docstring).
     """
 
     def __init__(self, ranks: list[int], pp_rank: int, num_chunks: int, shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", overlap_p2p_comm: bool = False):
         self.ranks, self.pp_rank, self.num_chunks = list(ranks), pp_rank, num_chunks
+        self.overlap_p2p_comm = overlap_p2p_comm
         self.pp_size = len(ranks)
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
         self.last_stage = self.pp_size * num_chunks - 1
         self._pending: list = []          # (handle, tensor) of sends not yet waited for
+        self._posted: dict = {}           # (direction, micro-batch, chunk) -> (handle, buffer) of early receives
 
     # ---- who is next -------------------------------------------------------------------
     def stage(self, chunk: int) -> int:
@@ -76,11 +85,19 @@ class PipelineComm:
         self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-fwd",
                                          p2p_tag=self._tag(0, microbatch, to)), t))
 
-    def recv_forward(self, microbatch: int, chunk: int) -> torch.Tensor:
-        """The previous virtual stage's output for `microbatch`: [b, s, h], requires grad."""
+    def post_recv_forward(self, microbatch: int, chunk: int) -> None:
+        """Post the receive of recv_forward(microbatch, chunk) now, without waiting for it."""
         me = self.stage(chunk)
         t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        comm.irecv(t, self._rank_of(me - 1), tag="pp-fwd", p2p_tag=self._tag(0, microbatch, me)).wait()
+        handle = comm.irecv(t, self._rank_of(me - 1), tag="pp-fwd", p2p_tag=self._tag(0, microbatch, me))
+        self._posted[(0, microbatch, chunk)] = (handle, t)
+
+    def recv_forward(self, microbatch: int, chunk: int) -> torch.Tensor:
+        """The previous virtual stage's output for `microbatch`: [b, s, h], requires grad."""
+        if (0, microbatch, chunk) not in self._posted:
+            self.post_recv_forward(microbatch, chunk)
+        handle, t = self._posted.pop((0, microbatch, chunk))
+        handle.wait()
         return t.requires_grad_()
 
     # ---- backward: gradients -----------------------------------------------------------
@@ -91,15 +108,33 @@ class PipelineComm:
         self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-bwd",
                                          p2p_tag=self._tag(1, microbatch, to)), t))
 
-    def recv_backward(self, microbatch: int, chunk: int) -> torch.Tensor:
-        """The gradient of this chunk's output for `microbatch`, from the next virtual stage."""
+    def post_recv_backward(self, microbatch: int, chunk: int) -> None:
+        """Post the receive of recv_backward(microbatch, chunk) now, without waiting for it."""
         me = self.stage(chunk)
         t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        comm.irecv(t, self._rank_of(me + 1), tag="pp-bwd", p2p_tag=self._tag(1, microbatch, me)).wait()
+        handle = comm.irecv(t, self._rank_of(me + 1), tag="pp-bwd", p2p_tag=self._tag(1, microbatch, me))
+        self._posted[(1, microbatch, chunk)] = (handle, t)
+
+    def recv_backward(self, microbatch: int, chunk: int) -> torch.Tensor:
+        """The gradient of this chunk's output for `microbatch`, from the next virtual stage."""
+        if (1, microbatch, chunk) not in self._posted:
+            self.post_recv_backward(microbatch, chunk)
+        handle, t = self._posted.pop((1, microbatch, chunk))
+        handle.wait()
         return t
+
+    def post_recv_ahead(self, op: tuple[str, int, int]) -> None:
+        """Post the receive that schedule op ("F" or "B", micro-batch, chunk) will wait for, if any."""
+        kind, microbatch, chunk = op
+        if kind == "F" and not self.is_first(chunk):
+            self.post_recv_forward(microbatch, chunk)
+        elif kind == "B" and not self.is_last(chunk):
+            self.post_recv_backward(microbatch, chunk)
 
     def wait_sends(self) -> None:
         """Block until every send of this step has been handed over; release the buffers."""
+        if self._posted:
+            raise RuntimeError(f"receives posted but never used: {sorted(self._posted)}")
         for handle, _ in self._pending:
             handle.wait()
         self._pending.clear()

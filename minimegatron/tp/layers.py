@@ -60,6 +60,7 @@ from ..comm import (all_gather, all_reduce, gather_from_tensor_model_parallel_re
                     scatter_to_tensor_model_parallel_region)
 from ..model.linear import GEMM, Gemm
 from ..placement import Split, set_placement
+from .overlap import sequence_parallel_linear_backward_overlapped
 
 __all__ = ["set_tensor_model_parallel_attributes", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "LinearWithGradAllReduce",
            "LinearWithSequenceParallelGather",
@@ -225,21 +226,24 @@ class LinearWithSequenceParallelGather(torch.autograd.Function):
 
     Only the shard x_r is saved for the backward, not the gathered x: keeping the gathered
     input would store tp copies of the same activation, which is what sequence parallelism
-    exists to avoid (Korthikanti et al. 2022). The price is a second all-gather in backward."""
+    exists to avoid (Korthikanti et al. 2022). The price is a second all-gather in backward.
+    overlap_backward: the backward of tp/overlap.py instead, the same results with each
+    collective behind the GEMM that does not need it (chapter 07)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, gemm=GEMM):
+    def forward(ctx, x, weight, bias, group, gemm=GEMM, overlap_backward=False):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias, ctx.gemm = group, bias is not None, gemm
+        ctx.group, ctx.has_bias, ctx.gemm, ctx.overlap_backward = group, bias is not None, gemm, overlap_backward
         total = gemm.gather_input(x.contiguous(), group, SEQUENCE_DIM, "fwd")          # [b, s, in]
         return gemm.fprop(total, weight, bias)                                          # [b, s, out/tp]
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight, grad_bias = sequence_parallel_linear_backward(
-            grad_output, x, weight, ctx.has_bias, ctx.group, ctx.gemm)
-        return grad_x, grad_weight, grad_bias, None, None
+        backward = (sequence_parallel_linear_backward_overlapped if ctx.overlap_backward
+                    else sequence_parallel_linear_backward)
+        grad_x, grad_weight, grad_bias = backward(grad_output, x, weight, ctx.has_bias, ctx.group, ctx.gemm)
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -311,7 +315,8 @@ class ColumnParallelLinear(_ParallelLinear):
     backward one all-reduce of dx [..., in] (copy), plus the split of dy with gather_output.
     With sequence_parallel: forward one all-gather of x along s, backward one reduce-scatter
     of dx along s instead of the all-reduce, plus a second all-gather of x (only the shard is
-    saved: LinearWithSequenceParallelGather).
+    saved: LinearWithSequenceParallelGather); with ``overlap_backward`` set (apply_tensor_parallel's
+    overlap_sp_backward, chapter 07) that backward overlaps its two collectives with its GEMMs.
     Invariant: a rank's weight/bias gradients are exactly the rows of the single-device
     gradients, so reassembling them (concatenate in group order) gives the full gradient.
     """
@@ -324,6 +329,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.group, self.tp = group, group_size(group)
         self.in_features, self.out_features, self.stride = in_features, out_features, stride
         self.sequence_parallel = sequence_parallel
+        self.overlap_backward = False          # sequence_parallel: tp/overlap.py's backward instead
         divide(out_features, self.tp, "ColumnParallelLinear: out_features", stride)
         self.output_size_per_partition = out_features // self.tp
         self.gather_output = gather_output
@@ -343,7 +349,8 @@ class ColumnParallelLinear(_ParallelLinear):
         """weight: use this [out/tp, in] instead of self.weight (a tied output layer)."""
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
-            y = LinearWithSequenceParallelGather.apply(x, weight, self.bias, self.group, self.gemm)  # [b, s, out/tp]
+            y = LinearWithSequenceParallelGather.apply(x, weight, self.bias, self.group, self.gemm,
+                                                       self.overlap_backward)                        # [b, s, out/tp]
         else:
             y = LinearWithGradAllReduce.apply(x, weight, self.bias, self.group, self.gemm)        # [..., out/tp]
         if self.gather_output:

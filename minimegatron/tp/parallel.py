@@ -135,14 +135,17 @@ def _pad_rows(full: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = False,
+                          overlap_sp_backward: bool = False) -> nn.Module:
     """Cut `model` (a GPTModel or pipeline stage holding single-device weights) over the
     tensor-parallel group `tp_group`, in place (see the module docstring); returns it.
     With `sequence_parallel`, also cut the regions between the linear layers along the
     sequence (chapter 04): the model then takes and returns this rank's s/tp tokens between
     pipeline stages, and its `sequence_parallel` parameters need
     allreduce_sequence_parallel_grads after the backward (registered as the model's
-    "sequence-parallel" gradient hook, model/finalize.py).
+    "sequence-parallel" gradient hook, model/finalize.py). `overlap_sp_backward` (chapter 07):
+    the column-parallel layers' backward hides its all-gather and reduce-scatter behind its
+    GEMMs (tp/overlap.py), with the same results.
     A no-op when the group has one rank. ConfigError before anything changes when the
     model does not split over the group's size."""
     tp, cfg = group_size(tp_group), model.config
@@ -192,6 +195,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
                           shared_embedding=placement_of(full).shared_embedding)     # tied copy
         model.output_layer = output_layer
         model.loss = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear) and sp:
+            module.overlap_backward = overlap_sp_backward
     name_placements(model)                                 # the new parameters' single-device names
     if sp:      # the norms' gradients, after each step (looked up when called: a grader may swap it)
         register_grad_finalizer(model, "sequence-parallel", lambda chunks: allreduce_sequence_parallel_grads(chunks, tp_group))
