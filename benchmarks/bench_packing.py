@@ -20,6 +20,11 @@ speed is measured: training steps (forward, backward, AdamW) on rows of each kin
 `--repeats` windows of `--steps` steps, the two kinds interleaved; the median window. A
 measurement, not a test: nothing asserts a speed. The packed rows pay for a masked attention (a
 boolean [s, s] mask per row instead of the kernel's own causal one).
+
+Also counted, exactly, over every packed row of the corpus: the 16 x 16 score tiles the book's
+Triton FlashAttention computes per head in its forward when it skips what lies outside each
+document (kernels/flash_attention.py attention_tiles, the variable-length kernel's work),
+against the causal kernel that visits every tile at or below the diagonal.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimegatron.config import ModelConfig, TrainConfig          # noqa: E402
 from minimegatron.data import (GPTDataset, IndexedDataset, build_default_corpus, build_tokenizer,  # noqa: E402
                                document_masks, train_valid_split)
+from minimegatron.kernels.flash_attention import attention_tiles   # noqa: E402
 from minimegatron.model import GPTModel, mean_loss                # noqa: E402
 from minimegatron.optim import Optimizer                          # noqa: E402
 
@@ -107,6 +113,11 @@ def main(argv=None) -> int:
           f"median length {c['median_length']:.0f}")
     print(f"rows of s {args.seq}: padded {c['padded_rows']:,} rows ({c['padding']:.1%} of their tokens padding), "
           f"packed {c['packed_rows']:,} rows: {c['padded_rows'] / c['packed_rows']:.2f} x fewer rows packed")
+    full_rows = (c["tokens"] - 1) // args.seq                      # every window of s + 1 tokens the stream holds
+    ids = packed_batch(dataset, 0, full_rows, args.seq, tokenizer.eod)["document_ids"]
+    causal, documents = attention_tiles(None, full_rows, args.seq), attention_tiles(ids, full_rows, args.seq)
+    print(f"FlashAttention's 16 x 16 score tiles over the {full_rows:,} packed rows, per head: causal {causal:,}, "
+          f"within documents {documents:,} ({1 - documents / causal:.1%} skipped)")
 
     model_cfg = ModelConfig.llama(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=4,
                                   vocab_size=tokenizer.vocab_size, max_position_embeddings=args.seq)

@@ -210,6 +210,7 @@ RUNS = {
     "vs-hf": "python benchmarks/bench_vs_hf.py --compile --repeats 5",
     "overlap": "python benchmarks/bench_ddp.py --ranks 1 2 --variants ddp zero1 zero1-overlap zero2 zero2-overlap "
                "--repeats 6",                                                                  # §8, timed
+    "overlap-tp-pp": "python benchmarks/bench_overlap.py --repeats 7",                         # §8, timed
 }
 MACHINE_DEPENDENT = ()
 
@@ -217,7 +218,7 @@ MACHINE_DEPENDENT = ()
 def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v = {}
     for run_id in RUNS:
-        if run_id not in ("figures", "packing", "case-study", "vs-hf", "overlap"):
+        if run_id not in ("figures", "packing", "case-study", "vs-hf", "overlap", "overlap-tp-pp"):
             claim(outputs[run_id][-1].startswith("MATCH"), f"{run_id} matches")
     demo, figures = outputs["demo"], outputs["figures"]
     for key, name in (("none", "none"), ("selective", "selective core_attn"), ("full", "full, uniform 1")):
@@ -259,6 +260,11 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     v["pack_rows_ratio"] = grab(packing, r"([\d.]+) x fewer rows packed")
     v["pack_speedup"] = grab(packing, r"packed / padded: ([\d.]+) x")
     claim(v["pack_speedup"] > 1, "packed rows get through more real tokens per second than padded ones")
+    v["tiles_rows"] = grab(packing, r"score tiles over the ([\d,]+) packed rows")
+    v["tiles_causal"] = grab(packing, r"per head: causal ([\d,]+)")
+    v["tiles_documents"] = grab(packing, r"within documents ([\d,]+)")
+    v["tiles_skipped"] = grab(packing, r"within documents [\d,]+ \(([\d.]+)% skipped\)")
+    claim(v["tiles_documents"] < v["tiles_causal"], "the document bounds skip tiles on the corpus's packed rows")
     kernels = outputs["kernels"]
     errors = [float(x) for x in __import__("re").findall(r"max \|difference\| ([\d.e+-]+)", "\n".join(kernels))]
     v["kernel_max_error"] = max(errors)
@@ -296,6 +302,19 @@ def measure_overlap(outputs: dict[str, list[str]]) -> dict[str, float]:
         v[f"overlap_{key}_blocked"] = grab(outputs["overlap"], row, 4)
     claim(v["overlap_zero1_overlap_speedup"] > v["overlap_zero1_speedup"], "the overlaps make ZeRO-1 faster")
     claim(v["overlap_zero2_overlap_speedup"] > v["overlap_zero2_speedup"], "the overlaps make ZeRO-2 faster")
+    tp_pp = outputs["overlap-tp-pp"]
+    for variant in ("sp", "sp-overlap", "pp", "pp-overlap"):
+        key = variant.replace("-", "_")
+        row = rf"^\| {variant} \| ([\d,]+) \| [\d,]+ \| [\d,]+ \| ([\d.]+) \| (-|[\d.]+×) \| (-|[\d.]+%, [\d.]+%) \|"
+        v[f"{key}_ms"] = grab(tp_pp, row, 2)
+        v[f"{key}_median"] = grab(tp_pp, rf"^\| {variant} \| [\d,]+ \| ([\d,]+) \|")
+        if variant.endswith("-overlap"):
+            v[f"{key}_ratio"] = grab(tp_pp, rf"^\| {variant} \| .* \| ([\d.]+)× \|")
+        if variant.startswith("pp"):
+            v[f"{key}_wait0"] = grab(tp_pp, rf"^\| {variant} \| .* \| ([\d.]+)%, [\d.]+% \|$")
+            v[f"{key}_wait1"] = grab(tp_pp, rf"^\| {variant} \| .* \| [\d.]+%, ([\d.]+)% \|$")
+    for key in ("sp", "pp"):
+        v[f"{key}_overlap_median_ratio"] = round(v[f"{key}_overlap_median"] / v[f"{key}_median"], 2)
     figures = outputs["figures"]
     v["timeline_launched"] = grab(figures, r"reduce-scatters launched during the backward: (\d+) of")
     v["timeline_buckets"] = grab(figures, r"reduce-scatters launched during the backward: \d+ of (\d+)")
