@@ -190,6 +190,10 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "load_dir": ("checkpointing", ("--load", "--load-dir"),
                  "directory to resume from (its `latest`); without a checkpoint there: a warning, then a fresh start"),
     "save_interval": ("checkpointing", ("--save-interval",), "steps between checkpoints; 0: at the end only"),
+    "ckpt_format": ("checkpointing", ("--ckpt-format",),
+                    "torch: a file per rank, resumed under the same layout only (the book's default); torch_dist: "
+                    "each piece with its global offsets, resumed under any layout (Megatron's default; chapter 08)"),
+    "exit_interval": ("checkpointing", ("--exit-interval",), "stop after an iteration divisible by it, saving first"),
     "out_dir": ("checkpointing", ("--out-dir",), "directory of the loss log and plot (the book's)"),
 }
 
@@ -225,6 +229,10 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "overlap_param_gather": [("--overlap-param-gather", True, "ZeRO-1/2: the parameter all-gathers launched after the "
                                                                 "step, waited module by module in the next forward "
                                                                 "(needs --overlap-grad-reduce; chapter 07)")],
+    "no_load_optim": [("--no-load-optim", True, "torch_dist: load the model only; the optimizer starts fresh")],
+    "no_load_rng": [("--no-load-rng", True, "torch_dist: do not restore the random states; seed them afresh")],
+    "finetune": [("--finetune", True, "torch_dist: load the model only and start from iteration 0 (no optimizer, "
+                                       "random states or history)")],
     "overlap_p2p_comm": [("--overlap-p2p-communication", True, "with pp > 1: each receive posted one op ahead, so it "
                                                                "arrives while the stage computes (chapter 07)"),
                          ("--no-overlap-p2p-communication", False, "receives posted when needed (the book's default; "

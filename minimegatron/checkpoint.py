@@ -128,7 +128,7 @@ def latest_checkpoint(directory: str | os.PathLike, *, warn: bool = True) -> Pat
         raise CheckpointError(f"{pointer} is empty: it should name the newest checkpoint file of {directory} "
                               f"(e.g. iter_0000008.pt); a save was interrupted or the file was edited")
     path = directory / name
-    if not path.is_file():
+    if not path.exists():               # a file (ckpt-format torch) or a directory (torch_dist)
         raise CheckpointError(f"{pointer} names {name}, which does not exist in {directory}")
     return path
 

@@ -247,6 +247,12 @@ class TrainConfig:
     save_interval: int = 0                # 0 = save only at the end (when save_dir is set)
     save_dir: str | None = None
     load_dir: str | None = None
+    ckpt_format: str = "torch"            # "torch": one file per rank, the same layout to resume (chapter 00)
+                                          # "torch_dist": pieces with global offsets, any layout (chapter 08)
+    exit_interval: int | None = None      # stop after an iteration divisible by it, saving first
+    no_load_optim: bool = False           # torch_dist: the model only; the optimizer starts fresh
+    no_load_rng: bool = False             # torch_dist: the random states are seeded afresh
+    finetune: bool = False                # torch_dist: the model only, from iteration 0
     out_dir: str = "runs/latest"          # loss log and plot
     # data parallelism (chapter 01); the data-parallel size is the number of ranks
     zero_stage: int = 0                   # 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded
@@ -349,6 +355,13 @@ class TrainConfig:
         need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no "
                                   f"negative seed)")
         need(self.save_interval >= 0, f"save_interval={self.save_interval} must be >= 0 (0: save at the end only)")
+        need(self.ckpt_format in ("torch", "torch_dist"), f"ckpt_format={self.ckpt_format!r} is not 'torch' or "
+                                                          f"'torch_dist'")
+        need(self.exit_interval is None or self.exit_interval > 0, f"exit_interval={self.exit_interval} must be > 0")
+        for name in ("no_load_optim", "no_load_rng", "finetune"):
+            need(not getattr(self, name) or self.ckpt_format == "torch_dist",
+                 f"{name} with ckpt_format={self.ckpt_format!r}: only a torch_dist checkpoint loads in parts "
+                 f"(--ckpt-format torch_dist)")
         need(self.eval_interval >= 0 and self.eval_iters >= 0,
              f"eval_interval={self.eval_interval} and eval_iters={self.eval_iters} must be >= 0")
         need(self.device in ("cpu", "cuda"), f"device={self.device!r} is not 'cpu' or 'cuda'")

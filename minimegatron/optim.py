@@ -12,7 +12,8 @@ which unscales and checks for inf/nan, clip, step, copy main params back):
 
   1. gradients in     each Segment (a run of elements stepped together) says where its
                       gradient lives: p.grad of a bare model, a data-parallel buffer's view
-                      (dp/), or this rank's shard of a ZeRO bucket. With 16-bit parameters the
+                      (dp/), or this rank's shard of a ZeRO bucket (zeros when there is none:
+                      every parameter is stepped every step, on every layout). With 16-bit parameters the
                       main parameters are float32 copies and their gradients float32 too (a
                       copy, unless the buffer already holds them in float32: main_grad).
   2. loss scale       with a grad_scaler: unscale, check every gradient for inf/nan on every
@@ -161,11 +162,14 @@ class Segment:
     decay:   AdamW's weight decay applies (matrices; not biases and norm weights).
     owners:  (record, lo, hi): the parameters these elements belong to, as the elements
              [lo, hi) of the segment, each with its placement record (the norm reads them).
+    locations: for each owner, (the parameter's local shape, where element lo sits in the
+             flattened parameter): a checkpoint maps the segment back to model space with it.
     """
     param: torch.Tensor
     grad: Callable[[], torch.Tensor | None]
     decay: bool
     owners: list[tuple[Placement, int, int]] = field(default_factory=list)
+    locations: list[tuple[torch.Size, int]] = field(default_factory=list)
 
 
 class GradientSource:
@@ -184,7 +188,7 @@ class GradientSource:
 
 def parameter_segment(p: nn.Parameter, grad: Callable[[], torch.Tensor | None] | None = None) -> Segment:
     """One whole parameter as a segment; its gradient p.grad unless `grad` says otherwise."""
-    return Segment(p, grad or (lambda: p.grad), p.dim() >= 2, [(placement_of(p), 0, p.numel())])
+    return Segment(p, grad or (lambda: p.grad), p.dim() >= 2, [(placement_of(p), 0, p.numel())], [(p.shape, 0)])
 
 
 class ModelGradients(GradientSource):
@@ -250,9 +254,15 @@ class Optimizer:
         dtypes agree, else a copy in the main dtype)."""
         for main, seg in zip(self.main_params, self.segments):
             g = seg.grad()
-            if g is not None and g.dtype != main.dtype:
+            if g is None:
+                # no gradient this step (an expert that received no token): zeros, so that
+                # AdamW still applies its momentum and weight decay, as it does on every layout
+                # whose gradients live in a data-parallel buffer (and in Megatron's main_grad);
+                # torch's AdamW would skip a parameter whose grad is None
+                g = torch.zeros_like(main)
+            elif g.dtype != main.dtype:
                 g = g.to(main.dtype)                       # 16-bit gradients: a float32 copy
-            main.grad = None if g is None else g.view_as(main)
+            main.grad = g.view_as(main)
 
     def grads_for_norm(self, norm_group: NormGroup) -> list[torch.Tensor]:
         """This rank's gradient pieces that `norm_group` counts (grads_for_norm's filter)."""

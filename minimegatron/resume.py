@@ -18,7 +18,8 @@ from .config import ModelConfig, TrainConfig, to_dict
 from .optim import learning_rate
 from .parallel_state import Layout
 
-__all__ = ["RESUME_MUST_MATCH", "SCHEDULE_FIELDS", "check_resume_config", "load_for_resume"]
+__all__ = ["RESUME_MUST_MATCH", "SCHEDULE_FIELDS", "LAYOUT_FIELDS", "check_resume_config", "check_reshard_config",
+           "load_for_resume"]
 
 
 # What decides the rest of a run besides the saved state: resuming with other values would
@@ -32,6 +33,12 @@ RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size",
                      "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
                      "moe_token_dispatcher_type")
 SCHEDULE_FIELDS = ("train_iters", "lr_warmup_iters")
+# What a torch_dist checkpoint (dist_checkpoint.py) may change on resume besides the schedule: the
+# layout. The global batch must stay (micro_batch_size x grad_accum_steps x data-parallel size).
+LAYOUT_FIELDS = ("zero_stage", "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
+                 "num_virtual_stages_per_pipeline_rank", "sequence_parallel", "context_parallel_size", "cp_comm_type",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
+                 "micro_batch_size", "grad_accum_steps")
 
 
 def check_resume_config(saved: dict, cfg: TrainConfig, where: str, step: int) -> str | None:
@@ -94,3 +101,22 @@ def load_for_resume(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout) ->
     line = (f"resumed from {path}: {step} of the checkpoint's {saved_iters} iterations done; " +
             (f"training iterations {step + 1} to {cfg.train_iters}" if step < cfg.train_iters else "nothing left to train"))
     return state, own, line + (f"; {schedule}" if schedule else "")
+
+
+def check_reshard_config(common: dict, cfg: TrainConfig, layout: Layout, where: str) -> str | None:
+    """check_resume_config for a torch_dist checkpoint (its `common` part), resumed under
+    `layout`: the fields of LAYOUT_FIELDS may differ, but the global batch (micro_batch_size x
+    grad_accum_steps x data-parallel size) must not, or the iterations after the checkpoint would
+    see other data than the uninterrupted run; CheckpointError naming both. Returns what changed
+    in the learning-rate schedule, or None."""
+    saved = common.get("train_config", {})
+    before = saved.get("micro_batch_size", 0) * saved.get("grad_accum_steps", 0) * common.get("data_parallel_size", 1)
+    now = cfg.micro_batch_size * cfg.grad_accum_steps * layout.data_parallel_size
+    if before != now:
+        raise CheckpointError(f"cannot resume from {where}: its global batch is {before} sequences "
+                              f"(micro_batch_size {saved.get('micro_batch_size')} x grad_accum_steps "
+                              f"{saved.get('grad_accum_steps')} x data-parallel size {common.get('data_parallel_size', 1)}), "
+                              f"this run's {now} ({cfg.micro_batch_size} x {cfg.grad_accum_steps} x "
+                              f"{layout.data_parallel_size}): keep the product, e.g. --global-batch-size {before}")
+    kept = {k: v for k, v in saved.items() if k not in LAYOUT_FIELDS}
+    return check_resume_config(kept, cfg, where, common["step"])

@@ -65,6 +65,8 @@ from .checkpoint import (CheckpointError, all_ranks_agree, latest_checkpoint, lo
                          save_rank_state)
 from .comm import all_reduce, barrier, record_communication
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
+from .dist_checkpoint import (FORMAT as DIST_FORMAT, MAY_CHANGE, is_distributed_checkpoint, layout_signature, load_distributed,
+                              read_common, save_distributed)
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
 from .dp import local_tensors, no_sync
@@ -80,7 +82,8 @@ from .cp import get_batch_on_this_cp_rank
 from .cp.attention import hierarchical_sizes
 from .pp import PipelineComm, evaluate_pipelining, forward_backward_pipelining
 from .pp.timeline import StepRecord
-from .resume import RESUME_MUST_MATCH, check_resume_config, load_for_resume  # noqa: F401 (they lived here)
+from .resume import (RESUME_MUST_MATCH, check_resume_config, check_reshard_config,  # noqa: F401 (they lived here)
+                     load_for_resume)
 from .tp import get_rng_tracker, model_parallel_manual_seed
 from .watchdog import CollectiveTimeoutError, is_collective_timeout, missing_ranks_report, set_doing
 
@@ -283,7 +286,13 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout) -> TrainRes
         try:                                   # every rank, apart: its own file; then all agree
             if cfg.save_dir and layout.rank == 0:
                 lock = lock_save_dir(cfg.save_dir)
-            if cfg.load_dir and latest_checkpoint(cfg.load_dir) is not None:
+            path = latest_checkpoint(cfg.load_dir) if cfg.load_dir else None
+            if path is not None and is_distributed_checkpoint(path):     # any layout (chapter 08)
+                state, loaded = _check_distributed(path, model_cfg, cfg, layout)
+            elif path is not None:
+                if cfg.finetune or cfg.no_load_optim or cfg.no_load_rng:
+                    raise CheckpointError(f"{path} is a ckpt-format torch checkpoint: --finetune, --no-load-optim and "
+                                          f"--no-load-rng need a torch_dist one")
                 state, own, loaded = load_for_resume(model_cfg, cfg, layout)
         except Exception as exc:               # noqa: BLE001 - whatever it is, every rank must hear of it
             error = exc
@@ -301,10 +310,34 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout) -> TrainRes
             lock.release()
 
 
+def _check_distributed(path: Path, model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout) -> tuple[dict, str]:
+    """(the common part of the torch_dist checkpoint `path`, the line to print), after checking
+    that this run may resume it under its layout (resume.check_reshard_config; a --finetune
+    run only needs the same model, which loading checks)."""
+    common = dict(read_common(path), path=str(path))
+    stored = common.get("model_config", {})
+    diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}" for k, v in to_dict(model_cfg).items()
+             if stored.get(k) != v and k not in MAY_CHANGE]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
+    if cfg.finetune:
+        return common, f"loaded the model of {path} (iteration {common['step']}) to fine-tune from iteration 0"
+    schedule = check_reshard_config(common, cfg, layout, cfg.load_dir)
+    saved = common.get("layout", {})
+    moved = "" if saved == layout_signature(layout) else (
+        f"; resharded from {saved.get('world')} ranks (tp {saved.get('tp')}, pp {saved.get('pp')}, cp {saved.get('cp')}, "
+        f"ep {saved.get('ep')}, dp-cp {saved.get('dp')}, ZeRO {common['train_config'].get('zero_stage')}) to "
+        f"{layout.world} (tp {layout.tp}, pp {layout.pp}, cp {layout.cp}, ep {layout.ep}, dp-cp {layout.dp}, "
+        f"ZeRO {cfg.zero_stage}); random states seeded afresh")
+    line = f"resumed from {path}: {common['step']} iterations done{moved}"
+    return common, line + (f"; {schedule}" if schedule else "")
+
+
 def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> TrainResult:
     """Build the model and the optimizer (from the checkpoint's state, if any), then the loop."""
+    distributed = state is not None and state.get("format") == DIST_FORMAT
     chunks = build_model(model_cfg, cfg, layout,
-                         load=None if state is None else own["model"] if split else [state["model"]])
+                         load=None if state is None or distributed else own["model"] if split else [state["model"]])
     # dropout masks, seeded after the model is built (building may draw from the default
     # generator, and must not shift the masks): a stream shared by the TP group for the
     # replicated activations and one per TP rank for the split ones (tp/random.py); each
@@ -321,7 +354,22 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
     result = TrainResult(out_dir=cfg.out_dir, local_parameters=local_parameter_counts(chunks))
 
     start = 0
-    if state is not None:
+    if distributed:
+        error = None
+        try:                                    # each rank reads the pieces it needs, apart
+            common = load_distributed(state["path"], chunks, None if cfg.no_load_optim or cfg.finetune else optimizer,
+                                      layout, model_config=to_dict(model_cfg))
+            if "own" in common and not (cfg.no_load_rng or cfg.finetune):
+                torch.set_rng_state(common["own"]["rng"])
+                get_rng_tracker().set_states(common["own"]["tp_rng"])
+        except Exception as exc:                # noqa: BLE001
+            error = exc
+        all_ranks_agree(error, "loading the checkpoint's tensors")
+        if not cfg.finetune:
+            start = state["step"]
+            result.losses = list(state["history"]["losses"])
+            result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
+    elif state is not None:
         error = None
         try:                                    # a rank file of another layout fails here, apart
             optimizer.load_state_dict(own["optimizer"])
@@ -363,9 +411,15 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
                                      gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}",
                                      tokens_per_s=f"{tokens * (done - start) / (time.perf_counter() - started):,.0f}")
                 progress.update(1)
-            if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters):
+            exiting = bool(cfg.exit_interval) and done % cfg.exit_interval == 0 and done < cfg.train_iters
+            if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters
+                                 or exiting):
                 set_doing(f"saving iteration {done}")
                 result.checkpoint = _save(cfg, model_cfg, done, chunks, optimizer, result, layout)
+            if exiting:                         # Megatron's --exit-interval: saved first, then stop
+                if layout.rank == 0:
+                    print(f"--exit-interval {cfg.exit_interval}: stopping after iteration {done}")
+                break
     result.seconds = time.perf_counter() - started
     if profiler.table is not None:                                     # rank 0
         print(f"--profile: steps {cfg.profile_step_start}..{cfg.profile_step_end - 1}, a Chrome trace per rank in "
@@ -445,6 +499,12 @@ def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> st
     shards gathered, a collective). When the model is split (TP or PP) each rank's own file
     also holds its chunks' own state dicts (ZeRO-3's parameters gathered over dp: collective),
     which is what a resume with the same layout loads."""
+    if cfg.ckpt_format == "torch_dist":                      # any layout can resume it (chapter 08)
+        common = {"model_config": to_dict(model_cfg), "train_config": to_dict(cfg),
+                  "data_parallel_size": layout.data_parallel_size,
+                  "history": {"losses": result.losses, "eval_losses": [list(x) for x in result.eval_losses]}}
+        own = {"rng": torch.get_rng_state(), "tp_rng": get_rng_tracker().get_states()}
+        return str(save_distributed(cfg.save_dir, step, chunks, optimizer, layout, common, own))
     split = holds_part_of_model(layout)
     model_state = full_model_tensors(chunks, layout)                      # collective
     own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "tp_rng": get_rng_tracker().get_states(),

@@ -45,7 +45,7 @@ Conventions:
 from __future__ import annotations
 
 
-from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all,
+from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all,
                           all_to_all_single, barrier, batch_isend_irecv, broadcast, compile_barriers, irecv,
                           isend, recv, reduce_scatter, reduce_scatter_tensor, send)
 from .ledger import (ALONE, CommRecord, Ledger, OpSummary, group_rank, group_ranks, group_size,
@@ -59,7 +59,7 @@ from .regions import (all_to_all_region, all_to_all_uneven_region, gather_uneven
 
 __all__ = ["ALONE", "CommRecord", "Ledger", "OpSummary", "record_communication", "retagged", "ring_traffic",
            "group_ranks", "group_size", "group_rank",
-           "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+           "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
            "reduce_scatter_tensor", "broadcast", "send", "recv", "isend", "irecv", "P2POp",
            "batch_isend_irecv", "all_to_all_single", "all_to_all", "barrier", "compile_barriers",
            "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",

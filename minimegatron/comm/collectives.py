@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -317,6 +318,20 @@ def all_to_all(t, group, scatter_dim, gather_dim, tag=None):
     incoming = torch.empty_like(outgoing)
     all_to_all_single(incoming, outgoing, group, tag=tag)
     return torch.cat(incoming.unbind(0), dim=gather_dim)
+
+
+def all_gather_object(obj, group, tag=None) -> list:
+    """Every member's picklable ``obj``, in group order (torch.distributed.all_gather_object):
+    for metadata, such as a checkpoint's plan of who writes which piece, never for tensors
+    a step computes with. Records "all_gather_object", nbytes = the pickled size of ``obj``.
+    With one member, returns [obj]."""
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    _record("all_gather_object", group, None, tag, nbytes=len(pickle.dumps(obj)))
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 @_eager

@@ -119,13 +119,20 @@ class Bucket:
     def shard_owners(self, lo: int = 0, hi: int | None = None) -> list[tuple[Placement, int, int]]:
         """(record, a, b) for every parameter overlapping this rank's shard elements [lo, hi)
         (default: all of it): elements [a, b) of that stretch are its (padding belongs to none)."""
+        return [(r, a, b) for r, a, b, _, _ in self._overlaps(lo, hi)]
+
+    def shard_locations(self, lo: int = 0, hi: int | None = None) -> list[tuple[torch.Size, int]]:
+        """For each of shard_owners(lo, hi), in the same order: (the parameter's local shape,
+        where the owner's first element sits in the flattened parameter). A checkpoint reads
+        them to put a flat shard back in model space (chapter 08)."""
+        return [(shape, inside) for _, _, _, shape, inside in self._overlaps(lo, hi)]
+
+    def _overlaps(self, lo: int, hi: int | None):
         first, last = self.start + lo, self.start + (self.shard_numel if hi is None else hi)
-        owners = []
-        for r, off, n in zip(self.records, self.offsets, self.numels):
+        for r, shape, off, n in zip(self.records, self.shapes, self.offsets, self.numels):
             a, b = max(off, first), min(off + n, last)
             if a < b:
-                owners.append((r, a - first, b - first))
-        return owners
+                yield r, a - first, b - first, shape, a - off
 
 
 def make_bucket(index: int, params: list[nn.Parameter], group, dp: int = 1, rank: int = 0, *,

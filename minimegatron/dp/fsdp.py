@@ -335,7 +335,7 @@ class FullyShardedDataParallel(DataParallel):
                 a, b = max(lo, u.start) - u.start, min(hi, u.end) - u.start
                 if a < b:
                     segments.append(Segment(u.shard.detach()[a:b], lambda u=u, a=a, b=b: u.main_grad[a:b], decay,
-                                            u.shard_owners(a, b)))
+                                            u.shard_owners(a, b), u.shard_locations(a, b)))
         return segments
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -294,7 +294,7 @@ class ZeroDataParallel(DistributedDataParallel):
         """One segment per bucket: this rank's shard of the parameters and of the reduced
         gradient (padding excluded)."""
         return [Segment(b.param_data[b.start:b.start + b.real], lambda b=b: b.main_grad[:b.real], b.decay,
-                        b.shard_owners()) for b in self.buckets + self.expert_buckets if b.real > 0]
+                        b.shard_owners(), b.shard_locations()) for b in self.buckets + self.expert_buckets if b.real > 0]
 
     def _bucket_groups(self):
         return [(self.buckets, self.group), (self.expert_buckets, self.expert_group)]

@@ -1,0 +1,379 @@
+"""Checkpoints that reshard: save under one layout, resume under any other (chapter 08).
+
+    save_distributed(save_dir, step, chunks, optimizer, layout, common)   # every rank, collective
+    common = load_distributed(path, chunks, optimizer, layout)            # every rank, no collective
+
+Megatron-LM's `--ckpt-format torch_dist` idea, written out. No rank gathers anything: each
+rank writes what it holds, and each tensor it writes carries where it sits in the
+single-device model. A rank of another layout can then read exactly the parts of each tensor
+it needs now.
+
+What a rank holds of a parameter is its *local tensor*: the whole parameter, or its slice
+under tensor parallelism (placement.Placement.local_pieces: one global box per stride block,
+e.g. SwiGLU's [gate; up] rows; a padded vocabulary's padding rows sit in no box). The
+optimizer state may hold less: under ZeRO a segment is a flat run of a bucket, which covers
+elements [inside, inside + n) of some parameters' flattened local tensors (optim.Segment's
+owners and locations). So every piece written is
+
+    (kind, name, global shape, local shape, boxes, flat)  +  the tensor
+
+kind "model" (the parameter as the model holds it), "main" (float32 main parameters of a
+16-bit model), "exp_avg", "exp_avg_sq" (AdamW's moments) or "buffer"; name the single-device
+name; boxes the local tensor's global boxes (each a list of [lo, hi) per dimension) and
+where each sits in the local tensor; flat the elements [lo, hi) of the flattened local tensor
+this piece holds (all of them for a parameter; a ZeRO shard's run for the optimizer).
+
+Saving (collective over the world):
+  1. every rank lists the pieces it could write, without data;
+  2. comm.all_gather_object of the lists: a piece several ranks hold (a replica over dp or cp,
+     a norm weight on every tp rank) is written by the lowest of them only. This is the
+     deduplication torch.distributed.checkpoint's planner does, where Megatron passes a
+     replica_id with each ShardedTensor instead;
+  3. every rank writes its pieces to `iter_XXXXXXX/rank_RRRRR.pt` (atomically: a temporary
+     name, then a rename), with its random states;
+  4. a barrier; rank 0 writes `common.pt` (the index of every piece and where it is, the
+     step, the configs, the loss history, the loss scaler), then points `latest` at the
+     directory. A kill at any moment leaves `latest` naming a complete checkpoint.
+
+Loading (every rank alone, no collective): for each tensor name it needs, the rank assembles
+the single-device tensor from the pieces in the index (a flat piece is put back into its
+local tensor first, then every local tensor into its boxes), checks that every element
+arrived, and cuts from it what it holds now: its local tensor (the model), and each segment's
+run (the optimizer). A 16-bit model's parameters come from the float32 main parameters when
+the checkpoint has them, so switching precision loses nothing the checkpoint kept. One
+single-device tensor at a time is the memory this costs; Megatron's loader reads only the
+overlapping parts of each piece (its ShardedTensors' global offsets), which scales to models
+that do not fit one process. Files are opened with torch.load(mmap=True, weights_only=True):
+only the pages read come from disk, and no pickled code runs.
+
+Megatron-LM: megatron/core/dist_checkpointing/ (mapping.py ShardedTensor: key, global_shape,
+global_offset, replica_id; strategies/torch.py: the torch_dist format through
+torch.distributed.checkpoint; validation.py), and the distributed optimizer's model-space
+state (megatron/core/optimizer/distrib_optimizer.py, sharded_state_dict).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import comm
+from .checkpoint import CheckpointError, _atomic_write, _unreadable, remove_stale_temporaries
+from .dp import local_tensors, unwrap
+from .optim import Optimizer
+from .parallel_state import Layout
+from .placement import Placement
+
+__all__ = ["FORMAT", "save_distributed", "load_distributed", "read_common", "is_distributed_checkpoint",
+           "boxes_of_local", "local_from_full", "checkpoint_pieces", "layout_signature", "load_full_state",
+           "MAY_CHANGE"]
+
+FORMAT = "minimegatron-torch_dist-v1"
+COMMON = "common.pt"
+KINDS = ("model", "main", "exp_avg", "exp_avg_sq", "buffer")
+# model config fields a resume may change: the precision (the float32 main parameters, or the
+# parameters themselves, are cast to the new dtype)
+MAY_CHANGE = ("params_dtype",)
+
+
+def iteration_dir(directory: str | os.PathLike, step: int) -> Path:
+    return Path(directory) / f"iter_{step:07d}"
+
+
+def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
+    """Is `path` (what `latest` names) a directory of this format?"""
+    return (Path(path) / COMMON).is_file()
+
+
+# ---------------------------------------------------------------------------------------
+# where a local tensor sits in the single-device one
+# ---------------------------------------------------------------------------------------
+def boxes_of_local(record: Placement, local_shape: tuple[int, ...]) -> list[tuple[list, list]]:
+    """[(global box, local box)] of a local tensor of `local_shape`: each stride block's
+    [lo, hi) per dimension in the single-device tensor, and where it sits in the local one
+    (record.local_pieces; empty blocks, a rank holding only vocabulary padding, left out)."""
+    out = []
+    d = None if record.split is None else record.split.dim
+    part = None if d is None else local_shape[d] // record.split.stride
+    for k, box in enumerate(record.local_pieces(tuple(local_shape))):
+        glob = [[s.start, s.stop] for s in box]
+        if any(lo >= hi for lo, hi in glob):
+            continue
+        loc = [[k * part, k * part + (hi - lo)] if i == d else [0, n]
+               for i, ((lo, hi), n) in enumerate(zip(glob, local_shape))]
+        out.append((glob, loc))
+    return out
+
+
+def _index(box: list) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+def local_from_full(record: Placement, local_shape: tuple[int, ...], full: torch.Tensor) -> torch.Tensor:
+    """The local tensor of `local_shape` a rank with `record` holds of the single-device `full`
+    (padding rows zero, as tp.layers' load_full leaves them)."""
+    local = full.new_zeros(local_shape)
+    for glob, loc in boxes_of_local(record, local_shape):
+        local[_index(loc)] = full[_index(glob)]
+    return local
+
+
+# ---------------------------------------------------------------------------------------
+# saving
+# ---------------------------------------------------------------------------------------
+def _pieces_of_tensor(kind, record, local_shape, tensor, flat=None):
+    """One piece descriptor (and its data): `tensor` is the whole local tensor (flat None) or the
+    elements [flat) of its flattening."""
+    lo, hi = flat if flat is not None else (0, int(torch.Size(local_shape).numel()))
+    return ({"kind": kind, "name": record.name, "shape": list(record.shape), "local_shape": list(local_shape),
+             "boxes": boxes_of_local(record, tuple(local_shape)), "flat": [lo, hi]}, tensor.detach())
+
+
+def checkpoint_pieces(chunks: list[nn.Module], optimizer: Optimizer | None) -> list[tuple[dict, torch.Tensor]]:
+    """Every piece this rank holds (descriptor, tensor), before deduplication. The model's
+    parameters as local tensors (ZeRO-3's gathered over dp: a collective), its buffers, and
+    the optimizer's main parameters and moments as runs of local tensors."""
+    pieces = []
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for record, tensor in local_tensors(chunk).values():
+            if not record.shared:                       # a last stage's tied copy: the first stage has it
+                pieces.append(_pieces_of_tensor("model", record, tuple(tensor.shape), tensor))
+        params = {name for name, _ in model.named_parameters()}
+        for name, buf in model.state_dict().items():    # saved buffers (a router's expert bias)
+            if name not in params:
+                pieces.append(_pieces_of_tensor("buffer", Placement(name, tuple(buf.shape)), tuple(buf.shape), buf))
+    if optimizer is None:
+        return pieces
+    for main, seg in zip(optimizer.main_params, optimizer.segments):
+        state = optimizer.state.get(main, {})
+        kinds = [("main", main)] * (main is not seg.param) + [(k, state[k]) for k in ("exp_avg", "exp_avg_sq")
+                                                             if k in state]
+        for (record, lo, hi), (shape, inside) in zip(seg.owners, seg.locations):
+            if record.shared:
+                continue
+            for kind, tensor in kinds:
+                pieces.append(_pieces_of_tensor(kind, record, tuple(shape), tensor.reshape(-1)[lo:hi],
+                                                (inside, inside + hi - lo)))
+    return pieces
+
+
+def _identity(desc: dict) -> tuple:
+    return (desc["kind"], desc["name"], str(desc["boxes"]), tuple(desc["local_shape"]), tuple(desc["flat"]))
+
+
+def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Module], optimizer: Optimizer | None,
+                     layout: Layout, common: dict[str, Any], own: dict[str, Any]) -> Path:
+    """Write this rank's pieces of iteration `step` (module docstring), then, on rank 0, the
+    index and `common` (step, configs, history, ...), then `latest`. `own`: this rank's extra
+    state (random states), kept in its file. Collective over the world: one
+    comm.all_gather_object of the piece lists (tag "checkpoint"), two barriers. Returns the
+    iteration's directory."""
+    out = iteration_dir(directory, step)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    pieces = checkpoint_pieces(chunks, optimizer)
+    listed = comm.all_gather_object([_identity(d) for d, _ in pieces], None, tag="checkpoint")
+    writer: dict[tuple, int] = {}
+    for rank, identities in enumerate(listed):
+        for identity in identities:
+            writer.setdefault(identity, rank)            # the lowest rank holding it
+    mine, written = {}, set()
+    for n, (desc, tensor) in enumerate(pieces):
+        identity = _identity(desc)
+        if writer[identity] == layout.rank and identity not in written:
+            written.add(identity)
+            mine[f"{desc['kind']}/{desc['name']}/{n}"] = (desc, tensor)
+    name = f"rank_{layout.rank:05d}.pt"
+    payload = {"format": FORMAT, "step": step, "rank": layout.rank, "own": own,
+               "tensors": {key: t.contiguous().clone() for key, (_, t) in mine.items()},
+               "index": [dict(desc, key=key, file=name) for key, (desc, _) in mine.items()]}
+    _atomic_write(out / name, lambda tmp: torch.save(payload, tmp))
+    index = comm.all_gather_object(payload["index"], None, tag="checkpoint")    # also: every file is written
+    if layout.rank == 0:
+        steps = [int(state["step"]) for state in (optimizer.state.values() if optimizer else []) if "step" in state]
+        scaler = None if optimizer is None or optimizer.grad_scaler is None else optimizer.grad_scaler.state_dict()
+        body = {"format": FORMAT, "step": step, "layout": layout_signature(layout), "adam_steps": steps[0] if steps else 0,
+                "grad_scaler": scaler, "index": [desc for part in index for desc in part], **common}
+        _atomic_write(out / COMMON, lambda tmp: torch.save(body, tmp))
+        _atomic_write(Path(directory) / "latest", lambda tmp: tmp.write_text(out.name + "\n"))
+    comm.barrier(None, tag="checkpoint")                  # nobody runs ahead of `latest`
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------
+class _Reader:
+    """The pieces of one checkpoint, by (kind, name); files opened on first use (mmap)."""
+
+    def __init__(self, path: Path, common: dict):
+        self.path, self.files = path, {}
+        self.pieces: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for desc in common["index"]:
+            self.pieces[(desc["kind"], desc["name"])].append(desc)
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self.pieces
+
+    def _tensor(self, desc: dict) -> torch.Tensor:
+        file = self.path / desc["file"]
+        if desc["file"] not in self.files:
+            if not file.is_file():
+                raise CheckpointError(f"{file} does not exist: the checkpoint in {self.path} is incomplete")
+            try:
+                self.files[desc["file"]] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)["tensors"]
+            except Exception as exc:                        # a truncated or foreign file: say which
+                raise _unreadable(file, exc) from exc
+        return self.files[desc["file"]][desc["key"]]
+
+    def full(self, kind: str, name: str) -> torch.Tensor:
+        """The single-device tensor `name` of `kind`, assembled from its pieces; CheckpointError
+        when an element is missing."""
+        pieces = self.pieces[(kind, name)]
+        shape = tuple(pieces[0]["shape"])
+        out, filled = None, torch.zeros(shape, dtype=torch.bool)
+        by_local: dict[tuple, list[dict]] = defaultdict(list)          # pieces of one local tensor
+        for desc in pieces:
+            by_local[(str(desc["boxes"]), tuple(desc["local_shape"]))].append(desc)
+        for descs in by_local.values():
+            local_shape = tuple(descs[0]["local_shape"])
+            data = [self._tensor(desc) for desc in descs]
+            local = data[0].new_zeros(local_shape).reshape(-1)
+            have = torch.zeros(local.numel(), dtype=torch.bool)
+            for desc, t in zip(descs, data):
+                lo, hi = desc["flat"]
+                local[lo:hi] = t.reshape(-1)
+                have[lo:hi] = True
+            local, have = local.view(local_shape), have.view(local_shape)
+            out = torch.zeros(shape, dtype=local.dtype) if out is None else out
+            for glob, loc in descs[0]["boxes"]:
+                mask = have[_index(loc)]                   # the elements these pieces hold
+                out[_index(glob)][mask] = local[_index(loc)][mask]
+                filled[_index(glob)] |= mask
+        if not bool(filled.all()):
+            raise CheckpointError(f"the checkpoint in {self.path} holds {int(filled.sum()):,} of the "
+                                  f"{filled.numel():,} elements of {kind} {name}: a rank's file is missing "
+                                  f"from its index, or it was written by another program")
+        return out
+
+
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _source(record: Placement) -> str:
+    """The single-device tensor a parameter holds part of: its own name, or, for the tied output
+    layer's copy on a pipeline's last stage (the only `shared` parameter), the word embedding."""
+    return TIED_EMBEDDING if record.shared else record.name
+
+
+def read_common(path: str | os.PathLike) -> dict:
+    file = Path(path) / COMMON
+    try:
+        common = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} does not exist: {path} is not a complete {FORMAT} checkpoint") from None
+    except Exception as exc:
+        raise _unreadable(file, exc) from exc
+    if not isinstance(common, dict) or common.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a {FORMAT} file")
+    return common
+
+
+@torch.no_grad()
+def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer: Optimizer | None,
+                     layout: Layout, *, model_config: dict | None = None) -> dict[str, Any]:
+    """Fill this rank's model `chunks` (built for any layout) and, if given, `optimizer` from
+    the checkpoint directory `path`, cutting each single-device tensor as this rank now holds it
+    (module docstring). Returns the common part (step, configs, history, loss scaler, the
+    saving rank's own state under "own" when this rank's file exists). No collective.
+    CheckpointError: another model (`model_config` differs, by field), a tensor the
+    checkpoint lacks or holds with another shape, a missing or unreadable file."""
+    path = Path(path)
+    common = read_common(path)
+    if model_config is not None:
+        stored = common.get("model_config", {})
+        diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}" for k, v in model_config.items()
+                 if stored.get(k) != v and k not in MAY_CHANGE]
+        if diffs:
+            raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
+    reader = _Reader(path, common)
+
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The float32-or-better value of parameter `name`: the main copy when saved, else the model's."""
+        kind = "main" if reader.has("main", name) else "model"
+        if not reader.has(kind, name):
+            raise CheckpointError(f"checkpoint {path} has no tensor {name!r} (another model, or one saved without it)")
+        full = reader.full(kind, name)
+        if tuple(full.shape) != tuple(shape):
+            raise CheckpointError(f"checkpoint {path} holds {name} with shape {list(full.shape)}, this model "
+                                  f"{list(shape)}")
+        return full
+
+    # what this rank holds, by single-device name: parameters, and the optimizer's runs of them
+    wanted: dict[str, list] = defaultdict(list)
+    for chunk in chunks:
+        model = unwrap(chunk)
+        params = {name for name, _ in model.named_parameters()}
+        for p in model.parameters():
+            wanted[_source(p.placement)].append(("param", p.placement, tuple(p.shape), p))
+        for name, buf in model.state_dict().items():
+            if name not in params:
+                if not reader.has("buffer", name):
+                    raise CheckpointError(f"checkpoint {path} has no buffer {name!r}")
+                buf.copy_(reader.full("buffer", name))
+    segments = [] if optimizer is None else list(zip(optimizer.main_params, optimizer.segments))
+    for i, (_, seg) in enumerate(segments):
+        for (record, lo, hi), (shape, inside) in zip(seg.owners, seg.locations):
+            wanted[_source(record)].append(("run", record, tuple(shape), (i, lo, hi, inside)))
+
+    moments = optimizer is not None and all(reader.has("exp_avg", name) for name in wanted)
+    if moments:                               # AdamW's state, as torch keeps it, filled below
+        optimizer.adam.state.clear()
+        for main, _ in segments:
+            optimizer.adam.state[main] = {"step": torch.tensor(float(common["adam_steps"])),
+                                          "exp_avg": torch.zeros_like(main), "exp_avg_sq": torch.zeros_like(main)}
+    for name, targets in wanted.items():
+        full = value(name, targets[0][1].shape)
+        fulls = {kind: reader.full(kind, name) for kind in ("exp_avg", "exp_avg_sq")} if moments else {}
+        for what, record, shape, target in targets:
+            if what == "param":
+                target.copy_(local_from_full(record, shape, full))
+                continue
+            i, lo, hi, inside = target
+            main, seg = segments[i]
+
+            def run(tensor):                  # the segment's elements [lo, hi) of `tensor`'s local cut
+                return local_from_full(record, shape, tensor).reshape(-1)[inside:inside + hi - lo]
+            seg.param.reshape(-1)[lo:hi] = run(full).to(seg.param.dtype)    # the model's storage (ZeRO's shard)
+            if main is not seg.param:
+                main.reshape(-1)[lo:hi] = run(full).to(main.dtype)
+            for kind, moment in fulls.items():
+                optimizer.adam.state[main][kind].reshape(-1)[lo:hi] = run(moment).to(main.dtype)
+    if optimizer is not None and optimizer.grad_scaler is not None and common.get("grad_scaler") is not None:
+        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
+    own_file = path / f"rank_{layout.rank:05d}.pt"
+    if common.get("layout") == layout_signature(layout) and own_file.is_file():
+        common = dict(common, own=torch.load(own_file, map_location="cpu", weights_only=True, mmap=True)["own"])
+    return common
+
+
+def load_full_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The single-device model of the checkpoint directory `path`, {name: tensor} in its saved
+    dtype (the parameters as the model held them, then the saved buffers): what an exporter
+    (chapter 08's Hugging Face conversion) or a comparison reads. No process group needed."""
+    path = Path(path)
+    reader = _Reader(path, read_common(path))
+    return {name: reader.full(kind, name) for kind, name in reader.pieces if kind in ("model", "buffer")}
+
+
+def layout_signature(layout: Layout) -> dict[str, int]:
+    """The sizes that decide which rank holds what: a checkpoint's random states are restored
+    only under the same ones."""
+    return {"world": layout.world, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": layout.dp,
+            "ep": layout.ep, "etp": layout.etp}
