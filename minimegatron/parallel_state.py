@@ -154,6 +154,14 @@ def rank_groups(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
     return out
 
 
+def check_grids(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
+                order: str = "tp-cp-ep-dp-pp") -> None:
+    """rank_groups' verdict without its lists: the same ValueError for a layout that cannot
+    exist, nothing otherwise (validate_layout, and chapter 08's planner over thousands of
+    layouts of thousands of ranks, ask only this)."""
+    _grids(world_size, tp, pp, cp, ep, etp, order)
+
+
 def rank_coordinates(rank: int, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
                      ep: int = 1, etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
                      ) -> dict[str, int]:

@@ -35,7 +35,7 @@ from .fp8 import apply_fp8, fp8_recipe_of
 from .grad_scaler import build_grad_scaler
 from .optim import NormGroup, Optimizer, is_expert_parameter
 from .moe import apply_expert_parallel, check_expert_parallel_config
-from .parallel_state import Layout, rank_groups
+from .parallel_state import Layout, check_grids
 from .placement import gather_full_tensors
 from .kernels import apply_kernels
 from .pp import build_stage, check_schedule_args, stage_layers
@@ -66,7 +66,7 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
         check_tensor_parallel_config(model_cfg, tp)                     # heads, groups, ffn by tp
     check_expert_parallel_config(model_cfg, cfg, world_size)           # experts by ep, etp; SP with tp
     try:                                                                # the two grids agree on pp
-        rank_groups(world_size, tp=tp, pp=pp, cp=cp, ep=cfg.expert_model_parallel_size, etp=cfg.etp)
+        check_grids(world_size, tp=tp, pp=pp, cp=cp, ep=cfg.expert_model_parallel_size, etp=cfg.etp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if sp and tp == 1:

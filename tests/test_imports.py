@@ -44,6 +44,8 @@ LAYERS: list[list[str]] = [
     ["parallelize"],
     ["viz"],                                        # every figure (the loop draws its loss curve)
     ["arguments"],                                  # the loop's command line
+    ["dist_checkpoint"],                            # chapter 08's checkpoints that reshard (the loop saves them)
+    ["plan"],                                       # chapter 08's planner (reads the presets); nothing imports it
     ["profiling", "resume", "train"],               # --profile; what a resume checks and loads; the loop
     ["testing"],                                    # the harness (it runs train_step)
     ["run_report"],                                 # make demo's entry: the loop, its report and its check

@@ -1,0 +1,202 @@
+"""Megatron-LM's own estimates, re-derived in the book's names: the FLOPs its training log
+reports, and the memory its `--report-theoretical-memory` prints.
+
+Where they live in Megatron-LM (main, commit d98e8a6, checked 2026-11-27):
+
+  megatron/training/training.py                num_floating_point_operations(args, batch_size)
+  megatron/training/theoretical_memory_usage.py compute_weight_and_optimizer_memory(args),
+                                               compute_activation_memory(args, num_microbatches),
+                                               compute_activation_memory_without_sp(...),
+                                               report_theoretical_memory(args, num_microbatches)
+
+Shape legend (model/gpt.py's): B sequences in the global batch, b micro-batch, s sequence
+length, h hidden size, a query heads, g key/value groups, d head size, f the dense MLP's
+width, f_e an expert's, f_s the shared expert's, E experts, k top-k, L layers (L_moe of them
+with experts, L_dense = L - L_moe), Vp the vocabulary padded to a multiple of
+make_vocab_size_divisible_by x tp (Megatron's padded_vocab_size), t tp, p pp, v virtual stages
+per rank, m micro-batches per step. F = 3 with SwiGLU (fc1 of 2f, fc2 of f), else 2.
+
+What is included, and what is not: dense GPT/LLaMA layers (MHA or GQA, GELU or SwiGLU, LayerNorm
+or RMSNorm), MoE layers (routed experts, a shared expert, an integer or list layer pattern:
+`config.is_moe_layer`), untied or tied embeddings, padded vocabulary, the distributed
+optimizer. Omitted, because the book's ModelConfig cannot describe them: multi-latent
+attention (MLA), multi-token prediction (MTP), hybrid Mamba / gated-delta-net layers, latent
+MoE, the attention output gate, shared-expert gates, and the packed-sequence (THD) sums
+(the formulas here are Megatron's BSHD defaults: every sequence s tokens long).
+
+Each function is written from the formula, not from Megatron's code: the tests compare them
+with numbers worked by hand (Llama-3 8B, Mixtral 8x7B) and with the book's `analysis`.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig, TrainConfig
+from ..tp import pad_vocab_size
+
+__all__ = ["megatron_flops", "megatron_weight_and_optimizer_bytes", "megatron_activation_bytes",
+           "megatron_theoretical_memory"]
+
+
+def _layer_counts(config: ModelConfig) -> tuple[int, int]:
+    """(L_dense, L_moe): the layers whose MLP is dense, and those with experts."""
+    moe = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    return config.num_layers - moe, moe
+
+
+def megatron_flops(config: ModelConfig, batch: int, seq: int, tp: int = 1) -> dict[str, int]:
+    """Megatron's `num_floating_point_operations(args, batch)`: the FLOPs of one step over
+    `batch` sequences of `seq` tokens (the global batch), forward and backward, without
+    recomputation. Every GEMM runs 3 times (forward, weight gradient, data gradient) at 2 FLOPs
+    per multiply-add, hence the 6 in each token-linear term:
+
+      "mlp"        6 B s h (F f L_dense + F f_e k L_moe + F f_s L_moe)
+      "attention"  6 B s L h (a d + 2 g d) + 6 B s L (a d) h      qkv and output projections
+      "core"       6 B s^2 L a d     q k^T and probs v: 2 x 2 B s^2 a d each pass, halved by
+                                     the causal mask (Megatron counts only the lower triangle)
+      "logits"     6 B s h Vp        the output layer, over the PADDED vocabulary
+      "total"      the sum
+
+    Not counted (as in Megatron): the router's h x E product, norms, softmax, RoPE, the
+    embedding lookup. `tp` only sets Vp (the padding grows with tp).
+
+    How it differs from the book's `analysis.training_flops(config, B, s)["total"]`, which
+    counts the matmuls our model really runs: that counts all s^2 scores (the masked half too:
+    naive attention computes it), the router's 6 B s h E, and the logits over the unpadded V.
+    So  megatron = book - core/2 - router + 6 B s h (Vp - V)  (tests/test_plan.py checks it).
+    """
+    config.validate()
+    h, a, g, d, L = (config.hidden_size, config.num_attention_heads, config.query_groups,
+                     config.kv_channels, config.num_layers)
+    F = 3 if config.activation == "swiglu" else 2
+    L_dense, L_moe = _layer_counts(config)
+    tokens = batch * seq
+    mlp_width = config.ffn_size * L_dense                                  # sum of F-less widths
+    if config.num_experts is not None:
+        mlp_width += (config.moe_ffn_size * config.moe_router_topk
+                      + (config.moe_shared_expert_intermediate_size or 0)) * L_moe
+    Vp = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
+    parts = {
+        "mlp": 6 * tokens * h * F * mlp_width,
+        "attention": 6 * tokens * L * (h * (a * d + 2 * g * d) + a * d * h),
+        "core": 6 * tokens * seq * L * a * d,
+        "logits": 6 * tokens * h * Vp,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _parameter_groups(config: ModelConfig, tp: int) -> dict[str, float]:
+    """Megatron's split of the parameters by how a rank holds them (elements, the whole
+    model): "tp_sharded" (attention, dense MLPs, shared experts: cut tp ways), "replicated"
+    (norms, routers, the final norm), "experts" (routed experts: cut ep x etp ways) and
+    "embedding" (Vp h, one matrix). Biases are not in Megatron's count (it assumes none but the
+    router's)."""
+    h, a, g, d = config.hidden_size, config.num_attention_heads, config.query_groups, config.kv_channels
+    gated = 1.5 if config.activation == "swiglu" else 1.0
+    norm = 1 if config.normalization == "RMSNorm" else 2                  # RMSNorm has no bias
+    L_dense, L_moe = _layer_counts(config)
+    attention = 2 * h * h * (1 + g / a) * (a * d / h)                     # qkv + proj = 2 h a d (1 + g/a)
+    dense_mlp = 2 * h * config.ffn_size * gated
+    layernorms = 2 * h * norm
+    shared = experts = router = 0.0
+    if config.num_experts is not None:
+        E = config.num_experts
+        shared = 2 * h * (config.moe_shared_expert_intermediate_size or 0) * gated
+        experts = 2 * h * config.moe_ffn_size * E * gated
+        router = h * E + (E if config.add_bias_linear else 0)
+    return {"tp_sharded": (attention + dense_mlp) * L_dense + (attention + shared) * L_moe,
+            "replicated": layernorms * L_dense + (layernorms + router) * L_moe + norm * h,
+            "experts": experts * L_moe,
+            "embedding": h * pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)}
+
+
+def megatron_weight_and_optimizer_bytes(config: ModelConfig, cfg: TrainConfig, world: int) -> float:
+    """Megatron's `compute_weight_and_optimizer_memory`: bytes of parameters, gradients and
+    optimizer state on the MOST loaded rank (the first pipeline stage: 1/p of the layers plus
+    the embedding), for bf16 training with fp32 main gradients, main parameters and Adam:
+
+        18 bytes per parameter                      without the distributed optimizer
+        6 + 12 / dp bytes                           with it (cfg.zero_stage >= 1), dp = world / (t p cp)
+        6 + 12 / dp_e for the routed experts, dp_e = world / (etp ep p)
+
+      dense on the rank   (tp_sharded / p + Vp h) / t + replicated / p  (+ Vp h / t when untied and p = 1)
+      experts on the rank experts / (p etp ep)
+
+    How it differs from the book's count (`analysis.rank_parameters` x the bytes of
+    `analysis.adam_bytes_per_parameter(bf16, master, fp32 grads)`, which is 2 + 4 + 12 = 18 too):
+    Megatron divides the layers evenly (p may not divide L: fractions) and the final norm too
+    (h / p of it on every stage; the book's last stage holds it), leaves out biases and
+    the copy of a tied embedding the last stage keeps, and divides the optimizer state by dp
+    without cp, although its distributed optimizer shards over dp x cp (as the book's ZeRO
+    does); ZeRO-2 and ZeRO-3 (here zero_stage 2, 3) are not in its formula: every zero_stage
+    >= 1 is read as the distributed optimizer."""
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    groups = _parameter_groups(config, tp)
+    dense = (groups["tp_sharded"] / pp + groups["embedding"]) / tp + groups["replicated"] / pp
+    if config.untie_embeddings_and_output_weights and pp == 1:
+        dense += groups["embedding"] / tp
+    experts = groups["experts"] / (pp * cfg.etp * cfg.expert_model_parallel_size)
+    dp = world // (tp * pp * cfg.context_parallel_size)
+    expert_dp = world // (cfg.etp * cfg.expert_model_parallel_size * pp)
+
+    def bytes_per_parameter(shards: int) -> float:
+        return 18 if cfg.zero_stage == 0 else 6 + 12 / shards
+
+    return dense * bytes_per_parameter(dp) + experts * bytes_per_parameter(expert_dp)
+
+
+def megatron_activation_bytes(config: ModelConfig, cfg: TrainConfig) -> float:
+    """Megatron's activation estimate for the first pipeline stage, in bytes; which formula
+    depends, as in `report_theoretical_memory`, on sequence parallelism AND selective
+    recompute:
+
+    SP and recompute_granularity "selective" (`compute_activation_memory`, Korthikanti et al.
+    2022 Table 2 with the attention scores recomputed):
+
+        s b h (18 + 4 f / h) L                       the layers (34 s b h for f = 4h)
+      + 8 s b p + s b h p                            embedding input and its dropout, p in flight
+      x (1 + (p - 1) / (p v))                        interleaved (v > 1) schedule's extra in flight
+      x min(1, m / p)                                1F1B (v = 1, p > 1) with fewer micro-batches than p
+      + 4 s b h (1 + Vp / h)                         p = 1 only: output layer input and the loss
+      all / t
+
+    anything else (`compute_activation_memory_without_sp`):
+
+        s b h (10 + 24 / t) L + 8 s b p + s b h p    then the same two pipeline factors
+      + 2 (s b Vp / t + s b h)                       p = 1 only: logits and final norm output
+      x 1.05                                         optimizer and other temporaries
+
+    (The second formula ignores recompute altogether, and neither has a context-parallel term:
+    Megatron's estimate does not divide by cp. Neither counts an MoE layer's routed tokens:
+    f is the dense ffn_hidden_size.)
+
+    The book's count of the same thing is `analysis.activation_memory` (what OUR model saves,
+    op by op, measured): fp32 norm inputs, SwiGLU's 3 b s f e, the fused attention's
+    log-sum-exp, no dropout masks at dropout 0; the planner uses that one.
+    """
+    s, b, h = cfg.seq_length, cfg.micro_batch_size, config.hidden_size
+    tp, pp, m = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.grad_accum_steps
+    v = cfg.num_virtual_stages_per_pipeline_rank
+    Vp = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
+    with_sp = cfg.sequence_parallel and cfg.recompute_granularity == "selective"
+    per_layer = s * b * h * (18 + 4 * config.ffn_size / h) if with_sp else s * b * h * (10 + 24 / tp)
+    total = per_layer * config.num_layers + 8 * s * b * pp + s * b * h * pp
+    if v > 1:
+        total *= 1 + (pp - 1) / (pp * v)
+    elif pp > 1:
+        total *= min(1, m / pp)
+    if with_sp:
+        if pp == 1:
+            total += s * b * h * 4 * (1 + Vp / h)
+        return total / tp
+    if pp == 1:
+        total += (s * b * Vp / tp + s * b * h) * 2
+    return total * 1.05
+
+
+def megatron_theoretical_memory(config: ModelConfig, cfg: TrainConfig, world: int) -> dict[str, float]:
+    """`report_theoretical_memory`'s three numbers, in bytes (Megatron prints MB = 2^20 bytes):
+    {"weight_and_optimizer", "activations", "total"}."""
+    weights = megatron_weight_and_optimizer_bytes(config, cfg, world)
+    activations = megatron_activation_bytes(config, cfg)
+    return {"weight_and_optimizer": weights, "activations": activations, "total": weights + activations}

@@ -1,0 +1,214 @@
+"""How long one optimizer step of a layout should take on a cluster: compute at an assumed
+efficiency, plus the communication that is not hidden, stretched by the pipeline bubble.
+
+    step_estimate(model_cfg, train_cfg, world, cluster) -> {"step_time", "mfu", "flops", "comm", ...}
+
+The model (every constant below is an assumption, printed above the planner's table):
+
+  FLOPs      model FLOPs = Megatron's num_floating_point_operations (megatron_formulas.
+             megatron_flops) for the global batch; the GPUs also run the recomputed forwards:
+             full recompute one more forward of every layer ((mlp + attention + core) / 3),
+             selective ("core_attn") one more core attention (core / 3). Spread evenly over
+             the world's ranks (first and last stages' embedding and loss are not singled out).
+  compute    a micro-batch's share on a rank at COMPUTE_EFFICIENCY of the peak FLOP/s
+  bytes      per dimension, what a rank hands to the collectives in one step (the ledger's
+             convention, comm/ledger.py): analysis.step_communication for tp, cp, ep, etp, pp
+             and the tied embedding, with the dispatcher's routing-dependent messages taken as
+             balanced routing makes them ("moe-combine" and "moe-dispatch-bwd" as large as
+             "moe-dispatch"; the etp gather and reduce-scatter of the received rows); and
+             for the gradients (analysis.rank_parameters):
+               dp / expert-dp   ZeRO-0 all-reduce of the gradients; ZeRO-1, 2 reduce-scatter
+                                of them + all-gather of the updated bf16 shards; ZeRO-3 two
+                                all-gathers of the shards per micro-batch + one reduce-scatter
+  time       on the wire, ring algorithms over a group of n: all-reduce 2 (n - 1) / n x bytes,
+             reduce-scatter and all-to-all (n - 1) / n x the input, all-gather (n - 1) x the
+             shard, a send its bytes (links are full duplex: receives cost nothing more); at
+             the group's bandwidth, NVLink inside a node, the network across (cluster.py); no
+             latency term (small messages look cheaper than they are)
+  overlap    tp (+ SP), ep, etp, pp messages: exposed, on every micro-batch's critical path;
+             cp's ring: hidden behind the core attention it feeds, only the excess exposed;
+             dp and expert-dp (ZeRO-0, 1, 2): hidden behind one micro-batch's compute (the
+             last backward, overlap_grad_reduce; the first forward, overlap_param_gather),
+             only the excess exposed; ZeRO-3: each micro-batch's gathers behind its compute;
+             the tied embedding's all-reduce: exposed, once
+
+  step time  = (m + (p - 1) / v) t_mb + exposed gradient communication + embedding all-reduce
+             where t_mb = compute + exposed communication of one micro-batch on the slowest of
+             the first and last stages, and (p - 1) / (v m) = pp.bubble_fraction's bubble
+  MFU        = model FLOPs / (step time x GPUs x peak)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..analysis import rank_parameters, step_communication
+from ..analysis.communication import gradient_element_size
+from ..config import ModelConfig, TrainConfig
+from ..pp import bubble_fraction, stage_layers
+from .cluster import Cluster
+from .megatron_formulas import megatron_flops
+from .rank_memory import pipeline_kind
+
+__all__ = ["COMPUTE_EFFICIENCY", "step_estimate", "compute_bound", "wire_bytes", "group_shapes", "DIMENSIONS"]
+
+# The share of the peak FLOP/s the GEMMs of a step reach when nothing waits for the network.
+# End-to-end, well-tuned Megatron-style runs report 38-43% MFU for Llama 3 405B on 16K H100s
+# (Dubey et al. 2024, Table 4), communication and bubble included: 50% before those losses.
+COMPUTE_EFFICIENCY = 0.5
+
+DIMENSIONS = ("tp", "cp", "ep", "etp", "pp", "dp", "expert-dp", "embedding")
+
+
+def wire_bytes(op: str, nbytes: int, n: int) -> float:
+    """Bytes one rank puts on its link for one call over a group of n (ring algorithms)."""
+    if n <= 1 or op == "recv":
+        return 0.0
+    return {"all_reduce": 2 * (n - 1) / n * nbytes, "reduce_scatter": (n - 1) / n * nbytes,
+            "all_to_all": (n - 1) / n * nbytes, "all_gather": (n - 1) * nbytes, "send": nbytes}[op]
+
+
+def group_shapes(cfg: TrainConfig, world: int) -> dict[str, tuple[int, int]]:
+    """{dimension: (stride, size)} of a rank's group in parallel_state's order tp-cp-ep-dp-pp
+    (the expert grid: etp-ep-expert_dp-pp). The tied embedding's group joins the first and
+    the last stage: placed like the pipeline's."""
+    tp, cp, pp = cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.pipeline_model_parallel_size
+    ep, etp = cfg.expert_model_parallel_size, cfg.etp
+    return {"tp": (1, tp), "cp": (tp, cp), "dp": (tp, world // (tp * pp)), "pp": (world // pp, pp),
+            "embedding": (world // pp, pp), "etp": (1, etp), "ep": (etp, ep),
+            "expert-dp": (etp * ep, world // (etp * ep * pp))}
+
+
+def _moe_balanced(model_cfg: ModelConfig, cfg: TrainConfig, counters: dict, moe_layers: int) -> None:
+    """Add the dispatcher's routing-dependent messages, at balanced routing, to counters["ep"]
+    and ["etp"]: each rank receives as many rows as it sends, R = T_r k per MoE layer and
+    micro-batch (T_r = b s / cp / tp tokens routed under SP), so the combine (and a recomputed
+    layer's combine) is as large as the dispatch, the dispatch's backward as the combine's; with
+    etp > 1 the received rows are all-gathered over etp and the outputs reduce-scattered
+    (forward; the same again in the backward)."""
+    ep = counters.get("ep")
+    if ep:
+        added = Counter()
+        for (op, tag, nbytes), calls in ep.items():
+            if tag.endswith("moe-dispatch"):                      # "moe-dispatch", "recompute moe-dispatch"
+                added[(op, tag.replace("dispatch", "combine"), nbytes)] += calls
+            if tag == "moe-combine-bwd":
+                added[(op, "moe-dispatch-bwd", nbytes)] += calls
+        ep.update(added)
+    if cfg.etp > 1 and moe_layers:
+        tokens = cfg.micro_batch_size * cfg.seq_length // cfg.context_parallel_size // cfg.tensor_model_parallel_size
+        rows = tokens * model_cfg.moe_router_topk * model_cfg.hidden_size * model_cfg.dtype.itemsize
+        calls = moe_layers * cfg.grad_accum_steps
+        etp = counters.setdefault("etp", Counter())
+        for tag in ("moe-etp", "moe-etp-bwd"):
+            etp[("all_gather", tag, rows)] += calls
+            etp[("reduce_scatter", tag, cfg.etp * rows)] += calls
+
+
+def _gradient_messages(model_cfg: ModelConfig, cfg: TrainConfig, world: int, counts: dict) -> dict[str, Counter]:
+    """{"dp": ..., "expert-dp": ...}: the step's gradient and ZeRO parameter messages, for a rank
+    holding `counts` (analysis.rank_parameters')."""
+    g, p = gradient_element_size(model_cfg, cfg), model_cfg.dtype.itemsize
+    shapes = group_shapes(cfg, world)
+    out = {}
+    for dim, n in (("dp", counts["dense"]), ("expert-dp", counts["experts"])):
+        shards = shapes[dim][1]
+        if n == 0 or shards == 1:
+            continue
+        shard = -(-n // shards)
+        if cfg.zero_stage == 0:
+            out[dim] = Counter({("all_reduce", "grads", n * g): 1})
+        elif cfg.zero_stage in (1, 2):
+            out[dim] = Counter({("reduce_scatter", "grads", n * g): 1, ("all_gather", "params", shard * p): 1})
+        else:
+            out[dim] = Counter({("reduce_scatter", "grads", n * g): 1,
+                                ("all_gather", "params", shard * p): 2 * cfg.grad_accum_steps})
+    return out
+
+
+def _stage_times(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: Cluster, pp_rank: int,
+                 counts: dict, compute_mb: float, core_mb: float) -> tuple[float, dict, dict]:
+    """(step time, {dimension: ledger bytes}, {dimension: seconds on the wire}) for stage pp_rank."""
+    counters = step_communication(model_cfg, cfg, world, pp_rank)
+    if any(c is None for c in counters.values()):
+        raise ValueError(f"step_communication does not compute {[d for d, c in counters.items() if c is None]} "
+                         f"for this layout")
+    pp, v = cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank
+    moe_layers = sum(model_cfg.is_moe_layer(i) for chunk in range(v)
+                     for i in stage_layers(model_cfg.num_layers, pp, pp_rank, v, chunk))
+    _moe_balanced(model_cfg, cfg, counters, moe_layers)
+    counters.update(_gradient_messages(model_cfg, cfg, world, counts))
+    shapes = group_shapes(cfg, world)
+    nbytes, seconds = {}, {}
+    for dim, counter in counters.items():
+        stride, size = shapes.get(dim, (1, 1))
+        bandwidth = cluster.group_bandwidth(stride, size)
+        nbytes[dim] = sum(n * calls for (_, _, n), calls in counter.items())
+        members = 2 if dim in ("pp", "embedding") else size        # p2p pairs; the first and last stage
+        seconds[dim] = sum(wire_bytes(op, n, members) * calls
+                           for (op, _, n), calls in counter.items()) / bandwidth
+    m = cfg.grad_accum_steps
+    per_mb = sum(seconds.get(d, 0.0) for d in ("tp", "ep", "etp", "pp")) / m
+    per_mb += max(0.0, seconds.get("cp", 0.0) / m - core_mb)
+    t_mb = compute_mb + per_mb
+    exposed = seconds.get("embedding", 0.0)
+    for dim in ("dp", "expert-dp"):
+        if dim not in counters:
+            continue
+        if cfg.zero_stage == 3:
+            gathers = sum(wire_bytes(op, n, shapes[dim][1]) * c for (op, _, n), c in counters[dim].items()
+                          if op == "all_gather") / cluster.group_bandwidth(*shapes[dim])
+            exposed += m * max(0.0, gathers / m - compute_mb) + max(0.0, seconds[dim] - gathers - compute_mb)
+        else:
+            exposed += max(0.0, seconds[dim] - compute_mb)
+    return (m + (pp - 1) / v) * t_mb + exposed, nbytes, seconds
+
+
+def _compute(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: Cluster,
+             flops: dict | None) -> tuple[float, float, float, dict]:
+    """(hardware FLOPs of the step, seconds of one micro-batch's compute on a rank, of its core
+    attention, Megatron's FLOPs with "tokens" of the global batch)."""
+    tp, pp, m = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.grad_accum_steps
+    batch = cfg.micro_batch_size * m * world // (tp * pp * cfg.context_parallel_size)
+    flops = dict(megatron_flops(model_cfg, batch, cfg.seq_length, tp) if flops is None else flops,
+                 tokens=batch * cfg.seq_length)
+    again = {"full": (flops["mlp"] + flops["attention"] + flops["core"]) / 3,
+             "selective": flops["core"] / 3 if "core_attn" in cfg.recompute_modules else 0.0}.get(
+                 cfg.recompute_granularity, 0.0)
+    hardware = flops["total"] + again
+    rate = cluster.peak_flops * COMPUTE_EFFICIENCY
+    return hardware, hardware / world / m / rate, flops["core"] / world / m / rate, flops
+
+
+def compute_bound(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: Cluster,
+                  flops: dict | None = None) -> float:
+    """The step time if no byte were exposed, (m + (p - 1) / v) x one micro-batch's compute: a
+    lower bound of step_estimate's "step_time" (the search skips layouts it already rules out)."""
+    _, compute_mb, _, _ = _compute(model_cfg, cfg, world, cluster, flops)
+    return (cfg.grad_accum_steps + (cfg.pipeline_model_parallel_size - 1)
+            / cfg.num_virtual_stages_per_pipeline_rank) * compute_mb
+
+
+def step_estimate(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: Cluster, *,
+                  parameters: dict | None = None, flops: dict | None = None) -> dict:
+    """The step of a layout on `cluster` (see the module docstring). Returns
+    {"model_flops" (Megatron's, the global batch), "hardware_flops" (with the recomputed
+    forwards), "bubble" ((p - 1) / (v m)), "compute_per_microbatch" (seconds), "comm_bytes"
+    and "comm_seconds" ({dimension: per step, on the slowest stage}), "step_time" (seconds),
+    "tokens_per_second_per_gpu", "mfu"}. `parameters` ({stage: analysis.rank_parameters'} of the
+    first and last stage) and `flops` (megatron_flops' of the global batch) may be passed when
+    already known."""
+    pp, m, v = cfg.pipeline_model_parallel_size, cfg.grad_accum_steps, cfg.num_virtual_stages_per_pipeline_rank
+    hardware, compute_mb, core_mb, flops = _compute(model_cfg, cfg, world, cluster, flops)
+    stages = {0, pp - 1}
+    parameters = parameters or {r: rank_parameters(model_cfg, cfg, r) for r in stages}
+    results = [_stage_times(model_cfg, cfg, world, cluster, r, parameters[r], compute_mb, core_mb)
+               for r in sorted(stages)]
+    step, _, _ = max(results, key=lambda r: r[0])
+    comm_bytes = {d: max(r[1].get(d, 0) for r in results) for d in DIMENSIONS}
+    comm_seconds = {d: max(r[2].get(d, 0.0) for r in results) for d in DIMENSIONS}
+    return {"model_flops": flops["total"], "hardware_flops": hardware,
+            "bubble": bubble_fraction(pipeline_kind(cfg), pp, m, v)["bubble_over_ideal"],
+            "compute_per_microbatch": compute_mb, "comm_bytes": comm_bytes, "comm_seconds": comm_seconds,
+            "step_time": step, "tokens_per_second_per_gpu": flops["tokens"] / step / world,
+            "mfu": flops["total"] / (step * world * cluster.peak_flops)}
