@@ -70,7 +70,8 @@ from .parallel_state import Layout
 from .placement import Placement
 
 __all__ = ["FORMAT", "save_distributed", "load_distributed", "read_common", "is_distributed_checkpoint",
-           "boxes_of_local", "local_from_full", "checkpoint_pieces", "layout_signature", "load_full_state",
+           "boxes_of_local", "local_from_full", "checkpoint_pieces", "piece_identity", "layout_signature",
+           "load_full_state",
            "MAY_CHANGE"]
 
 FORMAT = "minimegatron-torch_dist-v1"
@@ -94,20 +95,30 @@ def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
 # where a local tensor sits in the single-device one
 # ---------------------------------------------------------------------------------------
 def boxes_of_local(record: Placement, local_shape: tuple[int, ...]) -> list[tuple[list, list]]:
-    """[(global box, local box)] of a local tensor of `local_shape`: each stride block's
-    [lo, hi) per dimension in the single-device tensor, and where it sits in the local one
-    (record.local_pieces; empty blocks, a rank holding only vocabulary padding, left out)."""
+    """[(global box, local box)] of a local tensor of `local_shape` that a rank with placement
+    `record` holds: for each stride block k of the split (record.local_pieces, in local order),
+    its [lo, hi) per dimension in the single-device tensor of shape record.shape, and the
+    [lo, hi) per dimension where it sits in the local tensor, such that
+    local[local box] == full[global box]. Lists of [lo, hi] pairs of ints, one per dimension.
+
+    An unsplit parameter: one box, all of it, at the same place. Split along dim d over tp
+    ranks with stride s: the local tensor holds s blocks of local_shape[d] / s rows each, one
+    after the other along d; block k's real rows are the global box's (the last rank of a padded
+    vocabulary holds padding rows past the single-device size, in no box). A block with no real
+    row (a rank holding only padding) is left out. Other dimensions are whole."""
+    # BEGIN EXERCISE 8.1: a shard's global offsets | hint: record.local_pieces gives the single-device slices; along the split dimension the local tensor holds one block of rows per stride block, one after the other: where does block k start locally, and how many of its rows are real?
     out = []
     d = None if record.split is None else record.split.dim
-    part = None if d is None else local_shape[d] // record.split.stride
+    part = None if d is None else local_shape[d] // record.split.stride     # local rows of one block
     for k, box in enumerate(record.local_pieces(tuple(local_shape))):
         glob = [[s.start, s.stop] for s in box]
         if any(lo >= hi for lo, hi in glob):
-            continue
+            continue                                                        # only padding here
         loc = [[k * part, k * part + (hi - lo)] if i == d else [0, n]
                for i, ((lo, hi), n) in enumerate(zip(glob, local_shape))]
         out.append((glob, loc))
     return out
+    # END EXERCISE
 
 
 def _index(box: list) -> tuple[slice, ...]:
@@ -163,8 +174,17 @@ def checkpoint_pieces(chunks: list[nn.Module], optimizer: Optimizer | None) -> l
     return pieces
 
 
-def _identity(desc: dict) -> tuple:
+def piece_identity(desc: dict) -> tuple:
+    """What makes a piece descriptor (checkpoint_pieces) the same numbers as another rank's: two
+    ranks whose pieces have equal identities hold equal tensors (replicas: data-parallel or
+    context-parallel copies, a norm weight on every tensor-parallel rank), and save_distributed
+    writes only one of them. Pieces that hold different elements of one tensor (tensor-parallel
+    shards, ZeRO's runs of one local tensor on different data-parallel ranks) must differ.
+    A tuple of hashable values, from the descriptor's kind, name, shape, local_shape, boxes
+    and flat."""
+    # BEGIN EXERCISE 8.2: spot the bug in the checkpoint's deduplication | hint: the same tensor name and the same boxes can be held by several ranks; which field still tells apart the parts of it that ZeRO gave to different data-parallel ranks?
     return (desc["kind"], desc["name"], str(desc["boxes"]), tuple(desc["local_shape"]), tuple(desc["flat"]))
+    # END EXERCISE
 
 
 def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Module], optimizer: Optimizer | None,
@@ -178,14 +198,14 @@ def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Mo
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
     pieces = checkpoint_pieces(chunks, optimizer)
-    listed = comm.all_gather_object([_identity(d) for d, _ in pieces], None, tag="checkpoint")
+    listed = comm.all_gather_object([piece_identity(d) for d, _ in pieces], None, tag="checkpoint")
     writer: dict[tuple, int] = {}
     for rank, identities in enumerate(listed):
         for identity in identities:
             writer.setdefault(identity, rank)            # the lowest rank holding it
     mine, written = {}, set()
     for n, (desc, tensor) in enumerate(pieces):
-        identity = _identity(desc)
+        identity = piece_identity(desc)
         if writer[identity] == layout.rank and identity not in written:
             written.add(identity)
             mine[f"{desc['kind']}/{desc['name']}/{n}"] = (desc, tensor)
