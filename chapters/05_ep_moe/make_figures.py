@@ -247,8 +247,9 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
           "within the first ten steps each setting's worse layer comes close to 4")
     claim(min(none["last"], sigmoid["last"]) >= 3.9, "without balancing both routers stay there (close to 4)")
     claim(bias["last"] == min(r["last"] for r in lb.values()), "the expert bias ends the most balanced of the four")
-    claim(fig["aux loss 1e-2"]["lowest"] < aux["last"] - 0.3 < min(none["last"], sigmoid["last"]) - 0.3,
-          "the aux loss climbs back after its lowest point, but stays away from the collapse")
+    claim(fig["aux loss 1e-2"]["lowest"] <= aux["last"] < min(none["last"], sigmoid["last"]) - 1.0
+          and aux["last"] > bias["last"],
+          "the aux loss ends near its lowest point, far from the collapse, less balanced than the expert bias")
     claim(max(bias["dropped"][1.25], aux["dropped"][1.25]) < min(none["dropped"][1.25], sigmoid["dropped"][1.25]),
           "at capacity factor 1.25 the balanced runs drop fewer pairs than the unbalanced ones")
     claim(fig["no balancing"]["share"] >= 49.5, "without balancing one expert gets half of the pairs")

@@ -14,7 +14,7 @@ receives block, any schedule whose dependencies can be met runs without deadlock
 order two stages post their messages in.
 
 Receives posted ahead (chapter 07, TrainConfig.overlap_p2p_comm, Megatron's overlap_p2p_comm):
-`post_recv_forward` / `post_recv_backward` post a receive without waiting; the executor posts
+`post_recv_ahead` posts the receive a schedule op will need without waiting; the executor posts
 the next op's receive before it computes the current op, so the message travels while this
 stage computes, and `recv_forward` / `recv_backward` then only wait for a receive already in
 flight. The same messages, bytes and tags; only when each receive is posted changes.
@@ -85,20 +85,9 @@ class PipelineComm:
         self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-fwd",
                                          p2p_tag=self._tag(0, microbatch, to)), t))
 
-    def post_recv_forward(self, microbatch: int, chunk: int) -> None:
-        """Post the receive of recv_forward(microbatch, chunk) now, without waiting for it."""
-        me = self.stage(chunk)
-        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        handle = comm.irecv(t, self._rank_of(me - 1), tag="pp-fwd", p2p_tag=self._tag(0, microbatch, me))
-        self._posted[(0, microbatch, chunk)] = (handle, t)
-
     def recv_forward(self, microbatch: int, chunk: int) -> torch.Tensor:
         """The previous virtual stage's output for `microbatch`: [b, s, h], requires grad."""
-        if (0, microbatch, chunk) not in self._posted:
-            self.post_recv_forward(microbatch, chunk)
-        handle, t = self._posted.pop((0, microbatch, chunk))
-        handle.wait()
-        return t.requires_grad_()
+        return self._received(0, microbatch, chunk).requires_grad_()
 
     # ---- backward: gradients -----------------------------------------------------------
     def send_backward(self, grad: torch.Tensor, microbatch: int, chunk: int) -> None:
@@ -108,18 +97,25 @@ class PipelineComm:
         self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-bwd",
                                          p2p_tag=self._tag(1, microbatch, to)), t))
 
-    def post_recv_backward(self, microbatch: int, chunk: int) -> None:
-        """Post the receive of recv_backward(microbatch, chunk) now, without waiting for it."""
-        me = self.stage(chunk)
-        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        handle = comm.irecv(t, self._rank_of(me + 1), tag="pp-bwd", p2p_tag=self._tag(1, microbatch, me))
-        self._posted[(1, microbatch, chunk)] = (handle, t)
-
     def recv_backward(self, microbatch: int, chunk: int) -> torch.Tensor:
         """The gradient of this chunk's output for `microbatch`, from the next virtual stage."""
-        if (1, microbatch, chunk) not in self._posted:
-            self.post_recv_backward(microbatch, chunk)
-        handle, t = self._posted.pop((1, microbatch, chunk))
+        return self._received(1, microbatch, chunk)
+
+    # ---- receives, posted when needed or one op ahead (chapter 07) -----------------------
+    def _post(self, direction: int, microbatch: int, chunk: int) -> None:
+        """Post the receive of (direction 0: activations from the previous virtual stage, 1:
+        gradients from the next; microbatch; chunk) without waiting for it."""
+        me = self.stage(chunk)
+        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        handle = comm.irecv(t, self._rank_of(me - 1 if direction == 0 else me + 1),
+                            tag=("pp-fwd", "pp-bwd")[direction], p2p_tag=self._tag(direction, microbatch, me))
+        self._posted[(direction, microbatch, chunk)] = (handle, t)
+
+    def _received(self, direction: int, microbatch: int, chunk: int) -> torch.Tensor:
+        """The tensor of that receive, posted now unless it already was, once it has arrived."""
+        if (direction, microbatch, chunk) not in self._posted:
+            self._post(direction, microbatch, chunk)
+        handle, t = self._posted.pop((direction, microbatch, chunk))
         handle.wait()
         return t
 
@@ -127,9 +123,9 @@ class PipelineComm:
         """Post the receive that schedule op ("F" or "B", micro-batch, chunk) will wait for, if any."""
         kind, microbatch, chunk = op
         if kind == "F" and not self.is_first(chunk):
-            self.post_recv_forward(microbatch, chunk)
+            self._post(0, microbatch, chunk)
         elif kind == "B" and not self.is_last(chunk):
-            self.post_recv_backward(microbatch, chunk)
+            self._post(1, microbatch, chunk)
 
     def wait_sends(self) -> None:
         """Block until every send of this step has been handed over; release the buffers."""
