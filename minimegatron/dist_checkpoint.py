@@ -71,7 +71,7 @@ from .placement import Placement
 
 __all__ = ["FORMAT", "save_distributed", "load_distributed", "read_common", "is_distributed_checkpoint",
            "boxes_of_local", "local_from_full", "checkpoint_pieces", "piece_identity", "layout_signature",
-           "load_full_state",
+           "load_full_state", "save_release",
            "MAY_CHANGE"]
 
 FORMAT = "minimegatron-torch_dist-v1"
@@ -307,11 +307,15 @@ def read_common(path: str | os.PathLike) -> dict:
 
 @torch.no_grad()
 def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer: Optimizer | None,
-                     layout: Layout, *, model_config: dict | None = None) -> dict[str, Any]:
+                     layout: Layout, *, model_config: dict | None = None, optimizer_state: bool = True
+                     ) -> dict[str, Any]:
     """Fill this rank's model `chunks` (built for any layout) and, if given, `optimizer` from
     the checkpoint directory `path`, cutting each single-device tensor as this rank now holds it
-    (module docstring). Returns the common part (step, configs, history, loss scaler, the
-    saving rank's own state under "own" when this rank's file exists). No collective.
+    (module docstring). The optimizer's main parameters (and ZeRO-3's shards, which are the
+    model's storage) are always filled; its moments and loss scaler only with
+    `optimizer_state` (--no-load-optim and --finetune leave them fresh). Returns the common
+    part (step, configs, history, loss scaler, the saving rank's own state under "own" when
+    this rank's file exists and the layout is the same). No collective.
     CheckpointError: another model (`model_config` differs, by field), a tensor the
     checkpoint lacks or holds with another shape, a missing or unreadable file."""
     path = Path(path)
@@ -352,7 +356,7 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
         for (record, lo, hi), (shape, inside) in zip(seg.owners, seg.locations):
             wanted[_source(record)].append(("run", record, tuple(shape), (i, lo, hi, inside)))
 
-    moments = optimizer is not None and all(reader.has("exp_avg", name) for name in wanted)
+    moments = optimizer is not None and optimizer_state and all(reader.has("exp_avg", name) for name in wanted)
     if moments:                               # AdamW's state, as torch keeps it, filled below
         optimizer.adam.state.clear()
         for main, _ in segments:
@@ -375,12 +379,36 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
                 main.reshape(-1)[lo:hi] = run(full).to(main.dtype)
             for kind, moment in fulls.items():
                 optimizer.adam.state[main][kind].reshape(-1)[lo:hi] = run(moment).to(main.dtype)
-    if optimizer is not None and optimizer.grad_scaler is not None and common.get("grad_scaler") is not None:
+    if optimizer_state and optimizer is not None and optimizer.grad_scaler is not None and \
+            common.get("grad_scaler") is not None:
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
     own_file = path / f"rank_{layout.rank:05d}.pt"
     if common.get("layout") == layout_signature(layout) and own_file.is_file():
         common = dict(common, own=torch.load(own_file, map_location="cpu", weights_only=True, mmap=True)["own"])
     return common
+
+
+def save_release(directory: str | os.PathLike, state: dict[str, torch.Tensor], common: dict[str, Any]) -> Path:
+    """Write a single-device model `state` ({single-device name: tensor}) as the torch_dist
+    checkpoint of iteration 0 in `directory`, marked a release (a model without its training:
+    a resume loads the model alone, from iteration 0, as --finetune). One process, no group.
+    `common`: at least "model_config". Returns the iteration's directory."""
+    out = iteration_dir(directory, 0)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    pieces = [_pieces_of_tensor("model", Placement(name, tuple(t.shape)), tuple(t.shape), t)
+              for name, t in state.items()]
+    name = "rank_00000.pt"
+    keys = {f"model/{desc['name']}/{n}": (desc, t) for n, (desc, t) in enumerate(pieces)}
+    payload = {"format": FORMAT, "step": 0, "rank": 0, "own": {},
+               "tensors": {key: t.contiguous().clone() for key, (_, t) in keys.items()},
+               "index": [dict(desc, key=key, file=name) for key, (desc, _) in keys.items()]}
+    _atomic_write(out / name, lambda tmp: torch.save(payload, tmp))
+    body = {"format": FORMAT, "step": 0, "release": True, "layout": {}, "adam_steps": 0, "grad_scaler": None,
+            "index": payload["index"], "history": {"losses": [], "eval_losses": []}, **common}
+    _atomic_write(out / COMMON, lambda tmp: torch.save(body, tmp))
+    _atomic_write(Path(directory) / "latest", lambda tmp: tmp.write_text(out.name + "\n"))
+    return out
 
 
 def load_full_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:

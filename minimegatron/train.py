@@ -320,8 +320,9 @@ def _check_distributed(path: Path, model_cfg: ModelConfig, cfg: TrainConfig, lay
              if stored.get(k) != v and k not in MAY_CHANGE]
     if diffs:
         raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
-    if cfg.finetune:
-        return common, f"loaded the model of {path} (iteration {common['step']}) to fine-tune from iteration 0"
+    if cfg.finetune or common.get("release"):
+        what = "the released model" if common.get("release") else f"the model of iteration {common['step']}"
+        return common, f"loaded {what} of {path} to train from iteration 0 (--finetune)"
     schedule = check_reshard_config(common, cfg, layout, cfg.load_dir)
     saved = common.get("layout", {})
     moved = "" if saved == layout_signature(layout) else (
@@ -357,15 +358,16 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
     if distributed:
         error = None
         try:                                    # each rank reads the pieces it needs, apart
-            common = load_distributed(state["path"], chunks, None if cfg.no_load_optim or cfg.finetune else optimizer,
-                                      layout, model_config=to_dict(model_cfg))
-            if "own" in common and not (cfg.no_load_rng or cfg.finetune):
+            finetune = cfg.finetune or bool(state.get("release"))      # a release loads as --finetune
+            common = load_distributed(state["path"], chunks, optimizer, layout, model_config=to_dict(model_cfg),
+                                      optimizer_state=not (cfg.no_load_optim or finetune))
+            if "own" in common and not (cfg.no_load_rng or finetune):
                 torch.set_rng_state(common["own"]["rng"])
                 get_rng_tracker().set_states(common["own"]["tp_rng"])
         except Exception as exc:                # noqa: BLE001
             error = exc
         all_ranks_agree(error, "loading the checkpoint's tensors")
-        if not cfg.finetune:
+        if not (cfg.finetune or state.get("release")):
             start = state["step"]
             result.losses = list(state["history"]["losses"])
             result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]

@@ -45,7 +45,7 @@ LAYERS: list[list[str]] = [
     ["viz"],                                        # every figure (the loop draws its loss curve)
     ["arguments"],                                  # the loop's command line
     ["dist_checkpoint"],                            # chapter 08's checkpoints that reshard (the loop saves them)
-    ["plan"],                                       # chapter 08's planner (reads the presets); nothing imports it
+    ["plan", "convert"],                            # chapter 08's planner and Hugging Face conversion; nothing imports them
     ["profiling", "resume", "train"],               # --profile; what a resume checks and loads; the loop
     ["testing"],                                    # the harness (it runs train_step)
     ["run_report"],                                 # make demo's entry: the loop, its report and its check

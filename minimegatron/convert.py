@@ -1,0 +1,323 @@
+"""Hand the model to the Hugging Face ecosystem, and take one back (chapter 08).
+
+    python -m minimegatron.convert --load runs/ckpt --to-hf runs/hf          # book -> HF
+    python -m minimegatron.convert --from-hf runs/hf --save runs/ckpt2       # HF -> book
+
+--to-hf reads a torch_dist checkpoint (dist_checkpoint.py, saved under any layout) as the
+single-device model and writes a folder that transformers loads:
+
+  config.json             LlamaForCausalLM's config (the book's LLaMA-style model: RMSNorm,
+                          SwiGLU, RoPE in the rotate-half layout, grouped-query attention)
+  model.safetensors       the weights under transformers' names, in the checkpoint's dtype
+  tokenizer.json          the tokenizer in the `tokenizers` library's format: the book's BPE
+  tokenizer_config.json   file as it is, or the byte tokenizer written as a byte-level BPE
+                          without merges (ids 0-255 the bytes, 256 "<eod>")
+                          (one difference: written inside a text, "<eod>" encodes to the
+                          special id in transformers, to five characters in the book, whose
+                          encode_special_tokens setting the `tokenizers` file cannot hold)
+
+--from-hf reads such a folder back and writes a torch_dist checkpoint of the model alone, at
+iteration 0, marked as a release: `train --load` then starts from its weights under any layout,
+as Megatron treats a release checkpoint (--finetune assumed).
+
+The names (the book's model/gpt.py -> transformers' LlamaForCausalLM):
+
+  embedding.word_embeddings.weight              model.embed_tokens.weight
+  decoder.layers.i.input_layernorm.weight       model.layers.i.input_layernorm.weight
+  decoder.layers.i.self_attention.linear_qkv    model.layers.i.self_attn.{q,k,v}_proj: the book's
+                                                rows are group by group, [a/g query heads; k; v]
+  decoder.layers.i.self_attention.linear_proj   model.layers.i.self_attn.o_proj
+  decoder.layers.i.pre_mlp_layernorm.weight     model.layers.i.post_attention_layernorm.weight
+  decoder.layers.i.mlp.linear_fc1.weight        model.layers.i.mlp.{gate,up}_proj: [gate; up]
+  decoder.layers.i.mlp.linear_fc2.weight        model.layers.i.mlp.down_proj
+  decoder.final_layernorm.weight                model.norm.weight
+  output_layer.weight (untied)                  lm_head.weight
+
+model.safetensors is written by this file (the format is a little-endian 8-byte header size, a
+JSON header of names, dtypes, shapes and byte offsets, then the raw bytes), so the book needs
+no extra package for it. Not yet: GPT-2-style models (LayerNorm, GELU, learned positions) and
+mixtures of experts (MixtralForCausalLM); both are refused by name.
+
+Megatron-LM: tools/checkpoint/ (convert.py with loader and saver plugins, loader_mixtral_hf.py,
+schema_hf.py); its README points to Megatron Bridge (NVIDIA-NeMo/Megatron-Bridge) for
+Hugging Face <-> Megatron conversion (checked on main d98e8a6, 2026-11-27).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, _atomic_write, latest_checkpoint
+from .config import ConfigError, ModelConfig, to_dict
+from .data.tokenizer import EOD_TEXT
+
+__all__ = ["to_hf_state", "from_hf_state", "hf_config", "model_config_from_hf", "save_safetensors",
+           "load_safetensors", "byte_tokenizer_json", "export_hf", "import_hf", "main"]
+
+_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.int64: "I64", torch.int32: "I32"}
+
+
+# ---------------------------------------------------------------------------------------
+# safetensors, written and read here
+# ---------------------------------------------------------------------------------------
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """Write `tensors` as a .safetensors file (atomically: a temporary name, then a rename)."""
+    header, offset, blobs = {}, 0, []
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name here")
+        data = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)                        # the data starts 8-byte aligned
+
+    def write(tmp):
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(text)) + text)
+            for data in blobs:
+                fh.write(data)
+    _atomic_write(Path(path), write)
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file (copies; no code runs, there is none in the format)."""
+    raw = Path(path).read_bytes()
+    if len(raw) < 8:
+        raise CheckpointError(f"{path}: {len(raw)} bytes, too short for a safetensors file")
+    (size,) = struct.unpack("<Q", raw[:8])
+    try:
+        header = json.loads(raw[8:8 + size])
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: its header is not JSON ({exc}): not a safetensors file, or truncated") from None
+    names = {v: k for k, v in _DTYPES.items()}
+    out = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = spec["data_offsets"]
+        if 8 + size + hi > len(raw):
+            raise CheckpointError(f"{path}: {name} ends past the end of the file (truncated?)")
+        data = bytearray(raw[8 + size + lo: 8 + size + hi])
+        out[name] = torch.frombuffer(data, dtype=names[spec["dtype"]]).view(spec["shape"]) if data else \
+            torch.empty(spec["shape"], dtype=names[spec["dtype"]])
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the names and the config
+# ---------------------------------------------------------------------------------------
+def _check_exportable(cfg: ModelConfig) -> None:
+    why = [f"{field}={value!r} (LlamaForCausalLM has {want!r})" for field, value, want in
+           (("normalization", cfg.normalization, "RMSNorm"), ("activation", cfg.activation, "swiglu"),
+            ("position_embedding_type", cfg.position_embedding_type, "rope"))
+           if value != want]
+    if cfg.num_experts is not None:
+        why.append(f"num_experts={cfg.num_experts} (a mixture of experts: MixtralForCausalLM is not written yet)")
+    if why:
+        raise ConfigError("this model cannot be written as LlamaForCausalLM: " + "; ".join(why))
+
+
+def hf_config(cfg: ModelConfig, eod: int) -> dict:
+    """config.json of LlamaForCausalLM for the book's LLaMA-style `cfg` (end of text: id `eod`)."""
+    _check_exportable(cfg)
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.query_groups, "head_dim": cfg.kv_channels, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
+            "rope_theta": cfg.rotary_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+            "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
+            "attention_dropout": cfg.attention_dropout, "bos_token_id": None, "eos_token_id": eod,
+            "initializer_range": cfg.init_method_std, "dtype": cfg.params_dtype, "use_cache": True}
+
+
+def model_config_from_hf(config: dict) -> ModelConfig:
+    """The book's ModelConfig for a LlamaForCausalLM config.json (ConfigError for another model)."""
+    if config.get("model_type") != "llama":
+        raise ConfigError(f"model_type={config.get('model_type')!r}: only LlamaForCausalLM ('llama') is read here")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if head_dim * heads != config["hidden_size"]:
+        raise ConfigError(f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={config['hidden_size']}: "
+                          f"the book's head size is always hidden_size / num_attention_heads")
+    rope = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    return ModelConfig.llama(
+        vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], ffn_hidden_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"], num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads", heads),
+        max_position_embeddings=config["max_position_embeddings"], layernorm_epsilon=config["rms_norm_eps"],
+        rotary_base=float(rope), untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        add_bias_linear=bool(config.get("attention_bias", False)),
+        params_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32")).validate()
+
+
+def _layer_names(i: int) -> dict[str, str]:
+    """The book's -> transformers' names of layer i that map one to one."""
+    book, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+    return {book + "input_layernorm.weight": hf + "input_layernorm.weight",
+            book + "self_attention.linear_proj.weight": hf + "self_attn.o_proj.weight",
+            book + "pre_mlp_layernorm.weight": hf + "post_attention_layernorm.weight",
+            book + "mlp.linear_fc2.weight": hf + "mlp.down_proj.weight"}
+
+
+def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The book's single-device state dict -> LlamaForCausalLM's (the module docstring's table)."""
+    _check_exportable(cfg)
+    a, g, d, h, f = cfg.num_attention_heads, cfg.query_groups, cfg.kv_channels, cfg.hidden_size, cfg.ffn_size
+    n = a // g
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+           "model.norm.weight": state["decoder.final_layernorm.weight"]}
+    if cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = state["output_layer.weight"]
+    for i in range(cfg.num_layers):
+        out.update({hf: state[book] for book, hf in _layer_names(i).items()})
+        qkv = state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].view(g, n + 2, d, h)   # group by group
+        attn = f"model.layers.{i}.self_attn."
+        out[attn + "q_proj.weight"] = qkv[:, :n].reshape(a * d, h)
+        out[attn + "k_proj.weight"] = qkv[:, n].reshape(g * d, h)
+        out[attn + "v_proj.weight"] = qkv[:, n + 1].reshape(g * d, h)
+        gate, up = state[f"decoder.layers.{i}.mlp.linear_fc1.weight"].split(f)                       # [gate; up]
+        out[f"model.layers.{i}.mlp.gate_proj.weight"], out[f"model.layers.{i}.mlp.up_proj.weight"] = gate, up
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's state dict -> the book's (to_hf_state's inverse, bit for bit)."""
+    a, g, d, h = cfg.num_attention_heads, cfg.query_groups, cfg.kv_channels, cfg.hidden_size
+    missing = [name for name in ("model.embed_tokens.weight", "model.norm.weight") if name not in hf]
+    if missing:
+        raise CheckpointError(f"the Hugging Face weights lack {missing}: not a LlamaForCausalLM checkpoint")
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if cfg.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        out.update({book: hf[name] for book, name in _layer_names(i).items()})
+        attn = f"model.layers.{i}.self_attn."
+        q = hf[attn + "q_proj.weight"].view(g, a // g, d, h)
+        k, v = hf[attn + "k_proj.weight"].view(g, 1, d, h), hf[attn + "v_proj.weight"].view(g, 1, d, h)
+        out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat([q, k, v], 1).reshape(-1, h)
+        mlp = f"model.layers.{i}.mlp."
+        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"],
+                                                                       hf[mlp + "up_proj.weight"]])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte a printable character (the printable bytes are
+    themselves, the others shifted past 255), which `tokenizers`' ByteLevel pre-tokenizer uses."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def byte_tokenizer_json() -> dict:
+    """The book's byte tokenizer as a `tokenizers` JSON: a byte-level BPE without merges, so each
+    byte is one token with the byte's value as id; "<eod>" (id 256) a special token."""
+    alphabet = _bytes_to_unicode()
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {"version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": 256, "content": EOD_TEXT, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True}],
+            "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {alphabet[b]: b for b in range(256)}, "merges": []}}
+
+
+def _write_tokenizer(tokenizer: str, out: Path) -> None:
+    if tokenizer == "byte":
+        _atomic_write(out / "tokenizer.json", lambda tmp: tmp.write_text(json.dumps(byte_tokenizer_json())))
+    else:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TEXT, "model_max_length": 10**9,
+              "clean_up_tokenization_spaces": False}
+    _atomic_write(out / "tokenizer_config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=1)))
+
+
+# ---------------------------------------------------------------------------------------
+# the two directions
+# ---------------------------------------------------------------------------------------
+def export_hf(load: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the model of the torch_dist checkpoint `load` (a directory with `latest`, or one
+    iteration's) as a Hugging Face folder `out` (module docstring). Returns `out`."""
+    from .data import build_tokenizer
+    from .dist_checkpoint import is_distributed_checkpoint, load_full_state, read_common
+    path = Path(load)
+    if not is_distributed_checkpoint(path):
+        found = latest_checkpoint(path, warn=False)
+        if found is None or not is_distributed_checkpoint(found):
+            raise CheckpointError(f"{load} holds no --ckpt-format torch_dist checkpoint (train with --ckpt-format "
+                                  f"torch_dist to write one)")
+        path = found
+    common = read_common(path)
+    cfg = ModelConfig(**common["model_config"]).validate()
+    tokenizer_spec = common.get("train_config", {}).get("tokenizer", "byte")
+    config = hf_config(cfg, build_tokenizer(tokenizer_spec).eod)
+    weights = to_hf_state(load_full_state(path), cfg)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(weights, out / "model.safetensors", {"source": str(path)})
+    _atomic_write(out / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=1)))
+    _write_tokenizer(tokenizer_spec, out)
+    return out
+
+
+def import_hf(folder: str | os.PathLike, save: str | os.PathLike) -> Path:
+    """Write the Hugging Face folder `folder` (config.json, model.safetensors) as a torch_dist
+    checkpoint of the model alone in `save`, iteration 0, a release (module docstring)."""
+    from .dist_checkpoint import save_release
+    folder = Path(folder)
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder / name} does not exist: not a Hugging Face model folder")
+    cfg = model_config_from_hf(json.loads((folder / "config.json").read_text()))
+    state = from_hf_state(load_safetensors(folder / "model.safetensors"), cfg)
+    return save_release(save, state, {"model_config": to_dict(cfg), "source": str(folder)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minimegatron.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", help="a torch_dist checkpoint directory (with --to-hf)")
+    parser.add_argument("--to-hf", help="the Hugging Face folder to write")
+    parser.add_argument("--from-hf", help="a Hugging Face LlamaForCausalLM folder to read")
+    parser.add_argument("--save", help="the torch_dist checkpoint directory to write (with --from-hf)")
+    args = parser.parse_args(argv)
+    try:
+        if args.load and args.to_hf and not (args.from_hf or args.save):
+            print(f"wrote {export_hf(args.load, args.to_hf)}: config.json, model.safetensors, tokenizer.json")
+        elif args.from_hf and args.save and not (args.load or args.to_hf):
+            print(f"wrote {import_hf(args.from_hf, args.save)}: `train --load {args.save}` starts from it")
+        else:
+            parser.error("give --load CKPT --to-hf OUT, or --from-hf DIR --save CKPT")
+    except (CheckpointError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
