@@ -7,6 +7,9 @@ body between its BEGIN/END EXERCISE markers, then grade it:
     8.1  a shard's global offsets  ->  boxes_of_local()   make grade EX=8.1
     8.2  spot the bug in the checkpoint's deduplication  ->  piece_identity()   make grade EX=8.2
 
+Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
+exercise N.M?" for 8.1.
+
 Grade the whole chapter with `make grade CH=08`; start a stub over with
 `make exercises-reset CH=08` (this discards your work in the chapter).
 """
