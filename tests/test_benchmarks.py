@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("benchmarks/bench_packing.py", ["--smoke"]),
     ("benchmarks/bench_case_study.py", ["--smoke", "--presets", "tiny"]),
     ("benchmarks/bench_overlap.py", ["--smoke"]),
+    ("benchmarks/bench_generate.py", ["--smoke"]),
 ])
 def test_benchmark_runs(script, args):
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,

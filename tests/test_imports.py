@@ -47,6 +47,7 @@ LAYERS: list[list[str]] = [
     ["dist_checkpoint"],                            # chapter 08's checkpoints that reshard (the loop saves them)
     ["plan", "convert"],                            # chapter 08's planner and Hugging Face conversion; nothing imports them
     ["profiling", "resume", "train"],               # --profile; what a resume checks and loads; the loop
+    ["generate"],                                   # chapter 08's decoding (loads a checkpoint with the loop's layout)
     ["testing"],                                    # the harness (it runs train_step)
     ["run_report"],                                 # make demo's entry: the loop, its report and its check
 ]

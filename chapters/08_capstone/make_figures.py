@@ -11,6 +11,7 @@ against it:
                  what each checkpoint holds against the formula
   plan-llama70b  the planner on Llama 3 70B, 1,024 H100s, s 8192, 1,024 sequences a step
   plan-mixtral   the planner on Mixtral 8x7B, 64 H100s, s 4096, 512 sequences a step
+  generate       benchmarks/bench_generate.py: tokens/s with and without the KV cache (timed)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ RUNS = {
     "reshard": "python chapters/08_capstone/demo.py",
     "plan-llama70b": f"{PLAN} --model llama3-70b --gpus 1024 --seq-length 8192 --global-batch-size 1024",
     "plan-mixtral": f"{PLAN} --model mixtral-8x7b --gpus 64 --seq-length 4096 --global-batch-size 512",
+    "generate": "python benchmarks/bench_generate.py",                          # timed
 }
 MACHINE_DEPENDENT = ()
 
@@ -55,6 +57,14 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
         v[f"{key}_top_step_s"] = grab(out, row, 13)
         v[f"{key}_top_mfu"] = grab(out, row, 15)
     claim(v["llama70b_top_tp"] <= 8, "the planner keeps tensor parallelism within a node")
+    gen = outputs["generate"]
+    v["gen_cached_tps"] = grab(gen, r"with the KV cache +([\d.]+) tokens/s")
+    v["gen_uncached_tps"] = grab(gen, r"without a cache +([\d.]+) tokens/s")
+    v["gen_cached_positions"] = grab(gen, r"with the KV cache .*, ([\d,]+) positions run")
+    v["gen_uncached_positions"] = grab(gen, r"without a cache .*, ([\d,]+) positions run")
+    v["gen_speedup"] = grab(gen, r"with / without: ([\d.]+) x")
+    v["gen_cache_bytes"] = grab(gen, r"the cache: ([\d,]+) bytes = formula")
+    claim(v["gen_speedup"] > 1, "the cache makes generation faster")
     return v
 
 

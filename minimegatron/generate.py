@@ -1,0 +1,291 @@
+"""Text from a trained model: greedy and sampled decoding with a KV cache, on one device or
+under tensor parallelism (chapter 08).
+
+    python -m minimegatron.generate --load runs/ckpt --prompt "Pipeline" --max-new-tokens 40
+    torchrun --nproc_per_node 2 -m minimegatron.generate --load runs/ckpt --tensor-model-parallel-size 2 \\
+        --prompt "Pipeline" --prompt "A rank" --max-new-tokens 40 --temperature 0.8 --top-p 0.9 --seed 1
+
+Shape legend as in model/gpt.py (b prompts, P the longest prompt, N new tokens, L layers, g
+key/value heads, d head size, tp the tensor-parallel size).
+
+**Without a cache** each new token runs the whole sequence through the model again: token t
+costs a forward over t positions, N tokens cost about N P + N^2 / 2 positions.
+**With the cache** (`KVCache`) each layer keeps the keys and values it already computed,
+[b, g/tp, P + N, d] each, and a step runs only the new token: one position per step after the
+prompt's one pass. The cache costs 2 L b (P + N) (g/tp) d e bytes per rank (`kv_cache_bytes`),
+which under grouped-query attention is a/g times less than with a key and value per query head.
+
+The cache enters the one model through its attention seam, as context parallelism does
+(SelfAttention.core_attention): `CachedAttention` writes the step's k and v at their positions
+and attends over every position written so far. q and k arrive with RoPE applied at the
+positions generate passes in (position_ids), so a cached key never needs rotating again.
+
+**Prompts of different lengths** are padded on the left to P tokens: a row's positions count
+from its first real token, and a padded position is masked as a key for every query (each pad
+query sees only itself, so no row of the softmax is empty). The last column of every row is
+then the next token's logits, for every prompt at once.
+
+**Under tensor parallelism** every rank holds its heads' slice of the cache and its vocabulary
+slice of the logits; one all-gather of the last position's [b, Vp/tp] logits (tag "logits")
+gives every rank the same full row, and the sampler, seeded alike, draws the same token
+everywhere: the ranks never disagree on the sequence. Sequence parallelism is refused: a
+one-token step cannot be cut along the sequence. Megatron's static batching does not take it
+either (model_inference_wrappers/abstract_model_inference_wrapper.py); its dynamic batching cuts
+the flattened tokens of all requests together instead.
+
+Sampling (`next_token`), Megatron's and transformers' order: temperature, then top-k, then
+top-p (the smallest set of the most likely tokens whose probability reaches p), then a draw
+from a torch.Generator seeded by --seed; greedy (temperature 0) is the argmax.
+
+Megatron-LM (main d98e8a6, checked 2026-11-27): megatron/core/inference/ (engines/,
+contexts/static_context.py's key_value_memory_dict, the dynamic engine's paged cache in
+contexts/dynamic_context.py; sampling in text_generation_controllers/
+text_generation_controller.py, sample_from_logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .dp import unwrap
+
+__all__ = ["KVCache", "CachedAttention", "kv_cache_bytes", "next_token", "generate", "main"]
+
+
+# ---------------------------------------------------------------------------------------
+# the cache, through the attention seam
+# ---------------------------------------------------------------------------------------
+@dataclass
+class KVCache:
+    """The keys and values of every layer so far, and which positions hold real tokens.
+
+    k[i], v[i]: [b, g, capacity, d] of layer i (g: the layer's key/value heads on this rank).
+    filled: positions [0, filled) are written. key_valid: [b, capacity] bool, False at the
+    left padding of shorter prompts."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    key_valid: torch.Tensor
+    filled: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def kv_cache_bytes(num_layers: int, batch: int, length: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+    """2 L b (P + N) g d e: a key and a value per layer, prompt and new token, key/value head."""
+    return 2 * num_layers * batch * length * kv_heads * head_dim * element_size
+
+
+class CachedAttention:
+    """SelfAttention.core_attention with layer `layer`'s slice of `cache`: q [b, a, s, d] of
+    the step's s new positions, k and v [b, g, s, d]; writes k, v at [filled, filled + s) and
+    returns softmax(q K^T / sqrt(d)) V over every position up to each query's own, real keys
+    only: [b, a, s, d]. generate advances cache.filled after the whole model ran."""
+
+    def __init__(self, cache: KVCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __call__(self, q, k, v, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+        c, s = self.cache, q.shape[2]
+        start, end = c.filled, c.filled + s
+        c.k[self.layer][:, :, start:end] = k                                          # [b, g, s, d]
+        c.v[self.layer][:, :, start:end] = v
+        keys, values = c.k[self.layer][:, :, :end], c.v[self.layer][:, :, :end]       # [b, g, end, d]
+        query_pos = torch.arange(start, end, device=q.device)                         # [s]
+        key_pos = torch.arange(end, device=q.device)                                  # [end]
+        causal = key_pos[None, :] <= query_pos[:, None]                               # [s, end]
+        own = key_pos[None, :] == query_pos[:, None]                                  # a pad sees itself
+        allowed = causal & (c.key_valid[:, None, :end] | own)                         # [b, s, end]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
+                                              enable_gqa=keys.shape[1] != q.shape[1])  # [b, a, s, d]
+
+
+def _attention_layers(model: nn.Module) -> list:
+    return [layer.self_attention for layer in unwrap(model).decoder.layers.values()]
+
+
+# ---------------------------------------------------------------------------------------
+# sampling
+# ---------------------------------------------------------------------------------------
+def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `logits` [b, V]: the argmax when temperature is 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k most likely tokens and then to the
+    smallest set of them whose probability reaches top_p. Returns [b] int64."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]        # [b, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        probs, order = logits.softmax(-1).sort(dim=-1, descending=True)               # [b, V]
+        before = probs.cumsum(-1) - probs                                             # mass of the likelier ones
+        drop = (before >= top_p).scatter(-1, order, before >= top_p)                  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, use_cache: bool = True,
+             tp_group=None, vocab_size: int | None = None, stop: int | None = None) -> tuple[list[list[int]], dict]:
+    """Continue each prompt (token ids; lengths may differ) by up to `max_new_tokens` tokens
+    (fewer after `stop`, e.g. the tokenizer's eod). `model`: a GPTModel, or a tensor-parallel one
+    (then `tp_group` and every rank of it call this alike). Returns (the new tokens of each
+    prompt, {"kv_cache_bytes", "positions"}: the cache's bytes on this rank and the positions
+    the model ran, a measure of the work). Communication under tp: the model's own, plus one
+    comm.all_gather of the last position's logits per step (tag "logits")."""
+    m = unwrap(model)
+    cfg, device = m.config, next(m.parameters()).device
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if getattr(m.output_layer, "sequence_parallel", False):
+        raise ValueError("generation under sequence parallelism: a one-token step cannot be cut along the sequence; "
+                         "load the model without --sequence-parallel")
+    b, P = len(prompts), max(len(p) for p in prompts)
+    total = P + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(f"the longest prompt ({P}) + max_new_tokens ({max_new_tokens}) = {total} > "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    V = vocab_size or cfg.vocab_size
+    tokens = torch.zeros(b, total, dtype=torch.long, device=device)
+    valid = torch.zeros(b, total, dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):                                   # left padding
+        tokens[i, P - len(p):P] = torch.tensor(p, device=device)
+        valid[i, P - len(p):] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)            # [b, total], 0 at the first real token
+    generator = torch.Generator().manual_seed(seed)
+    layers = _attention_layers(m)
+    cache, saved = None, [a.core_attention for a in layers]
+    if use_cache:
+        heads = [a.local_heads()[1] for a in layers]
+        dtype = m.decoder.final_layernorm.weight.dtype
+        cache = KVCache([torch.zeros(b, g, total, cfg.kv_channels, dtype=dtype, device=device) for g in heads],
+                        [torch.zeros(b, g, total, cfg.kv_channels, dtype=dtype, device=device) for g in heads], valid)
+        for i, attention in enumerate(layers):
+            attention.core_attention = CachedAttention(cache, i)
+    new, done, ran = [[] for _ in prompts], torch.zeros(b, dtype=torch.bool), 0
+    m.eval()
+    try:
+        for t in range(max_new_tokens):
+            end = P + t
+            start = cache.filled if cache is not None else 0
+            if cache is None:                                          # the whole sequence again, pads masked
+                logits = _uncached_forward(m, tokens[:, :end], positions[:, :end], valid[:, :end])
+            else:
+                logits = m(tokens[:, start:end], position_ids=positions[:, start:end])      # [b, s, V(/tp)]
+                cache.filled = end
+            ran += end - start
+            last = logits[:, -1]                                                            # [b, V(/tp)]
+            if tp_group is not None and comm.group_size(tp_group) > 1:
+                last = comm.all_gather(last.contiguous(), tp_group, dim=-1, tag="logits")   # [b, Vp]
+            token = next_token(last[:, :V].float(), temperature, top_k, top_p, generator)   # [b]
+            tokens[:, end] = token
+            for i in range(b):
+                if not done[i]:
+                    new[i].append(int(token[i]))
+                    done[i] = stop is not None and int(token[i]) == stop
+            if bool(done.all()):
+                break
+    finally:
+        for attention, core in zip(layers, saved):
+            attention.core_attention = core
+    return new, {"kv_cache_bytes": 0 if cache is None else cache.nbytes(), "positions": ran}
+
+
+def _uncached_forward(model, tokens, positions, valid) -> torch.Tensor:
+    """The model over the whole sequence, the pads masked as keys: the padding is one document
+    that no real token belongs to (document_ids, the packed-sequence mask of chapter 07)."""
+    document = torch.where(valid, 0, -1 - torch.arange(valid.shape[1], device=valid.device))   # a pad: its own
+    return model(tokens, position_ids=positions, document_ids=document)
+
+
+# ---------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------
+def load_model(load: str, tensor_parallel: int = 1):
+    """(model on this rank, its config, the tokenizer spec, the layout) from the torch_dist
+    checkpoint `load` (any layout saved it), cut over `tensor_parallel` ranks (torchrun's world
+    must be exactly that many). Collective when tensor_parallel > 1 (the layout's groups)."""
+    from pathlib import Path
+
+    from .checkpoint import CheckpointError, latest_checkpoint
+    from .config import ModelConfig, TrainConfig
+    from .dist_checkpoint import is_distributed_checkpoint, load_distributed, read_common
+    from .parallelize import build_model
+    from .train import initialize_layout
+    path = Path(load)
+    if not is_distributed_checkpoint(path):
+        path = latest_checkpoint(path, warn=False)
+        if path is None or not is_distributed_checkpoint(path):
+            raise CheckpointError(f"{load} holds no --ckpt-format torch_dist checkpoint")
+    common = read_common(path)
+    model_cfg = ModelConfig(**common["model_config"]).validate()
+    cfg = TrainConfig(tensor_model_parallel_size=tensor_parallel, seq_length=model_cfg.max_position_embeddings,
+                      micro_batch_size=1, progress=False, eval_interval=0)
+    layout = initialize_layout(cfg)
+    model = build_model(model_cfg, cfg, layout)[0]
+    load_distributed(path, [model], None, layout, model_config=common["model_config"])
+    return model, model_cfg, common.get("train_config", {}).get("tokenizer", "byte"), layout
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .data import build_tokenizer
+    from .launch import finish_torchrun, init_from_torchrun
+    parser = argparse.ArgumentParser(prog="python -m minimegatron.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", required=True, help="a torch_dist checkpoint directory (any layout saved it)")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy [default]")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-kv-cache", action="store_true", help="run the whole sequence at every step")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="under torchrun: the world's size")
+    args = parser.parse_args(argv)
+    rank, world = init_from_torchrun()
+    try:
+        if world != args.tensor_model_parallel_size:
+            raise ConfigError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} needs that many ranks; "
+                              f"this run has {world}")
+        model, model_cfg, spec, layout = load_model(args.load, args.tensor_model_parallel_size)
+        tokenizer = build_tokenizer(spec)
+        prompts = [tokenizer.encode(p) for p in args.prompt]
+        start = time.perf_counter()
+        new, info = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed, use_cache=not args.no_kv_cache,
+                             tp_group=layout.tp_group if world > 1 else None, vocab_size=model_cfg.vocab_size,
+                             stop=tokenizer.eod)
+        seconds = time.perf_counter() - start
+    except (CheckpointError, ConfigError, ValueError) as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        finish_torchrun()
+        return 2
+    if rank == 0:
+        for prompt, tokens in zip(args.prompt, new):
+            print(f"{prompt}{tokenizer.decode(tokens)}")
+        count = sum(len(t) for t in new)
+        print(f"[{count} tokens in {seconds:.2f} s, {count / seconds:.1f} tokens/s; "
+              f"{'KV cache ' + format(info['kv_cache_bytes'], ',') + ' bytes on this rank' if not args.no_kv_cache else 'no KV cache'}; "
+              f"{info['positions']:,} positions run]")
+    finish_torchrun()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
