@@ -57,7 +57,8 @@ from torch import nn
 from . import comm
 from .dp import unwrap
 
-__all__ = ["KVCache", "CachedAttention", "kv_cache_bytes", "next_token", "generate", "main"]
+__all__ = ["KVCache", "CachedAttention", "cached_attention", "kv_cache_bytes", "next_token", "generate",
+           "load_model", "main"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,28 +85,43 @@ def kv_cache_bytes(num_layers: int, batch: int, length: int, kv_heads: int, head
     return 2 * num_layers * batch * length * kv_heads * head_dim * element_size
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, key_valid: torch.Tensor, start: int) -> torch.Tensor:
+    """One decoding step's attention with a KV cache. q [b, a, s, d]: the queries of the s new
+    positions [start, start + s); k, v [b, g, s, d]: their keys and values (RoPE applied);
+    cache_k, cache_v [b, g, capacity, d]: this layer's cache, positions [0, start) already
+    written; key_valid [b, capacity] bool: False where a position is left padding.
+    Writes k, v into the cache at [start, start + s) (in place) and returns [b, a, s, d]:
+    softmax(q K^T / sqrt(d)) V over the cached positions 0 .. its own for each query (causal),
+    real keys only, except that a padding query attends to itself alone (so that no row of
+    the softmax is empty); a/g query heads share each key/value head (grouped-query attention).
+    With start 0 and s the whole sequence it is causal attention over that sequence."""
+    # BEGIN EXERCISE 8.3: the KV cache's update and the attention over it | hint: the new keys go where the new positions are; each query may see every written key up to its own position, but not the padding; which mask says both, and how does SDPA share g key heads among a query heads?
+    s = q.shape[2]
+    end = start + s
+    cache_k[:, :, start:end] = k                                                # [b, g, s, d]
+    cache_v[:, :, start:end] = v
+    keys, values = cache_k[:, :, :end], cache_v[:, :, :end]                     # [b, g, end, d]
+    query_pos = torch.arange(start, end, device=q.device)                       # [s]
+    key_pos = torch.arange(end, device=q.device)                                # [end]
+    causal = key_pos[None, :] <= query_pos[:, None]                             # [s, end]
+    own = key_pos[None, :] == query_pos[:, None]                                # a pad sees itself
+    allowed = causal & (key_valid[:, None, :end] | own)                         # [b, s, end]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
+                                          enable_gqa=keys.shape[1] != q.shape[1])    # [b, a, s, d]
+    # END EXERCISE
+
+
 class CachedAttention:
-    """SelfAttention.core_attention with layer `layer`'s slice of `cache`: q [b, a, s, d] of
-    the step's s new positions, k and v [b, g, s, d]; writes k, v at [filled, filled + s) and
-    returns softmax(q K^T / sqrt(d)) V over every position up to each query's own, real keys
-    only: [b, a, s, d]. generate advances cache.filled after the whole model ran."""
+    """SelfAttention.core_attention with layer `layer`'s slice of `cache` (cached_attention at
+    the cache's fill level); generate advances cache.filled after the whole model ran."""
 
     def __init__(self, cache: KVCache, layer: int):
         self.cache, self.layer = cache, layer
 
     def __call__(self, q, k, v, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
-        c, s = self.cache, q.shape[2]
-        start, end = c.filled, c.filled + s
-        c.k[self.layer][:, :, start:end] = k                                          # [b, g, s, d]
-        c.v[self.layer][:, :, start:end] = v
-        keys, values = c.k[self.layer][:, :, :end], c.v[self.layer][:, :, :end]       # [b, g, end, d]
-        query_pos = torch.arange(start, end, device=q.device)                         # [s]
-        key_pos = torch.arange(end, device=q.device)                                  # [end]
-        causal = key_pos[None, :] <= query_pos[:, None]                               # [s, end]
-        own = key_pos[None, :] == query_pos[:, None]                                  # a pad sees itself
-        allowed = causal & (c.key_valid[:, None, :end] | own)                         # [b, s, end]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
-                                              enable_gqa=keys.shape[1] != q.shape[1])  # [b, a, s, d]
+        c = self.cache
+        return cached_attention(q, k, v, c.k[self.layer], c.v[self.layer], c.key_valid, c.filled)
 
 
 def _attention_layers(model: nn.Module) -> list:

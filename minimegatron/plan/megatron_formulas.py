@@ -64,6 +64,7 @@ def megatron_flops(config: ModelConfig, batch: int, seq: int, tp: int = 1) -> di
     naive attention computes it), the router's 6 B s h E, and the logits over the unpadded V.
     So  megatron = book - core/2 - router + 6 B s h (Vp - V)  (tests/test_plan.py checks it).
     """
+    # BEGIN EXERCISE 8.4: Megatron's FLOPs of a step | hint: count multiply-adds per token for each GEMM (the MLP's F matrices, the experts a token visits, q/k/v/o, the output layer over the padded vocabulary), then the scores: which half does the causal mask let Megatron skip?
     config.validate()
     h, a, g, d, L = (config.hidden_size, config.num_attention_heads, config.query_groups,
                      config.kv_channels, config.num_layers)
@@ -83,6 +84,7 @@ def megatron_flops(config: ModelConfig, batch: int, seq: int, tp: int = 1) -> di
     }
     parts["total"] = sum(parts.values())
     return parts
+    # END EXERCISE
 
 
 def _parameter_groups(config: ModelConfig, tp: int) -> dict[str, float]:

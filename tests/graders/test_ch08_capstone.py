@@ -79,3 +79,84 @@ def test_replicas_are_one_piece_and_different_parts_are_not():
     }
     for what, piece in others.items():
         assert identity(piece) != same[0], f"{what} has the same identity: only one of them would be written"
+
+
+# --------------------------------------------------------------------------------------
+# 8.3 the KV cache's update and the attention over it
+# --------------------------------------------------------------------------------------
+def _causal(q, k, v):
+    """The oracle: PyTorch's causal attention over a whole sequence, k and v copied to every head."""
+    n = q.shape[1] // k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1),
+                                                             is_causal=True)
+
+
+@pytest.mark.exercise("8.3")
+@pytest.mark.parametrize("chunks", [[12], [5, 1, 1, 1, 1, 1, 1, 1], [1] * 12, [7, 5]], ids=["one pass", "prefill 5",
+                                                                                           "one at a time", "7 + 5"])
+def test_feeding_the_sequence_in_steps_is_causal_attention_over_all_of_it(chunks):
+    step = implementation("8.3")
+    torch.manual_seed(0)
+    b, a, g, T, d = 2, 4, 2, 12, 8
+    q, k, v = torch.randn(b, a, T, d, dtype=torch.float64), torch.randn(b, g, T, d, dtype=torch.float64), \
+        torch.randn(b, g, T, d, dtype=torch.float64)
+    cache_k, cache_v = torch.zeros(b, g, T + 3, d, dtype=torch.float64), torch.zeros(b, g, T + 3, d, dtype=torch.float64)
+    valid = torch.ones(b, T + 3, dtype=torch.bool)
+    outs, start = [], 0
+    for s in chunks:
+        outs.append(step(q[:, :, start:start + s], k[:, :, start:start + s], v[:, :, start:start + s],
+                         cache_k, cache_v, valid, start))
+        start += s
+    torch.testing.assert_close(torch.cat(outs, 2), _causal(q, k, v), msg="the steps do not add up to causal attention")
+    torch.testing.assert_close(cache_k[:, :, :T], k, msg="the cache does not hold every key at its position")
+
+
+@pytest.mark.exercise("8.3")
+def test_left_padding_is_never_attended():
+    step = implementation("8.3")
+    torch.manual_seed(1)
+    b, a, g, T, d, pad = 1, 2, 1, 6, 4, 2
+    q, k, v = torch.randn(b, a, T, d, dtype=torch.float64), torch.randn(b, g, T, d, dtype=torch.float64), \
+        torch.randn(b, g, T, d, dtype=torch.float64)
+    valid = torch.ones(b, T, dtype=torch.bool)
+    valid[:, :pad] = False
+    out = step(q, k, v, torch.zeros(b, g, T, d, dtype=torch.float64), torch.zeros(b, g, T, d, dtype=torch.float64),
+               valid, 0)
+    assert torch.isfinite(out).all(), "a padding query with no key to see made NaN"
+    torch.testing.assert_close(out[:, :, pad:], _causal(q[:, :, pad:], k[:, :, pad:], v[:, :, pad:]),
+                               msg="the real tokens attended to the padding")
+
+
+# --------------------------------------------------------------------------------------
+# 8.4 Megatron's FLOPs of a step (the planner's formula)
+# --------------------------------------------------------------------------------------
+@pytest.mark.exercise("8.4")
+def test_llama3_8b_by_hand():
+    """Per token, every GEMM three times at 2 FLOPs: MLP 4096 x 3 x 14336 x 32, attention
+    32 x (4096 x 6144 + 4096 x 4096), logits 4096 x 128256; core 6 a d L s, the causal half."""
+    from minimegatron.plan import planner_model
+    config, _, _ = planner_model("llama3-8b")
+    flops = implementation("8.4")(config, 1, 8192)
+    assert flops["total"] == 8192 * (6 * (5_637_144_576 + 1_342_177_280 + 525_336_576) + 6_442_450_944), flops
+
+
+@pytest.mark.exercise("8.4")
+@pytest.mark.parametrize("moe", [False, True], ids=["dense, GELU", "MoE with a shared expert"])
+def test_it_is_the_books_measured_count_less_what_megatron_leaves_out(moe):
+    """The book's analysis.training_flops counts the matmuls the model runs (tested against
+    FlopCounterMode in tests/test_analysis.py): all s^2 scores, the router, the unpadded
+    vocabulary. Megatron counts half the scores, no router, the padded vocabulary."""
+    import dataclasses
+    from minimegatron.analysis import training_flops
+    from minimegatron.config import ModelConfig
+    config = ModelConfig.gpt2(hidden_size=64, num_layers=4, num_attention_heads=4, vocab_size=1000,
+                              make_vocab_size_divisible_by=16, max_position_embeddings=128)
+    if moe:
+        config = dataclasses.replace(config, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,
+                                     moe_layer_freq=2, moe_shared_expert_intermediate_size=32)
+    B, s, tp = 3, 128, 2
+    book = training_flops(config, B, s)
+    core = 3 * (book["forward"]["attention_scores"] + book["forward"]["attention_over_values"])
+    router = 3 * book["forward"].get("router", 0)
+    expected = book["total"] - core // 2 - router + 6 * B * s * 64 * (1024 - 1000)      # 1000 -> 1024 at tp 2
+    assert implementation("8.4")(config, B, s, tp)["total"] == expected
