@@ -7,7 +7,8 @@
 single-device model and writes a folder that transformers loads:
 
   config.json             LlamaForCausalLM's config (the book's LLaMA-style model: RMSNorm,
-                          SwiGLU, RoPE in the rotate-half layout, grouped-query attention)
+                          SwiGLU, RoPE in the rotate-half layout, grouped-query attention), or
+                          MixtralForCausalLM's for a mixture of experts of Mixtral's kind
   model.safetensors       the weights under transformers' names, in the checkpoint's dtype
   tokenizer.json          the tokenizer in the `tokenizers` library's format: the book's BPE
   tokenizer_config.json   file as it is, or the byte tokenizer written as a byte-level BPE
@@ -32,11 +33,16 @@ The names (the book's model/gpt.py -> transformers' LlamaForCausalLM):
   decoder.layers.i.mlp.linear_fc2.weight        model.layers.i.mlp.down_proj
   decoder.final_layernorm.weight                model.norm.weight
   output_layer.weight (untied)                  lm_head.weight
+  a mixture (Mixtral, transformers 5's layout):
+  decoder.layers.i.mlp.router.weight            model.layers.i.mlp.gate.weight [E, h]
+  ...mlp.experts.local_experts.j.linear_fc1     model.layers.i.mlp.experts.gate_up_proj[j] [2 f_e, h]
+  ...mlp.experts.local_experts.j.linear_fc2     model.layers.i.mlp.experts.down_proj[j] [h, f_e]
 
 model.safetensors is written by this file (the format is a little-endian 8-byte header size, a
 JSON header of names, dtypes, shapes and byte offsets, then the raw bytes), so the book needs
-no extra package for it. Not yet: GPT-2-style models (LayerNorm, GELU, learned positions) and
-mixtures of experts (MixtralForCausalLM); both are refused by name.
+no extra package for it. Not yet: GPT-2-style models (LayerNorm, GELU, learned positions), and
+mixtures Mixtral cannot express (a shared expert, sigmoid scores, an expert bias, capacity,
+mixtures every other layer); both are refused by name.
 
 Megatron-LM: tools/checkpoint/ (convert.py with loader and saver plugins, loader_mixtral_hf.py,
 schema_hf.py); its README points to Megatron Bridge (NVIDIA-NeMo/Megatron-Bridge) for
@@ -119,19 +125,39 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 # the names and the config
 # ---------------------------------------------------------------------------------------
 def _check_exportable(cfg: ModelConfig) -> None:
-    why = [f"{field}={value!r} (LlamaForCausalLM has {want!r})" for field, value, want in
+    """ConfigError naming every field that LlamaForCausalLM (dense) or MixtralForCausalLM (a
+    mixture of experts) cannot express."""
+    arch = "LlamaForCausalLM" if cfg.num_experts is None else "MixtralForCausalLM"
+    why = [f"{field}={value!r} ({arch} has {want!r})" for field, value, want in
            (("normalization", cfg.normalization, "RMSNorm"), ("activation", cfg.activation, "swiglu"),
             ("position_embedding_type", cfg.position_embedding_type, "rope"))
            if value != want]
     if cfg.num_experts is not None:
-        why.append(f"num_experts={cfg.num_experts} (a mixture of experts: MixtralForCausalLM is not written yet)")
+        # Mixtral: every layer a mixture, softmax over all experts then the top k renormalised
+        # (the same weights as the book's softmax over the chosen k), no bias, no shared expert
+        why += [f"{field}={value!r} ({reason})" for field, value, bad, reason in (
+            ("moe_layer_freq", cfg.moe_layer_freq, cfg.moe_layer_freq != 1, "Mixtral's every layer is a mixture"),
+            ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
+             cfg.moe_shared_expert_intermediate_size is not None, "Mixtral has no shared expert"),
+            ("moe_router_score_function", cfg.moe_router_score_function, cfg.moe_router_score_function != "softmax",
+             "Mixtral's router is a softmax"),
+            ("moe_router_pre_softmax", cfg.moe_router_pre_softmax, cfg.moe_router_pre_softmax,
+             "Mixtral renormalises the chosen k"),
+            ("moe_router_enable_expert_bias", cfg.moe_router_enable_expert_bias, cfg.moe_router_enable_expert_bias,
+             "Mixtral's router has no bias"),
+            ("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
+             "Mixtral drops no token")) if bad]
     if why:
-        raise ConfigError("this model cannot be written as LlamaForCausalLM: " + "; ".join(why))
+        raise ConfigError(f"this model cannot be written as {arch}: " + "; ".join(why))
 
 
 def hf_config(cfg: ModelConfig, eod: int) -> dict:
     """config.json of LlamaForCausalLM for the book's LLaMA-style `cfg` (end of text: id `eod`)."""
     _check_exportable(cfg)
+    moe = {} if cfg.num_experts is None else {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": cfg.moe_ffn_size,
+        "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+        "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "output_router_logits": False}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -141,13 +167,18 @@ def hf_config(cfg: ModelConfig, eod: int) -> dict:
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
             "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
             "attention_dropout": cfg.attention_dropout, "bos_token_id": None, "eos_token_id": eod,
-            "initializer_range": cfg.init_method_std, "dtype": cfg.params_dtype, "use_cache": True}
+            "initializer_range": cfg.init_method_std, "dtype": cfg.params_dtype, "use_cache": True} | moe
 
 
 def model_config_from_hf(config: dict) -> ModelConfig:
-    """The book's ModelConfig for a LlamaForCausalLM config.json (ConfigError for another model)."""
-    if config.get("model_type") != "llama":
-        raise ConfigError(f"model_type={config.get('model_type')!r}: only LlamaForCausalLM ('llama') is read here")
+    """The book's ModelConfig for a LlamaForCausalLM or MixtralForCausalLM config.json
+    (ConfigError for another model)."""
+    if config.get("model_type") not in ("llama", "mixtral"):
+        raise ConfigError(f"model_type={config.get('model_type')!r}: only LlamaForCausalLM ('llama') and "
+                          f"MixtralForCausalLM ('mixtral') are read here")
+    moe = {} if config["model_type"] == "llama" else dict(
+        num_experts=config["num_local_experts"], moe_router_topk=config["num_experts_per_tok"],
+        moe_ffn_hidden_size=config["intermediate_size"], moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.0))
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if head_dim * heads != config["hidden_size"]:
@@ -161,16 +192,18 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         max_position_embeddings=config["max_position_embeddings"], layernorm_epsilon=config["rms_norm_eps"],
         rotary_base=float(rope), untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         add_bias_linear=bool(config.get("attention_bias", False)),
-        params_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32")).validate()
+        params_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"), **moe).validate()
 
 
-def _layer_names(i: int) -> dict[str, str]:
+def _layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
     """The book's -> transformers' names of layer i that map one to one."""
     book, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-    return {book + "input_layernorm.weight": hf + "input_layernorm.weight",
-            book + "self_attention.linear_proj.weight": hf + "self_attn.o_proj.weight",
-            book + "pre_mlp_layernorm.weight": hf + "post_attention_layernorm.weight",
-            book + "mlp.linear_fc2.weight": hf + "mlp.down_proj.weight"}
+    names = {book + "input_layernorm.weight": hf + "input_layernorm.weight",
+             book + "self_attention.linear_proj.weight": hf + "self_attn.o_proj.weight",
+             book + "pre_mlp_layernorm.weight": hf + "post_attention_layernorm.weight"}
+    if cfg.num_experts is None:
+        names[book + "mlp.linear_fc2.weight"] = hf + "mlp.down_proj.weight"
+    return names
 
 
 def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -183,14 +216,22 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     if cfg.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["output_layer.weight"]
     for i in range(cfg.num_layers):
-        out.update({hf: state[book] for book, hf in _layer_names(i).items()})
+        out.update({hf: state[book] for book, hf in _layer_names(i, cfg).items()})
         qkv = state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].view(g, n + 2, d, h)   # group by group
         attn = f"model.layers.{i}.self_attn."
         out[attn + "q_proj.weight"] = qkv[:, :n].reshape(a * d, h)
         out[attn + "k_proj.weight"] = qkv[:, n].reshape(g * d, h)
         out[attn + "v_proj.weight"] = qkv[:, n + 1].reshape(g * d, h)
-        gate, up = state[f"decoder.layers.{i}.mlp.linear_fc1.weight"].split(f)                       # [gate; up]
-        out[f"model.layers.{i}.mlp.gate_proj.weight"], out[f"model.layers.{i}.mlp.up_proj.weight"] = gate, up
+        mlp, hf_mlp = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        if cfg.num_experts is None:
+            gate, up = state[mlp + "linear_fc1.weight"].split(f)                                     # [gate; up]
+            out[hf_mlp + "gate_proj.weight"], out[hf_mlp + "up_proj.weight"] = gate, up
+            continue
+        experts = [f"{mlp}experts.local_experts.{j}." for j in range(cfg.num_experts)]
+        out[hf_mlp + "gate.weight"] = state[mlp + "router.weight"]                                  # [E, h]
+        # transformers 5 keeps the experts as 3-D tensors: [E, 2 f_e, h] ([gate; up] each) and [E, h, f_e]
+        out[hf_mlp + "experts.gate_up_proj"] = torch.stack([state[e + "linear_fc1.weight"] for e in experts])
+        out[hf_mlp + "experts.down_proj"] = torch.stack([state[e + "linear_fc2.weight"] for e in experts])
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -205,14 +246,19 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     if cfg.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_layers):
-        out.update({book: hf[name] for book, name in _layer_names(i).items()})
+        out.update({book: hf[name] for book, name in _layer_names(i, cfg).items()})
         attn = f"model.layers.{i}.self_attn."
         q = hf[attn + "q_proj.weight"].view(g, a // g, d, h)
         k, v = hf[attn + "k_proj.weight"].view(g, 1, d, h), hf[attn + "v_proj.weight"].view(g, 1, d, h)
         out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat([q, k, v], 1).reshape(-1, h)
-        mlp = f"model.layers.{i}.mlp."
-        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"],
-                                                                       hf[mlp + "up_proj.weight"]])
+        mlp, book_mlp = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+        if cfg.num_experts is None:
+            out[book_mlp + "linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
+            continue
+        out[book_mlp + "router.weight"] = hf[mlp + "gate.weight"]
+        for j in range(cfg.num_experts):
+            out[f"{book_mlp}experts.local_experts.{j}.linear_fc1.weight"] = hf[mlp + "experts.gate_up_proj"][j]
+            out[f"{book_mlp}experts.local_experts.{j}.linear_fc2.weight"] = hf[mlp + "experts.down_proj"][j]
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -106,8 +106,8 @@ def test_what_cannot_be_converted_is_refused_by_name(tmp_path, capsys):
     from minimegatron.convert import hf_config
     with pytest.raises(ConfigError, match="normalization='LayerNorm'"):
         hf_config(ModelConfig.gpt2(), 256)
-    with pytest.raises(ConfigError, match="num_experts=4"):
-        hf_config(dataclasses.replace(MODEL, num_experts=4), 256)
+    with pytest.raises(ConfigError, match="MixtralForCausalLM: moe_shared_expert_intermediate_size=16"):
+        hf_config(dataclasses.replace(MODEL, num_experts=4, moe_shared_expert_intermediate_size=16), 256)
     assert main(["--load", str(tmp_path), "--to-hf", str(tmp_path / "hf")]) == 2
     assert "holds no --ckpt-format torch_dist checkpoint" in capsys.readouterr().err
 
@@ -121,3 +121,23 @@ def test_the_imported_checkpoint_loads_under_tensor_parallelism(folders):
                               sequence_parallel=True)
     losses = spawn(W.train_in_turn, 2, [(MODEL, tp2)], timeout=300)[0][0]
     assert abs(losses[0] - original[0]) < 1e-5, (losses, original)            # float32, another summation order
+
+
+def test_a_mixture_goes_to_mixtral_and_back(tmp_path):
+    """A GPT-MoE of Mixtral's kind: every layer 4 experts, top-2, softmax router. The round trip
+    is bit-identical; with transformers, MixtralForCausalLM's logits are the book's."""
+    moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=2)
+    train(moe, dataclasses.replace(CFG, save_dir=str(tmp_path / "ckpt"), out_dir=str(tmp_path / "out")))
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    before, after = load_full_state(tmp_path / "ckpt" / "iter_0000002"), load_full_state(tmp_path / "back" / "iter_0000000")
+    assert set(before) == set(after) and all(torch.equal(t, after[n]) for n, t in before.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    book = GPTModel(moe).eval()
+    book.load_state_dict(before)
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=tokens).logits, book(tokens), rtol=1e-4, atol=1e-5)
