@@ -45,6 +45,12 @@ DEMO_FP8_RECIPE ?= delayed
 # DEMO_EXPERTS=0 DEMO_EP=1`: chapter 03's 3D run, about 2). Chapter 06's precisions:
 # DEMO_PRECISION=bf16 | fp16 | fp8 (FP8 GEMMs in a bf16 model, DEMO_FP8_RECIPE=tensorwise | delayed |
 # blockwise | mxfp8); the check against one process stays in float64 (it checks the layout).
+# Chapter 08's walk-through: train the 5D GPT-MoE on 16 ranks, resume it on 4 under another
+# layout, export it to Hugging Face and back, generate from it, plan it on 1,024 GPUs (about 2 minutes on 2 cores).
+.PHONY: capstone
+capstone: $(STAMP)
+	$(PY) chapters/08_capstone/capstone.py
+
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(TORCHRUN) --nproc_per_node=$(DEMO_RANKS) -m minimegatron.run_report --check-steps 2 \
 		--preset demo --num-layers 4 --train-iters 200 \

@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, ValueError) as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
-        finish_torchrun()
-        return 2
+        return finish_torchrun(2)
     if rank == 0:
         for prompt, tokens in zip(args.prompt, new):
             print(f"{prompt}{tokenizer.decode(tokens)}")
@@ -299,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{count} tokens in {seconds:.2f} s, {count / seconds:.1f} tokens/s; "
               f"{'KV cache ' + format(info['kv_cache_bytes'], ',') + ' bytes on this rank' if not args.no_kv_cache else 'no KV cache'}; "
               f"{info['positions']:,} positions run]")
-    finish_torchrun()
-    return 0
+    return finish_torchrun(0)
 
 
 if __name__ == "__main__":
