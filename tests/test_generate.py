@@ -5,7 +5,6 @@ or without the cache; the cache holds its formula's bytes; under tensor parallel
 produces the single-device tokens; and the converted model's greedy output in transformers
 is the book's."""
 
-import dataclasses
 
 import pytest
 import torch
