@@ -75,7 +75,6 @@ stress: $(STAMP)
 # Re-measure a chapter's quoted numbers: rerun the commands its text quotes (the RUNS of its
 # make_figures.py, figures included), rewrite chapters/NN_*/measured.json, and put the recorded
 # numbers back into the README and notebook markdown (booktools/measured.py). CH=all: every chapter.
-CH ?= all
 .PHONY: numbers
 numbers: $(STAMP)
 	$(PY) -m booktools.measured record $(filter-out all,$(CH))
@@ -127,10 +126,10 @@ exercises-check: $(STAMP)
 	$(PY) -m booktools.exercises check
 
 exercises-reset: $(STAMP)
-	$(PY) -m booktools.exercises generate --force $(if $(CH),--chapter $(CH))
+	$(PY) -m booktools.exercises generate --force $(if $(filter-out all,$(CH)),--chapter $(CH))
 
 grade: $(STAMP)
-	$(GRADE) --impl=learner $(if $(CH),--chapter $(CH)) $(foreach e,$(EX),--exercise $(e))
+	$(GRADE) --impl=learner $(if $(filter-out all,$(CH)),--chapter $(CH)) $(foreach e,$(EX),--exercise $(e))
 
 grade-reference: $(STAMP)
 	$(GRADE) --impl=reference --check-coverage

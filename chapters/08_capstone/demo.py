@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
         exact &= tensors == formula
         print(f"  {saved:<18} tensors {tensors:,} bytes {'=' if tensors == formula else '!='} formula {formula:,}; "
               f"on disk {disk:,} bytes ({disk / tensors - 1:.1%} more: the index and the framing)")
+    shutil.rmtree(tmp)                                        # the checkpoints of the grid
     ok = worst <= 1 and exact
     print(f"{'MATCH' if ok else 'MISMATCH'}: {len(grid)} layout pairs resume to the single-device run "
           f"(largest difference {worst:.2g} x the tolerance); every checkpoint holds the formula's bytes"

@@ -45,19 +45,25 @@ def _layer_counts(config: ModelConfig) -> tuple[int, int]:
 
 def megatron_flops(config: ModelConfig, batch: int, seq: int, tp: int = 1) -> dict[str, int]:
     """Megatron's `num_floating_point_operations(args, batch)`: the FLOPs of one step over
-    `batch` sequences of `seq` tokens (the global batch), forward and backward, without
-    recomputation. Every GEMM runs 3 times (forward, weight gradient, data gradient) at 2 FLOPs
-    per multiply-add, hence the 6 in each token-linear term:
+    `batch` sequences (B) of `seq` tokens (s), the global batch, forward and backward, without
+    recomputation. Returns {"mlp", "attention", "core", "logits", "total"} in FLOPs:
 
-      "mlp"        6 B s h (F f L_dense + F f_e k L_moe + F f_s L_moe)
-      "attention"  6 B s L h (a d + 2 g d) + 6 B s L (a d) h      qkv and output projections
-      "core"       6 B s^2 L a d     q k^T and probs v: 2 x 2 B s^2 a d each pass, halved by
-                                     the causal mask (Megatron counts only the lower triangle)
-      "logits"     6 B s h Vp        the output layer, over the PADDED vocabulary
+      "mlp"        the MLPs' GEMMs: each dense layer's, and in each MoE layer the k experts a
+                   token visits (config.moe_router_topk, each config.moe_ffn_size wide) and the
+                   shared expert (config.moe_shared_expert_intermediate_size), F matrices each
+                   (3 with SwiGLU: gate, up, down; 2 with GELU)
+      "attention"  the q, k, v projections (a heads, g key/value groups of d = kv_channels) and
+                   the output projection
+      "core"       the scores q k^T and probabilities times v, of which Megatron counts only
+                   the lower triangle the causal mask keeps
+      "logits"     the output layer, over the vocabulary padded for `tp`
+                   (tp.layers.pad_vocab_size: Vp)
       "total"      the sum
 
-    Not counted (as in Megatron): the router's h x E product, norms, softmax, RoPE, the
-    embedding lookup. `tp` only sets Vp (the padding grows with tp).
+    Every GEMM runs three times (forward, weight gradient, data gradient) at 2 FLOPs per
+    multiply-add. Not counted (as in Megatron): the router's h x E product, norms, softmax,
+    RoPE, the embedding lookup. `tp` only sets Vp. Layers: config.is_moe_layer(i) says which
+    hold experts (_layer_counts).
 
     How it differs from the book's `analysis.training_flops(config, B, s)["total"]`, which
     counts the matmuls our model really runs: that counts all s^2 scores (the masked half too:
