@@ -31,9 +31,11 @@ Saving (collective over the world):
      replica_id with each ShardedTensor instead;
   3. every rank writes its pieces to `iter_XXXXXXX/rank_RRRRR.pt` (atomically: a temporary
      name, then a rename), with its random states;
-  4. a barrier; rank 0 writes `common.pt` (the index of every piece and where it is, the
+  4. a second comm.all_gather_object brings every rank's index to rank 0, and shows that every
+     file was written; rank 0 writes `common.pt` (the index of every piece and where it is, the
      step, the configs, the loss history, the loss scaler), then points `latest` at the
-     directory. A kill at any moment leaves `latest` naming a complete checkpoint.
+     directory; a barrier keeps every rank behind `latest`. A kill at any moment leaves
+     `latest` naming a complete checkpoint.
 
 Loading (every rank alone, no collective): for each tensor name it needs, the rank assembles
 the single-device tensor from the pieces in the index (a flat piece is put back into its
@@ -191,9 +193,9 @@ def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Mo
                      layout: Layout, common: dict[str, Any], own: dict[str, Any]) -> Path:
     """Write this rank's pieces of iteration `step` (module docstring), then, on rank 0, the
     index and `common` (step, configs, history, ...), then `latest`. `own`: this rank's extra
-    state (random states), kept in its file. Collective over the world: one
-    comm.all_gather_object of the piece lists (tag "checkpoint"), two barriers. Returns the
-    iteration's directory."""
+    state (random states), kept in its file. Collective over the world: two
+    comm.all_gather_object calls (the piece lists, then the written indexes; tag "checkpoint")
+    and one barrier. Returns the iteration's directory."""
     out = iteration_dir(directory, step)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
