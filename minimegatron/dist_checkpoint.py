@@ -72,7 +72,8 @@ from .parallel_state import Layout
 from .placement import Placement
 
 __all__ = ["FORMAT", "save_distributed", "load_distributed", "read_common", "is_distributed_checkpoint",
-           "boxes_of_local", "local_from_full", "checkpoint_pieces", "piece_identity", "layout_signature",
+           "boxes_of_local", "local_from_full", "segment_run", "checkpoint_pieces", "piece_identity",
+           "layout_signature",
            "load_full_state", "save_release",
            "MAY_CHANGE"]
 
@@ -134,6 +135,19 @@ def local_from_full(record: Placement, local_shape: tuple[int, ...], full: torch
     for glob, loc in boxes_of_local(record, local_shape):
         local[_index(loc)] = full[_index(glob)]
     return local
+
+
+def segment_run(record: Placement, local_shape: tuple[int, ...], full: torch.Tensor, inside: int,
+                n: int) -> torch.Tensor:
+    """The n elements an optimizer segment holds of one parameter, from the single-device tensor
+    `full` (the parameter's value, or one of its AdamW moments): the parameter's local tensor of
+    `local_shape` on this rank (placement `record`: its tensor-parallel cut, stride blocks, a
+    padded vocabulary's zero rows), flattened, elements [inside, inside + n). A 1-D tensor of n
+    elements in full's dtype. Under ZeRO `inside` is where the segment's run starts in the
+    parameter (optim.Segment.locations); without ZeRO the run is the whole local tensor."""
+    # BEGIN EXERCISE 8.5: spot the bug in the resharding load | hint: a segment's offsets count elements of the tensor this rank holds, not of the single-device one: which tensor must be flattened before the run is cut?
+    return local_from_full(record, local_shape, full).reshape(-1)[inside:inside + n]
+    # END EXERCISE
 
 
 # ---------------------------------------------------------------------------------------
@@ -373,14 +387,13 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
                 continue
             i, lo, hi, inside = target
             main, seg = segments[i]
-
-            def run(tensor):                  # the segment's elements [lo, hi) of `tensor`'s local cut
-                return local_from_full(record, shape, tensor).reshape(-1)[inside:inside + hi - lo]
-            seg.param.reshape(-1)[lo:hi] = run(full).to(seg.param.dtype)    # the model's storage (ZeRO's shard)
+            run = segment_run(record, shape, full, inside, hi - lo)
+            seg.param.reshape(-1)[lo:hi] = run.to(seg.param.dtype)           # the model's storage (ZeRO's shard)
             if main is not seg.param:
-                main.reshape(-1)[lo:hi] = run(full).to(main.dtype)
+                main.reshape(-1)[lo:hi] = run.to(main.dtype)
             for kind, moment in fulls.items():
-                optimizer.adam.state[main][kind].reshape(-1)[lo:hi] = run(moment).to(main.dtype)
+                optimizer.adam.state[main][kind].reshape(-1)[lo:hi] = \
+                    segment_run(record, shape, moment, inside, hi - lo).to(main.dtype)
     if optimizer_state and optimizer is not None and optimizer.grad_scaler is not None and \
             common.get("grad_scaler") is not None:
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])

@@ -160,3 +160,25 @@ def test_it_is_the_books_measured_count_less_what_megatron_leaves_out(moe):
     router = 3 * book["forward"].get("router", 0)
     expected = book["total"] - core // 2 - router + 6 * B * s * 64 * (1024 - 1000)      # 1000 -> 1024 at tp 2
     assert implementation("8.4")(config, B, s, tp)["total"] == expected
+
+
+# --------------------------------------------------------------------------------------
+# 8.5 spot the bug in the resharding load
+# --------------------------------------------------------------------------------------
+@pytest.mark.exercise("8.5")
+@pytest.mark.parametrize("shape, dim, tp, stride, padded", CASES)
+def test_a_run_is_cut_from_the_tensor_this_rank_holds(shape, dim, tp, stride, padded):
+    """The oracle: the rank's local tensor written out from the definition (_local: padded with
+    -1, each stride block chunked over the ranks), its padding zeroed as the layers leave it,
+    flattened; every run [inside, inside + n) of it."""
+    segment_run = implementation("8.5")
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).view(shape)
+    for rank in range(tp):
+        split = None if dim is None else Split(dim, None, tp, rank, stride)
+        record = Placement("w", shape, split=split)
+        local = full if dim is None else _local(full, dim, tp, rank, stride, padded)
+        flat = local.clamp(min=0).reshape(-1)                                  # padding rows are zeros
+        for inside, n in ((0, flat.numel()), (1, flat.numel() // 2), (flat.numel() // 3, 3)):
+            got = segment_run(record, tuple(local.shape), full, inside, n)
+            assert torch.equal(got, flat[inside:inside + n]), \
+                f"rank {rank}, run [{inside}, {inside + n}): {got[:6].tolist()} ..., want {flat[inside:inside + 6].tolist()} ..."

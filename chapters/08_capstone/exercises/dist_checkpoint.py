@@ -5,6 +5,7 @@ Do not edit the signatures or the docstrings: the docstring is the spec. Fill in
 body between its BEGIN/END EXERCISE markers, then grade it:
 
     8.1  a shard's global offsets  ->  boxes_of_local()   make grade EX=8.1
+    8.5  spot the bug in the resharding load  ->  segment_run()   make grade EX=8.5
     8.2  spot the bug in the checkpoint's deduplication  ->  piece_identity()   make grade EX=8.2
 
 Stuck? The chapter's README folds a fuller hint (the idea, still not the code) under "Stuck on
@@ -16,7 +17,9 @@ Grade the whole chapter with `make grade CH=08`; start a stub over with
 
 from __future__ import annotations
 
+import torch
 from minimegatron.placement import Placement
+from minimegatron.dist_checkpoint import local_from_full
 
 
 def boxes_of_local(record: Placement, local_shape: tuple[int, ...]) -> list[tuple[list, list]]:
@@ -34,6 +37,20 @@ def boxes_of_local(record: Placement, local_shape: tuple[int, ...]) -> list[tupl
     # BEGIN EXERCISE 8.1: a shard's global offsets
     # hint: record.local_pieces gives the single-device slices; along the split dimension the local tensor holds one block of rows per stride block, one after the other: where does block k start locally, and how many of its rows are real?
     raise NotImplementedError("exercise 8.1")
+    # END EXERCISE
+
+
+def segment_run(record: Placement, local_shape: tuple[int, ...], full: torch.Tensor, inside: int,
+                n: int) -> torch.Tensor:
+    """The n elements an optimizer segment holds of one parameter, from the single-device tensor
+    `full` (the parameter's value, or one of its AdamW moments): the parameter's local tensor of
+    `local_shape` on this rank (placement `record`: its tensor-parallel cut, stride blocks, a
+    padded vocabulary's zero rows), flattened, elements [inside, inside + n). A 1-D tensor of n
+    elements in full's dtype. Under ZeRO `inside` is where the segment's run starts in the
+    parameter (optim.Segment.locations); without ZeRO the run is the whole local tensor."""
+    # BEGIN EXERCISE 8.5: spot the bug in the resharding load
+    # hint: a segment's offsets count elements of the tensor this rank holds, not of the single-device one: which tensor must be flattened before the run is cut?
+    raise NotImplementedError("exercise 8.5")
     # END EXERCISE
 
 
