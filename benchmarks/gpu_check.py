@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/gpu_check.py --list         # name the checks, run nothing (any machine)
     .venv/bin/python benchmarks/gpu_check.py --only kernels baseline --peak-tflops 989
 
-Five checks, in order, each in a Python process of its own under its own time limit (a hung
+Six checks, in order, each in a Python process of its own under its own time limit (a hung
 kernel, or a CUDA error that poisons a process, ends that check only), each printing its numbers
 and then one line: PASS, FAIL or SKIP, its name, the reason.
 
@@ -27,6 +27,13 @@ and then one line: PASS, FAIL or SKIP, its name, the reason.
                on GPU 0: dp 2, then tp 2, 3 steps in float64 (testing.train_layout) against the
                single-device run on the CPU: MATCH. (The training CLI's --device cuda means NCCL, one
                GPU per rank, which two ranks on one GPU cannot use.)
+  capstone     chapter 08's commands with the GPU in them: `torchrun -m minimegatron.train --device
+               cuda` (NCCL, a world of one) trains a float64 LLaMA 2 steps and saves a torch_dist
+               checkpoint; 2 gloo ranks on the CPU resume it under tp 2 to step 4; the losses equal
+               one CPU process's 4 uninterrupted steps. Then that checkpoint on the GPU: greedy
+               generation with the KV cache = without it = the CPU's tokens; exported to Hugging
+               Face (when transformers imports), its logits on the GPU = the book's, and its
+               greedy generate = the book's tokens.
 
 Exit status: 0 when CUDA is present and no check failed (SKIP is no failure), 1 when one failed,
 2 without a usable CUDA device: it says so, and what it would check, before importing torch where
@@ -62,6 +69,7 @@ CHECKS = {   # name -> (time limit in seconds, what it checks)
     "libraries": (180, "flash_attn, the Triton FlashAttention against naive and SDPA attention; TE's norms (bf16)"),
     "baseline": (240, "the single-device train step on CUDA = the CPU's (float64); tokens/s and MFU, bf16 and fp32"),
     "multirank": (240, "2 gloo ranks with CUDA tensors sharing the GPU (dp 2, tp 2) against one device: MATCH"),
+    "capstone": (240, "chapter 08 on CUDA: train under NCCL, resume on the CPU under tp 2; generate; transformers"),
 }
 BUDGET_S = 570
 # Dense peak TFLOP/s (no 2:4 sparsity; the datasheets print bf16 with sparsity, twice these) from NVIDIA's
@@ -101,8 +109,9 @@ def no_gpu_message(why: str) -> str:
     return (f"gpu_check.py needs an NVIDIA GPU with CUDA, and {why}. On one GPU (an H100: under 10 minutes) it "
             "would check the CUDA environment; the book's Triton kernels compiled for the GPU against their "
             "PyTorch references; flash-attn and Transformer Engine against the book's attention and norms; the "
-            "single-device training step on CUDA against the CPU, with its tokens/s and MFU; and two gloo ranks "
-            "sharing the GPU against one device. Nothing was checked (--list names the checks).")
+            "single-device training step on CUDA against the CPU, with its tokens/s and MFU; two gloo ranks "
+            "sharing the GPU against one device; and chapter 08's training under NCCL resumed on the CPU, generation and "
+            "the Hugging Face export on the GPU. Nothing was checked (--list names the checks).")
 
 
 # helpers, inside a check's process
@@ -183,6 +192,7 @@ def check_kernels(args):
     from minimegatron.kernels.flash_attention import flash_attention
     from minimegatron.kernels.rmsnorm import rms_norm
     from minimegatron.kernels.swiglu import swiglu
+    from minimegatron.model.attention import document_attention
     from minimegatron.model.gpt import language_model_loss
     from minimegatron.model.mlp import mlp_activation
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -193,12 +203,19 @@ def check_kernels(args):
     say(f"triton {triton.__version__}, compiled for {DEVICE}; errors max|x - ref| / max|ref| of [output, input "
         "gradients] against the book's PyTorch in float64 on the same inputs")
     worst, failed = 0.0, []
+    # packed documents (chapter 07 §5), per row summing to s: one starting inside a block, one a token long
+    lengths = [[100, 300, 1, 64, s - 465], [s // 2, s - s // 2]][:b] + [[s]] * max(0, b - 2)
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths]).to(DEVICE)
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
         labels = torch.randint(0, vocab, (t,), device=DEVICE)
         cases = {   # label -> (kernel, reference, inputs, incoming gradient)
             f"flash_attention b{b} a{a} g{g} s{s} d{d}": (
                 flash_attention, naive_attention, [randn(b, m, s, d, dtype=dtype) for m in (a, g, g)],
+                randn(b, a, s, d, dtype=dtype)),
+            f"flash_attention documents b{b} s{s}": (
+                lambda q, k, v: flash_attention(q, k, v, document_ids=ids),
+                lambda q, k, v: document_attention(q, k, v, ids), [randn(b, m, s, d, dtype=dtype) for m in (a, g, g)],
                 randn(b, a, s, d, dtype=dtype)),
             f"rms_norm {n}x{h}": (lambda x, w: rms_norm(x, w, EPS), book_norm("RMSNorm"),
                                   [randn(n, h, dtype=dtype), randn(h, dtype=dtype, scale=0.1, shift=1.0)],
@@ -217,7 +234,8 @@ def check_kernels(args):
             worst = max(worst, judge(f"{case} {name}", got, ref, tol, failed))
     if failed:
         return "FAIL", "; ".join(failed)
-    return "PASS", f"4 kernels x (float32, bf16), forward and gradients: worst error {worst:.1e}"
+    return "PASS", f"4 kernels (attention also over packed documents) x (float32, bf16), forward and gradients: " \
+                   f"worst error {worst:.1e}"
 
 
 def check_libraries(args):
@@ -430,8 +448,84 @@ def check_multirank(args):
     return "PASS", f"MATCH: {', '.join(runs)} on 2 gloo ranks sharing the GPU equal the single-device run"
 
 
+CAPSTONE_MODEL = ["--preset", "tiny", "--num-query-groups", "2", "--params-dtype", "float64", "--train-iters", "4",
+                  "--eval-interval", "0", "--no-progress"]
+TORCHRUN = ["-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+            "--local-addr=127.0.0.1"]
+
+
+def run_command(args: list[str], limit: float) -> None:
+    """Run `python ARGS` from the repository's root; RuntimeError with its output's tail if it fails."""
+    say("$ python " + " ".join(args))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=limit,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        print((proc.stdout + proc.stderr)[-2500:])
+        raise RuntimeError(f"exit status {proc.returncode}: python {' '.join(args[:3])} ...")
+
+
+def check_capstone(args):
+    import copy
+    import json
+    import torch
+    from minimegatron.convert import export_hf
+    from minimegatron.data import build_tokenizer
+    from minimegatron.generate import generate, load_model
+    from minimegatron.launch import init_from_torchrun
+    work, failed, notes = Path(tempfile.mkdtemp(prefix="gpu-check-capstone-")), [], []
+    ckpt, limit = work / "ckpt", max(30.0, (args.limit - 60) / 3)
+    run_command([*TORCHRUN, "--nproc-per-node=1", "-m", "minimegatron.train", *CAPSTONE_MODEL, "--device", DEVICE,
+                 "--ckpt-format", "torch_dist", "--save", str(ckpt), "--exit-interval", "2",
+                 "--out-dir", str(work / "resumed")], limit)
+    run_command([*TORCHRUN, "--nproc-per-node=2", "-m", "minimegatron.train", *CAPSTONE_MODEL, "--device", "cpu",
+                 "--tensor-model-parallel-size", "2", "--load", str(ckpt), "--out-dir", str(work / "resumed")], limit)
+    run_command(["-m", "minimegatron.train", *CAPSTONE_MODEL, "--device", "cpu", "--out-dir", str(work / "cpu")], limit)
+    resumed, cpu = (json.loads((work / run / "losses.json").read_text())["train"] for run in ("resumed", "cpu"))
+    gap = max(abs(x - y) for x, y in zip(resumed, cpu)) if len(resumed) == len(cpu) == 4 else float("inf")
+    say(f"losses, 2 steps on {DEVICE} (NCCL) + 2 resumed on 2 CPU ranks under tp 2: {' '.join(f'{x:.9f}' for x in resumed)}")
+    say(f"losses, 4 steps in one CPU process:                            {' '.join(f'{x:.9f}' for x in cpu)}")
+    say(f"largest difference {gap:.1e} (float64)")
+    failed += [] if gap < 1e-9 else [f"the resumed losses differ from the CPU's by {gap:.1e}"]
+
+    init_from_torchrun(device="cpu")                           # a world of one in memory, for load_model
+    model = load_model(str(ckpt))[0].eval()                    # iteration 2, as the GPU saved it
+    gpu = copy.deepcopy(model).to(DEVICE)
+    tokenizer = build_tokenizer("byte")
+    prompts = [tokenizer.encode("Pipeline parallel"), tokenizer.encode("The")]
+    with torch.no_grad():
+        tokens = {"cpu, cache": generate(model, prompts, 12)[0], f"{DEVICE}, cache": generate(gpu, prompts, 12)[0],
+                  f"{DEVICE}, no cache": generate(gpu, prompts, 12, use_cache=False)[0]}
+    for name, got in tokens.items():
+        say(f"greedy tokens ({name}): {got}")
+    failed += [] if len({str(t) for t in tokens.values()}) == 1 else ["the greedy tokens differ (above)"]
+    try:
+        import transformers
+    except ImportError as exc:
+        notes.append(f"transformers skipped ({type(exc).__name__})")
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(ckpt, work / "hf")),
+                                                               dtype=torch.float64).to(DEVICE).eval()
+        ids = torch.tensor([prompts[0]], device=DEVICE)
+        with torch.no_grad():
+            theirs = hf(ids).logits                                                   # [1, s, V]
+            ours = gpu(ids)[..., :theirs.shape[-1]]
+            text = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        logit_gap, same = (theirs - ours).abs().max().item(), text[0, ids.shape[1]:].tolist() == tokens["cpu, cache"][0]
+        say(f"transformers {transformers.__version__} {type(hf).__name__} on {DEVICE}: logits differ by "
+            f"{logit_gap:.1e}; greedy generate {'the same tokens' if same else 'DIFFERENT: ' + str(text[0].tolist())}")
+        # 1e-6, not float64's 1e-12: transformers builds RoPE's inverse frequencies in float32 (measured 4e-8 on the CPU)
+        failed += [] if logit_gap < 1e-6 and same else ["transformers' logits or tokens differ (above)"]
+    tail = "".join(f"; {note}" for note in notes)
+    shutil.rmtree(work, ignore_errors=True)
+    if failed:
+        return "FAIL", "; ".join(failed) + tail
+    return "PASS", (f"NCCL training resumed on the CPU under tp 2 = one CPU process ({gap:.0e}); greedy tokens "
+                    f"equal with and without the cache, on {DEVICE} and the CPU" + ("" if notes else
+                    ", and in transformers") + tail)
+
+
 CHECK_FUNCTIONS = {"environment": check_environment, "kernels": check_kernels, "libraries": check_libraries,
-                   "baseline": check_baseline, "multirank": check_multirank}
+                   "baseline": check_baseline, "multirank": check_multirank, "capstone": check_capstone}
 
 
 # the parent: one process per check

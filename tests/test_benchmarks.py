@@ -55,7 +55,7 @@ def test_the_kernels_in_the_model_on_a_gpu_say_they_need_one():
     assert proc.returncode == 2 and "needs an NVIDIA GPU" in proc.stderr, proc.stdout + proc.stderr
 
 
-GPU_CHECKS = ("environment", "kernels", "libraries", "baseline", "multirank")
+GPU_CHECKS = ("environment", "kernels", "libraries", "baseline", "multirank", "capstone")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU machine runs the check itself")
