@@ -43,7 +43,9 @@ First run, 2026-11-27, on one NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0; fla
 Transformer Engine not installed, so their comparisons have never run): baseline and multirank
 failed for the LLaMA models, because model/rope.py's rope_cos_sin built its frequency table on
 the CPU; fixed, and the second run on the same machine PASSed all five in 82 s
-(benchmarks/README.md, "gpu_check.py"; gpu_runs/ has its output).
+(benchmarks/README.md, "gpu_check.py"; gpu_runs/ has its output). On 2026-11-28, on one H100
+(torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0), all six PASSed in 147 s, capstone and the
+packed-documents attention included (gpu_runs/2026-11-28_h100_gpu_check.log).
 """
 
 from __future__ import annotations
