@@ -85,3 +85,32 @@ def test_the_gpu_check_lists_its_checks():
     lines = proc.stdout.splitlines()
     for i, name in enumerate(GPU_CHECKS, 1):
         assert lines[i - 1].startswith(f"{i}. {name} "), proc.stdout
+
+
+# The GPU runs' numbers quoted in benchmarks/README.md and chapter 08, each beside the line of the
+# recorded log it comes from (CI has no GPU to rerun them; it checks the quotes against the logs).
+GPU_QUOTES = {
+    "benchmarks/gpu_runs/2026-11-28_h100_gpu_check.log": [
+        ("worst error 2.9e-3 in bf16", "flash_attention documents b2 s1024 bfloat16      2.4e-03 2.9e-03"),
+        ("1.8e-3 in float32", "flash_attention documents b2 s1024 float32       9.9e-04 1.6e-03 1.8e-03"),
+        ("within 8.9e-16", "largest difference 8.9e-16 (float64)"),
+        ("by 5.1e-8", "logits differ by 5.1e-08; greedy generate the same tokens"),
+        ("165,819 tokens/s (49.4 ms a step, MFU 13.9%)", "median step 49.4 ms, 165,819 tokens/s"),
+        ("fp32 at 41,730 (MFU 51.6%)", "41,730 tokens/s, 34.5 model TFLOP/s, MFU 51.6%"),
+    ],
+}
+
+
+def test_the_quoted_gpu_numbers_are_in_the_recorded_logs():
+    import re
+    readme = (ROOT / "benchmarks/README.md").read_text()
+    chapter = (ROOT / "chapters/08_capstone/README.md").read_text()
+    assert "within 8.9e-16 in float64" in chapter
+    for log, quotes in GPU_QUOTES.items():
+        text = (ROOT / log).read_text()
+        for quoted, recorded in quotes:
+            assert quoted in readme, quoted
+            assert recorded in text, recorded
+        assert "gpu_check: 6 PASS, 0 FAIL, 0 SKIP" in text
+        total = sum(float(x) for x in re.findall(r"^PASS \w+ \(([\d.]+) s\)", text, re.M))
+        assert f"all six checks PASS in {round(total)} s" in readme, total      # the sum of the checks' times
