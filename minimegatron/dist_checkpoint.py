@@ -18,7 +18,8 @@ owners and locations). So every piece written is
     (kind, name, global shape, local shape, boxes, flat)  +  the tensor
 
 kind "model" (the parameter as the model holds it), "main" (float32 main parameters of a
-16-bit model), "exp_avg", "exp_avg_sq" (AdamW's moments) or "buffer"; name the single-device
+16-bit model), "exp_avg", "exp_avg_sq" (AdamW's moments), "buffer", or "fp8" (an FP8 layer's
+delayed scaling: its scales and amax histories, fp8.delayed_scaling_states); name the single-device
 name; boxes the local tensor's global boxes (each a list of [lo, hi) per dimension) and
 where each sits in the local tensor; flat the elements [lo, hi) of the flattened local tensor
 this piece holds (all of them for a parameter; a ZeRO shard's run for the optimizer).
@@ -67,6 +68,7 @@ from torch import nn
 from . import comm
 from .checkpoint import CheckpointError, _atomic_write, _unreadable, remove_stale_temporaries
 from .dp import local_tensors, unwrap
+from .fp8 import delayed_scaling_states, load_delayed_scaling_states
 from .optim import Optimizer
 from .parallel_state import Layout
 from .placement import Placement
@@ -79,7 +81,7 @@ __all__ = ["FORMAT", "save_distributed", "load_distributed", "read_common", "is_
 
 FORMAT = "minimegatron-torch_dist-v1"
 COMMON = "common.pt"
-KINDS = ("model", "main", "exp_avg", "exp_avg_sq", "buffer")
+KINDS = ("model", "main", "exp_avg", "exp_avg_sq", "buffer", "fp8")
 # model config fields a resume may change: the precision (the float32 main parameters, or the
 # parameters themselves, are cast to the new dtype)
 MAY_CHANGE = ("params_dtype",)
@@ -163,8 +165,10 @@ def _pieces_of_tensor(kind, record, local_shape, tensor, flat=None):
 
 def checkpoint_pieces(chunks: list[nn.Module], optimizer: Optimizer | None) -> list[tuple[dict, torch.Tensor]]:
     """Every piece this rank holds (descriptor, tensor), before deduplication. The model's
-    parameters as local tensors (ZeRO-3's gathered over dp: a collective), its buffers, and
-    the optimizer's main parameters and moments as runs of local tensors."""
+    parameters as local tensors (ZeRO-3's gathered over dp: a collective), its buffers, its FP8
+    layers' delayed scaling (whole: a data-parallel replica's differs, and the first one's is
+    written, as Megatron saves a TE layer's _extra_state), and the optimizer's main parameters
+    and moments as runs of local tensors."""
     pieces = []
     for chunk in chunks:
         model = unwrap(chunk)
@@ -175,6 +179,8 @@ def checkpoint_pieces(chunks: list[nn.Module], optimizer: Optimizer | None) -> l
         for name, buf in model.state_dict().items():    # saved buffers (a router's expert bias)
             if name not in params:
                 pieces.append(_pieces_of_tensor("buffer", Placement(name, tuple(buf.shape)), tuple(buf.shape), buf))
+        for name, state in delayed_scaling_states(model).items():     # FP8: each layer's scales and amax histories
+            pieces.append(_pieces_of_tensor("fp8", Placement(name, tuple(state.shape)), tuple(state.shape), state))
     if optimizer is None:
         return pieces
     for main, seg in zip(optimizer.main_params, optimizer.segments):
@@ -367,6 +373,11 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
                 if not reader.has("buffer", name):
                     raise CheckpointError(f"checkpoint {path} has no buffer {name!r}")
                 buf.copy_(reader.full("buffer", name))
+        try:                                    # FP8 delayed scaling: a layer saved without it starts fresh
+            load_delayed_scaling_states(model, {name: reader.full("fp8", name) for name in delayed_scaling_states(model)
+                                                if reader.has("fp8", name)})
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
     segments = [] if optimizer is None else list(zip(optimizer.main_params, optimizer.segments))
     for i, (_, seg) in enumerate(segments):
         for (record, lo, hi), (shape, inside) in zip(seg.owners, seg.locations):

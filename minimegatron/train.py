@@ -78,6 +78,7 @@ from .model.moe import set_moe_aux_loss_scale
 from .optim import Optimizer, is_expert_parameter, learning_rate, set_learning_rate
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
+from .fp8 import delayed_scaling_states, load_delayed_scaling_states
 from .cp import get_batch_on_this_cp_rank
 from .cp.attention import hierarchical_sizes
 from .pp import PipelineComm, evaluate_pipelining, forward_backward_pipelining
@@ -375,6 +376,8 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
         error = None
         try:                                    # a rank file of another layout fails here, apart
             optimizer.load_state_dict(own["optimizer"])
+            for chunk in chunks:                # FP8 delayed scaling (none in a checkpoint from before it)
+                load_delayed_scaling_states(chunk, own.get("fp8", {}))
             torch.set_rng_state(own["rng"])
             get_rng_tracker().set_states(own["tp_rng"])
         except Exception as exc:                # noqa: BLE001
@@ -510,6 +513,7 @@ def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> st
     split = holds_part_of_model(layout)
     model_state = full_model_tensors(chunks, layout)                      # collective
     own = {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(), "tp_rng": get_rng_tracker().get_states(),
+           "fp8": {name: state for c in chunks for name, state in delayed_scaling_states(c).items()},
            **({"model": [chunk_state(c) for c in chunks]} if split else {})}
     if layout.world > 1:
         save_rank_state(cfg.save_dir, step, layout.rank, own)

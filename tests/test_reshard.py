@@ -7,6 +7,7 @@ etp, dp), as do the ZeRO stage (0 to 3) and the precision (float32 <-> bf16); 4-
 run in one spawned world, 1-rank ones in this process."""
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -58,6 +59,13 @@ PRECISION = [("bf16 tp2 x dp2 -> float32 pp2 x dp2", layout(tp=2, dp=2) | BF16, 
              ("float32 dp4 ZeRO-1 -> bf16 tp4", layout(dp=4, zero=1), layout(tp=4) | BF16)]
 
 
+# FP8 delayed scaling: its scales and amax histories travel. Saved under tp2 + SP x pp2, resumed
+# under tp4 + SP, and on one device (tp and pp keep one device's amaxes: the book reduces them
+# over tp x cp; data-parallel replicas and cp ranks would not see one device's, chapter 06 §5)
+FP8 = dict(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+FP8_PAIR = ("fp8 delayed tp2 + SP x pp2 -> tp4 + SP", layout(tp=2, sp=True, pp=2) | FP8, layout(tp=4, sp=True) | FP8)
+
+
 def _cfg(tmp, name, fields, **kw) -> TrainConfig:
     return dataclasses.replace(BASE, **fields, **kw, out_dir=str(tmp / "out" / name))
 
@@ -98,6 +106,9 @@ def grid(tmp_path_factory):
         runs += [(_model(FLOAT32, saved), _cfg(tmp, f"pa{i}", saved, save_dir=str(tmp / f"pa{i}"), exit_interval=2)),
                  (_model(FLOAT32, resumed), _cfg(tmp, f"pb{i}", resumed, load_dir=str(tmp / f"pa{i}"),
                                                  save_dir=str(tmp / f"pb{i}")))]
+    runs += [(DENSE, _cfg(tmp, "fa", FP8_PAIR[1], save_dir=str(tmp / "fa"), exit_interval=2)),
+             (DENSE, _cfg(tmp, "fb", FP8_PAIR[2], load_dir=str(tmp / "fa"), save_dir=str(tmp / "fb")))]
+    one["fp8"] = train(DENSE, _cfg(tmp, "one-fp8", FP8)).losses
     losses = spawn(W.train_in_turn, 4, runs, timeout=900)[0]
     # the last pair's second half on one device
     four_to_one = train(DENSE, _cfg(tmp, "b-four", FOUR_TO_ONE[3], load_dir=str(tmp / "a-four"),
@@ -136,3 +147,34 @@ def test_the_precision_changes_at_the_resume_as_on_one_device(grid, index):
     want_losses, want_state = one[f"precision-{index}"]
     got = losses[2 * len(PAIRS) + 2 + 2 * index + 1]
     _compare(got, load_full_state(tmp / f"pb{index}" / "iter_0000004"), want_losses, want_state, 2e-2, 5e-2)
+
+
+def test_fp8_delayed_scaling_resumes_under_another_layout_and_on_one_device(grid, tmp_path):
+    """The scales and amax histories (kind "fp8") come back: the resumed FP8 runs equal the
+    uninterrupted one-device run; the same checkpoint without them (its "fp8" pieces dropped
+    from the index: every layer starts again from scale 1) does not."""
+    tmp, one, losses, _ = grid
+    want = one["fp8"]
+    got = losses[-1]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-10, (got, want)
+    on_one = train(DENSE, _cfg(tmp, "fc", FP8, load_dir=str(tmp / "fa"))).losses
+    assert max(abs(a - b) for a, b in zip(on_one, want)) < 1e-10, (on_one, want)
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp / "fa", bare)
+    common = bare / "iter_0000002" / "common.pt"
+    state = torch.load(common, weights_only=True)
+    assert any(d["kind"] == "fp8" for d in state["index"])
+    torch.save(dict(state, index=[d for d in state["index"] if d["kind"] != "fp8"]), common)
+    fresh = train(DENSE, _cfg(tmp, "fd", FP8, load_dir=str(bare))).losses
+    assert abs(fresh[2] - want[2]) > 1e-6, (fresh, want)
+
+
+def test_fp8_delayed_scaling_resumes_from_the_torch_format():
+    """Chapter 00's format keeps each rank's FP8 state in its own file (the same layout resumes)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dataclasses.replace(BASE, **FP8, ckpt_format="torch", out_dir=f"{tmp}/out")
+        want = train(DENSE, cfg).losses
+        train(DENSE, dataclasses.replace(cfg, save_dir=f"{tmp}/ckpt", exit_interval=2))
+        got = train(DENSE, dataclasses.replace(cfg, load_dir=f"{tmp}/ckpt")).losses
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-10, (got, want)

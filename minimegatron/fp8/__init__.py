@@ -7,10 +7,11 @@ delayed scaling's state (scaling.py), and the GEMMs of the one model in FP8 (lin
                 quantize_tensorwise / quantize_blockwise / quantize_mxfp8
   scaling.py    Fp8Recipe (Megatron's --fp8-format / --fp8-recipe / --fp8-margin /
                 --fp8-amax-history-len / --fp8-amax-compute-algo), DelayedScaling
-  linear.py     Fp8Gemm (fprop, dgrad, wgrad in FP8 at model/linear.py's seam), apply_fp8
+  linear.py     Fp8Gemm (fprop, dgrad, wgrad in FP8 at model/linear.py's seam), apply_fp8;
+                delayed scaling's state for a checkpoint (chapter 08)
 """
 
-from .linear import FP8_LAYERS, Fp8Gemm, apply_fp8
+from .linear import FP8_LAYERS, Fp8Gemm, apply_fp8, delayed_scaling_states, load_delayed_scaling_states
 from .quantize import (FORMATS, Quantized, cast_to_fp8, quantize_blockwise, quantize_mxfp8, quantize_tensorwise,
                        tensorwise_scale)
 from .scaling import DelayedScaling, Fp8Recipe, ROLES, SCALINGS
@@ -26,4 +27,4 @@ def fp8_recipe_of(cfg) -> Fp8Recipe | None:
 
 __all__ = ["FORMATS", "Quantized", "cast_to_fp8", "tensorwise_scale", "quantize_tensorwise", "quantize_blockwise",
            "quantize_mxfp8", "Fp8Recipe", "DelayedScaling", "ROLES", "SCALINGS", "Fp8Gemm", "apply_fp8",
-           "FP8_LAYERS", "fp8_recipe_of"]
+           "FP8_LAYERS", "fp8_recipe_of", "delayed_scaling_states", "load_delayed_scaling_states"]

@@ -240,3 +240,46 @@ def apply_fp8(model: nn.Module, recipe: Fp8Recipe | None, amax_group=None, exper
 
 def _note_grad_mode(module: nn.Module, args) -> None:
     module.gemm.backward_follows = torch.is_grad_enabled()
+
+
+# ---------------------------------------------------------------------------------------
+# delayed scaling's state in a checkpoint (chapter 08)
+# ---------------------------------------------------------------------------------------
+def _delayed_layers(model: nn.Module) -> dict[str, Fp8Gemm]:
+    """{single-device name of a linear layer (its weight's placement name, less ".weight"):
+    its Fp8Gemm}, for the layers of `model` (a chunk) under delayed scaling."""
+    return {m.weight.placement.name.removesuffix(".weight"): m.gemm for m in model.modules()
+            if isinstance(getattr(m, "gemm", None), Fp8Gemm) and m.gemm.delayed is not None}
+
+
+def delayed_scaling_states(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Delayed scaling's state of every FP8 linear layer of `model` (a chunk of any layout):
+    {the layer's single-device name: [3, 2 + L] float32}, one row per role in ROLES order
+    (input, weight, grad_output): the scale, 1.0 when an amax is recorded and not yet turned
+    into a scale (DelayedScaling.pending), then the amax history (L = --fp8-amax-history-len).
+    Empty without delayed scaling. Every tp and cp rank of a layer holds the same state (the
+    amaxes are reduced over tp x cp); data-parallel replicas hold their own. Transformer Engine
+    keeps the same numbers (fp8 meta: scale, amax_history) in each layer's `_extra_state`,
+    which Megatron saves once, from the first replica (a ShardedObject with replica_id)."""
+    return {name: torch.stack([torch.cat([s.scale.reshape(1), torch.tensor([float(s.pending)]), s.history])
+                               for s in (gemm.delayed[role] for role in ROLES)])
+            for name, gemm in _delayed_layers(model).items()}
+
+
+def load_delayed_scaling_states(model: nn.Module, states: dict[str, torch.Tensor]) -> int:
+    """Set the delayed scaling of `model`'s FP8 layers from `states` (delayed_scaling_states'
+    form, from any layout); a layer `states` lacks keeps its fresh state (scale 1, as at the
+    start of training). Returns how many layers were set. ValueError when a saved history has
+    another length than this run's --fp8-amax-history-len."""
+    done = 0
+    for name, gemm in _delayed_layers(model).items():
+        if name not in states:
+            continue
+        saved, length = states[name], gemm.recipe.amax_history_len
+        if saved.shape != (len(ROLES), 2 + length):
+            raise ValueError(f"the checkpoint's amax history of {name} holds {saved.shape[-1] - 2} entries, this run's "
+                             f"fp8_amax_history_len={length}: resume with --fp8-amax-history-len {saved.shape[-1] - 2}")
+        for row, role in zip(saved.float(), ROLES):
+            gemm.delayed[role].load_state_dict({"scale": row[0], "pending": bool(row[1]), "history": row[2:]})
+        done += 1
+    return done
