@@ -69,7 +69,7 @@ from .dist_checkpoint import (FORMAT as DIST_FORMAT, MAY_CHANGE, is_distributed_
                               read_common, save_distributed)
 from .data import (DataError, GPTDataset, IndexedDataset, batch_for_step, build_default_corpus, build_tokenizer,
                    train_valid_split)
-from .dp import local_tensors, no_sync
+from .dp import local_tensors, no_sync, storage_bytes
 from .arguments import parse_command_line
 from .launch import finish_torchrun, init_from_torchrun, print_once
 from .model import finalize_model_grads, mean_loss
@@ -452,15 +452,18 @@ def local_parameter_counts(chunks: list[nn.Module]) -> dict[str, int]:
 
 def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str, int]:
     """The bytes this rank keeps from step to step: "parameters" (a tied weight once),
-    "gradients" (the data-parallel wrappers' buffers; without one, the .grad backward gives each
+    "gradients" (the data-parallel wrappers' buffers: ZeRO-2's and ZeRO-3's gradient shards
+    (their memory_tensors); without a wrapper, the .grad backward gives each
     parameter, as many bytes as the parameter), "main_parameters" (mixed precision: the
     optimizer's float32 copies) and "optimizer" (AdamW's two moments; its step counters left out)."""
     params = held_parameters(chunks)
     buffers = [b.grad_data for c in chunks for b in getattr(c, "buckets", []) if b.grad_data is not None]
+    if any(hasattr(c, "memory_tensors") for c in chunks):   # ZeRO 1-3 (and a mixture's expert buckets): their own
+        buffers = [t for c in chunks for t in c.memory_tensors()["grads"]]                 # accounting of them
     moments = [t for state in optimizer.state.values() for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
     copies = [m for m, seg in zip(optimizer.main_params, optimizer.segments) if m is not seg.param]
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)     # noqa: E731
-    return {"parameters": size(params), "gradients": size(buffers) if buffers else size(params),
+    return {"parameters": size(params), "gradients": storage_bytes(buffers) if buffers else size(params),
             "main_parameters": size(copies), "optimizer": size(moments)}
 
 

@@ -38,7 +38,7 @@ from .naive import (DataParallel, HookedDataParallel, NaiveDataParallel, allredu
                     finish_grad_sync, grad_of, local_tensors, no_sync, unwrap)
 from .timeline import BucketTimeline
 from .fsdp import FullyShardedDataParallel
-from .zero import ZeroDataParallel, measure_memory, reduce_scatter_gradients
+from .zero import ZeroDataParallel, measure_memory, reduce_scatter_gradients, storage_bytes
 
 
 def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=None) -> nn.Module:
@@ -83,4 +83,4 @@ __all__ = ["DataParallel", "no_sync", "finish_grad_sync", "grad_of", "local_tens
            "HookedDataParallel", "DistributedDataParallel", "ZeroDataParallel", "broadcast_parameters",
            "allreduce_gradients", "assign_buckets", "reduction_groups", "Bucket", "make_bucket", "shard_range",
            "apply_data_parallel", "measure_memory", "BucketTimeline", "FullyShardedDataParallel",
-           "reduce_scatter_gradients"]
+           "reduce_scatter_gradients", "storage_bytes"]

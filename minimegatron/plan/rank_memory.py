@@ -2,7 +2,8 @@
 and activations, from the book's own accounting (minimegatron.analysis), stage by stage.
 
     rank_memory(model_cfg, train_cfg, world, pp_rank)  -> {"params", "grads", "optimizer",
-                                                           "zero3_gathered", "activations", "total", ...}
+                                                           "zero3_gathered", "zero3_pending", "activations",
+                                                           "total", ...}
 
 Legend: n_d, n_e the dense and expert parameter elements of the rank (analysis.rank_parameters:
 tp, pp, ep, etp and the padded vocabulary applied); p, g, K the bytes per parameter of
@@ -12,9 +13,11 @@ that shard the dense state under ZeRO (the "dp-cp" group), D_e = world / (etp ep
 experts'.
 
   params      p n                 ZeRO-3: p ceil(n / D)
-  grads       g n                 ZeRO-2: g ceil(n / D); ZeRO-3 with one micro-batch the same,
-                                  with m > 1 g n (the book's ZeRO-3 accumulates under no_sync
-                                  in a full-size buffer, dp/fsdp.py)
+  grads       g n                 ZeRO-2, 3: g ceil(n / D)
+  zero3_pending                   ZeRO-3 with m > 1 micro-batches: g D ceil(n / D) more inside a
+                                  step (the book's ZeRO-3 accumulates under no_sync in a full-size
+                                  buffer, dp/fsdp.py's unit.pending, freed by the step's last
+                                  backward)
   optimizer   K n                 ZeRO-1, 2, 3: K ceil(n / D)
   zero3_gathered                  ZeRO-3: one unit gathered whole while it runs, about one layer:
                                   p n_d / (the rank's layers)
@@ -24,7 +27,8 @@ With tp = pp = cp = 1 these are analysis.training_memory's numbers exactly.
 
 Activations: what the book's model saves for backward, analysis.activation_memory, per layer
 and outside the layers, for a micro-batch of b sequences of s / cp tokens (context parallelism
-cuts the sequence; the ring's K and V blocks are sent again in the backward, not kept), on a tp
+cuts the sequence; ring attention keeps its own K and V stacked, its output and log-sum-exp,
+the other ranks' K and V blocks are sent again in the backward: `_ring_attention_change`), on a tp
 rank with sequence parallelism when tp > 1, under the layout's recompute. An MoE layer (which
 activation_memory does not count) is the same layer with its MLP replaced by an estimate of
 what the dispatcher saves (written out in `moe_mlp_bytes`; not measured by the book). A stage
@@ -89,6 +93,24 @@ def moe_mlp_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
             + ((T_r * h * e + act * T * fs // tp * e + T * fs // tp * e) if fs else 0))
 
 
+def _ring_attention_change(model_cfg: ModelConfig, cfg: TrainConfig, layer: dict[str, int]) -> int:
+    """How much more (or less) a layer saves under ring attention (cp/ring.py, one autograd
+    function) than the single-device attention of its s / cp tokens: the ring keeps its query
+    (RoPE's rotated copy, or a view of the packed qkv output, which it then keeps alive), its
+    output [b, a, s/cp, d] and log-sum-exp, and its own K and V stacked [2, b, g, s/cp, d];
+    the single device kept the qkv output, the rotated query and key, and the log-sum-exp.
+    Measured in chapters/08_capstone/plan_vs_measured.py (dense LLaMA and GPT-2 layers, no
+    recompute; with recompute, and for the other cp_comm_types, the estimate stays the single
+    device's for s / cp tokens)."""
+    tp = cfg.tensor_model_parallel_size
+    b, s = cfg.micro_batch_size, cfg.seq_length // cfg.context_parallel_size
+    a, g, d, e = (model_cfg.num_attention_heads // tp, model_cfg.query_groups // tp, model_cfg.kv_channels,
+                  model_cfg.dtype.itemsize)
+    query = layer["query"] if layer["query"] else layer["qkv_output"]
+    kept = query + b * a * s * d * e + layer["softmax_logsumexp"] + 2 * b * g * s * d * e
+    return kept - (layer["qkv_output"] + layer["query"] + layer["key"] + layer["value"] + layer["softmax_logsumexp"])
+
+
 def layer_activation_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, int]:
     """{"dense": one dense layer, "moe": one MoE layer, "first": the first stage's tensors
     outside the layers, "last": the last stage's}, bytes for ONE micro-batch on one rank."""
@@ -100,6 +122,8 @@ def layer_activation_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str
                              recompute_modules=cfg.recompute_modules, tp=cfg.tensor_model_parallel_size,
                              sequence_parallel=cfg.sequence_parallel, **full)
     dense = acts["layers"] // model_cfg.num_layers
+    if cfg.context_parallel_size > 1 and cfg.cp_comm_type == "p2p" and granularity is None:
+        dense += _ring_attention_change(model_cfg, cfg, acts["per_layer"])
     moe = dense
     if model_cfg.num_experts is not None and granularity != "full":
         layer = acts["per_layer"]
@@ -117,15 +141,16 @@ def _bytes_per_parameter(dtype, master_weights: bool, grad_dtype) -> dict:
 def _sharded(n: int, shards: int, zero: int, m: int, bytes_per: dict) -> dict[str, int]:
     """Bytes of n parameters' state on a rank whose ZeRO stage shards it over `shards` ranks."""
     shard = math.ceil(n / shards)
-    pending = zero == 3 and m > 1
     return {"params": bytes_per["params"] * (shard if zero >= 3 else n),
-            "grads": bytes_per["grads"] * (shard if zero >= 2 and not pending else n),
-            "optimizer": bytes_per["optimizer"] * (shard if zero >= 1 else n)}
+            "grads": bytes_per["grads"] * (shard if zero >= 2 else n),
+            "optimizer": bytes_per["optimizer"] * (shard if zero >= 1 else n),
+            "zero3_pending": bytes_per["grads"] * shard * shards if zero == 3 and m > 1 else 0}
 
 
 def rank_states(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int,
                 parameters: dict | None = None) -> dict:
-    """{"params", "grads", "optimizer", "zero3_gathered"} bytes of a rank of stage pp_rank, and
+    """{"params", "grads", "optimizer" (what the rank keeps from step to step), "zero3_gathered",
+    "zero3_pending" (what ZeRO-3 holds only inside a step)} bytes of a rank of stage pp_rank, and
     "parameters" (its elements, analysis.rank_parameters; pass them if known)."""
     tp, pp, v = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                  cfg.num_virtual_stages_per_pipeline_rank)
@@ -146,7 +171,7 @@ def rank_states(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: i
 def rank_memory(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int, *,
                 parameters: dict | None = None, per_microbatch: dict | None = None) -> dict:
     """Bytes a rank of stage pp_rank holds at its peak (see the module docstring):
-    {"params", "grads", "optimizer", "zero3_gathered", "activations", "total", "parameters"
+    {"params", "grads", "optimizer", "zero3_gathered", "zero3_pending", "activations", "total", "parameters"
     (the elements, {"dense", "experts"}), "in_flight" (micro-batch-chunks at the peak)}.
     `parameters` (rank_parameters') and `per_microbatch` (layer_activation_bytes') may be
     passed when already known."""

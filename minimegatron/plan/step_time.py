@@ -19,7 +19,8 @@ The model (every constant below is an assumption, printed above the planner's ta
              for the gradients (analysis.rank_parameters):
                dp / expert-dp   ZeRO-0 all-reduce of the gradients; ZeRO-1, 2 reduce-scatter
                                 of them + all-gather of the updated bf16 shards; ZeRO-3 two
-                                all-gathers of the shards per micro-batch + one reduce-scatter
+                                all-gathers of the shards per micro-batch (one of the embedding,
+                                whose backward reads no weight) + one reduce-scatter
   time       on the wire, ring algorithms over a group of n: all-reduce 2 (n - 1) / n x bytes,
              reduce-scatter and all-to-all (n - 1) / n x the input, all-gather (n - 1) x the
              shard, a send its bytes (links are full duplex: receives cost nothing more); at
@@ -42,15 +43,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..analysis import rank_parameters, step_communication
+from ..analysis import count_parameters, rank_parameters, step_communication
 from ..analysis.communication import gradient_element_size
 from ..config import ModelConfig, TrainConfig
 from ..pp import bubble_fraction, stage_layers
 from .cluster import Cluster
 from .megatron_formulas import megatron_flops
+from ..tp.layers import pad_vocab_size
 from .rank_memory import pipeline_kind
 
-__all__ = ["COMPUTE_EFFICIENCY", "step_estimate", "compute_bound", "wire_bytes", "group_shapes", "DIMENSIONS"]
+__all__ = ["COMPUTE_EFFICIENCY", "step_estimate", "compute_bound", "stage_messages", "wire_bytes", "group_shapes",
+           "DIMENSIONS"]
 
 # The share of the peak FLOP/s the GEMMs of a step reach when nothing waits for the network.
 # End-to-end, well-tuned Megatron-style runs report 38-43% MFU for Llama 3 405B on 16K H100s
@@ -120,15 +123,37 @@ def _gradient_messages(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cou
             out[dim] = Counter({("all_reduce", "grads", n * g): 1})
         elif cfg.zero_stage in (1, 2):
             out[dim] = Counter({("reduce_scatter", "grads", n * g): 1, ("all_gather", "params", shard * p): 1})
-        else:
-            out[dim] = Counter({("reduce_scatter", "grads", n * g): 1,
-                                ("all_gather", "params", shard * p): 2 * cfg.grad_accum_steps})
+        else:                                   # ZeRO-3 (dp/fsdp.py, no pipeline): per unit and micro-batch
+            out[dim] = _zero3_messages(model_cfg, cfg, n, shards, g, p)
     return out
 
 
-def _stage_times(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: Cluster, pp_rank: int,
-                 counts: dict, compute_mb: float, core_mb: float) -> tuple[float, dict, dict]:
-    """(step time, {dimension: ledger bytes}, {dimension: seconds on the wire}) for stage pp_rank."""
+def _zero3_messages(model_cfg: ModelConfig, cfg: TrainConfig, n: int, shards: int, g: int, p: int) -> Counter:
+    """ZeRO-3's messages of one step (dp/fsdp.py's units: the embedding, each layer, the head),
+    lumped: every unit's shard is all-gathered for its forward and again for its backward, each
+    micro-batch, but the embedding's backward reads no weight (a lookup needs only the token
+    ids); with tied embeddings the output layer uses the embedding unit a second time (its
+    gather, its backward's gather, its reduce-scatter). The gradients are reduce-scattered
+    once a step. Each unit is padded to a multiple of dp on its own, here the total: equal
+    when the units divide (up to dp - 1 elements a unit apart otherwise)."""
+    m, h = cfg.grad_accum_steps, model_cfg.hidden_size
+    embedding = (pad_vocab_size(model_cfg.vocab_size, cfg.tensor_model_parallel_size,
+                                model_cfg.make_vocab_size_divisible_by) * h // cfg.tensor_model_parallel_size
+                 + count_parameters(model_cfg)["position_embedding"])
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    shard, embedding_shard = -(-(n - embedding) // shards), -(-embedding // shards)
+    return Counter({("reduce_scatter", "grads", n * g): 1,
+                    ("all_gather", "params", shard * p): 2 * m,                         # the other units
+                    ("all_gather", "params", embedding_shard * p): (1 + 2 * tied) * m}) + \
+        Counter({("reduce_scatter", "grads", embedding_shard * shards * g): int(tied)})
+
+
+def stage_messages(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int,
+                   counts: dict | None = None) -> dict[str, Counter]:
+    """{dimension: Counter({(op, tag, bytes): calls})}: the messages of one optimizer step on a
+    rank of stage pp_rank (the module docstring's "bytes"), in the ledger's convention, so that
+    a run's comm records (run_report.records_by_dimension) can be set against them. `counts`:
+    analysis.rank_parameters' of the stage, if known."""
     counters = step_communication(model_cfg, cfg, world, pp_rank)
     if any(c is None for c in counters.values()):
         raise ValueError(f"step_communication does not compute {[d for d, c in counters.items() if c is None]} "
@@ -137,7 +162,15 @@ def _stage_times(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: 
     moe_layers = sum(model_cfg.is_moe_layer(i) for chunk in range(v)
                      for i in stage_layers(model_cfg.num_layers, pp, pp_rank, v, chunk))
     _moe_balanced(model_cfg, cfg, counters, moe_layers)
+    counts = rank_parameters(model_cfg, cfg, pp_rank) if counts is None else counts
     counters.update(_gradient_messages(model_cfg, cfg, world, counts))
+    return counters
+
+
+def _stage_times(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: Cluster, pp_rank: int,
+                 counts: dict, compute_mb: float, core_mb: float) -> tuple[float, dict, dict]:
+    """(step time, {dimension: ledger bytes}, {dimension: seconds on the wire}) for stage pp_rank."""
+    counters = stage_messages(model_cfg, cfg, world, pp_rank, counts)
     shapes = group_shapes(cfg, world)
     nbytes, seconds = {}, {}
     for dim, counter in counters.items():
@@ -161,6 +194,7 @@ def _stage_times(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: 
             exposed += m * max(0.0, gathers / m - compute_mb) + max(0.0, seconds[dim] - gathers - compute_mb)
         else:
             exposed += max(0.0, seconds[dim] - compute_mb)
+    pp, v = cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank
     return (m + (pp - 1) / v) * t_mb + exposed, nbytes, seconds
 
 
