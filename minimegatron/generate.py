@@ -1,9 +1,11 @@
-"""Text from a trained model: greedy and sampled decoding with a KV cache, on one device or
-under tensor parallelism (chapter 08).
+"""Text from a trained model: greedy and sampled decoding with a KV cache, on one device, under
+tensor parallelism, across pipeline stages (chapter 08).
 
     python -m minimegatron.generate --load runs/ckpt --prompt "Pipeline" --max-new-tokens 40
     torchrun --nproc_per_node 2 -m minimegatron.generate --load runs/ckpt --tensor-model-parallel-size 2 \\
         --prompt "Pipeline" --prompt "A rank" --max-new-tokens 40 --temperature 0.8 --top-p 0.9 --seed 1
+    torchrun --nproc_per_node 4 -m minimegatron.generate --load runs/ckpt --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --prompt "Pipeline"
 
 Shape legend as in model/gpt.py (b prompts, P the longest prompt, N new tokens, L layers, g
 key/value heads, d head size, tp the tensor-parallel size).
@@ -32,6 +34,16 @@ everywhere: the ranks never disagree on the sequence. Sequence parallelism is re
 one-token step cannot be cut along the sequence. Megatron's static batching does not take it
 either (model_inference_wrappers/abstract_model_inference_wrapper.py); its dynamic batching cuts
 the flattened tokens of all requests together instead.
+
+**Across pipeline stages** each stage keeps the cache of its own layers. A step runs the stages
+one after the other: each receives the previous stage's hidden states [b, s, h] and sends its
+own to the next (comm.recv / comm.send), the last one chooses the tokens and broadcasts them
+over the pipeline group (tag "token"), so every stage writes the same token into its sequence.
+All stages but one wait at any moment: the pipeline bubble at its worst. Megatron's wrapper
+runs the stages the same way (abstract_model_inference_wrapper.py,
+forward_pass_with_pipeline_parallel, whose TODO is asynchronous micro-batches), and broadcasts
+the last stage's logits rather than the tokens (communication_utils.py,
+broadcast_from_last_pipeline_stage): b x V numbers where the book sends b.
 
 Sampling (`next_token`), Megatron's and transformers' order: temperature, then top-k, then
 top-p (the smallest set of the most likely tokens whose probability reaches p), then a draw
@@ -156,15 +168,21 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, use_cache: bool = True,
-             tp_group=None, vocab_size: int | None = None, stop: int | None = None) -> tuple[list[list[int]], dict]:
+             tp_group=None, vocab_size: int | None = None, stop: int | None = None,
+             pp_group=None) -> tuple[list[list[int]], dict]:
     """Continue each prompt (token ids; lengths may differ) by up to `max_new_tokens` tokens
     (fewer after `stop`, e.g. the tokenizer's eod). `model`: a GPTModel, or a tensor-parallel one
-    (then `tp_group` and every rank of it call this alike). Returns (the new tokens of each
-    prompt, {"kv_cache_bytes", "positions"}: the cache's bytes on this rank and the positions
-    the model ran, a measure of the work). Communication under tp: the model's own, plus one
-    comm.all_gather of the last position's logits per step (tag "logits")."""
+    (then `tp_group` and every rank of it call this alike), or a pipeline stage of one (then
+    `pp_group` is its pipeline group, and every rank of it calls this alike). Returns (the new
+    tokens of each prompt, {"kv_cache_bytes", "positions"}: the cache's bytes on this rank and
+    the positions the model ran, a measure of the work). Communication under tp: the model's own, plus one comm.all_gather of the last
+    position's logits per step (tag "logits"); under pp per step: each stage sends its hidden
+    states [b, s, h] to the next (comm.send, tag "pp-fwd"), and the last stage broadcasts the
+    chosen tokens [b] to the others (tag "token")."""
     m = unwrap(model)
     cfg, device = m.config, next(m.parameters()).device
+    pipeline = ((list(comm.group_ranks(pp_group)), comm.group_rank(pp_group))
+                if pp_group is not None and comm.group_size(pp_group) > 1 else None)     # (stage ranks, this stage)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if getattr(m.output_layer, "sequence_parallel", False):
@@ -187,7 +205,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     cache, saved = None, [a.core_attention for a in layers]
     if use_cache:
         heads = [a.local_heads()[1] for a in layers]
-        dtype = m.decoder.final_layernorm.weight.dtype
+        dtype = next(m.decoder.parameters()).dtype
         cache = KVCache([torch.zeros(b, g, total, cfg.kv_channels, dtype=dtype, device=device) for g in heads],
                         [torch.zeros(b, g, total, cfg.kv_channels, dtype=dtype, device=device) for g in heads], valid)
         for i, attention in enumerate(layers):
@@ -199,15 +217,20 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
             end = P + t
             start = cache.filled if cache is not None else 0
             if cache is None:                                          # the whole sequence again, pads masked
-                logits = _uncached_forward(m, tokens[:, :end], positions[:, :end], valid[:, :end])
+                logits = _stage_forward(m, pipeline, tokens[:, :end], positions[:, :end],
+                                        document_ids=_pads_apart(valid[:, :end]))
             else:
-                logits = m(tokens[:, start:end], position_ids=positions[:, start:end])      # [b, s, V(/tp)]
+                logits = _stage_forward(m, pipeline, tokens[:, start:end], positions[:, start:end])   # [b, s, V(/tp)]
                 cache.filled = end
             ran += end - start
-            last = logits[:, -1]                                                            # [b, V(/tp)]
-            if tp_group is not None and comm.group_size(tp_group) > 1:
-                last = comm.all_gather(last.contiguous(), tp_group, dim=-1, tag="logits")   # [b, Vp]
-            token = next_token(last[:, :V].float(), temperature, top_k, top_p, generator)   # [b]
+            token = torch.zeros(b, dtype=torch.long, device=device)
+            if logits is not None:                                     # the last stage (or the only one)
+                last = logits[:, -1]                                                        # [b, V(/tp)]
+                if tp_group is not None and comm.group_size(tp_group) > 1:
+                    last = comm.all_gather(last.contiguous(), tp_group, dim=-1, tag="logits")   # [b, Vp]
+                token = next_token(last[:, :V].float(), temperature, top_k, top_p, generator)   # [b]
+            if pipeline is not None:
+                comm.broadcast(token, pipeline[0][-1], pp_group, tag="token")              # [b], to every stage
             tokens[:, end] = token
             for i in range(b):
                 if not done[i]:
@@ -221,20 +244,43 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     return new, {"kv_cache_bytes": 0 if cache is None else cache.nbytes(), "positions": ran}
 
 
-def _uncached_forward(model, tokens, positions, valid) -> torch.Tensor:
-    """The model over the whole sequence, the pads masked as keys: the padding is one document
-    that no real token belongs to (document_ids, the packed-sequence mask of chapter 07)."""
-    document = torch.where(valid, 0, -1 - torch.arange(valid.shape[1], device=valid.device))   # a pad: its own
-    return model(tokens, position_ids=positions, document_ids=document)
+def _pads_apart(valid: torch.Tensor) -> torch.Tensor:
+    """document_ids [b, s] (the packed-sequence mask of chapter 07) that mask the pads as keys:
+    the real tokens are one document, each pad one of its own."""
+    return torch.where(valid, 0, -1 - torch.arange(valid.shape[1], device=valid.device))
+
+
+def _stage_forward(model: nn.Module, pipeline: tuple[list[int], int] | None, tokens: torch.Tensor,
+                   positions: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """This rank's part of the model over tokens [b, s]: the logits [b, s, V(/tp)] on the last
+    pipeline stage (or without a pipeline), None on the others. `pipeline`: (the global ranks of
+    the pipeline group in stage order, this rank's stage), None for one stage. A stage after the
+    first receives the previous stage's hidden states [b, s, h] and one before the last sends its own
+    (comm.recv / comm.send, tag "pp-fwd"); every stage knows b and s, so no shape travels."""
+    if pipeline is None:
+        return model(tokens, position_ids=positions, document_ids=document_ids)
+    ranks, me = pipeline
+    hidden = None
+    if me > 0:
+        b, s = tokens.shape
+        hidden = torch.empty(b, s, model.config.hidden_size, dtype=next(model.decoder.parameters()).dtype,
+                             device=tokens.device)
+        comm.recv(hidden, ranks[me - 1], tag="pp-fwd")                                     # [b, s, h]
+    out = model(tokens if me == 0 else None, position_ids=positions, hidden_states=hidden, document_ids=document_ids)
+    if me == len(ranks) - 1:
+        return out
+    comm.send(out.contiguous(), ranks[me + 1], tag="pp-fwd")
+    return None
 
 
 # ---------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------
-def load_model(load: str, tensor_parallel: int = 1):
+def load_model(load: str, tensor_parallel: int = 1, pipeline_parallel: int = 1):
     """(model on this rank, its config, the tokenizer spec, the layout) from the torch_dist
-    checkpoint `load` (any layout saved it), cut over `tensor_parallel` ranks (torchrun's world
-    must be exactly that many). Collective when tensor_parallel > 1 (the layout's groups)."""
+    checkpoint `load` (any layout saved it), cut over `tensor_parallel` x `pipeline_parallel`
+    ranks (each data-parallel replica of the world generates the same tokens). Collective
+    when the world has more than one rank (the layout's groups)."""
     from pathlib import Path
 
     from .checkpoint import CheckpointError, latest_checkpoint
@@ -249,8 +295,9 @@ def load_model(load: str, tensor_parallel: int = 1):
             raise CheckpointError(f"{load} holds no --ckpt-format torch_dist checkpoint")
     common = read_common(path)
     model_cfg = ModelConfig(**common["model_config"]).validate()
-    cfg = TrainConfig(tensor_model_parallel_size=tensor_parallel, seq_length=model_cfg.max_position_embeddings,
-                      micro_batch_size=1, progress=False, eval_interval=0)
+    cfg = TrainConfig(tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+                      seq_length=model_cfg.max_position_embeddings, micro_batch_size=1, progress=False,
+                      eval_interval=0)
     layout = initialize_layout(cfg)
     model = build_model(model_cfg, cfg, layout)[0]
     load_distributed(path, [model], None, layout, model_config=common["model_config"])
@@ -271,21 +318,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-kv-cache", action="store_true", help="run the whole sequence at every step")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="under torchrun: the world's size")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tp (under torchrun)")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                        help="pp (under torchrun; the world is tp x pp ranks)")
     args = parser.parse_args(argv)
     rank, world = init_from_torchrun()
     try:
-        if world != args.tensor_model_parallel_size:
-            raise ConfigError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} needs that many ranks; "
-                              f"this run has {world}")
-        model, model_cfg, spec, layout = load_model(args.load, args.tensor_model_parallel_size)
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        if world != tp * pp:
+            raise ConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
+                              f"{tp * pp} ranks; this run has {world}")
+        model, model_cfg, spec, layout = load_model(args.load, tp, pp)
         tokenizer = build_tokenizer(spec)
         prompts = [tokenizer.encode(p) for p in args.prompt]
         start = time.perf_counter()
         new, info = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed, use_cache=not args.no_kv_cache,
                              tp_group=layout.tp_group if world > 1 else None, vocab_size=model_cfg.vocab_size,
-                             stop=tokenizer.eod)
+                             stop=tokenizer.eod, pp_group=layout.pp_group if pp > 1 else None)
         seconds = time.perf_counter() - start
     except (CheckpointError, ConfigError, ValueError) as exc:
         if rank == 0:

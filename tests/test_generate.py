@@ -1,8 +1,8 @@
 """Chapter 08: generation with a KV cache (minimegatron/generate.py). Greedy decoding with the
 cache equals decoding each prompt alone by running the whole sequence at every step (the
 definition), for a batch of prompts of different lengths; sampling is seeded and the same with
-or without the cache; the cache holds its formula's bytes; under tensor parallelism every rank
-produces the single-device tokens; and the converted model's greedy output in transformers
+or without the cache; the cache holds its formula's bytes; under tensor and pipeline
+parallelism every rank produces the single-device tokens; and the converted model's greedy output in transformers
 is the book's."""
 
 
@@ -71,15 +71,24 @@ def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
     assert set(next_token(logits, 1.0, top_p=0.5, generator=g).tolist()) == {0}
 
 
-def _tp_generate(path) -> list:
-    model, _, _, layout = load_model(path, tensor_parallel=2)
-    return generate(model, PROMPTS, 10, tp_group=layout.tp_group, vocab_size=257)[0]
+def _parallel_generate(path) -> list:
+    """On each of 4 ranks: the tokens under tp 2 x pp 2, then under pp 2 (two replicas), with
+    and without the cache."""
+    out = []
+    for tp, pp in ((2, 2), (1, 2)):
+        model, _, _, layout = load_model(path, tensor_parallel=tp, pipeline_parallel=pp)
+        for use_cache in (True, False):
+            out.append(generate(model, PROMPTS, 10, tp_group=layout.tp_group, vocab_size=257, use_cache=use_cache,
+                                pp_group=layout.pp_group)[0])
+    return out
 
 
-def test_under_tensor_parallelism_every_rank_generates_the_single_device_tokens(checkpoint):
+def test_under_tensor_and_pipeline_parallelism_every_rank_generates_the_single_device_tokens(checkpoint):
+    """Every rank, first stage or last, ends with the tokens one process generates: the last
+    stage chooses them and broadcasts them over the pipeline."""
     model, _, _, _ = load_model(checkpoint)
     want, _ = generate(model, PROMPTS, 10)
-    assert spawn(_tp_generate, 2, checkpoint, timeout=300) == [want, want]
+    assert spawn(_parallel_generate, 4, checkpoint, timeout=300) == [[want] * 4] * 4
 
 
 def test_transformers_generates_the_same_greedy_tokens(checkpoint, tmp_path):
