@@ -305,13 +305,10 @@ class _Reader:
         return out
 
 
-TIED_EMBEDDING = "embedding.word_embeddings.weight"
-
-
 def _source(record: Placement) -> str:
-    """The single-device tensor a parameter holds part of: its own name, or, for the tied output
-    layer's copy on a pipeline's last stage (the only `shared` parameter), the word embedding."""
-    return TIED_EMBEDDING if record.shared else record.name
+    """The single-device tensor a parameter holds part of: its own name, or the original's for a
+    copy (the tied output layer on a pipeline's last stage: the word embedding)."""
+    return record.copy_of or record.name
 
 
 def read_common(path: str | os.PathLike) -> dict:

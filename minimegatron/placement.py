@@ -21,7 +21,7 @@ reductions (which group: dense or expert), and later the resharding checkpoint a
 Face exporter (chapter 08).
 
 Megatron-LM keeps the same facts as loose attributes on the parameter (`tensor_model_parallel`,
-`partition_dim`, `partition_stride`, `allreduce`, `shared`, `shared_embedding`, `sequence_parallel`;
+`partition_dim`, `partition_stride`, `allreduce`, `shared` (here `copy_of`), `shared_embedding`, `sequence_parallel`;
 megatron/core/tensor_parallel/layers.py, set_tensor_model_parallel_attributes), with the same
 names here as the record's fields; for checkpoints each module's `sharded_state_dict()` turns
 them into ShardedTensors (megatron/core/dist_checkpointing/mapping.py: key, global_shape,
@@ -69,8 +69,10 @@ class Placement:
     allreduce:          False for a mixture's expert (Megatron's attribute): its gradient is
                         summed over the expert-data-parallel group; `ep_group` holds one copy
                         of each expert per rank (the experts' keys are global indices).
-    shared:             a copy of another parameter (a pipeline's last-stage tied embedding):
-                        counted once by the norm and by the gatherer.
+    copy_of:            the single-device name of the parameter this one copies (a pipeline's
+                        last-stage tied embedding: "embedding.word_embeddings.weight"), or None;
+                        a copy (`shared`, Megatron's attribute) is counted once by the norm, the
+                        gatherer and the checkpoint, which read the original's values for it.
     shared_embedding:   one of the two copies of a tied embedding split between pipeline
                         stages (the first stage's and the last's; Megatron's attribute): ZeRO
                         gives it a bucket of its own, so both stages shard it alike.
@@ -83,12 +85,16 @@ class Placement:
     split: Split | None = None
     allreduce: bool = True
     ep_group: object = None
-    shared: bool = False
+    copy_of: str | None = None
     shared_embedding: bool = False
     sequence_parallel: bool = False
     zero_shard: tuple[int, int] | None = None
 
     # Megatron's attribute names, read off the record
+    @property
+    def shared(self) -> bool:
+        return self.copy_of is not None
+
     @property
     def tensor_model_parallel(self) -> bool:
         return self.split is not None

@@ -182,7 +182,8 @@ class GPTModel(nn.Module):
         if not config.untie_embeddings_and_output_weights and pre_process != post_process:
             # a tied embedding cut between pipeline stages: a copy on each (Megatron's marks)
             copy = self.output_layer.weight if post_process else self.embedding.word_embeddings.weight
-            set_placement(copy, shared_embedding=True, shared=post_process)
+            set_placement(copy, shared_embedding=True,
+                          copy_of="embedding.word_embeddings.weight" if post_process else None)
         if moe_layers(self):                     # chapter 05's routers: the expert-bias update
             register_grad_finalizer(self, "expert-bias", update_expert_bias)
 

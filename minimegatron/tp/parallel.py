@@ -191,7 +191,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
                                             ).to(model.decoder.final_layernorm.weight.device)
         if full is not None:
             output_layer.load_full(_pad_rows(full, Vp))
-            set_placement(output_layer.weight, shared=placement_of(full).shared,       # a pipeline's
+            set_placement(output_layer.weight, copy_of=placement_of(full).copy_of,     # a pipeline's
                           shared_embedding=placement_of(full).shared_embedding)     # tied copy
         model.output_layer = output_layer
         model.loss = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)

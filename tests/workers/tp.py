@@ -124,7 +124,7 @@ def grad_norm_parameters(rank: int) -> list[nn.Parameter]:
     norm, w, copy = (nn.Parameter(torch.zeros(2, dtype=torch.float64)) for _ in range(3))
     for p in (w, copy):
         set_tensor_model_parallel_attributes(p, 0, dist.group.WORLD)
-    set_placement(copy, shared=True)
+    set_placement(copy, copy_of="embedding.word_embeddings.weight")
     for p, grad in ((norm, [3.0, 4.0]), (w, [k, 2 * k]), (copy, [10.0, 10.0])):
         p.grad = torch.tensor(grad, dtype=torch.float64)
     return [norm, w, copy]
