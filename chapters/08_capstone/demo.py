@@ -40,7 +40,8 @@ MODEL = ModelConfig.llama(hidden_size=32, num_layers=4, num_attention_heads=8, n
 BASE = TrainConfig(seq_length=16, micro_batch_size=2, grad_accum_steps=4, train_iters=4, lr=1e-2, lr_warmup_iters=0,
                    eval_interval=0, progress=False, ckpt_format="torch_dist")
 SIZES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
-         "v": "num_virtual_stages_per_pipeline_rank", "zero": "zero_stage", "sp": "sequence_parallel"}
+         "ep": "expert_model_parallel_size", "v": "num_virtual_stages_per_pipeline_rank", "zero": "zero_stage",
+         "sp": "sequence_parallel", "bf16": "bf16"}
 # (saved, resumed): every layout has 4 ranks, dp = 4 / (tp cp pp); the global batch stays 8
 GRID = [("tp=2 dp=2", "pp=2 dp=2"), ("pp=2 v=2 tp=2", "dp=4 zero=1"), ("dp=4 zero=1", "tp=2 sp dp=2"),
         ("tp=4", "cp=2 tp=2"), ("cp=2 dp=2 zero=2", "dp=4 zero=3"), ("dp=4 zero=3", "pp=4")]
@@ -48,14 +49,15 @@ QUICK = GRID[:3]
 
 
 def layout(spec: str) -> dict:
-    """'tp=2 sp dp=2' -> the TrainConfig fields of that layout of 4 ranks."""
+    """'tp=2 sp dp=2' -> the TrainConfig fields of that layout of 4 ranks (a word without a
+    value, sp or bf16, is a switch; chapters/08_capstone/plan_vs_measured.py reads them too)."""
     fields, dp = {}, 1
     for word in spec.split():
         key, _, value = word.partition("=")
         if key == "dp":
             dp = int(value)
         else:
-            fields[SIZES[key]] = True if key == "sp" else int(value)
+            fields[SIZES[key]] = int(value) if value else True
     if fields.get(SIZES["v"], 1) > 1:
         fields["pipeline_schedule"] = "interleaved"
     return dict(fields, grad_accum_steps=4 // dp)

@@ -40,15 +40,14 @@ from minimegatron.plan.rank_memory import rank_memory
 from minimegatron.plan.step_time import stage_messages
 from minimegatron.run_report import DIMENSION_ORDER
 
+from demo import layout                                   # chapters/08_capstone/demo.py: "tp=2 sp dp=2" -> fields
+
 MODEL = ModelConfig.llama(hidden_size=64, num_layers=4, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128,
                           vocab_size=257, max_position_embeddings=64)
 MOE = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=2)
 GPT2 = ModelConfig.gpt2(hidden_size=64, num_layers=4, num_attention_heads=8, vocab_size=257, max_position_embeddings=64)
 BASE = TrainConfig(seq_length=64, micro_batch_size=2, grad_accum_steps=4, train_iters=2, lr_warmup_iters=0,
                    eval_interval=0, progress=False, out_dir="runs/plan_vs_measured")
-SIZES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
-         "ep": "expert_model_parallel_size", "v": "num_virtual_stages_per_pipeline_rank", "zero": "zero_stage",
-         "sp": "sequence_parallel", "bf16": "bf16"}
 # every layout has 4 ranks, dp = 4 / (tp cp pp); the global batch stays 8 sequences
 LAYOUTS = [("tp=2 sp dp=2 zero=1 bf16", MODEL), ("pp=2 v=2 cp=2", MODEL), ("pp=2 tp=2 sp", MODEL),
            ("tp=2 dp=2 zero=3", MODEL), ("dp=4 zero=3", GPT2), ("cp=2 dp=2 zero=2", GPT2),
@@ -59,17 +58,8 @@ UNPLANNED = ("loss and norm", "other")
 
 
 def train_config(spec: str) -> TrainConfig:
-    """'tp=2 sp dp=2 zero=1 bf16' -> that layout of 4 ranks (dp = 4 / (tp cp pp))."""
-    fields, dp = {}, 1
-    for word in spec.split():
-        key, _, value = word.partition("=")
-        if key == "dp":
-            dp = int(value)
-        else:
-            fields[SIZES[key]] = int(value) if value else True
-    if fields.get(SIZES["v"], 1) > 1:
-        fields["pipeline_schedule"] = "interleaved"
-    return dataclasses.replace(BASE, **fields, grad_accum_steps=BASE.grad_accum_steps // dp)
+    """'tp=2 sp dp=2 zero=1 bf16' -> that layout of 4 ranks (dp = 4 / (tp cp pp)), as the demo reads it."""
+    return dataclasses.replace(BASE, **layout(spec))
 
 
 def model_config(spec: str, model: ModelConfig) -> ModelConfig:
