@@ -175,10 +175,10 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     (then `tp_group` and every rank of it call this alike), or a pipeline stage of one (then
     `pp_group` is its pipeline group, and every rank of it calls this alike). Returns (the new
     tokens of each prompt, {"kv_cache_bytes", "positions"}: the cache's bytes on this rank and
-    the positions the model ran, a measure of the work). Communication under tp: the model's own, plus one comm.all_gather of the last
-    position's logits per step (tag "logits"); under pp per step: each stage sends its hidden
-    states [b, s, h] to the next (comm.send, tag "pp-fwd"), and the last stage broadcasts the
-    chosen tokens [b] to the others (tag "token")."""
+    the positions the model ran, a measure of the work). Communication under tp: the model's
+    own, plus one comm.all_gather of the last position's logits per step (tag "logits"); under
+    pp per step: each stage sends its hidden states [b, s, h] to the next (comm.send, tag
+    "pp-fwd"), and the last stage broadcasts the chosen tokens [b] to the others (tag "token")."""
     m = unwrap(model)
     cfg, device = m.config, next(m.parameters()).device
     pipeline = ((list(comm.group_ranks(pp_group)), comm.group_rank(pp_group))
@@ -255,8 +255,8 @@ def _stage_forward(model: nn.Module, pipeline: tuple[list[int], int] | None, tok
     """This rank's part of the model over tokens [b, s]: the logits [b, s, V(/tp)] on the last
     pipeline stage (or without a pipeline), None on the others. `pipeline`: (the global ranks of
     the pipeline group in stage order, this rank's stage), None for one stage. A stage after the
-    first receives the previous stage's hidden states [b, s, h] and one before the last sends its own
-    (comm.recv / comm.send, tag "pp-fwd"); every stage knows b and s, so no shape travels."""
+    first receives the previous stage's hidden states [b, s, h], one before the last sends its
+    own (comm.recv / comm.send, tag "pp-fwd"); every stage knows b and s, so no shape travels."""
     if pipeline is None:
         return model(tokens, position_ids=positions, document_ids=document_ids)
     ranks, me = pipeline
