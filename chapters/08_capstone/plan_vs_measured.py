@@ -1,9 +1,9 @@
 """The planner against measured runs: what `python -m minimegatron.plan` predicts for a layout,
 set against what the training loop measures when it runs that layout on this machine.
 
-    python chapters/08_capstone/plan_vs_measured.py        # spawns 4 ranks: five layouts, about a minute
+    python chapters/08_capstone/plan_vs_measured.py        # spawns 4 ranks: seven layouts, under a minute
 
-Each layout trains the book's small LLaMA-style model (or its mixture of experts) for 2 steps
+Each layout trains a small LLaMA-style model (GPT-2-style for two, a mixture of experts for one) for 2 steps
 with the training command's own `train()` in one world of 4 ranks. Each rank reports (run_report's
 summary, what `make demo` prints) what its last step handed to the collectives per dimension,
 the bytes it kept from step to step, and the activations it held at its peak. The planner
@@ -15,10 +15,11 @@ knows none of that; it gets the model and the layout, as on a real cluster:
            routing-dependent messages (moe-combine, the etp gather and reduce-scatter of the
            received rows, ...) the planner takes as balanced routing makes them, so they are
            compared summed over the ranks, where routing cancels (every row one rank sends,
-           one rank receives): equal. But for the etp all-gather of the received rows, which
-           pads each rank's rows to the largest of its etp group (gloo gathers equal sizes;
-           the ledger counts the padded shard): there the balanced count is a lower bound, and
-           the run may move up to 10% more. The loss's and gradient norm's scalars it leaves out;
+           one rank receives): equal. But for the etp all-gathers and reduce-scatters of the
+           received rows, which pad each rank's rows to the largest of its etp group (gloo
+           takes equal sizes only; the ledger counts the padded shard): there the balanced
+           count is a lower bound, and the check allows 10% more. The loss's and gradient
+           norm's scalars it leaves out;
   memory   plan.rank_memory for the rank's stage: the state (parameters, gradients, the
            float32 main copy, AdamW's moments) and the activations at the peak, each within 10%
            of what the rank held (train.held_state_bytes: the tensors' own sizes; the saved-
@@ -113,8 +114,9 @@ def compare(model: ModelConfig, cfg: TrainConfig, ranks: list[dict]) -> tuple[li
             got, want = routed[dim], planned_routed[dim]
             if dim == "etp":      # gloo gathers equal sizes: each rank's rows padded to its etp group's largest
                 ok = want <= got <= (1 + TOLERANCE) * want
-                verdict = (f"{got / want - 1:.1%} more: the uneven all-gather pads to the group's largest "
-                           f"(comm.all_gather), {'within' if ok else 'NOT within'} {TOLERANCE:.0%}")
+                verdict = (f"{got / want - 1:.1%} more: uneven rows are padded to the etp group's largest "
+                           f"(comm.all_gather, reduce-scatter alike), {'within' if ok else 'NOT within'} "
+                           f"{TOLERANCE:.0%}")
             else:
                 ok, verdict = got == want, "equal" if got == want else "DIFFERS"
             failed += not ok
@@ -141,15 +143,16 @@ def main(argv=None) -> int:
     runs = [(model_config(spec, model), train_config(spec)) for spec, model in LAYOUTS]
     for model, cfg in runs:                               # a layout that cannot run: said before spawning
         validate_layout(model, cfg, 4)
-    print(f"The planner (minimegatron.plan) against {len(runs)} layouts run here: a LLaMA-style model of hidden "
-          f"{MODEL.hidden_size}, {MODEL.num_layers} layers, sequences of {BASE.seq_length}, 8 a step; 4 ranks, "
-          f"2 steps each (the last one measured)", flush=True)
+    print(f"The planner (minimegatron.plan) against {len(runs)} layouts run here: LLaMA-style, GPT-2-style and "
+          f"MoE models of hidden {MODEL.hidden_size}, {MODEL.num_layers} layers, sequences of {BASE.seq_length}, 8 a "
+          f"step; 4 ranks, 2 steps each (the last one measured)", flush=True)
     gathered = spawn(measure_in_turn, 4, runs, timeout=900)
     failed = 0
     for i, ((spec, _), (model, cfg)) in enumerate(zip(LAYOUTS, runs)):
         lines, bad = compare(model, cfg, [rank[i] for rank in gathered])
         failed += bad
-        print(f"{spec}{' (MoE: 4 experts, top-2)' if model.num_experts else ''}:")
+        kind = "MoE: 4 experts, top-2" if model.num_experts else "GPT-2" if model.position_embedding_type != "rope" else "LLaMA"
+        print(f"{spec} ({kind}):")
         print("\n".join(lines))
     print(("AGREE: every planned byte was measured (the etp gathers' padding aside), and memory within "
            f"{TOLERANCE:.0%}") if not failed else f"DISAGREE: {failed} checks failed")
