@@ -241,12 +241,14 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
         lines.append(f"  {dim:<14}{sum(records.values()):>5} calls {_bytes(records):>12,} bytes  {verdict}  "
                      f"(chapter {EXPLAINED.get(dim, '-')})")
     per_parameter = held_bytes_per_parameter(model_cfg, cfg)
-    wrong = [i for i, r in enumerate(gathered) if r["params"] != rank_parameters(model_cfg, cfg, r["pp_rank"])]
+    wrong = [i for i, r in enumerate(gathered) if not _holds_its_parameters(model_cfg, cfg, r, n)]
     failed += bool(wrong)
     lines.append("parameters each rank holds: " + (f"= formula on all {world} ranks" if not wrong else
                  f"DIFFERS on ranks {wrong}") + ": " +
                  ", ".join(f"stage {s} {r['params']['dense']:,} + {r['params']['experts']:,}"
-                           for s, r in sorted({r['pp_rank']: r for r in gathered}.items())))
+                           for s, r in sorted({r['pp_rank']: r for r in gathered}.items())) +
+                 (f" (ZeRO-3: a 1/{n['dp'] * n['cp']} shard of each unit, padded to whole shards; "
+                  f"chapter 01 §5.5)" if cfg.zero_stage == 3 else ""))
     if cfg.zero_stage == 0:
         state = [sum(r["held"].values()) for r in gathered]
         formula = [per_parameter * sum(rank_parameters(model_cfg, cfg, r["pp_rank"]).values()) for r in gathered]
@@ -266,6 +268,18 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
                      ", ".join(f"{idle[s]:.2f}" for s in sorted(idle)) +
                      " (wall clock; the ranks share this machine's cores)")
     return lines, failed
+
+
+def _holds_its_parameters(model_cfg: ModelConfig, cfg: TrainConfig, r: dict, n: dict) -> bool:
+    """Whether a rank's parameter counts are analysis.rank_parameters': exactly, or under ZeRO-3
+    (dp/fsdp.py: each unit, the embedding, every layer and the head, cut into D = dp x cp
+    shards, the last padded) D times its shards less the padding, under D elements a unit."""
+    formula = rank_parameters(model_cfg, cfg, r["pp_rank"])
+    if cfg.zero_stage != 3:
+        return r["params"] == formula
+    shards, units = n["dp"] * n["cp"], model_cfg.num_layers + 2
+    padding = shards * sum(r["params"].values()) - sum(formula.values())
+    return 0 <= padding < shards * units
 
 
 ACTIVATION_TOLERANCE = 0.10
@@ -291,6 +305,9 @@ def activation_lines(cfg: TrainConfig, gathered: list[dict], one_device: int) ->
       - the micro-batches each stage holds at its peak: `in_flight_formula`, exactly;
     and the peak bytes each rank held (micro-batches held x their bytes)."""
     world, n = len(gathered), _sizes(cfg, len(gathered))
+    if cfg.zero_stage == 3:
+        return ["activations saved for backward: not measured under ZeRO-3, whose own saved-tensor hooks "
+                "(dp/fsdp.py, the weights it gathers) take the place of the step record's (chapter 01 §5.5)"], 0
     total = sum(r["saved"][0] for r in gathered)
     ratio = total / (n["dp"] * one_device)
     within = abs(ratio - 1) <= ACTIVATION_TOLERANCE

@@ -166,3 +166,20 @@ def test_the_recorded_main_job_is_the_command_make_demo_runs():
     words = subprocess.run(["bash", "-c", 'printf "%s\\n" ' + recipe.split("-m minimegatron.run_report", 1)[1]],
                            capture_output=True, text=True, check=True).stdout.split()
     assert words == recorded.split("-m minimegatron.run_report", 1)[1].split(), (words, recorded)
+
+
+def test_under_zero_3_a_rank_holds_its_shards_and_the_activations_are_named_unmeasured():
+    """ZeRO-3 (dp/fsdp.py) holds a 1/D shard of each unit: D x the shards equals the formula
+    plus the padding, under D elements a unit; its own saved-tensor hooks leave the step record
+    nothing to measure, which the report says instead of failing."""
+    from minimegatron.run_report import _holds_its_parameters, activation_lines
+    model_cfg, cfg, _ = parse_command_line(["--preset", "tiny", "--zero-stage", "3"], world_size=4)
+    sizes = {"dp": 4, "cp": 1}
+    dense = rank_parameters(model_cfg, cfg, 0)["dense"]
+    shard = -(-dense // 4)
+    assert _holds_its_parameters(model_cfg, cfg, {"pp_rank": 0, "params": {"dense": shard, "experts": 0}}, sizes)
+    assert not _holds_its_parameters(model_cfg, cfg, {"pp_rank": 0, "params": {"dense": shard // 2, "experts": 0}},
+                                     sizes)
+    assert not _holds_its_parameters(model_cfg, cfg, {"pp_rank": 0, "params": {"dense": dense, "experts": 0}}, sizes)
+    lines, failed = activation_lines(cfg, [{"pp_rank": 0, "saved": [0], "peak_in_flight": 0, "peak_bytes": 0}] * 4, 1)
+    assert failed == 0 and "not measured under ZeRO-3" in lines[0]
