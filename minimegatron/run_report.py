@@ -305,9 +305,6 @@ def activation_lines(cfg: TrainConfig, gathered: list[dict], one_device: int) ->
       - the micro-batches each stage holds at its peak: `in_flight_formula`, exactly;
     and the peak bytes each rank held (micro-batches held x their bytes)."""
     world, n = len(gathered), _sizes(cfg, len(gathered))
-    if cfg.zero_stage == 3:
-        return ["activations saved for backward: not measured under ZeRO-3, whose own saved-tensor hooks "
-                "(dp/fsdp.py, the weights it gathers) take the place of the step record's (chapter 01 §5.5)"], 0
     total = sum(r["saved"][0] for r in gathered)
     ratio = total / (n["dp"] * one_device)
     within = abs(ratio - 1) <= ACTIVATION_TOLERANCE

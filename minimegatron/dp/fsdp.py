@@ -207,6 +207,24 @@ class MemoryEvent:
     gathered: int       # bytes of gathered unit buffers alive at this moment
 
 
+# Saved-tensor hooks nest: inside a FullyShardedDataParallel forward its own hooks (_pack) take
+# the place of any outer ones, such as pp.timeline.StepRecord's, which counts the activations.
+# An observer registered here sees every tensor the wrapper saves as it is (not the gathered
+# weights it turns into tokens), as that outer hook would have.
+_SAVED_OBSERVERS: list[Callable[[torch.Tensor], object]] = []
+
+
+@contextmanager
+def observe_saved_tensors(observer: Callable[[torch.Tensor], object]):
+    """Inside, `observer(t)` sees each tensor a FullyShardedDataParallel forward saves for its
+    backward and keeps (the activations; not the gathered weights it replaces by tokens)."""
+    _SAVED_OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _SAVED_OBSERVERS.remove(observer)
+
+
 class FullyShardedDataParallel(DataParallel):
     """ZeRO-3: parameters, gradients and optimizer state sharded over `group`.
 
@@ -281,6 +299,8 @@ class FullyShardedDataParallel(DataParallel):
     def _pack(self, t: torch.Tensor):
         hit = self._live.get(t.untyped_storage().data_ptr())
         if hit is None:
+            for observe in _SAVED_OBSERVERS:         # what an outer hook would have seen (it is shadowed)
+                observe(t)
             return t
         return _Token(hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
 
@@ -424,4 +444,4 @@ class FullyShardedDataParallel(DataParallel):
 
 
 __all__ = ["Unit", "UnitPlan", "gpt_unit_plan", "gather_unit_parameters", "install_unit_parameters",
-           "free_unit_parameters", "FullyShardedDataParallel", "MemoryEvent"]
+           "free_unit_parameters", "FullyShardedDataParallel", "MemoryEvent", "observe_saved_tensors"]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dp.fsdp import observe_saved_tensors
 from .schedules import schedule
 
 __all__ = ["Interval", "simulate", "bubble_fraction", "idle_fraction", "peak_in_flight", "StepRecord"]
@@ -157,7 +158,9 @@ class StepRecord:
             if ptr not in self.params:
                 storages[ptr] = t.untyped_storage().nbytes()
             return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # (ZeRO-3's wrapper runs saved-tensor hooks of its own, which shadow this one: it hands
+        # the tensors it keeps to observe_saved_tensors' observers instead)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observe_saved_tensors(pack):
             yield
         self.saved_bytes[(microbatch, chunk)] = sum(storages.values())
 
