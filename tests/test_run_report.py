@@ -190,17 +190,23 @@ def test_the_step_record_counts_the_activations_under_zero_3_too():
     from minimegatron.launch import init_from_torchrun
     from minimegatron.model import GPTModel
     from minimegatron.pp.timeline import StepRecord
-    init_from_torchrun()
-    model_cfg, _, _ = parse_command_line(["--preset", "tiny"], world_size=1)
-    torch.manual_seed(0)
-    model = GPTModel(model_cfg)
-    tokens = torch.randint(0, model_cfg.vocab_size, (2, 16))
-    counted = []
-    for wrap in (False, True):                   # (the wrapper lays the weights out anew: built second)
-        wrapped = FullyShardedDataParallel(model, None) if wrap else model
-        record = StepRecord(params={p.untyped_storage().data_ptr() for p in wrapped.parameters()})
-        with record.saving(0, 0):
-            loss = wrapped(tokens, labels=tokens).mean()
-        counted.append(record.saved_bytes[(0, 0)])
-        del loss
+    import torch.distributed as dist
+    mine = not dist.is_initialized()
+    init_from_torchrun()                         # a world of one, in memory; gone again below
+    try:
+        model_cfg, _, _ = parse_command_line(["--preset", "tiny"], world_size=1)
+        torch.manual_seed(0)
+        model = GPTModel(model_cfg)
+        tokens = torch.randint(0, model_cfg.vocab_size, (2, 16))
+        counted = []
+        for wrap in (False, True):               # (the wrapper lays the weights out anew: built second)
+            wrapped = FullyShardedDataParallel(model, None) if wrap else model
+            record = StepRecord(params={p.untyped_storage().data_ptr() for p in wrapped.parameters()})
+            with record.saving(0, 0):
+                loss = wrapped(tokens, labels=tokens).mean()
+            counted.append(record.saved_bytes[(0, 0)])
+            del loss
+    finally:
+        if mine:
+            dist.destroy_process_group()
     assert counted[0] > 0 and counted[1] == counted[0], counted
