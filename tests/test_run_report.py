@@ -139,7 +139,8 @@ def test_activations_off_their_formulas_fail_the_run():
     """activation_lines: a sum of micro-batch bytes 20% above dp x one device, and a stage that
     held one micro-batch more than its schedule allows, are both reported and counted."""
     from minimegatron.run_report import activation_lines
-    cfg = TrainConfig(pipeline_model_parallel_size=2, grad_accum_steps=4, tensor_model_parallel_size=2)
+    cfg = TrainConfig(pipeline_model_parallel_size=2, grad_accum_steps=4, tensor_model_parallel_size=2,
+                      sequence_parallel=True)
     gathered = [{"pp_rank": r // 2, "saved": [300, 300], "peak_in_flight": 2 - r // 2, "peak_bytes": 600}
                 for r in range(4)]
     lines, failed = activation_lines(cfg, gathered, 1200)
@@ -210,3 +211,16 @@ def test_the_step_record_counts_the_activations_under_zero_3_too():
         if mine:
             dist.destroy_process_group()
     assert counted[0] > 0 and counted[1] == counted[0], counted
+
+
+def test_without_sequence_parallelism_the_activation_sum_is_reported_not_compared():
+    """Under tp without SP each tp rank keeps the whole [b, s, h] tensors outside attention and
+    the MLP, so the sum over ranks exceeds dp x one device: reported, not a failure; with SP the
+    same sum fails the check."""
+    from minimegatron.run_report import activation_lines
+    ranks = [{"pp_rank": 0, "saved": [1283], "peak_in_flight": 1, "peak_bytes": 1283}] * 2      # tp 2, dp 1
+    for sp, fails in ((False, 0), (True, 1)):
+        cfg = TrainConfig(tensor_model_parallel_size=2, sequence_parallel=sp, seq_length=16, micro_batch_size=2)
+        lines, failed = activation_lines(cfg, ranks, 2000)
+        assert failed == fails, lines
+        assert ("not compared" in lines[0]) == (not sp), lines[0]
