@@ -19,15 +19,26 @@ One scale per tensor (current, delayed) needs the amax of the WHOLE tensor, whic
 or context parallelism no rank holds: a weight's shard, a row-parallel input's features, an
 output gradient's columns, a context-parallel rank's tokens. Each cast therefore all-reduces
 its amax (max, one float, tag "fp8-amax") over `amax_group`: the tp x cp ranks, so every shard
-casts with the scale one device would use for the same micro-batch. Megatron reduces over
-tp x dp x cp (get_amax_reduction_group, with_context_parallel=True; --tp-only-amax-red for tp
-only): data-parallel replicas then share one scale for the global batch, which one device
-running the micro-batches one after the other would not. The blocked recipes need no reduction
-(each block has its own scale), so they equal one device under every layout.
+casts with the scale one device would use for the same micro-batch. That is the book's choice,
+for both recipes; Transformer Engine differs per recipe:
+
+  delayed  every role's amax over the group Megatron passes to fp8_autocast: tp x dp x cp
+           (parallel_state.get_amax_reduction_group(with_context_parallel=True), fp8_utils.py;
+           TE's DelayedScaling.reduce_amax), or tp x cp with TransformerConfig.tp_only_amax_red
+           (a config field, no command-line flag). Data-parallel replicas then share one scale
+           for the global batch, which one device running the micro-batches in turn would not.
+  current  only a column-parallel layer's sequence-parallel input and a row-parallel layer's
+           sequence-parallel output gradient, over tp (TE's linear.py,
+           set_quantizer_amax_reduction_group); weight shards and cp ranks keep their own amax,
+           so a TE run under tp is not one device's.
+
+The blocked recipes need no reduction (each block has its own scale), so they equal one
+device under every layout.
 
 Which layers: the transformer layers' linear_qkv, linear_proj, linear_fc1, linear_fc2 (the
 experts' and the shared expert's too). The embedding, the output layer and the router stay in
-the model's dtype, as in Megatron (its output layer is not a Transformer Engine layer; TE's
+the model's dtype, as in Megatron by default (its output layer is a plain ColumnParallelLinear
+unless fp8_output_proj, with the mxfp8 recipe only, makes it a Transformer Engine layer; TE's
 grouped experts take FP8). The experts' grouped form (one batched product) is refused: its
 stacked weights would share one scale.
 

@@ -20,9 +20,10 @@ The recipes differ in how many scales a tensor has and where they come from:
     delayed               one scale per tensor ROLE, from the amaxes of earlier casts
                           (fp8/scaling.py: DelayedScaling)
     blockwise             one scale per 1 x 128 tile (inputs, output gradients) or 128 x 128
-                          block (weights), a power of 2 (DeepSeek-V3; TE's Float8BlockScaling)
-    mxfp8                 one e8m0 scale (a power of 2) per 32 consecutive elements (OCP MX;
-                          TE's MXFP8BlockScaling)
+                          block (weights), a power of 2 (DeepSeek-V3's tiles, whose scales are
+                          not rounded; the power of 2 is TE's Float8BlockScaling default)
+    mxfp8                 one e8m0 scale (a power of 2) per 32 consecutive elements (the OCP MX
+                          format; the scale rounded up as TE's MXFP8BlockScaling does)
 
 A block's elements run along the dimension the GEMM sums over (its K), so each product of the
 GEMM pairs two blocks with one scale each: x [T, K] is cut along K for the forward, along T for
@@ -36,8 +37,14 @@ PLATFORM.md); on an H100 the same FP8 bytes go to the tensor cores.
 Sources (checked 2026-11-27): torchao's float8 (float8_utils.amax_to_scale: amax in float64,
 clamped at 1e-12; to_fp8_saturated: clamp, then cast), Transformer Engine's recipe docs
 (Float8BlockScaling: scale = max / amax with the mantissa bits zeroed, i.e. rounded down to a
-power of 2; MXFP8: the e8m0 exponent rounded up, so no element saturates), DeepSeek-V3's
-technical report section 3.3.
+power of 2, its default unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1; MXFP8: the e8m0
+exponent of amax / max rounded up by float_to_e8m0, so no element saturates; the OCP MX
+spec's own rule, 2^(floor(log2 amax) - 8) for e4m3, can clamp a block's largest elements),
+DeepSeek-V3's technical report section 3.3 (the 1 x 128 and 128 x 128 tiles).
+
+torch's own casts (torch 2.13): float8_e4m3fn saturates at +-448, inf included, and keeps NaN
+(older releases gave NaN from 480 up); float8_e5m2 gives inf from 61440 up. cast_to_fp8
+clamps first, so it does not depend on either.
 """
 
 from __future__ import annotations
@@ -127,7 +134,7 @@ def _power_of_two_below(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blockwise(x: torch.Tensor, fmt: str, two_d: bool = False) -> Quantized:
-    """DeepSeek-V3 / TE Float8BlockScaling. two_d=False: x [.., K] in 1 x 128 tiles along its
+    """TE's Float8BlockScaling (DeepSeek-V3's tiles). two_d=False: x [.., K] in 1 x 128 tiles along its
     last dimension; two_d=True: a matrix [R, C] in 128 x 128 blocks. Each block's scale is
     fp8_max / amax rounded down to a power of 2 (an all-zero block: 1), so its largest element
     never saturates. No scale is shared across blocks, so no rank needs another rank's amax."""
@@ -147,8 +154,8 @@ def quantize_blockwise(x: torch.Tensor, fmt: str, two_d: bool = False) -> Quanti
 
 
 def quantize_mxfp8(x: torch.Tensor, fmt: str) -> Quantized:
-    """OCP MX / TE MXFP8BlockScaling: 32 consecutive elements along the last dimension share a
-    power-of-2 scale 2^-E, E = ceil(log2(amax / fp8_max)) (TE's rounding up: the block's
+    """TE's MXFP8BlockScaling (the OCP MX format): 32 consecutive elements along the last dimension
+    share a power-of-2 scale 2^-E, E = ceil(log2(amax / fp8_max)) (TE's rounding up: the block's
     largest element lands at or below fp8_max, never saturating), stored as an e8m0 exponent
     in [-127, 127]; an all-zero block gets 2^127 (E = -127), like TE's."""
     fp8_max = FORMATS[fmt][1]

@@ -8,7 +8,7 @@
 "tensorwise" (Transformer Engine's Float8CurrentScaling; `from_megatron` maps the flags). The
 delayed-scaling fields are Megatron's --fp8-margin, --fp8-amax-history-len and
 --fp8-amax-compute-algo, with its defaults (0, 1, "most_recent": megatron/core/transformer/
-transformer_config.py, main d98e8a6, 2026-11-27; Transformer Engine's own DelayedScaling
+transformer_config.py, main d98e8a6, re-checked 2026-12-07; Transformer Engine's own DelayedScaling
 defaults to a history of 1024 and "max").
 
 Delayed scaling (Transformer Engine's DelayedScaling) keeps, per tensor ROLE of a layer (its
