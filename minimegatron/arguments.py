@@ -222,7 +222,7 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
                                        "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias for the "
                                        "choice, updated after each step (needs sigmoid scores)")],
     "kernels": [("--compile", "compile", "each transformer layer through torch.compile, the same as --kernels compile "
-                                         "(chapter 07)")],
+                                         "(chapter 07) (the book's)")],
     "overlap_grad_reduce": [("--overlap-grad-reduce", True, "ZeRO-1/2: launch each bucket's reduce-scatter from the "
                                                               "backward as soon as it is complete (the bucketed DDP "
                                                               "always overlaps its all-reduces; chapter 07)")],
@@ -234,12 +234,15 @@ SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
     "finetune": [("--finetune", True, "torch_dist: load the model only and start from iteration 0 (no optimizer, "
                                        "random states or history)")],
     "overlap_p2p_comm": [("--overlap-p2p-communication", True, "with pp > 1: each receive posted one op ahead, so it "
-                                                               "arrives while the stage computes (chapter 07)"),
+                                                               "arrives while the stage computes (chapter 07) (the book's; "
+                                                               "Megatron has only --no-overlap-p2p-communication, "
+                                                               "overlapping by default)"),
                          ("--no-overlap-p2p-communication", False, "receives posted when needed (the book's default; "
                                                                    "Megatron overlaps by default with interleaving)")],
     "overlap_sp_backward": [("--overlap-sp-backward", True, "with --sequence-parallel: the column-parallel backward's "
                                                              "all-gather and reduce-scatter run behind its GEMMs, as "
-                                                             "Megatron's layer always does (chapter 07)")],
+                                                             "Megatron's layer always does, with no flag (chapter 07) "
+                                                             "(the book's)")],
     "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
                                                          "per rank; all-gather / reduce-scatter replace the all-reduces "
                                                          "(chapter 04)")],

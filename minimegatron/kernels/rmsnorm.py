@@ -16,8 +16,10 @@ same address. `rmsnorm_backward` is the same backward in PyTorch (exercise 7.4);
 check both against autograd through the book's RMSNorm. 16-bit inputs are upcast before the
 launch (flash_attention.py says why).
 
-Megatron-LM: Transformer Engine's fused RMSNorm (megatron/core/extensions/transformer_engine.py,
-TENorm) or Apex's (megatron/core/fusions/fused_layer_norm.py).
+Megatron-LM (main d98e8a6, checked 2026-12-07): Transformer Engine's fused RMSNorm
+(megatron/core/extensions/transformer_engine.py, TENorm); without Transformer Engine, PyTorch's
+torch.nn.RMSNorm through megatron/core/transformer/torch_norm.py (WrappedTorchNorm). Apex's
+megatron/core/fusions/fused_layer_norm.py (FusedLayerNorm) is LayerNorm only.
 """
 
 from __future__ import annotations
