@@ -28,8 +28,10 @@ Saving (collective over the world):
   1. every rank lists the pieces it could write, without data;
   2. comm.all_gather_object of the lists: a piece several ranks hold (a replica over dp or cp,
      a norm weight on every tp rank) is written by the lowest of them only. This is the
-     deduplication torch.distributed.checkpoint's planner does, where Megatron passes a
-     replica_id with each ShardedTensor instead;
+     deduplication torch.distributed.checkpoint's planner does. Megatron passes a replica_id
+     with each ShardedTensor instead, and by default (fully parallel save,
+     strategies/fully_parallel.py) spreads the replicated tensors' writes over the dp x cp
+     ranks, balancing their bytes; without it, replica 0 writes;
   3. every rank writes its pieces to `iter_XXXXXXX/rank_RRRRR.pt` (atomically: a temporary
      name, then a rename), with its random states;
   4. a second comm.all_gather_object brings every rank's index to rank 0, and shows that every
@@ -51,8 +53,11 @@ only the pages read come from disk, and no pickled code runs.
 
 Megatron-LM: megatron/core/dist_checkpointing/ (mapping.py ShardedTensor: key, global_shape,
 global_offset, replica_id; strategies/torch.py: the torch_dist format through
-torch.distributed.checkpoint; validation.py), and the distributed optimizer's model-space
-state (megatron/core/optimizer/distrib_optimizer.py, sharded_state_dict).
+torch.distributed.checkpoint; validation.py; a ShardedTensor with a flattened_range is now
+refused), and the distributed optimizer's state (megatron/core/optimizer/distrib_optimizer.py,
+sharded_state_dict). Its default format, dp_reshardable, keeps each bucket's flat runs and
+reloads under another dp only; --dist-ckpt-optim-fully-reshardable saves model-space tensors,
+as every piece here is, which reload under any tp, pp or ep (main d98e8a6, checked 2026-12-07).
 """
 
 from __future__ import annotations

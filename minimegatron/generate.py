@@ -45,14 +45,17 @@ forward_pass_with_pipeline_parallel, whose TODO is asynchronous micro-batches), 
 the last stage's logits rather than the tokens (communication_utils.py,
 broadcast_from_last_pipeline_stage): b x V numbers where the book sends b.
 
-Sampling (`next_token`), Megatron's and transformers' order: temperature, then top-k, then
-top-p (the smallest set of the most likely tokens whose probability reaches p), then a draw
-from a torch.Generator seeded by --seed; greedy (temperature 0) is the argmax.
+Sampling (`next_token`), transformers' order: temperature, then top-k, then top-p (the
+smallest set of the most likely tokens whose probability reaches p), then a draw from a
+torch.Generator seeded by --seed; greedy (temperature 0) is the argmax. Megatron's sampler
+(inference/sampling/torch_sampling.py, TorchSampling.sample_from_logits) refuses top-k and
+top-p together, and its greedy is top_k == 1, the argmax whatever the temperature.
 
 Megatron-LM (main d98e8a6, checked 2026-11-27): megatron/core/inference/ (engines/,
 contexts/static_context.py's key_value_memory_dict, the dynamic engine's paged cache in
 contexts/dynamic_context.py; sampling in text_generation_controllers/
-text_generation_controller.py, sample_from_logits).
+text_generation_controller.py, sample_from_logits, which calls sampling/torch_sampling.py;
+re-checked 2026-12-07).
 """
 
 from __future__ import annotations

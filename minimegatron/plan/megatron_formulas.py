@@ -1,5 +1,6 @@
 """Megatron-LM's own estimates, re-derived in the book's names: the FLOPs its training log
-reports, and the memory its `--report-theoretical-memory` prints.
+reports, and the memory estimate its training log prints (report_theoretical_memory, on rank
+0 with the first log lines, always: there is no flag for it).
 
 Where they live in Megatron-LM (main, commit d98e8a6, checked 2026-11-27):
 
