@@ -54,7 +54,7 @@ from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.pp import (Interval, bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
                              peak_in_flight, schedule, simulate)
 from booktools.demo import import_chapter  # noqa: E402
-from booktools.measured import claim, grab, numbers_of, parse_number  # noqa: E402
+from booktools.measured import RoundOff, claim, grab, numbers_of, parse_number  # noqa: E402
 from minimegatron.viz import draw_rank_grid, new_figure  # noqa: E402
 
 ch03 = import_chapter("03")        # chapters/03_pp/demo.py: the runs and their checks
@@ -519,7 +519,7 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
             values |= {f"idle_p{p}_m{m}_v{v}": b["idle"], f"over_ideal_p{p}_m{m}_v{v}": b["bubble_over_ideal"]}
 
     # §4.2 the demo's run and Figure 3 (wall clock: machine-dependent, never claimed fixed)
-    values["demo_max_dloss"] = grab(demo, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)")
+    values["demo_max_dloss"] = RoundOff(grab(demo, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)"))
     idle = numbers_after(demo, "measured, last step:")
     values |= {"demo_measured_idle_min": min(idle), "demo_measured_idle_max": max(idle)}
     values |= {"figure3_forward_ms": grab(figures, r"median forward ([\d.]+) ms"),
@@ -562,9 +562,9 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
                "ledger_p2p_messages": sum(n for n, _ in p2p), "ledger_p2p_bytes": sum(b for _, b in p2p)}
 
     # §7.1 3D on 8 ranks (the demo)
-    values |= {"demo3d_max_dloss": grab(demo3d, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)"),
-               "demo3d_max_dgrad": grab(demo3d, r"^MATCH: .*max \|dgrad\| ([\d.e+-]+)"),
-               "demo3d_max_dparam": grab(demo3d, r"^MATCH: .*max \|dparam\| ([\d.e+-]+)"),
+    values |= {"demo3d_max_dloss": RoundOff(grab(demo3d, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)")),
+               "demo3d_max_dgrad": RoundOff(grab(demo3d, r"^MATCH: .*max \|dgrad\| ([\d.e+-]+)")),
+               "demo3d_max_dparam": RoundOff(grab(demo3d, r"^MATCH: .*max \|dparam\| ([\d.e+-]+)")),
                "demo3d_held_stage0": grab(demo3d, r"stage 0: (\d+) \(schedule"),
                "demo3d_held_stage1": grab(demo3d, r"stage 1: (\d+) \(schedule"),
                "demo3d_bytes_stage0": grab(demo3d, r"stage 0: \d+ \(schedule: \d+\), ([\d,]+) bytes"),
@@ -580,7 +580,8 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
                "q4_1f1b": peak_in_flight(schedule("1f1b", 8, 0, 32)),
                "q4_interleaved_chunks": peak_in_flight(schedule("interleaved", 8, 0, 32, 2)),
                "q4_interleaved_microbatches": peak_in_flight(schedule("interleaved", 8, 0, 32, 2)) / 2}
-    return {key: int(x) if float(x).is_integer() else float(x) for key, x in values.items()}
+    return {key: x if isinstance(x, RoundOff) else int(x) if float(x).is_integer() else float(x)
+            for key, x in values.items()}
 
 
 def main(argv=None) -> int:

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import claim, grab, parse_number
+from booktools.measured import RoundOff, claim, grab, parse_number
 from minimegatron import comm
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
 from minimegatron.config import ConfigError, ModelConfig
@@ -452,9 +452,9 @@ _OP_BYTES = re.compile(r"(\w+) ([\d,]+) B")
 
 def equivalence(out: list[str]) -> dict[str, float]:
     """Line [1/4] of a demo's printout: {"dloss", "dgrad", "dparam"}, the largest differences
-    from the single-device run."""
+    from the single-device run (round-off: machine dependent)."""
     names = {"loss": "dloss", "gradients": "dgrad", "parameters": "dparam"}
-    found = {names[m[1]]: parse_number(m[2]) for line in out if (m := _EQUIVALENCE.match(line))}
+    found = {names[m[1]]: RoundOff(parse_number(m[2])) for line in out if (m := _EQUIVALENCE.match(line))}
     if len(found) != 3:
         raise ValueError(f"the printout has no complete [1/4] block: {found}")
     return found
@@ -613,7 +613,8 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     claim(group_of("dp-cp", 6) == [0, 2, 4, 6] and group_of("cp", 6) == [4, 6]
           and group_of("tp-cp", 6) == [4, 5, 6, 7] and group_of("pp", 6) == [6, 14], "rank 6's groups")
 
-    return {key: int(x) if float(x).is_integer() else float(x) for key, x in v.items()}
+    return {key: x if isinstance(x, RoundOff) else int(x) if float(x).is_integer() else float(x)
+            for key, x in v.items()}
 
 
 def measure_questions() -> dict[str, float]:

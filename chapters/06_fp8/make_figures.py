@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import claim, grab
+from booktools.measured import RoundOff, claim, grab
 from minimegatron.analysis import adam_bytes_per_parameter
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.viz import colour, finish_figure, new_figure
@@ -201,8 +201,9 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     figures, demo = outputs["figures"], outputs["demo"]
     for name in CONFIGS:
         key = name.split(" (")[0].replace(",", "").replace(" ", "_").lower()
-        v[f"loss_{key}"] = grab(figures, rf"^  {name.replace('(', '[(]').replace(')', '[)]')} +([\d.]+)")
-        v[f"diff_{key}"] = grab(figures, rf"^  {name.replace('(', '[(]').replace(')', '[)]')} +[\d.]+  \(([-+][\d.]+)")
+        # round-off: 300 steps of 16-bit (or float32) training follow the kernels' summation order
+        v[f"loss_{key}"] = RoundOff(grab(figures, rf"^  {name.replace('(', '[(]').replace(')', '[)]')} +([\d.]+)"))
+        v[f"diff_{key}"] = RoundOff(grab(figures, rf"^  {name.replace('(', '[(]').replace(')', '[)]')} +[\d.]+  \(([-+][\d.]+)"))
     v["fp16_skipped"] = grab(figures, r"fp16: (\d+) steps skipped")
     v["fp16_scale_first_log2"] = grab(figures, r"the scale from 2\^(\d+)")
     v["fp16_scale_last_log2"] = grab(figures, r"the scale from 2\^\d+ to 2\^(\d+)")

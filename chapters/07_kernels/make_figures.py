@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from booktools.measured import claim, grab
+from booktools.measured import RoundOff, claim, grab
 from minimegatron.analysis import activation_memory, measure_saved_activation_bytes
 from minimegatron.config import ModelConfig
 from minimegatron.model import GPTModel
@@ -249,7 +249,7 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
             v[f"{layout_key}_{key}_korthikanti"] = grab(figures, row, 2)
     claim(v["tp2sp_full_layer"] == v["tp2sp_full_korthikanti"], "full recompute under SP keeps Korthikanti's 2sbh/t")
     v["cp_recompute_calls"] = grab(outputs["selective-sp-cp"], r"^  cp +(\d+) calls")
-    v["pack_alone"] = grab(outputs["pack"], r"to each document alone ([\d.e+-]+)")
+    v["pack_alone"] = RoundOff(grab(outputs["pack"], r"to each document alone ([\d.e+-]+)"))       # float64 round-off
     v["pack_mixed"] = grab(outputs["pack"], r"without the switches ([\d.e+-]+)\)")
     packing = outputs["packing"]
     v["pack_docs"] = grab(packing, r"split, byte tokens\): (\d+) documents")
@@ -267,7 +267,7 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     claim(v["tiles_documents"] < v["tiles_causal"], "the document bounds skip tiles on the corpus's packed rows")
     kernels = outputs["kernels"]
     errors = [float(x) for x in __import__("re").findall(r"max \|difference\| ([\d.e+-]+)", "\n".join(kernels))]
-    v["kernel_max_error"] = max(errors)
+    v["kernel_max_error"] = RoundOff(max(errors))                  # float32 round-off
     claim(len(errors) == 9, "nine kernel outputs and gradients are checked")
     v["flash_naive_bytes"] = grab(kernels, r"keeps ([\d,]+) bytes for its backward written out")
     v["flash_bytes"] = grab(kernels, r"written out, ([\d,]+) as FlashAttention-2")

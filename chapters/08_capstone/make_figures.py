@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import sys
 
-from booktools.measured import claim, grab
+from booktools.measured import RoundOff, claim, grab
 
 PLAN = "python -m minimegatron.plan --cluster h100-sxm --top 3"
 GPT3 = ("python -m minimegatron.plan --cluster a100-80gb --model gpt3-175b --gpus 1536 --seq-length 2048 "
@@ -56,8 +56,8 @@ def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
     claim(reshard[-1].startswith("MATCH"), "the reshard grid matches")
     pairs = [line for line in reshard if "-> " in line and "loss max |diff|" in line]
     v["reshard_pairs"] = float(len(pairs))
-    v["reshard_loss"] = max(float(x) for x in re.findall(r"loss max \|diff\| ([\d.e+-]+)", "\n".join(pairs)))
-    v["reshard_param"] = max(float(x) for x in re.findall(r"parameters max \|diff\| ([\d.e+-]+)", "\n".join(pairs)))
+    v["reshard_loss"] = RoundOff(max(float(x) for x in re.findall(r"loss max \|diff\| ([\d.e+-]+)", "\n".join(pairs))))
+    v["reshard_param"] = RoundOff(max(float(x) for x in re.findall(r"parameters max \|diff\| ([\d.e+-]+)", "\n".join(pairs))))
     sizes = [line for line in reshard if "tensors " in line and "formula" in line]
     claim(all(" = formula " in line for line in sizes), "every checkpoint holds exactly the formula's bytes")
     v["size_tp2_tensors"] = grab(reshard, r"^  tp=2 dp=2 +tensors ([\d,]+) bytes")
