@@ -14,15 +14,8 @@ becomes inf, the step is skipped on every rank, and S is lowered.
     scaler.update(found_inf)           # the step is skipped if found_inf
 
 `DynamicGradScaler.update` has Megatron-Core's semantics exactly (checked on main d98e8a6,
-2026-11-27, megatron/core/optimizer/grad_scaler.py):
-
-  - an overflow: the growth tracker restarts at 0 and the hysteresis tracker drops by 1;
-    once it is at 0 or below, the scale is multiplied by backoff_factor (0.5), never below
-    min_scale. The hysteresis tracker is NOT reset by clean steps, only by a growth: after
-    `hysteresis` overflows spread over a window, every further overflow halves the scale;
-  - a clean step: the growth tracker counts up; at growth_interval (--loss-scale-window)
-    clean steps in a row, both trackers are reset and the scale is multiplied by
-    growth_factor (2).
+2026-11-27, megatron/core/optimizer/grad_scaler.py); update_dynamic_scale's docstring gives the
+rules (exercise 6.1).
 
 Megatron's flags: --fp16 with --initial-loss-scale (2^32), --min-loss-scale (1),
 --loss-scale-window (1000), --hysteresis (2); --loss-scale S gives a ConstantGradScaler
@@ -90,9 +83,21 @@ class DynamicGradScaler:
 
 def update_dynamic_scale(scaler: DynamicGradScaler, found_inf: bool) -> None:
     """One step of the dynamic loss scale, in place: scaler.scale, growth_tracker (clean steps
-    in a row) and hysteresis_tracker (overflows left before a back-off), with its
-    growth_interval, hysteresis, growth_factor, backoff_factor and min_scale (the module
-    docstring's rules; Megatron-Core's DynamicGradScaler.update)."""
+    in a row) and hysteresis_tracker (overflows left before a back-off), with the scaler's
+    growth_interval, hysteresis, growth_factor, backoff_factor and min_scale. A new scaler
+    starts with growth_tracker 0 and hysteresis_tracker = hysteresis. Megatron-Core's
+    DynamicGradScaler.update:
+
+      found_inf (an overflow): growth_tracker = 0; hysteresis_tracker drops by 1; when it is
+          then <= 0, scale = max(scale * backoff_factor, min_scale). Clean steps do NOT refill
+          hysteresis_tracker, only a growth does: once `hysteresis` overflows have come
+          (however far apart), every further overflow backs off again;
+      a clean step: growth_tracker counts up; when it reaches growth_interval (Megatron's
+          --loss-scale-window: clean steps in a row), scale *= growth_factor and both trackers
+          are reset (growth_tracker 0, hysteresis_tracker = hysteresis).
+
+    E.g. hysteresis 2, growth_interval 3, from 1024: overflow, overflow, overflow, 3 clean steps
+    give the scales 1024, 512, 256, 256, 256, 512."""
     # BEGIN EXERCISE 6.1: the dynamic loss scaler's update | hint: two counters: clean steps in a row (which an overflow restarts) and overflows left before backing off (which only a growth refills)
     if found_inf:
         scaler.growth_tracker = 0

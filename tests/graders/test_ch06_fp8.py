@@ -17,6 +17,7 @@ import torch
 
 from booktools.demo import import_chapter
 from booktools.exercises import implementation, plugged
+from differences import assert_equal, differs, show
 from minimegatron.grad_scaler import DynamicGradScaler
 from minimegatron.launch import spawn
 
@@ -26,38 +27,49 @@ ch06 = import_chapter("06")          # chapters/06_fp8/demo.py
 # --------------------------------------------------------------------------------------
 # 6.1 the dynamic loss scaler's update
 # --------------------------------------------------------------------------------------
-def _scales(events: str, **kwargs) -> list[float]:
+def _check_scales(events: str, want: list[float], why: str, **kwargs) -> None:
+    """Feed `events` (x an overflow, . a clean step) to your update, from DynamicGradScaler(**kwargs);
+    the scale after each step must be `want`. A failure names the first step that differs, the
+    steps given, and your trackers after each step."""
     update = implementation("6.1")
     scaler = DynamicGradScaler(**kwargs)
-    out = []
+    got, trackers = [], []
     for e in events:
         update(scaler, e == "x")
-        out.append(scaler.scale)
-    return out
+        got.append(scaler.scale)
+        trackers.append((scaler.growth_tracker, scaler.hysteresis_tracker))
+    if got != want:
+        i = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+        settings = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        raise AssertionError(differs(
+            f"the scale after step {i + 1} ({'an overflow' if events[i] == 'x' else 'a clean step'})", got[i], want[i],
+            given=f"the steps {events!r} (x an overflow, . a clean step) on DynamicGradScaler({settings})",
+            why=f"{why}\n  every step's scale: got {got}, want {want}"
+                f"\n  your (growth_tracker, hysteresis_tracker) after each step: {trackers}"))
 
 
 @pytest.mark.exercise("6.1")
 def test_overflows_back_off_after_the_hysteresis_and_clean_windows_grow():
-    # hysteresis 2, window 3, from 1024:
-    #  x  1 overflow left, no back-off: 1024      x  0 left: halve: 512     x  still <= 0: 256
-    #  . . .  three clean steps in a row: double, both counters refilled: 256 256 512
-    #  x  refilled to 2: 1 left, no back-off: 512     . .  512 512     .  third clean in a row: 1024
-    got = _scales("xxx...x...", initial_scale=1024.0, min_scale=1.0, growth_interval=3, hysteresis=2)
-    assert got == [1024, 512, 256, 256, 256, 512, 512, 512, 512, 1024], got
+    _check_scales("xxx...x...", [1024, 512, 256, 256, 256, 512, 512, 512, 512, 1024],
+                  "x: 1 overflow left, no back-off (1024); x: 0 left, halve (512); x: still <= 0, halve (256); "
+                  "...: three clean steps in a row double and refill both counters (512); x: refilled to 2, "
+                  "1 left, no back-off; the third clean step after it doubles (1024)",
+                  initial_scale=1024.0, min_scale=1.0, growth_interval=3, hysteresis=2)
 
 
 @pytest.mark.exercise("6.1")
 def test_clean_steps_do_not_refill_the_hysteresis():
-    # hysteresis 2, window 4: x (1 left) . . (clean, but not 4 in a row) x (0 left: halve) -> 32
-    got = _scales("x..x", initial_scale=64.0, min_scale=1.0, growth_interval=4, hysteresis=2)
-    assert got == [64, 64, 64, 32], f"{got}: the second overflow, two clean steps after the first, must halve"
+    _check_scales("x..x", [64, 64, 64, 32],
+                  "x: 1 overflow left; . .: clean, but not 4 in a row, so nothing is refilled; x: 0 left, halve",
+                  initial_scale=64.0, min_scale=1.0, growth_interval=4, hysteresis=2)
 
 
 @pytest.mark.exercise("6.1")
 def test_the_scale_never_drops_below_its_minimum_and_an_overflow_restarts_the_window():
-    assert _scales("xxxx", initial_scale=8.0, min_scale=2.0, growth_interval=2, hysteresis=1) == [4, 2, 2, 2]
-    # window 2: . x . . -> the overflow restarts the count: growth only after the last two
-    assert _scales(".x..", initial_scale=8.0, min_scale=1.0, growth_interval=2, hysteresis=3) == [8, 8, 8, 16]
+    _check_scales("xxxx", [4, 2, 2, 2], "hysteresis 1 halves at every overflow, but never below min_scale 2",
+                  initial_scale=8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
+    _check_scales(".x..", [8, 8, 8, 16], "the overflow restarts the count of clean steps: window 2 grows only "
+                  "after the last two", initial_scale=8.0, min_scale=1.0, growth_interval=2, hysteresis=3)
 
 
 @pytest.mark.exercise("6.1")
@@ -78,45 +90,61 @@ def test_an_fp16_step_with_your_scaler_skips_and_halves_on_overflow():
     before = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = torch.full_like(p, float("inf"))
-    assert optimizer.step() is None and scaler.scale == 128.0
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a skipped step changed a parameter"
+    given = "an fp16 step whose every gradient is inf, initial_loss_scale 256, hysteresis 1"
+    result = optimizer.step()
+    assert_equal(result, None, "optimizer.step()'s return (None: the step was skipped)", given=given)
+    assert_equal(scaler.scale, 128.0, "the loss scale after the skipped step", given=given,
+                 why="hysteresis 1: the first overflow halves 256 at once")
+    for (name, p), a in zip(model.named_parameters(), before):
+        assert_equal(p, a, f"parameter {name} after the skipped step", given=given,
+                     why="a skipped step changes no parameter")
 
 
 # --------------------------------------------------------------------------------------
 # 6.2 an FP8 cast with its scale and saturation
 # --------------------------------------------------------------------------------------
+def _check_cast(values: list[float], scale: float, fmt: str, want: list[float], why: str,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """cast(values, scale, fmt), read back as float32 numbers, must be `want`."""
+    x = torch.tensor(values, dtype=dtype)
+    out = implementation("6.2")(x, torch.tensor(scale), fmt)
+    assert_equal(out.float().tolist(), want, f"the {fmt} values of the cast",
+                 given=f"x = {show(x)}, scale {scale}, format {fmt!r}", why=why)
+    return out
+
+
 @pytest.mark.exercise("6.2")
 def test_casts_round_to_the_nearest_fp8_number():
-    cast = implementation("6.2")
-    one = torch.ones(())
-    # 0.2 = 1.6 x 2^-3: e4m3's neighbours 1.5, 1.625 -> 0.203125; e5m2's 1.5, 1.75 -> 0.1875
-    assert cast(torch.tensor([0.2]), one, "e4m3").float().item() == 0.203125
-    assert cast(torch.tensor([0.2]), one, "e5m2").float().item() == 0.1875
-    # 3 = 1.5 x 2^1 exactly in both; 100 = 1.5625 x 2^6: e4m3 ties to even (1.5 or 1.625 -> 1.5? 1.5625
-    # is the midpoint, the even mantissa is 1.5 = 0b100) -> 96; e5m2 (1.5, 1.75) -> 96
-    assert cast(torch.tensor([3.0, 100.0]), one, "e4m3").float().tolist() == [3.0, 96.0]
-    assert cast(torch.tensor([3.0, 100.0]), one, "e5m2").float().tolist() == [3.0, 96.0]
+    _check_cast([0.2], 1.0, "e4m3", [0.203125], "0.2 = 1.6 x 2^-3: e4m3's neighbours are 1.5 and 1.625 x 2^-3; "
+                "1.625 is the nearer")
+    _check_cast([0.2], 1.0, "e5m2", [0.1875], "0.2 = 1.6 x 2^-3: e5m2's neighbours are 1.5 and 1.75 x 2^-3; "
+                "1.5 is the nearer")
+    # 100 = 1.5625 x 2^6 is e4m3's midpoint of 1.5 and 1.625: ties to the even mantissa, 1.5 = 0b100
+    _check_cast([3.0, 100.0], 1.0, "e4m3", [3.0, 96.0], "3 = 1.5 x 2^1 is exact; 100 = 1.5625 x 2^6 is the "
+                "midpoint of 1.5 and 1.625 x 2^6 and ties to the even mantissa 1.5: 96")
+    _check_cast([3.0, 100.0], 1.0, "e5m2", [3.0, 96.0], "3 = 1.5 x 2^1 is exact; 100 = 1.5625 x 2^6 lies between "
+                "e5m2's 1.5 and 1.75 x 2^6, nearer 1.5: 96")
 
 
 @pytest.mark.exercise("6.2")
 def test_the_scale_multiplies_before_the_cast_and_the_result_is_an_fp8_tensor():
-    cast = implementation("6.2")
-    x = torch.tensor([[0.01, -0.02], [0.005, 0.0]], dtype=torch.bfloat16)
-    out = cast(x, torch.tensor(22400.0), "e4m3")     # 0.02 x 22400 = 448: the format's top
-    assert out.dtype == torch.float8_e4m3fn and out.shape == x.shape
-    # bf16 0.01 is 0.010009765625, x 22400 = 224.21875 -> e4m3 spacing 16 at 2^7: 224
-    assert out.float().tolist() == [[224.0, -448.0], [112.0, 0.0]], out.float().tolist()
-    assert cast(torch.tensor([0.02]), torch.tensor(22400.0), "e5m2").dtype == torch.float8_e5m2
+    given = "x = [[0.01, -0.02], [0.005, 0.0]] in bfloat16, scale 22400, format 'e4m3'"
+    out = _check_cast([[0.01, -0.02], [0.005, 0.0]], 22400.0, "e4m3", [[224.0, -448.0], [112.0, 0.0]],
+                      "0.02 x 22400 = 448, e4m3's largest; bf16 0.01 is 0.010009765625, x 22400 = 224.22, and e4m3's "
+                      "spacing at 2^7 is 16: 224", dtype=torch.bfloat16)
+    assert_equal(out.dtype, torch.float8_e4m3fn, "the cast's dtype", given=given)
+    assert_equal(tuple(out.shape), (2, 2), "the cast's shape", given=given)
+    e5m2 = implementation("6.2")(torch.tensor([0.02]), torch.tensor(22400.0), "e5m2")
+    assert_equal(e5m2.dtype, torch.float8_e5m2, "the cast's dtype", given="x = [0.02], scale 22400, format 'e5m2'")
 
 
 @pytest.mark.exercise("6.2")
 def test_values_beyond_the_format_saturate_never_overflow():
-    cast = implementation("6.2")
-    big = torch.tensor([1e6, -1e6, float("inf")])
-    e4m3 = cast(big, torch.ones(()), "e4m3").float()
-    e5m2 = cast(big, torch.ones(()), "e5m2").float()
-    assert e4m3.tolist() == [448.0, -448.0, 448.0], e4m3.tolist()
-    assert e5m2.tolist() == [57344.0, -57344.0, 57344.0], f"{e5m2.tolist()}: e5m2 has an inf; clamp before the cast"
+    big = [1e6, -1e6, float("inf")]
+    _check_cast(big, 1.0, "e4m3", [448.0, -448.0, 448.0], "beyond e4m3's largest number, 448, the cast "
+                "saturates to +-448")
+    _check_cast(big, 1.0, "e5m2", [57344.0, -57344.0, 57344.0], "e5m2 has an inf, which a plain cast would give: "
+                "clamp to +-57344, its largest finite number, before the cast")
 
 
 # --------------------------------------------------------------------------------------
@@ -127,27 +155,41 @@ def test_the_max_algo_reads_the_whole_history_and_the_history_rolls():
     update = implementation("6.3")
     history = torch.tensor([4.0, 0.0, 2.0])        # slot 0 the newest amax, 2 an older one
     scale = torch.tensor(1.0)
+    given = "history [4.0, 0.0, 2.0] (slot 0 the newest), scale 1.0, fp8_max 448, margin 0, algo 'max'"
     new, rolled = update(history, scale, 448.0, 0, "max")
-    assert new.item() == 112.0, f"max(4, 0, 2) = 4: 448 / 4 = 112, got {new.item()}"
-    assert rolled.tolist() == [0.0, 2.0, 4.0], f"rolled by one, slot 0 cleared: got {rolled.tolist()}"
-    assert history.tolist() == [4.0, 0.0, 2.0] and scale.item() == 1.0, "the inputs must not be modified"
-    assert new.dtype == torch.float32
+    assert_equal(new.item(), 112.0, "the new scale from history [4.0, 0.0, 2.0]", given=given,
+                 why="max(4, 0, 2) = 4: 448 / 4 = 112")
+    assert_equal(rolled.tolist(), [0.0, 2.0, 4.0], "the new history from history [4.0, 0.0, 2.0]", given=given,
+                 why="rolled by one (slot 0 to the end, slot 1 to 0, ...), then slot 0 set to 0 for the next amax")
+    assert_equal(history.tolist(), [4.0, 0.0, 2.0], "the history passed in, after the call", given=given,
+                 why="the inputs must not be modified")
+    assert_equal(scale.item(), 1.0, "the scale passed in, after the call", given=given,
+                 why="the inputs must not be modified")
+    assert_equal(new.dtype, torch.float32, "the new scale's dtype", given=given)
 
 
 @pytest.mark.exercise("6.3")
 def test_most_recent_and_the_margin():
     update = implementation("6.3")
     new, _ = update(torch.tensor([2.0, 8.0]), torch.tensor(1.0), 57344.0, 2, "most_recent")
-    assert new.item() == 57344.0 / 2 / 4, f"the latest amax 2, margin 2: 57344 / 2 / 2^2 = 7168, got {new.item()}"
+    assert_equal(new.item(), 7168.0, "the new scale from history [2.0, 8.0]",
+                 given="history [2.0, 8.0] (slot 0 the newest), scale 1.0, fp8_max 57344, margin 2, "
+                       "algo 'most_recent'",
+                 why="the most recent amax is slot 0's, 2; margin 2: 57344 / 2 / 2^2 = 7168")
 
 
 @pytest.mark.exercise("6.3")
 @pytest.mark.parametrize("amax", [0.0, float("inf"), float("nan")])
 def test_a_zero_or_non_finite_amax_keeps_the_scale(amax):
     update = implementation("6.3")
+    given = f"history [{amax}, 0.0] (slot 0 the newest), scale 3.5, fp8_max 448, margin 0, algo 'most_recent'"
     new, rolled = update(torch.tensor([amax, 0.0]), torch.tensor(3.5), 448.0, 0, "most_recent")
-    assert new.item() == 3.5, f"amax {amax}: the old scale stays, got {new.item()}"
-    assert rolled[0].item() == 0.0
+    assert_equal(new.item(), 3.5, f"the new scale from history [{amax}, 0.0]", given=given,
+                 why=f"an amax of {amax} gives no usable scale: the old one stays")
+    # compared as text: nan != nan
+    assert_equal([str(x) for x in rolled.tolist()], ["0.0", str(amax)], f"the new history from history [{amax}, 0.0]",
+                 given=given,
+                 why="rolled by one like any other amax (it stays in the history), then slot 0 set to 0")
 
 
 # --------------------------------------------------------------------------------------
@@ -166,10 +208,16 @@ def _amaxes(parts: list) -> dict:
 @pytest.mark.exercise("6.4")
 def test_every_rank_gets_the_whole_tensors_amax():
     parts = [torch.tensor([0.5, -3.0]), torch.tensor([[2.0, -7.5]], dtype=torch.float64)]   # the amax: 7.5
-    for r in spawn(_amaxes, 2, parts, timeout=120):
-        assert r["amax"].dtype == torch.float32 and r["amax"].dim() == 0, r["amax"]
-        assert r["amax"].item() == 7.5, f"rank part amaxes 3.0 and 7.5: every rank needs 7.5, got {r['amax'].item()}"
-        assert r["ledger"] == [("all_reduce", "fp8-amax", 4)], r["ledger"]
+    given = ("tensor_amax(part, the world's group, 'fp8-amax') on 2 ranks: rank 0's part [0.5, -3.0] (float32), "
+             "rank 1's [[2.0, -7.5]] (float64)")
+    for rank, r in enumerate(spawn(_amaxes, 2, parts, timeout=120)):
+        amax = r["amax"]
+        assert_equal((amax.dtype, tuple(amax.shape)), (torch.float32, ()), f"rank {rank}'s amax (dtype, shape)",
+                     given=given, why="one float32 number")
+        assert_equal(amax.item(), 7.5, f"rank {rank}'s amax", given=given,
+                     why="the parts' own amaxes are 3.0 and 7.5: every rank needs the whole tensor's, 7.5")
+        assert_equal(r["ledger"], [("all_reduce", "fp8-amax", 4)], f"rank {rank}'s messages (op, tag, bytes)",
+                     given=given, why="one all-reduce (max) of one float32 amax, tagged 'fp8-amax'")
 
 
 @pytest.mark.exercise("6.4")
@@ -181,7 +229,12 @@ def test_fp8_runs_with_your_amax_equal_the_fp8_single_device():
     per_rank = spawn(plugged(_train_runs, "6.4"), 4, runs, timeout=400)
     for i, run in enumerate(runs):
         report = ch06.check_run(run, [r[i] for r in per_rank])
-        assert report.ok, f"{run.name()} with your tensor_amax inside:\n" + "\n".join(report.lines + report.problems)
+        if not report.ok:
+            first = report.problems[0] if report.problems else str(report.equivalence).splitlines()[0]
+            raise AssertionError(
+                f"{run.name()}, 2 steps, your tensor_amax inside: {first}\n"
+                "  want: MATCH with the FP8 single device, within the tolerance [1/4] names, and the same losses "
+                "on every rank\n" + "\n".join(report.lines + report.problems))
 
 
 def _train_runs(runs):
