@@ -72,6 +72,15 @@ N ?= 10
 stress: $(STAMP)
 	$(PY) benchmarks/stress_demos.py --runs $(N) --torchrun "$(TORCHRUN)"
 
+# Every chapter demo over its documented flags (chapters 06 and 07: each precision x FP8 recipe x
+# format and each recompute x kernel path over tp/sp/cp/pp/ep/dp; 01-05 and 08: their main layout
+# flags), --quick, one run at a time, and the combinations a demo must refuse (exit 2). Prints
+# run -> verdict, exit code, seconds (benchmarks/sweep_demos.py; --list names the runs). About
+# 40 minutes on 2 cores; tests/test_demo_sweep.py is its cheap part in make test.
+.PHONY: sweep-demos
+sweep-demos: $(STAMP)
+	$(PY) benchmarks/sweep_demos.py
+
 # Re-measure a chapter's quoted numbers: rerun the commands its text quotes (the RUNS of its
 # make_figures.py, figures included), rewrite chapters/NN_*/measured.json, and put the recorded
 # numbers back into the README and notebook markdown (booktools/measured.py). CH=all: every chapter.

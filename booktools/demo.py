@@ -182,7 +182,7 @@ def largest_differences(equivalences) -> str:
     worst = {k: max(getattr(e, k) for e in equivalences) for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")}
     tol = equivalences[0].tolerance
     return (f"max |dloss| {worst['max_loss_diff']:.1e} (tol {tol.loss:.0e}), max |dgrad| {worst['max_grad_diff']:.1e}, "
-            f"max |dparam| {worst['max_param_diff']:.1e} (rtol {tol.rtol:.0e}, atol {tol.atol:.0e})")
+            f"max |dparam| {worst['max_param_diff']:.1e} (rtol {tol.parameters_rtol:.0e}, atol {tol.parameters_atol:.0e})")
 
 
 def verdict_line(reports, name: Callable, claim: str) -> str:

@@ -20,10 +20,27 @@ rounding difference of 2e-10 in a float32 gradient of 6e-9 (a sum that nearly ca
 the parameter by 3e-5 after one step with eps = 1e-8. This is AdamW's amplification, not the
 parallel layout's: equivalence tests of several Adam steps therefore run in float64, and the
 float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
+
+Every other tolerance is derived below from the precision and the number of operations under
+test, with the derivation in the function's docstring: `rounding_tolerance` (two computations
+of one result through n roundings in different orders: 2 lambda sqrt(n) u, Higham and Mary's
+probabilistic bound), `forward_operations` (n for one token's logits), `cast_layout_tolerance`
+(a layout whose FP8 or 16-bit casts may use other scales: one grid step over the step's tokens,
+AdamW's bounded step for the parameters) and `adam_step_bound`. How the TOLERANCES rows compare
+with them, for the demos' models (h 32, 2 layers, s 32, V 64, 3 steps, 256 tokens a step):
+
+  float64   rounding_tolerance over forward+backward x 3 steps (5,904 roundings): 4e-13 on the
+            loss, 1e-13 relative; the row is about 1000 x that, far below any real error
+  float32   the same bound: 2e-4 on the loss, 5e-5 relative; the row's loss (1e-5) is tighter,
+            as the loss, a mean over tokens, averages its roundings (an empirical row, not
+            this bound)
+  bf16/fp16 cast_layout_tolerance on their grids: loss 1.2e-2 / 1.5e-3, rtol 1.6e-2 / 2e-3;
+            the rows (2e-2 / 5e-3, 5e-2 / 1e-2) are above both
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,7 +55,17 @@ from .model import GPTModel
 class Tolerance:
     loss: float       # absolute, on the mean token loss
     rtol: float       # relative, on gradients and parameters
-    atol: float       # absolute, on gradients and parameters
+    atol: float       # absolute, on gradients (and parameters unless param_atol is given)
+    param_atol: float | None = None     # absolute, on parameters, where it differs from atol
+    param_rtol: float | None = None     # relative, on parameters, where it differs from rtol
+
+    @property
+    def parameters_atol(self) -> float:
+        return self.atol if self.param_atol is None else self.param_atol
+
+    @property
+    def parameters_rtol(self) -> float:
+        return self.rtol if self.param_rtol is None else self.param_rtol
 
 
 TOLERANCES: dict[torch.dtype, Tolerance] = {
@@ -47,6 +74,102 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.bfloat16: Tolerance(loss=2e-2, rtol=5e-2, atol=5e-3),
     torch.float16: Tolerance(loss=5e-3, rtol=1e-2, atol=1e-3),
 }
+
+
+# ---------------------------------------------------------------------------------------
+# where tolerances come from: the precision and the number of operations under test
+# ---------------------------------------------------------------------------------------
+# Unit round-off u = 2^-p of a format with p significand bits (the implicit one counted): rounding
+# to nearest moves a number by at most u relative (Higham, Accuracy and Stability of Numerical
+# Algorithms, 2002, §2.1). FP8: e4m3 keeps 3 stored bits (p 4), e5m2 2 (p 3).
+UNIT_ROUNDOFF: dict[str, float] = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8,
+                                   "float16": 2.0 ** -11, "e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3}
+# lambda of Higham and Mary's probabilistic bound: it holds with probability at least
+# 1 - 2 exp(-lambda^2 (1 - u)^2 / 2) per result, 1 - 3e-8 for lambda = 6.
+CONFIDENCE = 6.0
+
+
+def unit_roundoff(precision: torch.dtype | str) -> float:
+    """u of a torch dtype or of a name in UNIT_ROUNDOFF ("float32", "e4m3", ...)."""
+    name = str(precision).replace("torch.", "")
+    if name not in UNIT_ROUNDOFF:
+        raise ValueError(f"no unit round-off for {precision!r}: known are {sorted(UNIT_ROUNDOFF)}")
+    return UNIT_ROUNDOFF[name]
+
+
+def rounding_tolerance(precision: torch.dtype | str, operations: int, magnitude: float = 1.0) -> float:
+    """How far apart two computations of one result may land when each rounds `operations` times
+    in precision's arithmetic, in a different order (another summation order, another kernel):
+    2 gamma(n) * magnitude, where `magnitude` bounds the result's size.
+
+    Derivation. A result computed through n roundings is x (1 + d_1) ... (1 + d_n) with
+    |d_i| <= u. The worst case, |relative error| <= n u / (1 - n u), is reached only when every
+    rounding goes the same way. Treating the d_i as independent with mean zero (Higham and Mary,
+    "A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019,
+    Theorem 2.4), the relative error is at most
+        gamma(n) = exp(lambda sqrt(n) u + n u^2 / (1 - u)) - 1  ~  lambda sqrt(n) u
+    with probability 1 - 2 exp(-lambda^2 (1 - u)^2 / 2) (lambda = CONFIDENCE). Two results each
+    within gamma(n) of the exact one differ by at most twice that. n is the longest chain of
+    roundings behind the result: the length of the reductions along it (a sum of k terms
+    rounds k - 1 times), summed over the layers it passes (forward_operations)."""
+    if operations < 1:
+        raise ValueError(f"operations={operations} must be at least 1")
+    u = unit_roundoff(precision)
+    gamma = math.expm1(CONFIDENCE * math.sqrt(operations) * u + operations * u * u / (1 - u))
+    return 2 * gamma * magnitude
+
+
+def forward_operations(model_cfg: ModelConfig, seq_length: int) -> int:
+    """The roundings on the longest path from the embedding to one token's logits: in each layer
+    the two norms (a sum of h squares each), the qkv and output projections (h each), the
+    attention scores (head dim), the softmax's sum and the weighted sum of values (s each), fc1
+    (h) and fc2 (ffn); then the final norm (h) and the output layer (h)."""
+    h, s, f = model_cfg.hidden_size, seq_length, model_cfg.ffn_hidden_size
+    per_layer = 2 * h + 2 * h + h // model_cfg.num_attention_heads + 2 * s + h + f
+    return model_cfg.num_layers * per_layer + 2 * h
+
+
+def adam_step_bound(beta1: float, beta2: float, step: int) -> float:
+    """The largest |m_hat / sqrt(v_hat)| AdamW can reach at `step` (1-based), whatever the
+    gradients: m_hat = sum_i a_i g_i and v_hat = sum_i c_i g_i^2 (a_i, c_i: the bias-corrected
+    weights (1 - b1) b1^(t-i) / (1 - b1^t) and likewise with b2), so by Cauchy-Schwarz
+    |m_hat| <= sqrt(sum a_i^2 / c_i) sqrt(v_hat). 1 at step 1 (the update is lr * sign(g))."""
+    a = [(1 - beta1) * beta1 ** (step - i) / (1 - beta1 ** step) for i in range(1, step + 1)]
+    c = [(1 - beta2) * beta2 ** (step - i) / (1 - beta2 ** step) for i in range(1, step + 1)]
+    return math.sqrt(sum(ai * ai / ci for ai, ci in zip(a, c)))
+
+
+def cast_layout_tolerance(grid: str, tokens: int, vocab_size: int, train_cfg: TrainConfig,
+                          largest_gradient: float) -> Tolerance:
+    """The tolerance of a layout whose casts to a coarse grid ("e4m3", "e5m2", "bfloat16",
+    "float16") may use other scales, or land on the other side of a rounding boundary, than one
+    device's: FP8 with delayed scaling over replicas (chapter 06, README §5). Everything else
+    is computed as on one device.
+
+    Derivation. An element cast on two scales lands on two grids, each within u of it: the two
+    copies differ by at most 2u relative (u = unit_roundoff(grid); the coarsest grid the run
+    casts to).
+      loss       the mean over the step's `tokens` tokens of one loss a token, ln(vocab_size) at
+                 the start; each token's loss moves by at most one such step, independently of
+                 the other tokens' and with mean zero, so Hoeffding's inequality bounds the
+                 mean's change by CONFIDENCE * 2u * ln(vocab_size) / sqrt(tokens) (probability
+                 1 - 2 exp(-CONFIDENCE^2 / 2));
+      gradients  a weight's gradient is one GEMM of two cast operands (the input and the
+                 output's gradient), each moved by one step: first order in u, the products
+                 move by at most 4u, and so does their sum, of the sum of their sizes. rtol 4u;
+                 atol 4u of the largest gradient (`largest_gradient`), for a sum that nearly
+                 cancels (its terms move, not it). A delayed scale that lags can also clamp an
+                 element at the format's largest value: this bound leaves that out;
+      parameters (an atol, no rtol) AdamW moves a parameter by lr * |m_hat / sqrt(v_hat)| <=
+                 lr * adam_step_bound a step, so two runs' parameters part by at most twice
+                 that a step, summed over train_iters steps (weight decay moves both
+                 alike). A gradient far below AdamW's eps cannot flip a whole step, but one
+                 near it can: this bound is the only one that holds for them."""
+    u, t = unit_roundoff(grid), train_cfg
+    mean_change = CONFIDENCE * 2 * u / math.sqrt(tokens)
+    drift = sum(2 * t.lr * adam_step_bound(t.adam_beta1, t.adam_beta2, step) for step in range(1, t.train_iters + 1))
+    return Tolerance(loss=mean_change * math.log(vocab_size), rtol=4 * u, atol=4 * u * largest_gradient,
+                     param_atol=drift, param_rtol=0.0)
 
 
 @dataclass
@@ -78,13 +201,15 @@ class EquivalenceReport:
         lines = [f"{verdict} with the single-device run ({str(self.dtype).replace('torch.', '')})",
                  f"  loss       max |diff| = {self.max_loss_diff:.3e}   (tolerance {t.loss:.0e})",
                  f"  gradients  max |diff| = {self.max_grad_diff:.3e}   (rtol {t.rtol:.0e}, atol {t.atol:.0e}) {self.worst_grad}",
-                 f"  parameters max |diff| = {self.max_param_diff:.3e}   (rtol {t.rtol:.0e}, atol {t.atol:.0e}) {self.worst_param}"]
+                 f"  parameters max |diff| = {self.max_param_diff:.3e}   (rtol {t.parameters_rtol:.0e}, "
+                 f"atol {t.parameters_atol:.0e}) {self.worst_param}"]
         lines += [f"  problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
 
 def _compare_tensors(kind: str, ref: dict[str, torch.Tensor], other: dict[str, torch.Tensor],
                      tol: Tolerance, problems: list[str]) -> tuple[float, str]:
+    atol, rtol = (tol.parameters_atol, tol.parameters_rtol) if kind == "parameter" else (tol.atol, tol.rtol)
     if set(ref) != set(other):
         missing, extra = sorted(set(ref) - set(other)), sorted(set(other) - set(ref))
         problems.append(f"{kind}: names differ (missing {missing[:3]}, unexpected {extra[:3]})")
@@ -97,7 +222,7 @@ def _compare_tensors(kind: str, ref: dict[str, torch.Tensor], other: dict[str, t
         diff = (a - b).abs()
         if diff.numel() and diff.max().item() > worst:
             worst, worst_name = diff.max().item(), name
-        if not torch.all(diff <= tol.atol + tol.rtol * a.abs()):
+        if not torch.all(diff <= atol + rtol * a.abs()):
             problems.append(f"{kind} {name}: max |diff| {diff.max().item():.3e} out of tolerance")
     return worst, worst_name
 

@@ -34,7 +34,7 @@ def test_every_precision_and_recipe_on_four_ranks():
                           fp8_recipe="mxfp8", steps=2)]
     per_rank = spawn(_train_runs, 4, runs, timeout=600)
     for i, run in enumerate(runs):
-        report = ch06.check_run(run, [r[i] for r in per_rank])     # the EP run: within FP8_LAYOUT_TOLERANCE
+        report = ch06.check_run(run, [r[i] for r in per_rank])     # the EP run: within fp8_layout_tolerance
         assert report.ok, f"{run.name()}:\n" + "\n".join(report.lines + report.problems)
 
 
@@ -47,7 +47,7 @@ def test_the_one_scale_fp8_recipes_at_5d_on_sixteen_ranks():
     formulas. Here each expert's ep x etp ranks are one
     replica's tp x cp, so current scaling must equal one device to float64 summation order (an
     amax reduced with the wrong op fails it); delayed scaling under CP compares within
-    FP8_LAYOUT_TOLERANCE (README §5). The blocked recipes need no reduction and run at 4 ranks above."""
+    fp8_layout_tolerance (README §5). The blocked recipes need no reduction and run at 4 ranks above."""
     five_d = dict(tp=2, sp=True, cp=2, pp=2, ep=2, dp=2, steps=2)
     runs = [ch06.make_run(ch06.tiny_model(precision, layers=4, experts=4), precision, fp8_recipe=recipe, **five_d)
             for precision, recipe in (("fp8", "tensorwise"), ("fp8", "delayed"))]
@@ -84,7 +84,7 @@ def test_the_layouts_fp8_cannot_match_exactly_are_named_and_compared_within_the_
                                                                           experts=True)
     proc = _demo("--quick", "--precision", "fp8", "--fp8-recipe", "delayed", "--tp", "2", "--sp", "--dp", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FP8_LAYOUT_TOLERANCE" in proc.stdout and "delayed scaling over 2 data-parallel replicas" in proc.stdout
+    assert "fp8_layout_tolerance" in proc.stdout and "delayed scaling over 2 data-parallel replicas" in proc.stdout
 
 
 def test_a_layout_the_demo_cannot_run_is_named_before_any_rank_starts():

@@ -224,7 +224,9 @@ def attention_tiles(document_ids: torch.Tensor | None, b: int, s: int, block_m: 
 
 
 class FlashAttention(torch.autograd.Function):
-    """flash_attention as an autograd op; saves q, k, v, out and lse [b, a, s] (float32)."""
+    """flash_attention as an autograd op; saves q, k, v, out and lse [b, a, s] (float32), and with
+    packed documents their ids and tile bounds (int32; without documents the backward makes the
+    causal kernel's bounds again rather than keep them)."""
 
     @staticmethod
     def forward(ctx, q, k, v, document_ids, block_m: int, block_n: int):
@@ -239,15 +241,16 @@ class FlashAttention(torch.autograd.Function):
         _flash_forward[grid](q, k, v, out, lse, ids, key_start, 1.0 / math.sqrt(d), s, a, a // g,
                              *q.stride()[:3], *k.stride()[:3], *out.stride()[:3],
                              BLOCK_M=block_m, BLOCK_N=block_n, D=d)
-        ctx.save_for_backward(q, k, v, out, lse, ids, key_start, query_end)
+        ctx.save_for_backward(q, k, v, out, lse, *((ids, key_start, query_end) if document_ids is not None else ()))
         ctx.blocks = (block_m, block_n)
         return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, ids, key_start, query_end = ctx.saved_tensors
+        q, k, v, out, lse, *bounds = ctx.saved_tensors
         block_m, block_n = ctx.blocks
         b, a, s, d = q.shape
+        ids, key_start, query_end = bounds or document_tile_bounds(None, b, s, block_m, block_n, q.device)
         g = k.shape[1]
         dout = dout.float().contiguous()
         delta = (dout * out).sum(-1).contiguous()                                         # [b, a, s]
