@@ -1,6 +1,7 @@
 """The benchmarks still run (smoke size). Their speed is reported, never asserted."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,108 @@ def test_the_gpu_check_lists_its_checks():
     lines = proc.stdout.splitlines()
     for i, name in enumerate(GPU_CHECKS, 1):
         assert lines[i - 1].startswith(f"{i}. {name} "), proc.stdout
+
+
+MFU_COLUMNS = ["shape", "path", "status", "ms/step", "tokens/s", "model TFLOP/s", "MFU", "vs reference",
+               "first step s", "peak GiB", "loss step 0", "loss last"]
+MFU_SMOKE_RUNS = {("tiny", p) for p in ("eager", "fused-adam", "compile", "compile+fused", "triton", "reference")} \
+    | {("tiny-recompute", p) for p in ("eager", "fused-adam", "compile", "reference")}
+
+
+def test_bench_mfu_smoke_times_every_path_and_the_reference_computes_the_same():
+    """benchmarks/bench_mfu.py --smoke (issue 32's GPU benchmark, its code on the CPU at tiny shapes):
+    the command and the device printed; the table has one row per shape and path, every one ran but
+    the compiled book under recompute, which the book refuses by name; tokens/s = b s / step time; the
+    float32 check says SAME with every number under its tolerance; and every path's loss at step 0
+    (the same weights and batch, bf16) is the eager one's within 2^-8. About 20 s on 2 idle cores (a
+    cold Inductor compile of the book's layers and one step in Triton's interpreter; a minute under load)."""
+    proc = subprocess.run([sys.executable, "benchmarks/bench_mfu.py", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
+    assert out.startswith("command: python benchmarks/bench_mfu.py --smoke\ndevice: cpu: "), out[:500]
+    lines = out.splitlines()
+    header = lines.index("| " + " | ".join(MFU_COLUMNS) + " |")
+    rows = {}
+    for line in lines[header + 2:]:
+        if not line.startswith("| "):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == len(MFU_COLUMNS), line
+        rows[cells[0], cells[1]] = dict(zip(MFU_COLUMNS, cells))
+    assert set(rows) == MFU_SMOKE_RUNS
+    refused = rows["tiny-recompute", "compile"]["status"]
+    assert refused.startswith("SKIP ["), refused
+    note = next(line for line in lines if line.startswith(refused.split()[1] + " tiny-recompute compile: "))
+    assert "kernels='compile' with recompute_granularity='full'" in note
+    for (shape, path), row in rows.items():
+        if (shape, path) == ("tiny-recompute", "compile"):
+            continue
+        assert row["status"] == "ok", row
+        tokens, ms = float(row["tokens/s"].replace(",", "")), float(row["ms/step"])
+        assert abs(tokens * ms / 1e3 - 2 * 32) <= 0.01 * 64 + 1e-3 * ms, row        # b 2 x s 32 per step
+        eager = float(rows[shape, "eager"]["loss step 0"])
+        assert abs(float(row["loss step 0"]) - eager) <= 2 ** -8 * eager, (row, eager)
+    checks = [line for line in lines if "same network?" in line]
+    assert len(checks) == 2, checks
+    for line in checks:
+        tolerance = float(re.search(r"\(tolerance ([0-9.e+-]+)\)", line).group(1))
+        numbers = [float(x) for x in re.findall(r" = ([0-9.]+e[+-][0-9]+)", line)]    # loss, gradients, steps
+        assert len(numbers) == 3 and max(numbers) <= tolerance and line.endswith("SAME"), line
+        book, ref, book_decayed, ref_decayed = re.search(r"parameters ([0-9,]+) and ([0-9,]+), decayed ([0-9,]+) "
+                                                         r"and ([0-9,]+);", line).groups()
+        assert book == ref and book_decayed == ref_decayed, line
+    assert "max |path - eager|" in out and "DISAGREE" not in out and "DIFFERENT" not in out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU machine runs the benchmark itself")
+def test_bench_mfu_says_it_needs_a_gpu():
+    """make bench-mfu without CUDA: exit 2, one line naming the GPU and --smoke, nothing timed."""
+    proc = subprocess.run([sys.executable, "benchmarks/bench_mfu.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.startswith("bench_mfu.py times the training step on an NVIDIA GPU, and ")
+    assert "--smoke" in proc.stdout and proc.stdout.strip().endswith("Nothing was timed.")
+
+
+def test_bench_mfu_check_tells_another_network_from_the_book():
+    """The float32 check of bench_mfu.py fails for a reference that is not the book's network: the
+    same one without RoPE, or with each query head reading the wrong key/value group; and passes for
+    the reference itself (the --smoke shape, in this process: about 2 s)."""
+    import torch
+    saved = list(sys.path)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_mfu
+    finally:
+        sys.path[:] = saved
+
+    class WithoutRope(bench_mfu.PlainLlama):
+        def __init__(self, cfg, recompute=False):
+            super().__init__(cfg, recompute)
+            self.cos.fill_(1.0)
+            self.sin.zero_()
+
+    class WrongGroups(bench_mfu.PlainLlama):
+        """The query heads reordered across the groups (a 4, g 2: heads 0 2 1 3), so that heads 1 and 2
+        read the other group's keys and values."""
+        def __init__(self, cfg, recompute=False):
+            super().__init__(cfg, recompute)
+            self.a, self.d = cfg.num_attention_heads, cfg.kv_channels
+            self.order = torch.arange(self.a).view(cfg.query_groups, -1).t().reshape(-1)
+            for block in self.blocks:
+                block.qkv.register_forward_hook(self.regroup)
+
+        def regroup(self, module, inputs, out):                          # out [b, s, (a + 2g) d]
+            q, kv = out[..., :self.a * self.d], out[..., self.a * self.d:]
+            return torch.cat([q.unflatten(-1, (self.a, self.d))[..., self.order, :].flatten(-2), kv], dim=-1)
+
+    shape = bench_mfu.SMOKE_SHAPES["tiny"]
+    same = bench_mfu.check_same_network(shape, "cpu")
+    assert same.same and max(same.token_loss_diff, same.grad_diff, same.step_loss_diff) < same.tolerance / 100, same
+    for wrong in (WithoutRope, WrongGroups):
+        check = bench_mfu.check_same_network(shape, "cpu", reference_class=wrong)
+        assert not check.same and check.grad_diff > 10 * check.tolerance, (wrong.__name__, str(check))
 
 
 # The GPU runs' numbers quoted in benchmarks/README.md and chapter 08, each beside the line of the
