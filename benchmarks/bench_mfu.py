@@ -33,12 +33,17 @@ The shapes (LLaMA blocks: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied
 
 The 1b shape runs first: a session with little device time left still measures the goal.
 
-Before timing, each shape checks that the reference is the same network: a float32 copy of it
-(the shape's widths, 2 layers) loaded with the book's initial weights gives the book's per-token
-losses at initialization and the book's losses over 3 training steps, within FP32_TOLERANCE;
-the parameter counts are equal; and both are charged the same FLOPs. Then every path's loss at
-step 0 (the initial weights, the same batch, bf16) must agree with the eager path's within
-BF16_LOSS_TOLERANCE.
+Before timing, each shape checks that the reference is the same network (check_same_network): a
+float32 copy of both (the shape's widths, 2 layers), the book's initial weights loaded into the
+reference, give the same per-token losses at initialization, the same gradients of every
+parameter and the same losses over 3 training steps, within FP32_TOLERANCE; the parameter counts
+and the elements AdamW decays are equal; both are charged the same FLOPs (one formula, one
+config). Then every path's loss at step 0 (the initial weights, the same batch, bf16) must agree
+with the eager path's within BF16_LOSS_TOLERANCE.
+
+--smoke runs two tiny shapes (one with full recompute) on the CPU: every path, the Triton kernels
+in Triton's interpreter for one step, and the reference compiled with the aot_eager backend (the
+same graphs captured, without Inductor's C++ build, a minute of a loaded 2-core CPU).
 
 MFU = analysis.training_flops(config, b, s)["total"] (the book's count: every matmul, forward
 and backward, attention over all s^2 scores, no recompute, no optimizer) / median step time /
@@ -61,7 +66,6 @@ import argparse
 import dataclasses
 import gc
 import math
-import os
 import platform
 import shlex
 import statistics
@@ -136,9 +140,9 @@ LR = 1e-4
 # (random rounding); the longest chain here is ~10 matmuls and softmaxes (2 layers and the head) of up to
 # h = 3072 terms: 10 sqrt(3072) 6e-8 = 3e-5 relative, for the gradients (compared relative to each
 # tensor's largest) and the losses (~ln V ~ 10 absolute: 3e-4). 1e-3 sits above both. What it must
-# catch, measured at the --smoke shape (tests/test_benchmarks.py): the reference without RoPE misses
-# it 18 times over in the gradients (1.8e-2; 2.0e-3 in the initial losses), a query head read with
-# the wrong key/value group 1,700 times (1.7); the same network stays at 3e-7.
+# catch (tests/test_benchmarks.py, at the --smoke shape): a reference without RoPE, or with query heads
+# reading another group's keys and values, misses it over ten times in the gradients, while the same
+# network stays a hundred times under it.
 FP32_TOLERANCE = 1e-3
 # bf16 keeps 8 significant bits: one rounding is 2^-8 = 0.4% of a value. The paths round differently
 # (fp32 or bf16 residuals, fused or unfused norms), so their initial losses (~ln V) may differ by a
@@ -365,14 +369,18 @@ def check_same_network(shape: Shape, device: str, reference_class=PlainLlama, st
         ours = book(data[0]["tokens"], labels=data[0]["labels"])                         # [b, s]
         theirs = ref.token_losses(data[0]["tokens"], data[0]["labels"])                  # [b, s]
     token_diff = (ours.double() - theirs.double()).abs().max().item()
-    step_diff, ours_grads, theirs_grads = 0.0, {}, {}
+    ours_grads, theirs_grads = {}, {}                  # the first step's, before clipping, by the book's names
+
+    def keep_ours():
+        ours_grads.update({n: p.grad.clone() for n, p in book.named_parameters()})
+
+    def keep_theirs():
+        theirs_grads.update({n: t.clone() for n, t in as_book_tensors(ref, cfg, grads=True).items()})
+    step_diff = 0.0
     for i, b in enumerate(data):
-        keep_ours = (lambda: ours_grads.update({n: p.grad.clone() for n, p in book.named_parameters()})) \
-            if i == 0 else None
-        keep_theirs = (lambda: theirs_grads.update({n: t.clone() for n, t in as_book_tensors(ref, cfg, True).items()})) \
-            if i == 0 else None
-        ours_loss = train_step(chunks, optimizer, [b], Layout(), tcfg.lr, on_grads=keep_ours)[0]
-        theirs_loss = reference_step(ref, ref_opt, b, tcfg.clip_grad, autocast=None, on_grads=keep_theirs).item()
+        ours_loss = train_step(chunks, optimizer, [b], Layout(), tcfg.lr, on_grads=keep_ours if i == 0 else None)[0]
+        theirs_loss = reference_step(ref, ref_opt, b, tcfg.clip_grad, autocast=None,
+                                     on_grads=keep_theirs if i == 0 else None).item()
         step_diff = max(step_diff, abs(ours_loss - theirs_loss))
     grad_diff = max(((ours_grads[n] - theirs_grads[n]).abs().max() / ours_grads[n].abs().max().clamp_min(1e-30)).item()
                     if n in theirs_grads and theirs_grads[n].shape == ours_grads[n].shape else math.inf
@@ -494,12 +502,13 @@ def run(shape: Shape, path: str, device: str, snapshot: dict, profile_to: Path |
 CATEGORIES = [   # (category, substrings of an operator or kernel name), the first match wins
     ("attention", ("flash", "attention", "fmha", "sdpa")),
     ("matmul", ("gemm", "aten::mm", "aten::addmm", "aten::bmm", "matmul", "cutlass", "xmma", "nvjet", "cublas",
-                "aten::linear")),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
-    ("copy / cast", ("copy", "aten::to", "cast", "aten::cat", "clone")),
-    ("norm", ("norm", "rsqrt")),
+                "aten::linear", "triton_tem")),
+    ("optimizer / foreach", ("adam", "multi_tensor", "foreach")),
+    ("compiled (Inductor)", ("triton_poi", "triton_red", "triton_per")),
+    ("norms (RMSNorm, gradient norm)", ("norm", "rsqrt")),
     ("loss", ("softmax", "cross_entropy", "nll")),
-]
+    ("copy / cast", ("copy", "aten::to", "cast", "aten::cat", "clone")),
+]                # the rest: "other" (eager elementwise kernels and reductions)
 
 
 def category(name: str) -> str:
@@ -536,7 +545,7 @@ def profile_steps(step, device: str, out: Path, step_s: float, steps: int = 3) -
     lines = [f"profile of {steps} steps ({'GPU kernel' if gpu else 'CPU operator self'} time, s, by category; "
              f"timed step {step_s * 1e3:.1f} ms):"]
     for cat, sec in sorted(totals.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {cat:<12} {sec:8.4f} s  {sec / busy:6.1%}" if busy else f"  {cat:<12} {sec:8.4f} s")
+        lines.append(f"  {cat:<31} {sec:8.4f} s  {sec / busy:6.1%}" if busy else f"  {cat:<31} {sec:8.4f} s")
     if gpu:
         lines.append(f"  the GPU was busy {busy / (steps * step_s):.0%} of the timed step time "
                      f"(the rest: waiting for the CPU to launch)")
