@@ -50,6 +50,9 @@ smallest set of the most likely tokens whose probability reaches p), then a draw
 torch.Generator seeded by --seed; greedy (temperature 0) is the argmax. Megatron's sampler
 (inference/sampling/torch_sampling.py, TorchSampling.sample_from_logits) refuses top-k and
 top-p together, and its greedy is top_k == 1, the argmax whatever the temperature.
+The book takes both together, and ignores them under greedy decoding (the command says so);
+check_sampling refuses what cannot be sampled: a temperature that is negative, infinite or NaN,
+a top-k below 1, a top-p outside (0, 1].
 
 Megatron-LM (main d98e8a6, checked 2026-11-27): megatron/core/inference/ (engines/,
 contexts/static_context.py's key_value_memory_dict, the dynamic engine's paged cache in
@@ -61,6 +64,7 @@ re-checked 2026-12-07).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -70,10 +74,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .config import ConfigError
 from .dp import unwrap
 
-__all__ = ["KVCache", "CachedAttention", "cached_attention", "kv_cache_bytes", "next_token", "generate",
-           "load_model", "main"]
+__all__ = ["KVCache", "CachedAttention", "cached_attention", "kv_cache_bytes", "check_sampling", "next_token",
+           "generate", "load_model", "main"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,14 +151,40 @@ def _attention_layers(model: nn.Module) -> list:
 # ---------------------------------------------------------------------------------------
 # sampling
 # ---------------------------------------------------------------------------------------
+def check_sampling(max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                   top_p: float | None = None, seed: int = 0) -> list[str]:
+    """ConfigError naming the flag and its value for a request that cannot be sampled:
+    max_new_tokens < 1, a temperature that is negative, infinite or NaN, top_k < 1, top_p
+    outside (0, 1] (or NaN), a seed outside torch.Generator's [0, 2**64). Returns notes on
+    what a valid request ignores: top_k and top_p under greedy decoding (temperature 0)."""
+    def bad(flag, value, rule):
+        raise ConfigError(f"{flag} {value}: {rule}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        bad("--max-new-tokens", max_new_tokens, "must be at least 1")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        bad("--temperature", temperature, "must be 0 (greedy) or a positive finite number")
+    if top_k is not None and top_k < 1:
+        bad("--top-k", top_k, "must be at least 1 (1 keeps the likeliest token; leave it out to keep all)")
+    if top_p is not None and not 0 < top_p <= 1:
+        bad("--top-p", top_p, "must be in (0, 1] (1 keeps every token; leave it out to keep all)")
+    if not 0 <= seed < 2**64:
+        bad("--seed", seed, "must be in [0, 2**64)")
+    if temperature == 0:
+        return [f"{flag} {value} is ignored: --temperature 0 is greedy decoding, the argmax (give a temperature > 0 "
+                f"to sample)" for flag, value in (("--top-k", top_k), ("--top-p", top_p)) if value is not None]
+    return []
+
+
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of `logits` [b, V]: the argmax when temperature is 0, else a draw from
     softmax(logits / temperature) restricted to the top_k most likely tokens and then to the
-    smallest set of them whose probability reaches top_p. Returns [b] int64."""
+    smallest set of them whose probability reaches top_p. Returns [b] int64. The row's maximum
+    is subtracted before the division, so that a tiny temperature cannot overflow to inf."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature                 # [b, V], max 0
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]        # [b, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -182,6 +213,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     own, plus one comm.all_gather of the last position's logits per step (tag "logits"); under
     pp per step: each stage sends its hidden states [b, s, h] to the next (comm.send, tag
     "pp-fwd"), and the last stage broadcasts the chosen tokens [b] to the others (tag "token")."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     m = unwrap(model)
     cfg, device = m.config, next(m.parameters()).device
     pipeline = ((list(comm.group_ranks(pp_group)), comm.group_rank(pp_group))
@@ -194,8 +226,9 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     b, P = len(prompts), max(len(p) for p in prompts)
     total = P + max_new_tokens
     if total > cfg.max_position_embeddings:
-        raise ValueError(f"the longest prompt ({P}) + max_new_tokens ({max_new_tokens}) = {total} > "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
+        raise ValueError(f"the longest prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) = {total} > the "
+                         f"model's max_position_embeddings={cfg.max_position_embeddings}: at most "
+                         f"{max(cfg.max_position_embeddings - P, 0)} new tokens after this prompt")
     V = vocab_size or cfg.vocab_size
     tokens = torch.zeros(b, total, dtype=torch.long, device=device)
     valid = torch.zeros(b, total, dtype=torch.bool, device=device)
@@ -231,9 +264,16 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
                 last = logits[:, -1]                                                        # [b, V(/tp)]
                 if tp_group is not None and comm.group_size(tp_group) > 1:
                     last = comm.all_gather(last.contiguous(), tp_group, dim=-1, tag="logits")   # [b, Vp]
-                token = next_token(last[:, :V].float(), temperature, top_k, top_p, generator)   # [b]
+                last = last[:, :V].float()
+                if bool(torch.isfinite(last).all()):
+                    token = next_token(last, temperature, top_k, top_p, generator)         # [b]
+                else:
+                    token.fill_(-1)                     # every stage learns it from the broadcast, none hangs
             if pipeline is not None:
                 comm.broadcast(token, pipeline[0][-1], pp_group, tag="token")              # [b], to every stage
+            if bool((token < 0).any()):
+                raise ValueError(f"the model's logits at new token {t + 1} are not finite (NaN or inf): the "
+                                 f"checkpoint's weights are not a trained model's")
             tokens[:, end] = token
             for i in range(b):
                 if not done[i]:
@@ -293,9 +333,14 @@ def load_model(load: str, tensor_parallel: int = 1, pipeline_parallel: int = 1):
     from .train import initialize_layout
     path = Path(load)
     if not is_distributed_checkpoint(path):
-        path = latest_checkpoint(path, warn=False)
-        if path is None or not is_distributed_checkpoint(path):
-            raise CheckpointError(f"{load} holds no --ckpt-format torch_dist checkpoint")
+        found = latest_checkpoint(path, warn=False) if path.is_dir() else None
+        if found is None or not is_distributed_checkpoint(found):
+            why = ("does not exist" if not path.exists() else "is a file, not a checkpoint directory"
+                   if not path.is_dir() else "is a Hugging Face folder, not a checkpoint (python -m minimegatron.convert "
+                   "--from-hf DIR --save CKPT makes one of it)" if (path / "config.json").is_file() else
+                   "holds no --ckpt-format torch_dist checkpoint")
+            raise CheckpointError(f"--load {load} {why}")
+        path = found
     common = read_common(path)
     model_cfg = ModelConfig(**common["model_config"]).validate()
     cfg = TrainConfig(tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
@@ -309,17 +354,25 @@ def load_model(load: str, tensor_parallel: int = 1, pipeline_parallel: int = 1):
 
 def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
-    from .config import ConfigError
     from .data import build_tokenizer
     from .launch import finish_torchrun, init_from_torchrun
     parser = argparse.ArgumentParser(prog="python -m minimegatron.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", required=True, help="a torch_dist checkpoint directory (any layout saved it)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy [default]")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="new tokens per prompt, at least 1; the longest prompt plus these must fit the model's "
+                             "max_position_embeddings [default: 32]")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, the argmax, which ignores --top-k and --top-p (and says so) [default]; "
+                             "> 0: sample from softmax(logits / temperature)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the k likeliest tokens, k >= 1 [default: all]. With --top-p too, top-k "
+                             "applies first, then top-p, as in transformers (Megatron refuses the two together, and "
+                             "its greedy decoding is top-k 1)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="sample among the smallest set of likeliest tokens whose probability reaches p, "
+                             "0 < p <= 1 [default: all]")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's seed, 0 <= seed < 2**64 [default: 0]")
     parser.add_argument("--no-kv-cache", action="store_true", help="run the whole sequence at every step")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tp (under torchrun)")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
@@ -328,12 +381,24 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = init_from_torchrun()
     try:
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        notes = check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+            if size < 1:
+                raise ConfigError(f"{flag} {size}: must be at least 1")
         if world != tp * pp:
             raise ConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
                               f"{tp * pp} ranks; this run has {world}")
         model, model_cfg, spec, layout = load_model(args.load, tp, pp)
         tokenizer = build_tokenizer(spec)
         prompts = [tokenizer.encode(p) for p in args.prompt]
+        for text, ids in zip(args.prompt, prompts):
+            if not ids:
+                raise ConfigError(f"--prompt {text!r} is empty: every prompt needs at least one token")
+        if args.top_k is not None and args.top_k >= model_cfg.vocab_size and args.temperature > 0:
+            notes.append(f"--top-k {args.top_k} keeps every token: the vocabulary has {model_cfg.vocab_size}")
+        if rank == 0:
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
         start = time.perf_counter()
         new, info = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=args.seed, use_cache=not args.no_kv_cache,
@@ -343,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, ValueError) as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
+        return finish_torchrun(2)
+    except OSError as exc:                                  # an unreadable checkpoint file
+        if rank == 0:
+            print(f"error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
         return finish_torchrun(2)
     if rank == 0:
         for prompt, tokens in zip(args.prompt, new):

@@ -346,14 +346,37 @@ def test_cli_prints_a_plan_and_exits_0(capsys):
     (["--model", "llama9", "--gpus", "8", "--global-batch-size", "8"], ["--model", "llama9", "llama3-70b"]),
     (["--model", "llama3-8b", "--gpus", "12", "--global-batch-size", "8"], ["gpus=12", "8 GPUs per node"]),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--seq-length", "200000"],
-     ["seq_length=200000", "131072"]),
+     ["--seq-length 200000", "131072"]),
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--cluster", "tpu"], ["--cluster", "tpu"]),
+    # 0 was falsy, and --seq-length 0 planned with the model's 8192
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--seq-length", "0"], ["--seq-length 0"]),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--seq-length", "-5"], ["--seq-length -5"]),
+    (["--model", "llama3-8b", "--gpus", "0", "--global-batch-size", "8"], ["--gpus 0"]),
+    (["--model", "llama3-8b", "--gpus", "-8", "--global-batch-size", "8"], ["--gpus -8"]),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "0"], ["--global-batch-size 0"]),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--top", "0"], ["--top 0"]),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--micro-batch-size", "0"],
+     ["--micro-batch-size 0"]),
+    (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--zero-stage", "4"], ["--zero-stage 4"]),
 ])
 def test_cli_bad_input_exits_2_naming_the_field(capsys, argv, words):
     assert main(argv) == 2
     err = capsys.readouterr().err
     for word in words:
         assert word in err, (word, err)
+
+
+def test_the_in_flight_peak_beyond_3_pp_micro_batches_is_the_simulated_one():
+    """rank_memory._in_flight simulates at most 3 pp micro-batches (a global batch of 10^12
+    took minutes): the peak it returns is the full schedule's, for every rank, pp, v and m."""
+    from minimegatron.plan.rank_memory import _in_flight
+    from minimegatron.pp import peak_in_flight, schedule
+    for pp in (2, 3, 4):
+        for kind, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
+            for m in (range(pp, 8 * pp + 1, pp) if kind == "interleaved" else range(1, 8 * pp + 1)):
+                for rank in range(pp):
+                    assert _in_flight(kind, pp, rank, m, v) == peak_in_flight(schedule(kind, pp, rank, m, v)), \
+                        (kind, pp, rank, m, v)
 
 
 def test_cli_help_and_argparse_errors_exit_as_argparse_does(capsys):

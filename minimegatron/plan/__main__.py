@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cluster not in CLUSTERS:
             raise ConfigError(f"--cluster {args.cluster!r} is not one of {', '.join(CLUSTERS)}")
-        if args.top < 1:
-            raise ConfigError(f"--top {args.top} must be at least 1")
+        for flag, value in (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size),
+                            ("--seq-length", args.seq_length), ("--top", args.top)):
+            if value is not None and value < 1:                   # None: --seq-length left to the model
+                raise ConfigError(f"{flag} {value} must be at least 1")
         try:
             model_cfg, seq, note = planner_model(args.model)
         except ConfigError as exc:
@@ -74,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--zero-stage {args.zero} is not 0, 1, 2 or 3")
         cluster = CLUSTERS[args.cluster]
         pins = {k: getattr(args, k) for k in ("tp", "cp", "pp", "vp", "ep", "etp", "zero", "recompute", "mbs")}
-        result = search(model_cfg, cluster, args.gpus, args.seq_length or seq, args.global_batch_size,
+        seq_length = seq if args.seq_length is None else args.seq_length
+        if seq_length > model_cfg.max_position_embeddings:
+            raise ConfigError(f"--seq-length {seq_length} is longer than {args.model}'s max_position_embeddings="
+                              f"{model_cfg.max_position_embeddings}")
+        result = search(model_cfg, cluster, args.gpus, seq_length, args.global_batch_size,
                         keep=args.top, **pins)
     except ConfigError as exc:
         parser.print_usage(sys.stderr)

@@ -63,6 +63,12 @@ def pipeline_kind(cfg: TrainConfig) -> str:
 
 @lru_cache(maxsize=4096)
 def _in_flight(kind: str, pp: int, pp_rank: int, m: int, v: int) -> int:
+    """peak_in_flight of the schedule, which stops growing once the warm-up is full (1F1B:
+    pp - rank; interleaved: min(2 (pp - rank - 1) + (v - 1) pp, v m) + 1, full by m = 3 pp): so
+    at most 3 pp micro-batches are simulated (a multiple of pp, as interleaving needs), and a
+    global batch of millions is planned in the time of a small one."""
+    if kind in ("1f1b", "interleaved"):
+        m = min(m, 3 * pp)
     return peak_in_flight(schedule(kind, pp, pp_rank, m, v))
 
 
