@@ -31,7 +31,8 @@ The shapes (LLaMA blocks: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied
          + 2 grad + 4 main grad + 8 Adam): 60 GB of the 80, the largest LLaMA shape of this family
          that leaves room for the recomputed layer and the logits (an estimate, not yet measured)
 
-The 1b shape runs first: a session with little device time left still measures the goal.
+The 1b shape runs first, and in each shape eager, compile+fused and the reference run before the
+other paths: a session with little device time left still measures the goal.
 
 Before timing, each shape checks that the reference is the same network (check_same_network): a
 float32 copy of both (the shape's widths, 2 layers), the book's initial weights loaded into the
@@ -124,13 +125,14 @@ SMOKE_SHAPES = {   # --smoke: the same code on tiny models, one without and one 
     "tiny-recompute": Shape("tiny-recompute", 64, 2, 4, 2, None, 257, 32, 2, True, 1, 2, "--smoke, full recompute",
                             paths=("eager", "fused-adam", "compile", "reference")),
 }
-PATHS = {   # name -> (TrainConfig.kernels, TrainConfig.adam_impl); None: the plain-PyTorch reference
+PATHS = {   # name -> (TrainConfig.kernels, TrainConfig.adam_impl); None: the plain-PyTorch reference.
+    # In the order they run: the three the goal compares first, so that --budget cuts the others.
     "eager": ("torch", "default"),
+    "compile+fused": ("compile", "fused"),
+    "reference": None,
     "fused-adam": ("torch", "fused"),
     "compile": ("compile", "default"),
-    "compile+fused": ("compile", "fused"),
     "triton": ("triton", "default"),
-    "reference": None,
 }
 BUDGET_S = 420
 LR = 1e-4
@@ -505,6 +507,7 @@ CATEGORIES = [   # (category, substrings of an operator or kernel name), the fir
                 "aten::linear", "triton_tem")),
     ("optimizer / foreach", ("adam", "multi_tensor", "foreach")),
     ("compiled (Inductor)", ("triton_poi", "triton_red", "triton_per")),
+    ("activation (SwiGLU)", ("swiglu", "silu")),
     ("norms (RMSNorm, gradient norm)", ("norm", "rsqrt")),
     ("loss", ("softmax", "cross_entropy", "nll")),
     ("copy / cast", ("copy", "aten::to", "cast", "aten::cat", "clone")),
