@@ -436,6 +436,7 @@ def parse_command_line(argv: Iterable[str] | None = None,
     for name in ("hierarchical_context_parallel_sizes", "recompute_modules", "profile_ranks"):
         if name in given:
             given[name] = tuple(given[name])
+    _refuse_ignored_flags(given)
     if "train_iters" in given and "lr_warmup_iters" not in given and "lr_warmup_iters" in train_over:
         train_over["lr_warmup_iters"] = train_over["lr_warmup_iters"] * given["train_iters"] // train_over["train_iters"]
     if cli["lr_warmup_fraction"] is not None:
@@ -458,6 +459,33 @@ def parse_command_line(argv: Iterable[str] | None = None,
     if not 0 < minutes < math.inf:                      # nan fails both comparisons
         raise ConfigError(f"distributed_timeout_minutes={minutes} must be a positive, finite number of minutes")
     return model_cfg, train_cfg, cli
+
+
+def _refuse_ignored_flags(given: dict[str, Any]) -> None:
+    """ConfigError naming the flags when a flag given would do nothing without another one.
+
+    TrainConfig.validate refuses the values it can see (a non-default --recompute-modules
+    without selective recompute, --fp8-recipe tensorwise without --fp8-format); this sees what
+    was typed, so the default values too: --recompute-modules core_attn, --fp8-recipe delayed.
+    Refused, not warned about: a warning scrolls past, and the run would do less than its
+    command line says."""
+    def flag(name: str) -> str:
+        return FLAGS[name][1][0]
+
+    if "recompute_modules" in given and given.get("recompute_granularity") != "selective":
+        raise ConfigError(f"{flag('recompute_modules')} {' '.join(given['recompute_modules'])} without "
+                          f"--recompute-granularity selective: the modules are what selective recompute recomputes, "
+                          f"and would be ignored")
+    fp8 = [flag(n) for n in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo") if n in given]
+    if fp8 and given.get("fp8_format") is None:
+        precision = "bf16" if given.get("bf16") else "fp16" if given.get("fp16") else "float32"
+        raise ConfigError(f"{', '.join(fp8)} without --fp8-format: no FP8 at all, the run would train in {precision} "
+                          f"(add --fp8-format hybrid or e4m3)")
+    dynamic = [flag(n) for n in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis") if n in given]
+    if dynamic and (not given.get("fp16") or "loss_scale" in given):
+        why = (f"with --loss-scale {given['loss_scale']:g} the scale is constant" if given.get("fp16") else
+               "they set fp16's dynamic loss scale, and this run has none (--fp16 has one)")
+        raise ConfigError(f"{', '.join(dynamic)}: {why}, so they would be ignored")
 
 
 def _apply_global_batch_size(cfg: TrainConfig, global_batch: int, world_size: int, accum_given: bool) -> TrainConfig:

@@ -27,6 +27,12 @@ Safety rules:
     an error;
   - loaded with `torch.load(weights_only=True)`: tensors, numbers, strings and containers
     only, never code from a pickle;
+  - every file carries a CRC-32 of each tensor it holds and one of all its other values
+    (`checksums`, written at save, checked at load): a file whose bytes changed after the
+    save (a disk or copy error, an edit) is refused, naming the file and the tensor, instead
+    of resuming from flipped weights (see `checksums` for why CRC-32);
+  - a save_dir that cannot be written (a file, a read-only directory, /proc) is a
+    CheckpointError naming it (check_save_dir), before training starts;
   - one run at a time writes a directory: rank 0 of a run that saves holds its lock file
     (lock_save_dir), which names the owner, so a second run is refused by name;
   - every rank of a resume agrees on the load before anything else runs (all_ranks_agree):
@@ -39,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import zlib
 import sys
 import time
 import warnings
@@ -75,9 +82,103 @@ def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
 
 
 def _atomic_write(path: Path, write) -> None:
+    """`write(tmp)` to path.tmp, then rename it to `path`; CheckpointError naming the file when
+    the filesystem refuses (full, read-only, gone)."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def check_save_dir(directory: str | os.PathLike) -> None:
+    """CheckpointError naming `directory` and why when checkpoints cannot be written there: it
+    (or a parent) is a file, it is not writable, the filesystem is read-only or refuses files
+    (/proc). Creates the directory, as a save would, and writes and removes a probe file:
+    asking the filesystem is the only test that holds for every reason (root ignores the
+    permission bits that os.access reads)."""
+    directory = Path(directory)
+    blocker = next((p for p in [directory, *directory.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise CheckpointError(f"save_dir {directory}: {blocker} is a file, not a directory (give --save a directory)")
+    probe = directory / f".minimegatron-write-probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"save_dir {directory} cannot be written: {exc.strerror or exc} (errno "
+                              f"{exc.errno}); give --save a writable directory") from None
+
+
+# ---------------------------------------------------------------------------------------
+# checksums
+# ---------------------------------------------------------------------------------------
+def _leaves(obj: Any, path: str = ""):
+    """(path, value) for every leaf of nested dicts, lists and tuples; a path joins the keys
+    and indices with "/"."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _leaves(value, f"{path}/{key}" if path else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _leaves(value, f"{path}/{i}" if path else str(i))
+    else:
+        yield path, obj
+
+
+def tensor_crc(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's dtype, shape and bytes (in row-major order)."""
+    crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
+    return zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+
+
+def checksums(state: dict[str, Any]) -> list[int]:
+    """One CRC-32 per tensor in `state` (nested containers), in the order _leaves walks them,
+    then one of every other leaf (its path and repr, in order): what load_checkpoint compares.
+    A list, not a dict by path: 5 bytes a tensor in the file, where the paths would repeat
+    every name.
+
+    CRC-32, not a cryptographic hash: the sums live in the file they check, so whoever can
+    edit the file can rewrite them too, and a stronger hash buys nothing; what is left is
+    detecting accidental change, which CRC-32 does (every burst of up to 32 flipped bits, any
+    other change with probability 1 - 2^-32), faster than sha256 (benchmarks/README.md,
+    "Checkpoint checksums")."""
+    sums, rest = [], 0
+    for path, value in _leaves(state):
+        if isinstance(value, torch.Tensor):
+            sums.append(tensor_crc(value))
+        else:
+            rest = zlib.crc32(f"{path}={value!r}\n".encode(), rest)
+    return sums + [rest]
+
+
+def with_checksums(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` plus its "checksums" (computed over everything else in it)."""
+    body = {k: v for k, v in state.items() if k != "checksums"}
+    return {**body, "checksums": checksums(body)}
+
+
+def verify_checksums(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """CheckpointError naming the file `path` and its first damaged tensor (or its other values)
+    when `state`, as loaded from it, differs from the checksums recorded when it was saved. A
+    file without "checksums" (saved before they existed) is not checked."""
+    recorded = state.get("checksums") if isinstance(state, dict) else None
+    if recorded is None:
+        return
+    body = {k: v for k, v in state.items() if k != "checksums"}
+    now = checksums(body)
+    tensors = [p for p, v in _leaves(body) if isinstance(v, torch.Tensor)]
+    if len(now) != len(recorded):
+        bad = [f"its structure ({len(tensors)} tensors, {len(recorded) - 1} when saved)"]
+    else:
+        bad = [name for name, a, b in zip(tensors + ["its values other than tensors"], recorded, now) if a != b]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"checkpoint file {path} is damaged: {bad[0]}{more} differs from the CRC-32 recorded "
+                              f"when it was saved; its bytes changed after the save (a disk or copy error, or an "
+                              f"edit): restore the file, or resume from an earlier checkpoint")
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
@@ -100,7 +201,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, An
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
     path = directory / f"iter_{step:07d}.pt"
-    payload = {"format": FORMAT, "step": step, **state}
+    payload = with_checksums({"format": FORMAT, "step": step, **state})
     _atomic_write(path, lambda tmp: torch.save(payload, tmp))
     _atomic_write(directory / "latest", lambda tmp: tmp.write_text(path.name + "\n"))
     return path
@@ -153,13 +254,14 @@ def load_checkpoint(path: str | os.PathLike, *, model_config: dict[str, Any] | N
         raise _unreadable(path, exc) from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file")
+    verify_checksums(state, path)
     if model_config is not None:
         stored = state.get("model_config", {})
         diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}"
                  for k, v in model_config.items() if stored.get(k) != v]
         if diffs:
             raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
-    return state
+    return {k: v for k, v in state.items() if k != "checksums"}
 
 
 def rank_path(directory: str | os.PathLike, step: int, rank: int) -> Path:
@@ -171,7 +273,8 @@ def save_rank_state(directory: str | os.PathLike, step: int, rank: int, state: d
     """Write one rank's own state (atomically); rank 0 moves `latest` later, after a barrier."""
     path = rank_path(directory, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda tmp: torch.save({"format": FORMAT, "step": step, "rank": rank, **state}, tmp))
+    payload = with_checksums({"format": FORMAT, "step": step, "rank": rank, **state})
+    _atomic_write(path, lambda tmp: torch.save(payload, tmp))
     return path
 
 
@@ -187,7 +290,8 @@ def load_rank_state(directory: str | os.PathLike, step: int, rank: int) -> dict[
         raise _unreadable(path, exc) from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("rank") != rank:
         raise CheckpointError(f"{path} is not rank {rank}'s {FORMAT} file")
-    return state
+    verify_checksums(state, path)
+    return {k: v for k, v in state.items() if k != "checksums"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -281,7 +385,7 @@ def lock_save_dir(directory: str | os.PathLike) -> SaveDirLock:
     otherwise mix their files: `latest` of one naming the iteration of the other, or
     `remove_stale_temporaries` deleting a file the other is writing."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    check_save_dir(directory)
     path = directory / LOCK_FILE
     if fcntl is None:                                    # pragma: no cover
         return SaveDirLock(None, path, None)

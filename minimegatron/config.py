@@ -302,6 +302,7 @@ class TrainConfig:
     recompute_method: str | None = None   # full: "uniform" (units of recompute_num_layers) | "block"
     recompute_num_layers: int | None = None    # full: layers per unit (uniform), recomputed per chunk (block)
     recompute_modules: tuple[str, ...] = ("core_attn",)   # selective: which parts (recompute.RECOMPUTE_MODULES)
+                                                          # (DEFAULT_RECOMPUTE_MODULES)
     # torch.profiler over steps [profile_step_start, profile_step_end) (chapter 07, profiling.py)
     profile: bool = False
     profile_step_start: int = 10
@@ -388,6 +389,14 @@ class TrainConfig:
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         need(not (self.bf16 and self.fp16), "bf16 and fp16 are both set: choose one")
         need(self.loss_scale is None or self.loss_scale > 0, f"loss_scale={self.loss_scale} must be positive")
+        if self.loss_scale is not None:
+            need(self.bf16 or self.fp16, f"loss_scale={self.loss_scale:g} without fp16 or bf16: a float32 run has no "
+                                         f"loss scaler, and the scale would be ignored (--loss-scale goes with --fp16 "
+                                         f"or --bf16)")
+            need(is_power_of_two(self.loss_scale),
+                 f"--{'fp16' if self.fp16 else 'bf16'} --loss-scale {self.loss_scale:g}: a static loss scale must be a "
+                 f"power of 2 (multiplying and dividing by one changes only the exponent, exactly), e.g. "
+                 f"{2.0 ** math.floor(math.log2(self.loss_scale)):g} or {2.0 ** math.ceil(math.log2(self.loss_scale)):g}")
         need(0 < self.min_loss_scale <= self.initial_loss_scale,
              f"min_loss_scale={self.min_loss_scale} must be in (0, initial_loss_scale={self.initial_loss_scale}]")
         for name in ("loss_scale_window", "hysteresis"):
@@ -398,6 +407,16 @@ class TrainConfig:
              f"fp8_recipe={self.fp8_recipe!r} is not one of tensorwise, delayed, blockwise, mxfp8")
         need(self.fp8_margin >= 0, f"fp8_margin={self.fp8_margin} must be >= 0")
         need(self.fp8_amax_history_len >= 1, f"fp8_amax_history_len={self.fp8_amax_history_len} must be >= 1")
+        need(self.fp8_format is not None or self.fp8_recipe == "delayed",
+             f"fp8_recipe={self.fp8_recipe!r} without fp8_format: no FP8 at all, the run would train in "
+             f"{'bf16' if self.bf16 else 'fp16' if self.fp16 else 'float32'} (add --fp8-format hybrid or e4m3)")
+        recorded = self.train_iters * self.grad_accum_steps        # amaxes one tensor role records in the run
+        need(self.fp8_amax_history_len <= max(AMAX_HISTORY_LEN_TE, recorded),
+             f"fp8_amax_history_len={self.fp8_amax_history_len} is longer than Transformer Engine's default history "
+             f"({AMAX_HISTORY_LEN_TE}) and than the amaxes this run records per tensor role (train_iters="
+             f"{self.train_iters} x grad_accum_steps={self.grad_accum_steps} = {recorded}): the entries past those "
+             f"are never written, and each costs 4 bytes per role of every FP8 layer "
+             f"({4 * self.fp8_amax_history_len / 2 ** 20:,.0f} MiB a role here)")
         need(self.fp8_amax_compute_algo in ("most_recent", "max"),
              f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is not 'most_recent' or 'max'")
         need(self.kernels in ("torch", "triton", "compile"), f"kernels={self.kernels!r} is not 'torch', 'triton' or 'compile'")
@@ -416,6 +435,13 @@ class TrainConfig:
                  f"seq_length={self.seq_length} is longer than "
                  f"max_position_embeddings={model.max_position_embeddings}")
             adamw_step_bound(self, model.dtype)
+            need(not (self.kernels == "triton" and model.attention_backend == "naive"),
+                 "kernels='triton' with attention_backend='naive': the Triton FlashAttention replaces the attention "
+                 "core, so the naive one would never run (--kernels triton takes the default --attention-backend sdpa)")
+            moe_modules = [m for m in self.recompute_modules if m in ("moe", "moe_act")]
+            need(not (self.recompute_granularity == "selective" and moe_modules and model.num_experts is None),
+                 f"recompute_modules {', '.join(moe_modules)} on a dense model (num_experts unset): there are no "
+                 f"experts to recompute (the dense MLP is 'mlp')")
         return self
 
 
@@ -433,6 +459,9 @@ class TrainConfig:
             need(method is None and n is None,
                  f"recompute_method={method!r} and recompute_num_layers={n} are for recompute_granularity='full' "
                  f"(got {granularity!r})")
+        need(granularity == "selective" or tuple(self.recompute_modules) == DEFAULT_RECOMPUTE_MODULES,
+             f"recompute_modules={list(self.recompute_modules)} with recompute_granularity={granularity!r}: the modules "
+             f"are for recompute_granularity='selective', and would be ignored (--recompute-granularity selective)")
         if granularity == "selective":
             megatron_only = {"mla_up_proj", "shared_experts", "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc"}
             for name in self.recompute_modules:
@@ -441,6 +470,17 @@ class TrainConfig:
                 need(name in ("core_attn", "mlp", "moe", "moe_act", "layernorm"),
                      f"recompute_modules: {name!r} is not one of core_attn, mlp, moe, moe_act, layernorm")
             need(len(self.recompute_modules) > 0, "recompute_granularity='selective' with no recompute_modules")
+
+
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)     # TrainConfig.recompute_modules' default, Megatron's
+# Transformer Engine's DelayedScaling keeps 1024 amaxes per tensor role by default; a longer
+# --fp8-amax-history-len is refused unless the run records that many (TrainConfig.validate)
+AMAX_HISTORY_LEN_TE = 1024
+
+
+def is_power_of_two(x: float) -> bool:
+    """Is the positive finite float x exactly 2^k for an integer k (k < 0 too)?"""
+    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
 
 
 def adamw_step_bound(cfg: TrainConfig, dtype: torch.dtype) -> None:
@@ -480,4 +520,5 @@ def from_dict(cls: type, values: dict[str, Any]) -> Any:
 
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "to_dict",
-           "from_dict", "dtype_from_name", "check_finite", "adamw_step_bound", "DTYPES"]
+           "from_dict", "dtype_from_name", "check_finite", "adamw_step_bound", "is_power_of_two", "DTYPES",
+           "DEFAULT_RECOMPUTE_MODULES", "AMAX_HISTORY_LEN_TE"]

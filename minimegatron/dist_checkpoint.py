@@ -39,6 +39,9 @@ Saving (collective over the world):
      step, the configs, the loss history, the loss scaler), then points `latest` at the
      directory; a barrier keeps every rank behind `latest`. A kill at any moment leaves
      `latest` naming a complete checkpoint.
+  Every file carries the CRC-32 of each tensor in it and of its other values
+  (checkpoint.checksums), checked when it is read: a piece whose bytes changed after the save
+  is refused, naming its file and its key.
 
 Loading (every rank alone, no collective): for each tensor name it needs, the rank assembles
 the single-device tensor from the pieces in the index (a flat piece is put back into its
@@ -71,7 +74,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .checkpoint import CheckpointError, _atomic_write, _unreadable, remove_stale_temporaries
+from .checkpoint import (CheckpointError, _atomic_write, _unreadable, remove_stale_temporaries, verify_checksums,
+                         with_checksums)
 from .dp import local_tensors, unwrap
 from .fp8 import delayed_scaling_states, load_delayed_scaling_states
 from .optim import Optimizer
@@ -237,16 +241,17 @@ def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Mo
             written.add(identity)
             mine[f"{desc['kind']}/{desc['name']}/{n}"] = (desc, tensor)
     name = f"rank_{layout.rank:05d}.pt"
-    payload = {"format": FORMAT, "step": step, "rank": layout.rank, "own": own,
-               "tensors": {key: t.contiguous().clone() for key, (_, t) in mine.items()},
-               "index": [dict(desc, key=key, file=name) for key, (desc, _) in mine.items()]}
+    payload = with_checksums({"format": FORMAT, "step": step, "rank": layout.rank, "own": own,
+                              "tensors": {key: t.contiguous().clone() for key, (_, t) in mine.items()},
+                              "index": [dict(desc, key=key, file=name) for key, (desc, _) in mine.items()]})
     _atomic_write(out / name, lambda tmp: torch.save(payload, tmp))
     index = comm.all_gather_object(payload["index"], None, tag="checkpoint")    # also: every file is written
     if layout.rank == 0:
         steps = [int(state["step"]) for state in (optimizer.state.values() if optimizer else []) if "step" in state]
         scaler = None if optimizer is None or optimizer.grad_scaler is None else optimizer.grad_scaler.state_dict()
-        body = {"format": FORMAT, "step": step, "layout": layout_signature(layout), "adam_steps": steps[0] if steps else 0,
-                "grad_scaler": scaler, "index": [desc for part in index for desc in part], **common}
+        body = with_checksums({"format": FORMAT, "step": step, "layout": layout_signature(layout),
+                               "adam_steps": steps[0] if steps else 0, "grad_scaler": scaler,
+                               "index": [desc for part in index for desc in part], **common})
         _atomic_write(out / COMMON, lambda tmp: torch.save(body, tmp))
         _atomic_write(Path(directory) / "latest", lambda tmp: tmp.write_text(out.name + "\n"))
     comm.barrier(None, tag="checkpoint")                  # nobody runs ahead of `latest`
@@ -257,7 +262,8 @@ def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Mo
 # loading
 # ---------------------------------------------------------------------------------------
 class _Reader:
-    """The pieces of one checkpoint, by (kind, name); files opened on first use (mmap)."""
+    """The pieces of one checkpoint, by (kind, name); files opened on first use (mmap), and
+    their checksums checked then."""
 
     def __init__(self, path: Path, common: dict):
         self.path, self.files = path, {}
@@ -268,16 +274,22 @@ class _Reader:
     def has(self, kind: str, name: str) -> bool:
         return (kind, name) in self.pieces
 
-    def _tensor(self, desc: dict) -> torch.Tensor:
-        file = self.path / desc["file"]
-        if desc["file"] not in self.files:
+    def payload(self, name: str) -> dict:
+        """The rank file `name` of the checkpoint, loaded once, its checksums checked."""
+        file = self.path / name
+        if name not in self.files:
             if not file.is_file():
                 raise CheckpointError(f"{file} does not exist: the checkpoint in {self.path} is incomplete")
             try:
-                self.files[desc["file"]] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)["tensors"]
+                payload = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:                        # a truncated or foreign file: say which
                 raise _unreadable(file, exc) from exc
-        return self.files[desc["file"]][desc["key"]]
+            verify_checksums(payload, file)
+            self.files[name] = payload
+        return self.files[name]
+
+    def _tensor(self, desc: dict) -> torch.Tensor:
+        return self.payload(desc["file"])["tensors"][desc["key"]]
 
     def full(self, kind: str, name: str) -> torch.Tensor:
         """The single-device tensor `name` of `kind`, assembled from its pieces; CheckpointError
@@ -326,7 +338,8 @@ def read_common(path: str | os.PathLike) -> dict:
         raise _unreadable(file, exc) from exc
     if not isinstance(common, dict) or common.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a {FORMAT} file")
-    return common
+    verify_checksums(common, file)
+    return {k: v for k, v in common.items() if k != "checksums"}
 
 
 @torch.no_grad()
@@ -412,7 +425,7 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
     own_file = path / f"rank_{layout.rank:05d}.pt"
     if common.get("layout") == layout_signature(layout) and own_file.is_file():
-        common = dict(common, own=torch.load(own_file, map_location="cpu", weights_only=True, mmap=True)["own"])
+        common = dict(common, own=reader.payload(own_file.name)["own"])
     return common
 
 
@@ -428,12 +441,13 @@ def save_release(directory: str | os.PathLike, state: dict[str, torch.Tensor], c
               for name, t in state.items()]
     name = "rank_00000.pt"
     keys = {f"model/{desc['name']}/{n}": (desc, t) for n, (desc, t) in enumerate(pieces)}
-    payload = {"format": FORMAT, "step": 0, "rank": 0, "own": {},
-               "tensors": {key: t.contiguous().clone() for key, (_, t) in keys.items()},
-               "index": [dict(desc, key=key, file=name) for key, (desc, _) in keys.items()]}
+    payload = with_checksums({"format": FORMAT, "step": 0, "rank": 0, "own": {},
+                              "tensors": {key: t.contiguous().clone() for key, (_, t) in keys.items()},
+                              "index": [dict(desc, key=key, file=name) for key, (desc, _) in keys.items()]})
     _atomic_write(out / name, lambda tmp: torch.save(payload, tmp))
-    body = {"format": FORMAT, "step": 0, "release": True, "layout": {}, "adam_steps": 0, "grad_scaler": None,
-            "index": payload["index"], "history": {"losses": [], "eval_losses": []}, **common}
+    body = with_checksums({"format": FORMAT, "step": 0, "release": True, "layout": {}, "adam_steps": 0,
+                           "grad_scaler": None, "index": payload["index"],
+                           "history": {"losses": [], "eval_losses": []}, **common})
     _atomic_write(out / COMMON, lambda tmp: torch.save(body, tmp))
     _atomic_write(Path(directory) / "latest", lambda tmp: tmp.write_text(out.name + "\n"))
     return out

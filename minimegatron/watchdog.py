@@ -12,7 +12,8 @@ Two small mechanisms, started on every rank by launch.init_from_torchrun and lau
 ``die_with_parent()``
     Linux's prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel kills this rank the moment its parent
     (torchrun, or the process that called launch.spawn) dies, however it died. Elsewhere the
-    heartbeat thread below checks the parent's pid every second instead.
+    heartbeat thread below checks the parent's pid every second instead. (It lives in
+    lifeline.py, which a torchrun rank runs first, before torch is imported.)
 
 ``Heartbeat``
     a daemon thread that writes, every second, this rank's heartbeat into the job's store (the
@@ -41,7 +42,6 @@ the idea for gloo on a CPU: it does not restart anything, it says which rank sto
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import linecache
 import os
@@ -55,44 +55,17 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .comm import record_communication
+from .lifeline import die_with_parent  # noqa: F401 (the parent-death signal; re-exported here, where it lived)
 
 __all__ = ["CollectiveTimeoutError", "die_with_parent", "job_store", "Heartbeat", "start_heartbeat",
            "stop_heartbeat", "set_doing", "is_collective_timeout", "missing_ranks_report", "did_not_arrive"]
 
 HEARTBEAT_INTERVAL = 1.0      # seconds between two heartbeats of a rank
 STALE_AFTER = 5.0             # a heartbeat older than this: the rank is frozen or gone
-_PR_SET_PDEATHSIG = 1         # from <linux/prctl.h>
 
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective timed out; the message names the ranks that did not arrive."""
-
-
-# ---------------------------------------------------------------------------------------
-# the launcher dies: so does the rank
-# ---------------------------------------------------------------------------------------
-def die_with_parent() -> bool:
-    """Have the kernel SIGKILL this process when its parent process dies (Linux); returns
-    whether that is armed.
-
-    SIGKILL, not SIGTERM: a rank blocked in a collective must die at once, and a checkpoint
-    it was writing is safe (checkpoint.py writes to a temporary name and renames). The kernel
-    sends it when the parent *thread* that started us exits; torchrun and launch.spawn start
-    their ranks from their main thread. A parent that dies while the signal is being armed is
-    seen (the parent pid changes) and the process ends at once; one that died before this
-    function ran cannot be told from a parent that is still there."""
-    if not sys.platform.startswith("linux"):
-        return False
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent:                  # orphaned while the signal was being armed
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,12 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
     ("benchmarks/bench_case_study.py", ["--smoke", "--presets", "tiny"]),
     ("benchmarks/bench_overlap.py", ["--smoke"]),
     ("benchmarks/bench_generate.py", ["--smoke"]),
+    ("benchmarks/bench_checksum.py", ["--smoke"]),
 ])
 def test_benchmark_runs(script, args):
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "tokens/s" in proc.stdout or "ms/step" in proc.stdout or "x the baseline" in proc.stdout
+    assert "tokens/s" in proc.stdout or "ms/step" in proc.stdout or "x the baseline" in proc.stdout or \
+        "crc32 cost" in proc.stdout
 
 
 def test_bench_vs_hf_runs():

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # kernels) go between pp and analysis, in chapter order.
 LAYERS: list[list[str]] = [
     ["config", "comm", "parallel_state", "watchdog", "launch", "data", "checkpoint",    # foundation
-     "triton_mode"],
+     "triton_mode", "lifeline"],
     ["placement"],                  # where each parameter lives: the one record (read by everything after)
     ["model"],
     ["optim", "grad_scaler"],       # the optimizer; fp16's loss scaler (chapter 06)

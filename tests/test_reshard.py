@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from minimegatron.checkpoint import with_checksums
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.dist_checkpoint import load_full_state
 from minimegatron.launch import spawn
@@ -164,7 +165,8 @@ def test_fp8_delayed_scaling_resumes_under_another_layout_and_on_one_device(grid
     common = bare / "iter_0000002" / "common.pt"
     state = torch.load(common, weights_only=True)
     assert any(d["kind"] == "fp8" for d in state["index"])
-    torch.save(dict(state, index=[d for d in state["index"] if d["kind"] != "fp8"]), common)
+    edited = dict(state, index=[d for d in state["index"] if d["kind"] != "fp8"])
+    torch.save(with_checksums(edited), common)                        # an edit that means it: new checksums
     fresh = train(DENSE, _cfg(tmp, "fd", FP8, load_dir=str(bare))).losses
     assert abs(fresh[2] - want[2]) > 1e-6, (fresh, want)
 

@@ -92,8 +92,8 @@ def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_r
     (its THD format cuts packed sequences with cu_seqlens instead, through Transformer Engine).
     """
     s = batch["tokens"].shape[1]
-    positions = torch.tensor(positions_on_rank(s, cp_size, cp_rank, load_balance),
-                             dtype=torch.long, device=batch["tokens"].device)          # [s/cp]
+    kept = range(s) if cp_size == 1 else positions_on_rank(s, cp_size, cp_rank, load_balance)   # cp 1: any s
+    positions = torch.tensor(kept, dtype=torch.long, device=batch["tokens"].device)          # [s/cp]
     out = {key: value.index_select(1, positions) if value.dim() == 2 and key != "document_ids" else value
            for key, value in batch.items()}
     if "loss_mask" in batch and cp_size > 1:       # the whole micro-batch's kept tokens, over cp (mean_loss)
