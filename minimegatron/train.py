@@ -37,11 +37,14 @@ losses bit for bit. A larger --train-iters extends a run instead: the learning-r
 is then recomputed for the new length, and the resume says so (resume.py).
 
 What stops a run, on every rank together, named once (main): a configuration that cannot
-run, a checkpoint that cannot be resumed (a missing or truncated file of any rank: the ranks
-agree on the load first), a save directory another run is writing (its lock names the owner),
-a loss or gradient norm that is not finite (naming the iteration), a collective that times
-out (naming the ranks that did not arrive, from their heartbeats: watchdog.py). Killing
-torchrun kills its ranks (watchdog.die_with_parent).
+run, a checkpoint that cannot be resumed (a missing, truncated or damaged file of any rank:
+its checksums; the ranks agree on the load first), a save directory that cannot be written
+or that another run is writing (its lock names the owner), a loss or gradient norm that is
+not finite (naming the iteration; with fp16's loss scaler too), parameters that are not
+finite when a checkpoint is due, a loss scale that cannot go lower and overflows on every
+step of a window (check_skipped_steps), a collective that times out (naming the ranks that
+did not arrive, from their heartbeats: watchdog.py). Killing torchrun kills its ranks, from
+their first line (lifeline.py).
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import parallel_state
-from .checkpoint import (CheckpointError, all_ranks_agree, latest_checkpoint, lock_save_dir, save_checkpoint,
-                         save_rank_state)
+from .checkpoint import (CheckpointError, all_ranks_agree, check_save_dir, latest_checkpoint, lock_save_dir,
+                         save_checkpoint, save_rank_state)
 from .comm import all_reduce, barrier, record_communication
 from .config import ConfigError, ModelConfig, TrainConfig, to_dict
 from .dist_checkpoint import (FORMAT as DIST_FORMAT, MAY_CHANGE, is_distributed_checkpoint, layout_signature, load_distributed,
@@ -79,6 +82,7 @@ from .optim import Optimizer, is_expert_parameter, learning_rate, set_learning_r
 from .parallel_state import Layout
 from .parallelize import build_model, build_optimizer, full_model_tensors, layout_device, unwrap, validate_layout
 from .fp8 import delayed_scaling_states, load_delayed_scaling_states
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .cp import get_batch_on_this_cp_rank
 from .cp.attention import hierarchical_sizes
 from .pp import PipelineComm, evaluate_pipelining, forward_backward_pipelining
@@ -208,6 +212,7 @@ class TrainResult:
     local_parameters: dict = field(default_factory=dict)           # {"dense", "experts"}: elements this rank holds
     held_bytes: dict = field(default_factory=dict)                 # held_state_bytes after the last step
     pipeline_records: list = field(default_factory=list)           # the last step's pp.timeline.StepRecord
+    skipped_steps: int = 0                                          # steps the loss scaler skipped in this run
 
 
 def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset, GPTDataset]:
@@ -388,6 +393,7 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
 
     progress = _progress_bar(start, cfg) if layout.rank == 0 else None
+    skipped_in_a_row = 0                         # skipped steps at a loss scale that cannot go lower
     started = time.perf_counter()
     with StepProfiler(cfg, layout.rank, cfg.out_dir) as profiler:          # --profile (chapter 07)
         for step in range(start, cfg.train_iters):
@@ -395,6 +401,7 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
             microbatches = [local_microbatch(train_ds, step, cfg.micro_batch_size, m, cfg.grad_accum_steps, layout, device)
                             for m in range(cfg.grad_accum_steps)]
             lr = learning_rate(step, cfg)
+            floor_scale = scale_cannot_go_lower(optimizer)       # before the step moves it
             last = step == cfg.train_iters - 1      # what it moves and how long the pipeline idles: run_report.py
             with record_communication() if last else nullcontext() as ledger:
                 loss, grad_norm = train_step(chunks, optimizer, microbatches, layout, lr, p2p, cfg.pipeline_schedule,
@@ -407,6 +414,10 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
             check_finite_step(step + 1, loss_t.item(), grad_norm, optimizer)
             result.losses.append(loss_t.item())
             done = step + 1
+            if grad_norm is None:                    # the loss scaler skipped it (all ranks agree)
+                result.skipped_steps += 1
+            skipped_in_a_row = skipped_in_a_row + 1 if grad_norm is None and floor_scale else 0
+            check_skipped_steps(done, skipped_in_a_row, done - start, cfg, optimizer)
             if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
                 set_doing(f"evaluating after iteration {done}")
                 result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
@@ -414,6 +425,7 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
                 tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * layout.data_parallel_size
                 progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
                                      gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}",
+                                     **({"skipped": result.skipped_steps} if result.skipped_steps else {}),
                                      tokens_per_s=f"{tokens * (done - start) / (time.perf_counter() - started):,.0f}")
                 progress.update(1)
             exiting = bool(cfg.exit_interval) and done % cfg.exit_interval == 0 and done < cfg.train_iters
@@ -468,7 +480,8 @@ def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str,
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm of an iteration is inf or nan: the run stops."""
+    """The loss or the gradient norm of an iteration is inf or nan, the parameters about to be
+    saved are, or the loss scaler skipped every step of a window: the run stops."""
 
 
 def check_finite_step(iteration: int, loss: float, grad_norm: float | None, optimizer: Optimizer) -> None:
@@ -478,20 +491,69 @@ def check_finite_step(iteration: int, loss: float, grad_norm: float | None, opti
     together: the loss (all-reduced over the pipeline and data-parallel groups) and the norm
     (all-reduced over every group that splits the model) are the same number on every rank.
 
-    Megatron-LM stops the same way (check_for_nan_in_loss_and_grad, on unless
-    --no-check-for-nan-in-loss-and-grad; checked on main d98e8a6: the
-    loss in pretrain_gpt.py's loss_func, each gradient bucket's norm before the data-parallel
-    reduction), except under dynamic loss scaling, where non-finite gradients are the loss
-    scaler's signal to skip a step and lower the scale. So here: nothing is checked when the
-    optimizer has a grad_scaler; a step it skipped returns no norm (None), which is no error."""
-    if optimizer.grad_scaler is not None:
-        return
+    With a loss scaler (fp16) too. Its signal is an inf or nan in the *scaled gradients*: the
+    step is skipped (Optimizer.step returns no norm, which is no error) and the scale lowered.
+    The loss is not its signal: the loss is computed before the scale multiplies anything, so a
+    non-finite loss means the forward overflowed or the weights are no longer finite, and no
+    loss scale can undo that (skipping keeps the weights as they are). Megatron-LM turns the
+    check off under dynamic loss scaling (check_for_nan_in_loss_and_grad), and such a run then
+    trains on, saving NaN checkpoints and exiting 0; here it stops."""
     bad = ([f"the loss is {loss}"] if not math.isfinite(loss) else []) + \
           ([f"the gradient norm is {grad_norm}"] if grad_norm is not None and not math.isfinite(grad_norm) else [])
     if bad:
         lr = optimizer.param_groups[0]["lr"]
-        raise NonFiniteError(f"iteration {iteration}: {' and '.join(bad)}; training stopped before saving it "
-                             f"(its learning rate was {lr:.3g}: too large a --lr or loss weight is the usual cause)")
+        scaler = (f" at loss scale {optimizer.loss_scale:g}" if optimizer.grad_scaler is not None else "")
+        raise NonFiniteError(f"iteration {iteration}: {' and '.join(bad)}{scaler}; training stopped before saving "
+                             f"it (its learning rate was {lr:.3g}: too large a --lr, --init-method-std or loss weight "
+                             f"is the usual cause)")
+
+
+# a loss scale that cannot go lower (a constant one, or the dynamic one at its minimum) and
+# whose gradients overflowed this many steps in a row stops the run: a skipped step leaves the
+# weights as they were, so the next batch meets the same weights at the same scale, and only
+# the batch changed; ten batches in a row that overflow say that the scale is too large
+SKIPPED_STEPS_WINDOW = 10
+
+
+def scale_cannot_go_lower(optimizer: Optimizer) -> bool:
+    """Is the optimizer's loss scale where an overflow leaves it: constant (--loss-scale), or
+    the dynamic one at --min-loss-scale? False without a loss scaler."""
+    scaler = optimizer.grad_scaler
+    return isinstance(scaler, ConstantGradScaler) or (isinstance(scaler, DynamicGradScaler)
+                                                       and scaler.scale <= scaler.min_scale)
+
+
+def check_skipped_steps(iteration: int, in_a_row: int, steps_run: int, cfg: TrainConfig,
+                        optimizer: Optimizer) -> None:
+    """NonFiniteError naming the loss scale when the last `in_a_row` steps (up to `iteration`)
+    were all skipped at a scale that cannot go lower (scale_cannot_go_lower), and they are a
+    whole window: SKIPPED_STEPS_WINDOW steps, or every step this run has made
+    (`steps_run`) once it reaches its last iteration. Such a run trains nothing, and used to
+    say nothing and exit 0. Every rank decides alike (the skip is agreed on every rank)."""
+    window = min(SKIPPED_STEPS_WINDOW, steps_run if iteration == cfg.train_iters else SKIPPED_STEPS_WINDOW)
+    if in_a_row == 0 or in_a_row < window:
+        return
+    scale = optimizer.loss_scale
+    source = (f"--loss-scale {scale:g}" if cfg.loss_scale is not None else
+              f"--min-loss-scale {cfg.min_loss_scale:g}, where the dynamic scale stopped")
+    raise NonFiniteError(f"iterations {iteration - in_a_row + 1}-{iteration}: the loss scaler skipped every step: the "
+                         f"gradients, scaled by {scale:g} ({source}), overflow on every batch, and the scale "
+                         f"cannot go lower; training stopped before saving iteration {iteration}. Give a smaller "
+                         f"{'--loss-scale (a power of 2)' if cfg.loss_scale is not None else '--min-loss-scale'}")
+
+
+def check_finite_parameters(chunks: list[nn.Module], optimizer: Optimizer, step: int) -> None:
+    """NonFiniteError before saving iteration `step` when a parameter this run would save (the
+    model's, or the optimizer's float32 main copies) holds an inf or nan on any rank: a
+    checkpoint is never written with non-finite weights. One all-reduce (max) over the world."""
+    tensors = held_parameters(chunks) + list(optimizer.main_params)
+    bad = sorted({name for c in chunks for name, p in unwrap(c).named_parameters() if not bool(torch.isfinite(p).all())})
+    found = torch.tensor([float(bool(bad) or any(not bool(torch.isfinite(t).all()) for t in tensors))],
+                         device=tensors[0].device if tensors else None)
+    all_reduce(found, None, op="max", tag="checkpoint")
+    if found.item():
+        where = f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""
+        raise NonFiniteError(f"iteration {step}: parameters are not finite{where}; the checkpoint was not saved")
 
 
 def holds_part_of_model(layout: Layout) -> bool:
@@ -507,6 +569,7 @@ def _save(cfg, model_cfg, step, chunks, optimizer, result, layout: Layout) -> st
     shards gathered, a collective). When the model is split (TP or PP) each rank's own file
     also holds its chunks' own state dicts (ZeRO-3's parameters gathered over dp: collective),
     which is what a resume with the same layout loads."""
+    check_finite_parameters(chunks, optimizer, step)
     if cfg.ckpt_format == "torch_dist":                      # any layout can resume it (chapter 08)
         common = {"model_config": to_dict(model_cfg), "train_config": to_dict(cfg),
                   "data_parallel_size": layout.data_parallel_size,
@@ -576,6 +639,8 @@ def main(argv: Iterable[str] | None = None, *, before=None, after=None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         model_cfg, cfg, cli = parse_command_line(argv, world)
         validate_layout(model_cfg, cfg, world)                  # before any process group
+        if cfg.save_dir:
+            check_save_dir(cfg.save_dir)                        # a file, read-only, /proc: named now
         rank = 0
         if world > 1:                                           # every group gets this timeout
             rank, _ = init_from_torchrun(timeout=60.0 * cli["distributed_timeout_minutes"], device=cfg.device)
@@ -588,7 +653,9 @@ def main(argv: Iterable[str] | None = None, *, before=None, after=None) -> int:
         result = train(model_cfg, cfg)
         if rank == 0:
             final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
-            print(f"final train loss {result.losses[-1]:.4f}{final_eval}")
+            skipped = (f" ({result.skipped_steps} step{'s' * (result.skipped_steps > 1)} of this run skipped by "
+                       f"the loss scaler: the scaled gradients overflowed)" if result.skipped_steps else "")
+            print(f"final train loss {result.losses[-1]:.4f}{final_eval}{skipped}")
             print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
         status = 0 if after is None else after(model_cfg, cfg, result)
     except (ConfigError, DataError, CheckpointError) as exc:
