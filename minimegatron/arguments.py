@@ -118,7 +118,8 @@ FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                                          "or mxfp8"),
     "fp8_margin": ("mixed precision", ("--fp8-margin",), "delayed scaling: scale = fp8_max / amax / 2^margin"),
     "fp8_amax_history_len": ("mixed precision", ("--fp8-amax-history-len",),
-                             "delayed scaling: amaxes remembered per tensor role"),
+                             "delayed scaling: amaxes remembered per tensor role (at most 1024, Transformer "
+                             "Engine's default, or the run's train_iters x grad_accum_steps)"),
     "fp8_amax_compute_algo": ("mixed precision", ("--fp8-amax-compute-algo",),
                               "delayed scaling: the scale from the latest amax (most_recent) or the history's max"),
     "kernels": ("training", ("--kernels",), "torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton "
