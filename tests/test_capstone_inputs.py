@@ -5,7 +5,8 @@ never overwrites a folder without --force; sampling flags that greedy decoding i
 named. (The planner's, `python -m minimegatron.plan`, are in tests/test_plan.py.)
 
 Cheap: the checkpoint is an untrained model saved as a release (no training run), converted
-once per module; about 10 s in all on one core."""
+once per module; one 2-rank spawn (a NaN under pipeline parallelism). About 50 s in all on a
+2-core machine busy with other tests, half of it the spawn."""
 
 import json
 import math
@@ -278,3 +279,25 @@ def test_from_hf_keeps_the_folders_tokenizer_and_refuses_one_that_does_not_fit(t
                   weights=lambda w: w.update({k: v[:257] for k, v in w.items() if v.shape[0] == bpe.vocab_size}))
     _refused(capsys, convert(["--from-hf", str(small), "--save", str(tmp_path / "out")]),
              f"has {bpe.vocab_size} tokens, more than config.json's vocab_size=257")
+
+
+def _nan_on_every_stage(path) -> str:
+    """On each rank of pp 2: NaN in the last stage's final norm, then generate; the error."""
+    from minimegatron.dp import unwrap
+    model, _, _, layout = load_model(path, pipeline_parallel=2)
+    final = getattr(unwrap(model).decoder, "final_layernorm", None)
+    if final is not None:
+        with torch.no_grad():
+            final.weight[0] = math.nan
+    try:
+        generate(model, [[65, 66]], 3, pp_group=layout.pp_group)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_nan_logits_stop_every_pipeline_stage_and_none_hangs(made):
+    """Only the last stage sees the logits; the first learns of them from the token broadcast."""
+    from minimegatron.launch import spawn
+    errors = spawn(_nan_on_every_stage, 2, str(made / "ckpt"), timeout=120)
+    assert len(errors) == 2 and all("logits at new token 1 are not finite" in e for e in errors), errors
