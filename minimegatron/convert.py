@@ -292,8 +292,8 @@ def model_config_from_hf(config: dict) -> ModelConfig:
 
 
 _HF_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
-             "num_query_groups": "num_key_value_heads", "layernorm_epsilon": "rms_norm_eps", "rotary_base": "rope_theta",
-             "params_dtype": "dtype", "num_experts": "num_local_experts", "moe_router_topk": "num_experts_per_tok",
+             "num_query_groups": "num_key_value_heads", "layernorm_epsilon": "rms_norm_eps",
+             "rotary_base": "rope_theta", "params_dtype": "dtype", "num_experts": "num_local_experts", "moe_router_topk": "num_experts_per_tok",
              "moe_ffn_hidden_size": "intermediate_size"}
 
 

@@ -336,9 +336,9 @@ def load_model(load: str, tensor_parallel: int = 1, pipeline_parallel: int = 1):
         found = latest_checkpoint(path, warn=False) if path.is_dir() else None
         if found is None or not is_distributed_checkpoint(found):
             why = ("does not exist" if not path.exists() else "is a file, not a checkpoint directory"
-                   if not path.is_dir() else "is a Hugging Face folder, not a checkpoint (python -m minimegatron.convert "
-                   "--from-hf DIR --save CKPT makes one of it)" if (path / "config.json").is_file() else
-                   "holds no --ckpt-format torch_dist checkpoint")
+                   if not path.is_dir() else "is a Hugging Face folder, not a checkpoint (python -m "
+                   "minimegatron.convert --from-hf DIR --save CKPT makes one of it)" if (path / "config.json").is_file()
+                   else "holds no --ckpt-format torch_dist checkpoint")
             raise CheckpointError(f"--load {load} {why}")
         path = found
     common = read_common(path)

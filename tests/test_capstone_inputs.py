@@ -246,7 +246,8 @@ def test_greedy_generation_names_the_flags_it_ignores(made, capsys):
 
 def test_generate_names_a_missing_or_wrong_checkpoint(made, tmp_path, capsys):
     for load, words in ((tmp_path / "nope", ["does not exist"]), (made / "hf", ["is a Hugging Face folder"]),
-                        (made / "hf" / "config.json", ["is a file"]), (tmp_path, ["holds no --ckpt-format torch_dist"])):
+                        (made / "hf" / "config.json", ["is a file"]),
+                        (tmp_path, ["holds no --ckpt-format torch_dist"])):
         _refused(capsys, generate_cli(["--load", str(load), "--prompt", "A"]), f"--load {load}", *words)
 
 
