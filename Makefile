@@ -72,6 +72,14 @@ N ?= 10
 stress: $(STAMP)
 	$(PY) benchmarks/stress_demos.py --runs $(N) --torchrun "$(TORCHRUN)"
 
+# Every command the book prints (README.md, chapters/*/README.md, the notebooks' markdown), run as
+# printed in the order printed, in a fresh copy of the repository per text, the <!--cmd long-->
+# ones too (booktools/commands.py has the rule; make test runs tests/test_commands.py without
+# the long ones). `python -m booktools.commands list` lists them. About 25 minutes on 2 cores.
+.PHONY: check-commands
+check-commands: $(STAMP)
+	BOOK_COMMANDS=all $(PY) -m pytest -q -s tests/test_commands.py -k runs_as_printed
+
 # Every chapter demo over its documented flags (chapters 06 and 07: each precision x FP8 recipe x
 # format and each recompute x kernel path over tp/sp/cp/pp/ep/dp; 01-05 and 08: their main layout
 # flags), --quick, one run at a time, and the combinations a demo must refuse (exit 2). Prints

@@ -392,6 +392,10 @@ def _run(model_cfg, cfg, layout, train_ds, valid_ds, split, state, own) -> Train
         result.losses = list(state["history"]["losses"])
         result.eval_losses = [tuple(x) for x in state["history"]["eval_losses"]]
 
+    if start >= cfg.train_iters and layout.rank == 0:      # a resume with nothing left to do says so
+        print(f"resumed at iteration {start}, and --train-iters is {cfg.train_iters}: nothing left to train"
+              + (f", nothing saved to {cfg.save_dir}" if cfg.save_dir else "")
+              + f" (a --train-iters above {start} continues the run)")
     progress = _progress_bar(start, cfg) if layout.rank == 0 else None
     skipped_in_a_row = 0                         # skipped steps at a loss scale that cannot go lower
     started = time.perf_counter()
