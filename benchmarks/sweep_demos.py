@@ -6,7 +6,7 @@ silently ignored. This sweep is the check that no documented combination does ei
 
     python benchmarks/sweep_demos.py                 (or: make sweep-demos)
     python benchmarks/sweep_demos.py --list          the runs, without running them
-    python benchmarks/sweep_demos.py --only 06       the runs whose name contains "06"
+    python benchmarks/sweep_demos.py --only "06 "    the runs whose name contains "06 " (or any of several)
 
 Chapters 06 and 07: every precision x FP8 recipe x format, every recompute granularity, method
 and module set, and each kernel path, over the layouts their help offers (tp, sp, cp, pp, ep,
@@ -142,14 +142,14 @@ def slug(name: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="run only the runs whose name contains this")
+    parser.add_argument("--only", nargs="+", default=[""], help="run only the runs whose name contains one of these")
     parser.add_argument("--list", action="store_true", help="print the runs and their commands, run nothing")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take (default 900)")
     parser.add_argument("--log-dir", type=Path, default=ROOT / "runs" / "sweep")
     args = parser.parse_args(argv)
-    runs = [r for r in all_runs() if args.only in r.name]
+    runs = [r for r in all_runs() if any(part in r.name for part in args.only)]
     if not runs:
-        parser.error(f"--only {args.only!r} names no run")
+        parser.error(f"--only {' '.join(args.only)!r} names no run")
     if args.list:
         for r in runs:
             print(f"{r.name:<48} exit {r.exit_code}  {shlex.join(r.command()[1:])}")
