@@ -565,4 +565,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module the chapters import: under `python -m` this file is __main__, whose
+    # RoundOff is another class than the one make_figures.py wraps its values in.
+    from booktools import measured
+    sys.exit(measured.main())
