@@ -73,6 +73,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 ranks and a few steps")
     parser.add_argument("--dir", default=None, help="where to write (default: a new temporary folder)")
     args = parser.parse_args(argv)
+    if args.dir and Path(args.dir).is_dir() and any(Path(args.dir).iterdir()):
+        parser.error(f"--dir {args.dir} is not empty: the walk-through trains, exports and imports into a fresh "
+                     f"folder (a second run there would resume the first's checkpoint and refuse to overwrite its "
+                     f"export); give a new or empty folder")
     p = QUICK if args.quick else FULL
     work = Path(args.dir or tempfile.mkdtemp(prefix="minimegatron-capstone-"))
     ckpt, hf, back = work / "ckpt", work / "hf", work / "back"
