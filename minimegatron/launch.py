@@ -126,6 +126,11 @@ def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
     """
     torch.set_num_threads(1)  # first thing: 2 cores are shared by all ranks
     watchdog.die_with_parent()  # a killed test or notebook takes its ranks with it
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:   # it died while this rank imported torch
+        print(f"rank {rank} (pid {os.getpid()}): the process that spawned it (pid {parent.pid}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
     try:
         fn, args, kwargs = pickle.loads(payload)  # imports fn's module: may fail, reported
         timeout = timedelta(seconds=collective_timeout)

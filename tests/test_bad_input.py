@@ -290,3 +290,38 @@ def test_a_launcher_killed_while_its_ranks_start_leaves_no_orphan(tmp_path):
     for pid in orphans:                                               # leave nothing behind
         os.kill(pid, signal.SIGKILL)
     assert not orphans, f"ranks {orphans} outlived torchrun by 30 s"
+
+
+_SPAWN_AND_LEAVE = """
+import multiprocessing, os, pickle, sys
+from minimegatron import launch
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    port = int(sys.argv[1])          # nothing listens there: the store would be waited for 120 s
+    child = ctx.Process(target=launch._rank_main, args=(0, 2, port, pickle.dumps((print, (), {})), writer, 120.0))
+    child.start()
+    print(child.pid, flush=True)
+    os._exit(0)                      # leave at once (no join), while the child imports torch
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_spawned_rank_whose_parent_is_gone_exits_at_start(tmp_path):
+    """launch.spawn's rank, its parent gone before the rank could arm the parent-death signal
+    (it was importing torch): it exits on entering _rank_main, instead of waiting 120 s for
+    a store that is gone. About 10 s."""
+    script = tmp_path / "spawn_and_leave.py"
+    script.write_text(_SPAWN_AND_LEAVE)
+    proc = subprocess.Popen([sys.executable, str(script), str(_closed_port())], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    child = int(proc.stdout.readline())          # (the child shares the pipe: read its first line, not to EOF)
+    proc.wait(60)
+    proc.stdout.close()
+    started = time.monotonic()
+    while _alive(child) and time.monotonic() - started < 60:
+        time.sleep(0.1)
+    if _alive(child):
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the spawned rank outlived its parent by 60 s")
