@@ -34,8 +34,8 @@ with them, for the demos' models (h 32, 2 layers, s 32, V 64, 3 steps, 256 token
   float32   the same bound: 2e-4 on the loss, 5e-5 relative; the row's loss (1e-5) is tighter,
             as the loss, a mean over tokens, averages its roundings (an empirical row, not
             this bound)
-  bf16/fp16 cast_layout_tolerance on their grids: loss 1.2e-2 / 1.5e-3, rtol 1.6e-2 / 2e-3;
-            the rows (2e-2 / 5e-3, 5e-2 / 1e-2) are above both
+  bf16/fp16 cast_layout_tolerance on their grids (one cast GEMM): loss 1.2e-2 / 1.5e-3,
+            rtol 1.6e-2 / 2e-3; the rows (2e-2 / 5e-3, 5e-2 / 1e-2) are above both
 """
 
 from __future__ import annotations
@@ -140,36 +140,44 @@ def adam_step_bound(beta1: float, beta2: float, step: int) -> float:
 
 
 def cast_layout_tolerance(grid: str, tokens: int, vocab_size: int, train_cfg: TrainConfig,
-                          largest_gradient: float) -> Tolerance:
+                          largest_gradient: float, gradient_grid: str | None = None, cast_gemms: int = 1
+                          ) -> Tolerance:
     """The tolerance of a layout whose casts to a coarse grid ("e4m3", "e5m2", "bfloat16",
     "float16") may use other scales, or land on the other side of a rounding boundary, than one
     device's: FP8 with delayed scaling over replicas (chapter 06, README §5). Everything else
-    is computed as on one device.
+    is computed as on one device. `grid`: the forward's casts; `gradient_grid`: the output
+    gradients' (default `grid`; e5m2 under FP8's hybrid format); `cast_gemms`: the cast GEMMs
+    on the longest backward path (4 a layer: fc2, fc1, proj, qkv).
 
     Derivation. An element cast on two scales lands on two grids, each within u of it: the two
-    copies differ by at most 2u relative (u = unit_roundoff(grid); the coarsest grid the run
-    casts to).
+    copies differ by at most 2u relative (u = unit_roundoff of its grid).
       loss       the mean over the step's `tokens` tokens of one loss a token, ln(vocab_size) at
-                 the start; each token's loss moves by at most one such step, independently of
-                 the other tokens' and with mean zero, so Hoeffding's inequality bounds the
-                 mean's change by CONFIDENCE * 2u * ln(vocab_size) / sqrt(tokens) (probability
+                 the start; each token's loss moves by at most one step of the coarser grid,
+                 independently of the other tokens' and with mean zero, so Hoeffding's
+                 inequality bounds the mean's change by
+                 CONFIDENCE * 2u * ln(vocab_size) / sqrt(tokens) (probability
                  1 - 2 exp(-CONFIDENCE^2 / 2));
-      gradients  a weight's gradient is one GEMM of two cast operands (the input and the
-                 output's gradient), each moved by one step: first order in u, the products
-                 move by at most 4u, and so does their sum, of the sum of their sizes. rtol 4u;
-                 atol 4u of the largest gradient (`largest_gradient`), for a sum that nearly
-                 cancels (its terms move, not it). A delayed scale that lags can also clamp an
-                 element at the format's largest value: this bound leaves that out;
+      gradients  a GEMM of two cast operands (the input and the output's gradient) moves its
+                 products, to first order, by 2 (u_grid + u_gradient_grid), and so their sum,
+                 of the sum of their sizes. A scale change moves a whole tensor's elements
+                 together, so no averaging over tokens; over the cast_gemms GEMMs of the
+                 backward path the changes of different layers add like independent ones:
+                 sqrt(cast_gemms) times that (Higham and Mary's growth, lambda 1: an
+                 estimate, not a bound). rtol that; atol that of the largest gradient
+                 (`largest_gradient`), for a sum that nearly cancels. A lagging delayed scale
+                 can also clamp an element at the format's largest value: left out;
       parameters (an atol, no rtol) AdamW moves a parameter by lr * |m_hat / sqrt(v_hat)| <=
                  lr * adam_step_bound a step, so two runs' parameters part by at most twice
                  that a step, summed over train_iters steps (weight decay moves both
                  alike). A gradient far below AdamW's eps cannot flip a whole step, but one
                  near it can: this bound is the only one that holds for them."""
     u, t = unit_roundoff(grid), train_cfg
-    mean_change = CONFIDENCE * 2 * u / math.sqrt(tokens)
+    u_gradient = unit_roundoff(gradient_grid or grid)
+    mean_change = CONFIDENCE * 2 * max(u, u_gradient) / math.sqrt(tokens)
+    gradient_change = 2 * (u + u_gradient) * math.sqrt(cast_gemms)
     drift = sum(2 * t.lr * adam_step_bound(t.adam_beta1, t.adam_beta2, step) for step in range(1, t.train_iters + 1))
-    return Tolerance(loss=mean_change * math.log(vocab_size), rtol=4 * u, atol=4 * u * largest_gradient,
-                     param_atol=drift, param_rtol=0.0)
+    return Tolerance(loss=mean_change * math.log(vocab_size), rtol=gradient_change,
+                     atol=gradient_change * largest_gradient, param_atol=drift, param_rtol=0.0)
 
 
 @dataclass

@@ -57,14 +57,16 @@ FP8_FLAGS = ("fp8_recipe", "fp8_format")           # flags that only an FP8 run 
 def fp8_layout_tolerance(run: "PrecisionRun", reference: RunRecord) -> Tolerance:
     """The tolerance of an FP8 layout that cannot equal one device bit for bit (README §5): some
     casts use another scale than one device's. testing.cast_layout_tolerance derives it from
-    the coarsest FP8 grid the run casts to (hybrid: e5m2's gradients, 2^-3; e4m3: 2^-4), the
-    step's tokens (micro_batch_size x micro-batches x dp x seq), the vocabulary, AdamW's lr and
-    steps, and the reference's largest first-step gradient."""
+    the FP8 grids (e4m3 forward, 2^-4; the gradients e5m2, 2^-3, under hybrid), the 4 cast
+    GEMMs a layer on the backward path, the step's tokens (micro_batch_size x micro-batches x
+    dp x seq), the vocabulary, AdamW's lr and steps, and the reference's largest first-step
+    gradient."""
     t = run.train
     tokens = t.micro_batch_size * t.grad_accum_steps * run.dp * t.seq_length
     largest = max(g.abs().max().item() for g in reference.grads.values())
-    return cast_layout_tolerance("e5m2" if t.fp8_format == "hybrid" else "e4m3", tokens, run.model.vocab_size, t,
-                                 largest)
+    return cast_layout_tolerance("e4m3", tokens, run.model.vocab_size, t, largest,
+                                 gradient_grid="e5m2" if t.fp8_format == "hybrid" else "e4m3",
+                                 cast_gemms=4 * run.model.num_layers)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,9 @@ def inexact_fp8(precision: str, recipe: str, tp: int, cp: int, dp: int, ep: int,
     etp, experts = etp or tp, ep > 1 if experts is None else experts
     reasons = ([f"delayed scaling over {dp} data-parallel replicas"] * (recipe == "delayed" and dp > 1) +
                [f"delayed scaling over {cp} context-parallel ranks"] * (recipe == "delayed" and cp > 1))
+    if recipe == "blockwise" and cp > 1:
+        reasons.append(f"blockwise's 128-token blocks of the weight gradient cut by {cp} context-parallel ranks' "
+                       f"chunks")
     if experts and recipe in ("tensorwise", "delayed") and ep * etp != tp * cp:
         reasons.append(f"routed experts on ep x etp = {ep * etp} ranks, not the tp x cp = {tp * cp} ranks of one "
                        f"micro-batch's tokens")
