@@ -499,9 +499,10 @@ def check_finite_step(iteration: int, loss: float, grad_norm: float | None, opti
     step is skipped (Optimizer.step returns no norm, which is no error) and the scale lowered.
     The loss is not its signal: the loss is computed before the scale multiplies anything, so a
     non-finite loss means the forward overflowed or the weights are no longer finite, and no
-    loss scale can undo that (skipping keeps the weights as they are). Megatron-LM turns the
-    check off under dynamic loss scaling (check_for_nan_in_loss_and_grad), and such a run then
-    trains on, saving NaN checkpoints and exiting 0; here it stops."""
+    loss scale can undo that (skipping keeps the weights as they are). Megatron-LM turns its
+    check off under dynamic loss scaling (check_for_nan_in_loss_and_grad, in
+    megatron/training/arguments.py, d98e8a6, checked 2026-12-07), leaving the scaler as the only
+    guard; here a non-finite loss stops the run."""
     bad = ([f"the loss is {loss}"] if not math.isfinite(loss) else []) + \
           ([f"the gradient norm is {grad_norm}"] if grad_norm is not None and not math.isfinite(grad_norm) else [])
     if bad:
