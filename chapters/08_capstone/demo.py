@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         formula = formula_bytes(MODEL, layout(saved))
         exact &= tensors == formula
         print(f"  {saved:<18} tensors {tensors:,} bytes {'=' if tensors == formula else '!='} formula {formula:,}; "
-              f"on disk {disk:,} bytes ({disk / tensors - 1:.1%} more: the index and the framing)")
+              f"on disk {disk:,} bytes ({disk / tensors - 1:.1%} more: the index, the checksums and the framing)")
     shutil.rmtree(tmp)                                        # the checkpoints of the grid
     ok = worst <= 1 and exact
     print(f"{'MATCH' if ok else 'MISMATCH'}: {len(grid)} layout pairs resume to the single-device run "

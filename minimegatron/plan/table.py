@@ -39,8 +39,8 @@ def _header(result: SearchResult, name: str, model_cfg: ModelConfig, cluster: Cl
         "tp > 1; cp by ring (p2p); experts by all-to-all",
         f"  memory: the book's analysis (rank_parameters, activation_memory; MoE layers estimated), fullest of the "
         f"first and last stage, against {USABLE_MEMORY:.0%} of the GPU",
-        "  'Megatron': its report_theoretical_memory for the same layout, to compare (no cp term, SP only with "
-        "selective recompute, 5% extra otherwise)",
+        "  'Megatron': its report_theoretical_memory for the same layout, to compare (no cp term; SP + selective "
+        "recompute: compute_activation_memory, anything else: compute_activation_memory_without_sp, +5%)",
         "  layouts the book can run (parallelize.validate_layout): layers split evenly over pp x v, 1F1B or "
         "interleaved, ZeRO-3 without pp, SP or recompute",
         f"  time: compute at {COMPUTE_EFFICIENCY:.0%} of peak (+ recomputed forwards); tp/ep/pp messages exposed; "
