@@ -75,7 +75,8 @@ stress: $(STAMP)
 # Every command the book prints (README.md, chapters/*/README.md, the notebooks' markdown), run as
 # printed in the order printed, in a fresh copy of the repository per text, the <!--cmd long-->
 # ones too (booktools/commands.py has the rule; make test runs tests/test_commands.py without
-# the long ones). `python -m booktools.commands list` lists them. About 25 minutes on 2 cores.
+# the long ones). `python -m booktools.commands list` lists them. 36 minutes on 2 shared cores (2026-12-07;
+# make demo 8 of them, make capstone 2 to 4).
 .PHONY: check-commands
 check-commands: $(STAMP)
 	BOOK_COMMANDS=all $(PY) -m pytest -q -s tests/test_commands.py -k runs_as_printed
