@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from minimegatron.config import DEFAULT_RECOMPUTE_MODULES
 from minimegatron.testing import train_layout
 from minimegatron.tp import model_parallel_manual_seed
 
@@ -27,7 +28,7 @@ def with_and_without_recompute(layouts: list[tuple]) -> list[dict]:
     out = []
     for name, model, cfg, dp, batches in layouts:
         plain_cfg = dataclasses.replace(cfg, recompute_granularity=None, recompute_method=None,
-                                        recompute_num_layers=None)
+                                        recompute_num_layers=None, recompute_modules=DEFAULT_RECOMPUTE_MODULES)
         runs = {}
         for label, c in (("plain", plain_cfg), ("recompute", cfg)):
             result = train_layout(model, c, dp, batches, after_build=_seeded(c))[0]
