@@ -88,6 +88,7 @@ from machine import cpu_model, load_average  # noqa: E402 - benchmarks/machine.p
 from minimegatron.analysis import training_flops  # noqa: E402
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig  # noqa: E402
 from minimegatron.dp import unwrap  # noqa: E402
+from minimegatron.kernels import compile_cache_for_this_capability  # noqa: E402
 from minimegatron.parallel_state import Layout  # noqa: E402
 from minimegatron.parallelize import build_model, build_optimizer  # noqa: E402
 from minimegatron.testing import make_batches  # noqa: E402
@@ -320,6 +321,7 @@ def compile_reference(ref: PlainLlama, backend: str = "inductor") -> None:
     """torch.compile each block (its checkpoint included) and the head with the loss: regional
     compilation, one graph for every block of a shape, compiled once. backend "aot_eager" (--smoke):
     the same graphs captured (Dynamo, AOTAutograd), run without Inductor's code generation."""
+    compile_cache_for_this_capability()
     for block in ref.blocks:
         block.compile(backend=backend)
     ref.head_losses = torch.compile(ref.head_losses, backend=backend)

@@ -5,6 +5,7 @@ summation-order tolerance, and sends exactly the eager run's messages. Compiling
 15 s a process here, so the checks share one single-device run and one 2-rank world."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -65,3 +66,23 @@ def test_what_the_compile_path_does_not_take_is_named(model_kw, fields, message)
 def test_the_compile_switch_is_kernels_compile():
     from minimegatron.arguments import parse_command_line
     assert parse_command_line(["--compile"])[1].kernels == "compile"
+
+
+def test_each_aten_cpu_capability_compiles_into_a_cache_folder_of_its_own(monkeypatch, tmp_path):
+    # Inductor's cache key leaves out the ISA that ATEN_CPU_CAPABILITY picks (torch 2.13): code
+    # generated for AVX-512 and fetched under "default" fails to compile ('at::vec' has not been declared)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from minimegatron.kernels import compile_cache_for_this_capability
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    compile_cache_for_this_capability()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    for capability in ("default", "avx2"):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())   # as a parent's first compile leaves it
+        compile_cache_for_this_capability()
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == f"{default_cache_dir()}-aten_{capability}"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))                 # the user's own folder stays
+    compile_cache_for_this_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)

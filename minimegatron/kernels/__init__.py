@@ -79,6 +79,7 @@ def _compile_layers(model):
     from ..comm import compile_barriers
     from ..model.mlp import MLP
     compile_barriers()                                 # every collective a graph break
+    compile_cache_for_this_capability()
 
     def plain_swiglu(y):
         gate, up = y.chunk(2, dim=-1)                                        # [.., f] each
@@ -89,6 +90,23 @@ def _compile_layers(model):
     for layer in model.decoder.layers.values():
         layer.compile()
     return model
+
+
+def compile_cache_for_this_capability() -> None:
+    """Give Inductor a cache folder of its own for each ATEN_CPU_CAPABILITY a process sets.
+    Inductor picks its vector ISA from that variable ("default": none) but its cache key leaves the
+    choice out (torch 2.13), so code generated for AVX-512 is fetched from the shared cache and
+    compiled without AVX-512's headers (`'at::vec' has not been declared`). Call before the first
+    compilation; the folder is the default one with "-aten_<capability>" added, set in the
+    environment so spawned ranks share it. An unset variable, or a TORCHINDUCTOR_CACHE_DIR of your
+    own, is left as it is."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-aten_{capability}"
 
 
 def _fused_output_and_loss(model, unfused, x, labels):
