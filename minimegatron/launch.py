@@ -1,38 +1,18 @@
 """Start N gloo ranks on this machine, from a test, a notebook or a ``torchrun`` script.
 
-Megatron-LM is always started by a launcher (``torchrun``, SLURM) that creates one process
-per GPU and tells each one who it is through environment variables. This book needs the same
-thing on a laptop, from inside Python, many times per test run. Two entry points:
-
 ``spawn(fn, world_size, *args, **kwargs)``
-    starts ``world_size`` fresh Python processes, makes them a gloo process group, runs
-    ``fn(*args, **kwargs)`` on every rank and returns the per-rank results in rank order.
-    If a rank fails, every other rank is stopped at once (they may be stuck in a collective
-    that will never complete) and the failure is raised in the caller, with the rank's own
-    traceback in the message.
-
+    ``world_size`` fresh processes in one gloo group run ``fn``; returns the results in rank
+    order. The first rank to fail stops the others, and its error and traceback are raised here.
 ``init_from_torchrun()``
-    the first line of a ``torchrun`` demo: reads the rank from the environment and joins the
-    gloo process group. Without ``torchrun`` it makes a one-process world.
-
+    the first line of a ``torchrun`` demo: join the job's gloo group (or a one-process world).
 ``finish_torchrun(status)``
-    the last line of every ``torchrun`` entry (the chapter demos, through
-    ``booktools.demo.verdict_under_torchrun``, and ``minimegatron.train.main``): leaves the job
-    so that the process exits with ``status``, never with a crash while Python shuts down.
-
+    the last line of every ``torchrun`` entry: leave the job, exit with ``status``.
 ``print_once(message)``
-    an error every rank found (a configuration that cannot run) printed once for the whole
-    job, not once per rank.
+    an error every rank found, printed once for the whole job.
 
-Every rank started by either entry dies with its launcher and sends a heartbeat that names
-it when it hangs (watchdog.py).
-
-How the ranks find each other (rendezvous). The parent hosts a ``torch.distributed.TCPStore``
-on port 0, so the operating system picks a free port while the socket is already bound: there
-is no window in which another program could take the port (the race of "find a free port,
-close it, then ask the ranks to bind it"). Each rank connects to that store as a client and
-passes it to ``init_process_group``. Gloo then opens its own rank-to-rank connections on
-ports the operating system chooses, on the loopback interface.
+Every rank started by either entry dies with its launcher and sends a heartbeat that names it
+when it hangs (watchdog.py). Rendezvous: the parent hosts a ``TCPStore`` bound to port 0 (no
+free-port race); each rank passes it to ``init_process_group``.
 """
 
 from __future__ import annotations
@@ -69,11 +49,8 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago.
-
-    Another program may take it before you bind it; ``spawn`` does not use this (its store
-    binds port 0 directly). It is here for scripts that must write MASTER_PORT themselves.
-    """
+    """A TCP port on 127.0.0.1 that was free a moment ago (another program may take it first; for
+    scripts that must write MASTER_PORT themselves)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
@@ -93,11 +70,7 @@ def _loopback_interface() -> str | None:
 # --------------------------------------------------------------------------------------
 
 class _DetachingPickler(pickle.Pickler):
-    """A pickler that sends every tensor as a plain, detached CPU tensor.
-
-    A result may hold tensors that require grad, live on a GPU, or are Parameters; the parent
-    only wants their values.
-    """
+    """A pickler that sends every tensor as a plain, detached CPU tensor."""
 
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and (
@@ -118,12 +91,9 @@ def _dumps(obj) -> bytes:
 
 def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
                conn, collective_timeout: float) -> None:
-    """What every spawned process runs. Reports exactly one message on ``conn``:
-
-    ``("ok", time, pickled_result)`` or ``("error", time, type_name, module, message, tb)``.
-    The time (wall clock, shared by all processes) lets the parent tell the first failure
-    from the failures it caused in other ranks.
-    """
+    """What every spawned process runs. Sends exactly one message on ``conn``: ``("ok", time,
+    pickled_result)`` or ``("error", time, type_name, module, message, tb)``; the wall-clock time
+    lets the parent tell the first failure from those it caused."""
     torch.set_num_threads(1)  # first thing: 2 cores are shared by all ranks
     watchdog.die_with_parent()  # a killed test or notebook takes its ranks with it
     parent = multiprocessing.parent_process()
@@ -192,11 +162,8 @@ def _check_importable(fn: Callable) -> None:
 
 @contextmanager
 def _environment(values: dict[str, str]):
-    """Set environment variables for the processes started inside the block.
-
-    A spawned process inherits ``os.environ`` when it starts. It must see OMP_NUM_THREADS
-    before it imports torch, which happens before any code of ours runs in it.
-    """
+    """Set environment variables for the processes started inside the block (a spawned process must
+    see OMP_NUM_THREADS before it imports torch)."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -241,26 +208,15 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0,
           **kwargs) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results in rank order.
 
-    Each rank is a new process (multiprocessing "spawn") with OMP_NUM_THREADS=1, RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT (the store's port) and
-    ``env`` in its environment; it calls ``torch.set_num_threads(1)``, joins the default
-    process group (gloo, ``timeout=collective_timeout`` seconds per collective), runs ``fn``,
-    sends the result back (pickled; tensors arrive detached, on the CPU), waits at a barrier
-    for the other ranks and destroys the process group.
+    Each rank is a new "spawn" process with OMP_NUM_THREADS=1, RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT and ``env``; it joins the default gloo group (``collective_timeout``
+    seconds per collective), runs ``fn``, sends the result back (tensors detached, on the CPU),
+    meets the others at a barrier and destroys the group. ``fn`` must be importable by name
+    (TypeError before any process starts). ``timeout`` bounds the whole run, start-up included.
 
-    ``fn`` must be importable by name: a top-level function of a module (not a lambda, not a
-    nested function, not a function typed into a notebook); otherwise TypeError is raised
-    before any process starts.
-
-    ``timeout`` bounds the whole run, start-up included (importing torch takes seconds).
-
-    Failures (the first one wins; all other ranks are stopped at once):
-      * a rank raises: the same builtin exception class (ValueError, AssertionError, ...) or
-        RankError, with "rank R of W failed: Type: message" and the rank's traceback;
-      * a rank dies without a Python exception (killed, segfault, os._exit): RankError
-        with its exit code;
-      * ``timeout`` seconds pass: TimeoutError naming the ranks that had not finished.
-    """
+    Raises, for the first failure (all other ranks are stopped at once): the rank's builtin
+    exception class or RankError, "rank R of W failed: Type: message" + its traceback; RankError
+    with the exit code for a rank that died without one; TimeoutError naming the unfinished ranks."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     _check_importable(fn)
@@ -351,18 +307,10 @@ def _collect(processes, readers, world_size: int, timeout: float) -> list[Any]:
 def init_from_torchrun(timeout: float = 60.0, device: str = "cpu") -> tuple[int, int]:
     """Join the process group of a ``torchrun`` job; return ``(rank, world_size)``.
 
-    The backend follows the device: gloo on "cpu" (the book's tested path), NCCL on "cuda"
-    (then each rank also selects GPU LOCAL_RANK).
-
-    Reads RANK and WORLD_SIZE (set by torchrun) and uses the env:// rendezvous at
-    MASTER_ADDR:MASTER_PORT, with ``timeout`` seconds per collective instead of the default
-    30 minutes. Under torchrun the rank also dies with torchrun (watchdog.die_with_parent:
-    killing torchrun, even with SIGKILL, leaves no rank training and writing checkpoints) and
-    sends a heartbeat (watchdog.start_heartbeat: a hang names the rank that did not arrive).
-    Run as a plain ``python script.py`` (no RANK in the environment) it makes a one-process
-    world in memory, so every demo also runs without torchrun. Calling it again once the
-    group exists just returns the rank and world size.
-    """
+    gloo on "cpu", NCCL on "cuda" (GPU LOCAL_RANK); env:// rendezvous with ``timeout`` seconds per
+    collective. Under torchrun the rank dies with torchrun (watchdog.die_with_parent) and sends a
+    heartbeat (watchdog.start_heartbeat). Without RANK in the environment: a one-process world.
+    Idempotent once the group exists."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if dist.is_initialized():
@@ -406,44 +354,15 @@ def gloo_threads() -> int:
 
 
 def finish_torchrun(status: int = 0, *, world_broken: bool = False) -> int:
-    """The end of a ``torchrun`` entry, on every rank: leave the job; return ``status``.
+    """The end of a ``torchrun`` entry, on every rank: leave the job; return ``status``
+    (``sys.exit(main())``). Safe without a process group.
 
-    Call it last, on every rank, once the run's result is decided, and exit with what it
-    returns (``sys.exit(main())``). Safe without a process group (it then only forgets the
-    model-parallel groups).
-
-    ``world_broken=True`` (a collective failed or timed out, or an error that other ranks may
-    not have seen): no barrier, which could only wait for the timeout again; flush stdout and
-    stderr and end the process with ``os._exit(status)`` at once. torchrun then stops the
-    other ranks, so the job ends within a second of the report.
-
-    Why it exists (issue 11). A gloo ProcessGroup owns threads: two workers that run its
-    collectives and the event loop of its network device. They stop only when the
-    ProcessGroup object is freed, and ``torch.distributed.destroy_process_group()`` does not
-    free it: it only unregisters the groups, and every group that Python still references
-    (``parallel_state``'s module-level table, a DDP wrapper caught in a reference cycle of
-    autograd hooks, a demo's dict of groups) stays alive, with its threads, until the
-    interpreter shuts down. Python then frees them in no particular order, releasing the
-    GIL while each one is destroyed; a gloo thread that takes the GIL at that moment (to
-    release a Python callback of ``Future.then``, as dp/timeline.py registers, or a tensor
-    owned by a finished collective) is ended by Python with ``pthread_exit``, which unwinds
-    through a C++ destructor: ``std::terminate``, "terminate called without an active
-    exception", SIGABRT, and torchrun reports the whole job as failed after it printed
-    MATCH. torch's own ``destroy_process_group`` says the same of completion hooks.
-
-    What it does, in order:
-      0. stop this rank's heartbeat thread (watchdog.py), for the same reason;
-      1. ``parallel_state.destroy_model_parallel()``: forget the model-parallel groups;
-      2. a barrier on the world group, so that no peer still talks to us (a barrier that
-         fails, e.g. a peer died, is printed and the status becomes 1 if it was 0);
-      3. ``torch.distributed.destroy_process_group()``;
-      4. ``gc.collect()``: free the groups that only reference cycles still held; each freed
-         group joins its threads here, while the interpreter is whole;
-      5. if there was a process group and gloo threads are still alive (someone still holds
-         a group, or step 2 failed), no normal exit is safe: flush stdout and stderr and end
-         the process with ``os._exit(status)``, which skips the interpreter's shutdown (and
-         its atexit handlers). Otherwise return ``status`` and let Python exit normally.
-    """
+    In order: stop the heartbeat; parallel_state.destroy_model_parallel(); a world barrier (if it
+    fails, status 1 if it was 0); destroy_process_group(); gc.collect(), so freed groups join their
+    gloo threads while the interpreter is whole. If gloo threads are still alive, flush and
+    ``os._exit(status)``: a gloo thread that takes the GIL during interpreter shutdown is ended by
+    pthread_exit through a C++ destructor (std::terminate, SIGABRT, a failed job after MATCH).
+    ``world_broken=True`` (a collective failed or timed out): no barrier, flush, ``os._exit`` now."""
     from . import parallel_state                        # here: parallel_state does not need us
 
     watchdog.stop_heartbeat()                           # its thread too must end before shutdown
@@ -472,19 +391,11 @@ def finish_torchrun(status: int = 0, *, world_broken: bool = False) -> int:
 
 
 def print_once(message: str, *, key: str | None = None, file=None) -> bool:
-    """Print `message` once for the whole job, whichever rank gets there first; return
-    whether this rank printed it.
-
-    For an error every rank finds (a configuration that cannot run, a checkpoint every rank
-    agreed it cannot load): each rank calls it, then every rank exits with the same status
-    (``return finish_torchrun(2)``), so the job prints one line instead of one per rank.
-    Without a launcher (no RANK in the environment) it just prints. Under torchrun or
-    launch.spawn the first rank to add 1 to the store key minimegatron/print-once/<key>
-    prints (key: by default a digest of the message, so each distinct message is printed
-    once); this works before the process group exists under torchrun (its agent hosts the
-    store) and after a collective has failed. Where no store can be reached, rank 0 prints.
-    The first to arrive prints, rather than rank 0 always, because torchrun stops every rank
-    as soon as one exits with an error: rank 0 could be stopped before it printed."""
+    """Print `message` once for the whole job, whichever rank gets there first; return whether this
+    rank printed it. Every rank calls it, then exits with the same status. The first rank to add 1
+    to the store key minimegatron/print-once/<key> (default: a digest of the message) prints (not
+    rank 0 always: torchrun may stop rank 0 first); works before the group exists and after a
+    failed collective. No launcher: it prints; no store reachable: rank 0 prints."""
     file = sys.stderr if file is None else file
     rank = os.environ.get("RANK")
     first = rank is None

@@ -1,41 +1,26 @@
 """How the book proves a parallel run equal to the single-device run.
 
-A run is summarised by a `RunRecord`: the loss of every step, the gradients of the first
-step (full, single-device names and shapes: a parallel run reassembles its shards first) and
-the parameters after the last step. `compare_runs` reports the largest difference of each
-against the tolerance for the dtype, and `assert_equivalent` fails with that report.
+A `RunRecord` holds the loss of every step, the first step's gradients (full, under
+single-device names and shapes) and the parameters after the last step. `compare_runs` reports
+the largest difference of each against the dtype's tolerance; `assert_equivalent` fails with it.
 
-The tolerances live in one table, `TOLERANCES`. Why they are not zero: a parallel run adds
-the same numbers in another order (an all-reduce sums shards; a tensor-parallel matmul sums
-partial products), and floating-point addition is not associative. In float64 the rounding
-is ~1e-16 per operation, so differences stay far below the float64 tolerances: those tests
-are "exact" for any practical purpose. float32 rounds at ~1e-7; bfloat16 at 2^-8 ~ 4e-3;
-float16 at 2^-11 ~ 5e-4, 8 times finer, so its row is about a quarter of bfloat16's (chapter
-06: mixed precision keeps float32 main parameters and gradients, and the layouts then differ by
-the 16-bit rounding of activations and of each micro-batch's gradient).
-Adam divides each update by the root of its second moment, which turns tiny gradient
-differences on near-zero gradients into visible parameter differences: an update is
-lr * m / (sqrt(v) + eps), so for a gradient g far below eps it is about lr * g / eps, and a
-rounding difference of 2e-10 in a float32 gradient of 6e-9 (a sum that nearly cancels) moves
-the parameter by 3e-5 after one step with eps = 1e-8. This is AdamW's amplification, not the
-parallel layout's: equivalence tests of several Adam steps therefore run in float64, and the
-float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
-
-Every other tolerance is derived below from the precision and the number of operations under
-test, with the derivation in the function's docstring: `rounding_tolerance` (two computations
-of one result through n roundings in different orders: 2 lambda sqrt(n) u, Higham and Mary's
-probabilistic bound), `forward_operations` (n for one token's logits), `cast_layout_tolerance`
-(a layout whose FP8 or 16-bit casts may use other scales: one grid step over the step's tokens,
-AdamW's bounded step for the parameters) and `adam_step_bound`. How the TOLERANCES rows compare
-with them, for the demos' models (h 32, 2 layers, s 32, V 64, 3 steps, 256 tokens a step):
+Tolerances are not zero because a parallel run adds the same numbers in another order, and
+floating-point addition is not associative. `TOLERANCES` is the table per dtype; the bounds it
+is checked against are derived below from the precision and the operations under test:
+`rounding_tolerance` (n roundings in two orders: 2 lambda sqrt(n) u), `forward_operations`,
+`cast_layout_tolerance` (casts on other scales) and `adam_step_bound`. For the demos' models
+(h 32, 2 layers, s 32, V 64, 3 steps, 256 tokens a step):
 
   float64   rounding_tolerance over forward+backward x 3 steps (5,904 roundings): 4e-13 on the
-            loss, 1e-13 relative; the row is about 1000 x that, far below any real error
-  float32   the same bound: 2e-4 on the loss, 5e-5 relative; the row's loss (1e-5) is tighter,
-            as the loss, a mean over tokens, averages its roundings (an empirical row, not
-            this bound)
+            loss, 1e-13 relative; the row is about 1000 x that
+  float32   the same bound: 2e-4 on the loss, 5e-5 relative; the row's loss (1e-5) is tighter
+            (the mean over tokens averages its roundings: an empirical row)
   bf16/fp16 cast_layout_tolerance on their grids (one cast GEMM): loss 1.2e-2 / 1.5e-3,
             rtol 1.6e-2 / 2e-3; the rows (2e-2 / 5e-3, 5e-2 / 1e-2) are above both
+
+AdamW amplifies a gradient g far below eps into an update of about lr * g / eps, so tiny
+rounding differences on near-zero gradients show in the parameters: multi-step Adam equivalence
+tests run in float64, float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
 """
 
 from __future__ import annotations
@@ -98,20 +83,13 @@ def unit_roundoff(precision: torch.dtype | str) -> float:
 
 
 def rounding_tolerance(precision: torch.dtype | str, operations: int, magnitude: float = 1.0) -> float:
-    """How far apart two computations of one result may land when each rounds `operations` times
-    in precision's arithmetic, in a different order (another summation order, another kernel):
-    2 gamma(n) * magnitude, where `magnitude` bounds the result's size.
-
-    Derivation. A result computed through n roundings is x (1 + d_1) ... (1 + d_n) with
-    |d_i| <= u. The worst case, |relative error| <= n u / (1 - n u), is reached only when every
-    rounding goes the same way. Treating the d_i as independent with mean zero (Higham and Mary,
-    "A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019,
-    Theorem 2.4), the relative error is at most
-        gamma(n) = exp(lambda sqrt(n) u + n u^2 / (1 - u)) - 1  ~  lambda sqrt(n) u
-    with probability 1 - 2 exp(-lambda^2 (1 - u)^2 / 2) (lambda = CONFIDENCE). Two results each
-    within gamma(n) of the exact one differ by at most twice that. n is the longest chain of
-    roundings behind the result: the length of the reductions along it (a sum of k terms
-    rounds k - 1 times), summed over the layers it passes (forward_operations)."""
+    """How far apart two computations of one result may land when each rounds `operations` = n times
+    in precision's arithmetic, in different orders: 2 gamma(n) * magnitude (`magnitude` bounds the
+    result's size), with gamma(n) = exp(lambda sqrt(n) u + n u^2 / (1 - u)) - 1 ~ lambda sqrt(n) u,
+    the relative error of n independent mean-zero roundings |d_i| <= u with probability
+    1 - 2 exp(-lambda^2 (1 - u)^2 / 2), lambda = CONFIDENCE (Higham and Mary, SIAM J. Sci. Comput.
+    41(5), 2019, Theorem 2.4). n: the longest chain of roundings behind the result (a sum of k
+    terms rounds k - 1 times), summed over the layers it passes (forward_operations)."""
     if operations < 1:
         raise ValueError(f"operations={operations} must be at least 1")
     u = unit_roundoff(precision)
@@ -142,35 +120,21 @@ def adam_step_bound(beta1: float, beta2: float, step: int) -> float:
 def cast_layout_tolerance(grid: str, tokens: int, vocab_size: int, train_cfg: TrainConfig,
                           largest_gradient: float, gradient_grid: str | None = None, cast_gemms: int = 1
                           ) -> Tolerance:
-    """The tolerance of a layout whose casts to a coarse grid ("e4m3", "e5m2", "bfloat16",
-    "float16") may use other scales, or land on the other side of a rounding boundary, than one
-    device's: FP8 with delayed scaling over replicas (chapter 06, README §5). Everything else
-    is computed as on one device. `grid`: the forward's casts; `gradient_grid`: the output
-    gradients' (default `grid`; e5m2 under FP8's hybrid format); `cast_gemms`: the cast GEMMs
-    on the longest backward path (4 a layer: fc2, fc1, proj, qkv).
+    """The tolerance of a layout whose casts to a coarse grid ("e4m3", "e5m2", "bfloat16", "float16")
+    may use other scales than one device's (FP8 delayed scaling over replicas, chapter 06 §5);
+    everything else as on one device. `grid`: the forward's casts; `gradient_grid`: the output
+    gradients' (default `grid`); `cast_gemms`: cast GEMMs on the longest backward path (4 a layer).
 
-    Derivation. An element cast on two scales lands on two grids, each within u of it: the two
-    copies differ by at most 2u relative (u = unit_roundoff of its grid).
-      loss       the mean over the step's `tokens` tokens of one loss a token, ln(vocab_size) at
-                 the start; each token's loss moves by at most one step of the coarser grid,
-                 independently of the other tokens' and with mean zero, so Hoeffding's
-                 inequality bounds the mean's change by
-                 CONFIDENCE * 2u * ln(vocab_size) / sqrt(tokens) (probability
-                 1 - 2 exp(-CONFIDENCE^2 / 2));
-      gradients  a GEMM of two cast operands (the input and the output's gradient) moves its
-                 products, to first order, by 2 (u_grid + u_gradient_grid), and so their sum,
-                 of the sum of their sizes. A scale change moves a whole tensor's elements
-                 together, so no averaging over tokens; over the cast_gemms GEMMs of the
-                 backward path the changes of different layers add like independent ones:
-                 sqrt(cast_gemms) times that (Higham and Mary's growth, lambda 1: an
-                 estimate, not a bound). rtol that; atol that of the largest gradient
-                 (`largest_gradient`), for a sum that nearly cancels. A lagging delayed scale
-                 can also clamp an element at the format's largest value: left out;
-      parameters (an atol, no rtol) AdamW moves a parameter by lr * |m_hat / sqrt(v_hat)| <=
-                 lr * adam_step_bound a step, so two runs' parameters part by at most twice
-                 that a step, summed over train_iters steps (weight decay moves both
-                 alike). A gradient far below AdamW's eps cannot flip a whole step, but one
-                 near it can: this bound is the only one that holds for them."""
+    Derivation (u = unit_roundoff of a grid; two casts of one element differ by <= 2u relative):
+      loss       each of `tokens` token losses (ln(vocab_size) at the start) moves by <= one grid
+                 step, independently, mean zero: Hoeffding bounds the mean's change by
+                 CONFIDENCE * 2u * ln(vocab_size) / sqrt(tokens).
+      gradients  a GEMM of two cast operands moves its products by 2 (u_grid + u_gradient_grid);
+                 a scale change moves a whole tensor, so no averaging over tokens; over cast_gemms
+                 GEMMs, sqrt(cast_gemms) times that (an estimate, lambda 1). rtol that; atol that of
+                 `largest_gradient`. Clamping at the format's largest value is left out.
+      parameters AdamW moves a parameter by <= lr * adam_step_bound a step: atol twice that,
+                 summed over train_iters steps."""
     u, t = unit_roundoff(grid), train_cfg
     u_gradient = unit_roundoff(gradient_grid or grid)
     mean_change = CONFIDENCE * 2 * max(u, u_gradient) / math.sqrt(tokens)
@@ -289,19 +253,17 @@ def local_microbatch(batch: dict[str, torch.Tensor], train_cfg: TrainConfig, m: 
 def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batches: list[dict[str, torch.Tensor]],
                  tags: tuple[str, ...] = (), after_build=None, load_balance: bool = True, split_batch=None
                  ) -> tuple[dict, list, object, object]:
-    """Train `model_cfg` on this rank's share of `batches` (one global batch per step) with the
-    training loop's own pieces, on the layout of `train_cfg` over the whole world (dp data
-    replicas): train.initialize_layout, parallelize.build_model (then `after_build(chunks,
-    layout)` if given), build_optimizer, and train.train_step on the micro-batches the loop's
-    data order gives this rank (local_microbatch, then `split_batch`, by default
-    cp.get_batch_on_this_cp_rank; zig-zag, or contiguous with load_balance=False). Collective
-    over every rank.
+    """Train `model_cfg` on this rank's share of `batches` (one global batch per step) on the layout of
+    `train_cfg` over the whole world, with the loop's own pieces: train.initialize_layout,
+    parallelize.build_model (then `after_build(chunks, layout)`), build_optimizer, train.train_step
+    on this rank's micro-batches (local_microbatch, then `split_batch`, default
+    cp.get_batch_on_this_cp_rank, zig-zag unless load_balance=False). Collective over every rank.
 
-    Returns (out, chunks, layout, optimizer); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank" (data
-    replica), "ep_rank", "etp_rank", "expert_dp_rank", "losses" (per step, the global batch's mean), "grads"
-    (first step) and "params" (final), full under single-device names, "ledger" (the first
-    step's (op, tag, bytes) with a tag in `tags`), "records" (the first step's comm.CommRecords,
-    the gathers this function adds for its own record left out), "microbatches" (the last step's)}."""
+    Returns (out, chunks, layout, optimizer); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank",
+    "ep_rank", "etp_rank", "expert_dp_rank", "losses" (per step, the global mean), "grads" (first
+    step) and "params" (final) under single-device names, "ledger" (the first step's (op, tag,
+    bytes) with a tag in `tags`), "records" (its comm.CommRecords, this function's own gathers
+    left out), "microbatches" (the last step's)}."""
     from . import comm
     from .cp import get_batch_on_this_cp_rank
     from .optim import learning_rate
@@ -351,11 +313,9 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
 
 
 def saved_activation_bytes_per_rank(cases: list[tuple]) -> list[int]:
-    """Spawn target: for each (model_cfg, train_cfg, b, s), this rank's model (train.initialize_layout
-    and parallelize.build_model over the whole world, one tensor-parallel group for a tp-only
-    layout), one forward with random labels in train mode, and the bytes it saved for the backward
-    (analysis.measure_saved_activation_bytes; dropout streams seeded as the training loop seeds
-    them). Collective: every rank calls it with the same cases."""
+    """Spawn target: for each (model_cfg, train_cfg, b, s), build this rank's model over the whole
+    world, run one train-mode forward with random labels, and return the bytes it saved for backward
+    (analysis.measure_saved_activation_bytes). Collective: every rank passes the same cases."""
     from .analysis import measure_saved_activation_bytes
     from .parallelize import build_model
     from .tp import model_parallel_manual_seed
@@ -393,13 +353,11 @@ def one_device_config(cfg: TrainConfig) -> TrainConfig:
 
 def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tensor]],
                       train_cfg: TrainConfig | None = None, grad_accum_steps: int = 1) -> RunRecord:
-    """The reference: train the single-device model one step per global batch, with the
-    training loop's own step (train.train_step on Layout(): every size 1), AdamW and the
-    learning-rate schedule of `train_cfg` (defaults: TrainConfig() with train_iters =
-    len(batches), no clipping). Mixed precision (bf16 / fp16 / FP8 in `train_cfg`) or recompute: the model and
-    the optimizer the loop builds on one process (parallelize.build_model: a float32 main_grad
-    buffer; build_optimizer: float32 main parameters, the loss scaler), the gradients recorded
-    being the main ones."""
+    """The reference: train the single-device model one step per global batch with the loop's own
+    train.train_step on Layout() (every size 1), AdamW and the schedule of `train_cfg` (default:
+    TrainConfig(train_iters=len(batches)), no clipping). Mixed precision or recompute: the model and
+    optimizer the loop builds (float32 main_grad, main parameters, loss scaler); the recorded
+    gradients are the main ones."""
     from .dp import unwrap
     from .optim import Optimizer, learning_rate
     from .parallel_state import Layout
@@ -431,14 +389,9 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
 
 
 def wait_until(done: Callable[[], bool], timeout: float = 0.5, poll: float = 0.001) -> bool:
-    """Poll `done()` every `poll` seconds until it is true or `timeout` seconds have passed;
-    return its last value.
-
-    For measurements of what is still alive: gloo's worker thread lets go of a finished
-    collective's tensors a moment after wait() returns, so a buffer just released may still
-    be referenced for a moment. A real leak survives the timeout and shows. Pass it as
-    `FullyShardedDataParallel.memory_profile(settle=wait_until)` for an exact profile.
-    """
+    """Poll `done()` every `poll` seconds until it is true or `timeout` seconds have passed; return its
+    last value. For what is still alive after gloo lets go of a finished collective's tensors
+    (FullyShardedDataParallel.memory_profile(settle=wait_until)): a real leak survives and shows."""
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:

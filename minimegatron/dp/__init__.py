@@ -1,28 +1,18 @@
-"""Chapter 01: data parallelism, from the naive all-reduce to ZeRO-3.
+"""Chapter 01: data parallelism, from the naive all-reduce to ZeRO-3. Read in this order:
 
-Read in this order; each file is one idea, each checked against the one before it:
+  naive.py     one all-reduce per parameter (and the hook variant that runs it in backward)
+  buffer.py    the flat buffer of gradients (and ZeRO's parameters): buckets, padding, shards
+  ddp.py       gradients in flat buckets, each bucket all-reduced during backward (Megatron's DDP)
+  zero.py      ZeRO-1/2: sharded buckets, reduce-scatter, AdamW on the shard, all-gather
+  fsdp.py      ZeRO-3: parameters sharded too, gathered around each unit's forward and backward
+  timeline.py  when each bucket's collective ran, relative to backward
 
-  naive.py     average every gradient with one all-reduce per parameter (and the hook
-               variant that does it during backward)
-  buffer.py    the flat buffer they all keep gradients (and ZeRO parameters) in: buckets,
-               padding, this rank's shard, a gradient dtype of its own
-  ddp.py       Megatron/PyTorch DDP: gradients in flat buckets, each bucket's all-reduce
-               launched during backward as soon as it is complete (timeline.py draws it)
-  zero.py      ZeRO-1 and ZeRO-2: DDP with sharded buckets: optimizer state (and gradients)
-               sharded over the group; reduce-scatter, AdamW on the shard, all-gather
-               (Megatron's distributed optimizer)
-  fsdp.py      ZeRO-3: parameters sharded too, gathered around each layer's forward and backward
-
-Every wrapper has the same interface, which is all the training loop uses:
+Every wrapper has the interface the training loop uses:
 
     wrapper(tokens, labels=labels)              the model's forward
     with wrapper.no_sync(): loss.backward()     accumulate a micro-batch, no communication
     loss.backward(); wrapper.finish_grad_sync() the last micro-batch: gradients reduced
-    optimizer.step(); optimizer.zero_grad()     optim.Optimizer over the wrapper (a GradientSource:
-                                                its segments, zero_grad, after_optimizer_step)
-
-`apply_data_parallel` picks the variant from a TrainConfig (zero_stage, ddp_impl,
-ddp_bucket_size).
+    optimizer.step(); optimizer.zero_grad()     optim.Optimizer over the wrapper (a GradientSource)
 """
 
 from __future__ import annotations
@@ -42,24 +32,17 @@ from .zero import ZeroDataParallel, measure_memory, reduce_scatter_gradients, st
 
 
 def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=None) -> nn.Module:
-    """Wrap `model` for data parallelism over `group`, as `cfg` asks; the model itself when
-    there is nothing to average or to shard (the group, and expert_group if given, of one rank):
+    """Wrap `model` for data parallelism over `group` as `cfg` asks, or return it unwrapped when both
+    groups have one rank and there is no cfg.main_grads_dtype:
 
-    zero_stage 0: `ddp_impl` "naive" (NaiveDataParallel) or "bucketed"
-                  (DistributedDataParallel, buckets of `ddp_bucket_size` elements);
-    zero_stage 1, 2: ZeroDataParallel (its shards are what the optimizer steps; overlap_grad_reduce
-                     and overlap_param_gather time its reduce-scatters and all-gathers);
-    zero_stage 3: FullyShardedDataParallel (the same).
+      zero_stage 0   ddp_impl "naive" (NaiveDataParallel) or "bucketed" (DistributedDataParallel,
+                     buckets of ddp_bucket_size elements)
+      zero_stage 1,2 ZeroDataParallel (overlap_grad_reduce, overlap_param_gather)
+      zero_stage 3   FullyShardedDataParallel
 
-    A mixture of experts (chapter 05) passes expert_group, the expert-data-parallel group: its
-    experts (marked allreduce=False) are reduced there, in buckets of their own; the bucketed DDP
-    and ZeRO-1 do that here (parallelize.validate_layout refuses the others with experts).
-
-    Mixed precision (chapter 06): the buffers hold the gradients in cfg.main_grads_dtype
-    (float32 beside bf16 parameters: Megatron's main_grad), and the model is wrapped even
-    without data parallelism, as Megatron wraps every model in its DDP: the micro-batches'
-    16-bit gradients are summed in that buffer, not in a 16-bit .grad.
-    """
+    expert_group: the expert-data-parallel group where experts (allreduce=False) are reduced
+    (bucketed DDP and ZeRO-1). cfg.main_grads_dtype: the buffers' gradient dtype (float32 beside
+    bf16: Megatron's main_grad); then the model is wrapped even at dp 1, as Megatron always wraps."""
     grad_dtype = cfg.main_grads_dtype
     if (comm.group_size(group) == 1 and (expert_group is None or comm.group_size(expert_group) == 1)
             and grad_dtype is None):

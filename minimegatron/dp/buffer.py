@@ -1,34 +1,21 @@
 """The flat buffers of data parallelism: parameters laid end to end, cut into buckets.
 
-Every data-parallel wrapper after the naive one keeps gradients in flat tensors, so that one
-collective moves a whole bucket instead of one small tensor per parameter; ZeRO keeps the
-parameters there too, and shards both. One `Bucket` serves them all:
+One `Bucket` is one collective's worth of parameters, for DDP, ZeRO-1/2 and ZeRO-3's units:
 
     offsets     where each parameter starts in the bucket
-    grad_data   [padded_numel] this rank's (accumulating) gradients, in `grad_dtype`; each
+    grad_data   [padded_numel] this rank's accumulating gradients, in `grad_dtype`; each
                 parameter's gradient is a view of it (`grad_view`)
-    param_data  [padded_numel] the parameters themselves, each model parameter's .data a view
+    param_data  [padded_numel] the parameters, each model parameter's .data a view
                 (ZeRO-1/2: all-gathered after every step), or None
-    main_grad   [end - start] this rank's part of the REDUCED gradient: grad_data itself when
-                the bucket is not sharded (DDP), its own slice [start, end) (ZeRO-1), or a tensor
-                of its own (ZeRO-2, which keeps no full grad_data); ZeRO-3's units (fsdp.py) use
-                the same layout for their shards
+    main_grad   [end - start] this rank's part of the REDUCED gradient: grad_data itself
+                (DDP), its slice [start, end) (ZeRO-1), or a tensor of its own (ZeRO-2)
 
-A sharded bucket of n elements is padded with zeros to dp * S elements, S = ceil(n / dp), and
-rank r owns [r S, (r+1) S) (`shard_range`): reduce-scatter and all-gather need equal parts.
+A sharded bucket of n elements is padded with zeros to dp * S, S = ceil(n / dp), and rank r owns
+[r S, (r+1) S) (`shard_range`): reduce-scatter and all-gather need equal parts. grad_dtype may be
+float32 beside 16-bit parameters (Megatron's --accumulate-allreduce-grads-in-fp32): backward
+writes .grad in the parameter's dtype and a hook adds it into the float32 view (ddp.py).
 
-The gradient dtype may differ from the parameters': 16-bit parameters with float32 gradient
-buffers (Megatron's --accumulate-allreduce-grads-in-fp32, which its validate_args turns on
-with --bf16 unless --grad-reduce-in-bf16 is given: the micro-batches' gradients are summed and
-reduced in float32, and the optimizer reads them without a copy), or the parameters' own dtype
-(--grad-reduce-in-bf16). The backward writes a
-parameter's .grad in the parameter's dtype; a post-accumulate-grad hook adds it into the
-buffer view (ddp.py).
-
-Megatron-LM: megatron/core/distributed/param_and_grad_buffer.py (group_params_for_buffers:
-one buffer per (param dtype, grad dtype, expert-parallel, ...) key; _ParamAndGradBuffer,
-buckets, shard_buffer; a bucket group is one collective); the padding, with the distributed
-optimizer, in megatron/core/optimizer/distrib_optimizer.py.
+Megatron: megatron/core/distributed/param_and_grad_buffer.py (_ParamAndGradBuffer, buckets).
 """
 
 from __future__ import annotations
@@ -45,13 +32,9 @@ __all__ = ["shard_range", "Bucket", "make_bucket"]
 
 
 def shard_range(numel: int, dp: int, rank: int) -> tuple[int, int]:
-    """The elements [start, end) of a flat buffer of `numel` elements that `rank` of `dp` owns.
-
-    The buffer is padded to dp * S elements, S = ceil(numel / dp), and every rank owns exactly
-    S of them, so reduce-scatter and all-gather see equal sizes: start = rank * S, end = start + S.
-    Elements at or beyond `numel` are padding (the last rank(s) may own only padding).
-    A pure function: the ranges of ranks 0..dp-1 tile [0, dp * S).
-    """
+    """The elements [start, end) = [rank * S, (rank + 1) * S), S = ceil(numel / dp), that `rank` of
+    `dp` owns of a flat buffer of `numel` elements padded to dp * S; elements >= numel are padding.
+    The ranges of ranks 0..dp-1 tile [0, dp * S). ValueError on a bad numel, dp or rank."""
     if dp < 1 or not 0 <= rank < dp or numel < 0:
         raise ValueError(f"shard_range: need numel >= 0, dp >= 1 and 0 <= rank < dp, "
                          f"got numel={numel}, dp={dp}, rank={rank}")
@@ -63,15 +46,12 @@ def shard_range(numel: int, dp: int, rank: int) -> tuple[int, int]:
 class Bucket:
     """One collective's worth of parameters, laid end to end (module docstring).
 
-    params/records/shapes/offsets: the parameters in buffer order (ZeRO-3 keeps none: it
-        deletes them), their placement records (names, single-device shapes), their shapes
-        here, where each starts. numel: real elements; padded_numel: numel,
-        or dp * shard_numel when sharded; start, end: this rank's shard (0, numel unsharded).
-    group: where its gradients are reduced (the data-parallel group; an expert bucket's, the
-        expert-data-parallel group). experts: a bucket of expert gradients. decay: every
-        parameter in it gets weight decay (ZeRO groups buckets by decay).
-    ready, work: the parameters whose gradient arrived in this backward; the collective in flight.
-    """
+    params/records/shapes/offsets: the parameters in buffer order (ZeRO-3 keeps none), their
+        placement records, their local shapes, where each starts. numel: real elements;
+        padded_numel: numel, or dp * shard_numel when sharded; start, end: this rank's shard.
+    group: where its gradients are reduced (dp group, or expert-dp for experts=True).
+    decay: every parameter in it takes weight decay. ready, work: the parameters whose gradient
+        arrived in this backward; the collective in flight."""
     index: int
     params: list[nn.Parameter]
     records: list[Placement]

@@ -1,66 +1,25 @@
-"""Bucketed data parallelism with communication overlapped with backward (Megatron's DDP).
+"""Bucketed data parallelism, its all-reduces overlapped with backward (Megatron's DDP).
 
-Naive DP (naive.py) waits for the whole backward, then sends P small all-reduces one after
-the other. Two things are wasted: the network idles during backward, and each small message
-pays the collective's fixed latency. Megatron-LM and PyTorch DDP fix both the same way:
+  grad_buffer    one flat [N] gradient buffer (dtype grad_dtype), parameters laid out in the
+                 reverse of model.parameters() (backward's order), cut into buckets by
+                 `assign_buckets`; main_grad[p] is p's [shape] view of it.
+  _grad_ready    each parameter's post-accumulate-grad hook: add p.grad into main_grad[p], free
+                 p.grad; outside no_sync, when a bucket's last gradient has arrived, scale it by
+                 1/dp and launch its async all-reduce (sum).
+  finish_grad_sync  launch what is left (in bucket order), wait for every bucket, point p.grad at
+                 its view (when the dtypes agree; else read grad_of(p), Megatron's main_grad).
+  forward        the first forward with grad after a sync zeroes the buffer (zero_grad_buffer).
 
-1. **Buckets.** The gradients live in one flat, contiguous buffer (`grad_buffer`), cut into
-   buckets of about `bucket_size` elements. A bucket is one all-reduce: few, large messages.
-   Parameters are laid out in the reverse of model.parameters() order, the order in which
-   backward produces their gradients (the output layer's first, the embedding's last), so
-   that a bucket fills up in one stretch of backward. `assign_buckets` is the rule.
-2. **Overlap.** Each parameter has a post-accumulate-grad hook. When autograd has finished a
-   gradient, the hook adds it into the parameter's slice of the buffer (`main_grad[p]`, a
-   view) and frees p.grad. When the last gradient of a bucket has arrived, the hook launches
-   that bucket's all-reduce asynchronously (gloo runs it in its own thread) and backward goes
-   on computing the gradients of earlier layers while the bucket travels.
-3. **Sync.** `finish_grad_sync()` waits for every bucket and points each p.grad at its slice
-   of the buffer, now holding the DP-averaged gradient (a view: no copy).
+Collectives per optimizer step (tag "grads", over the dp group): one all-reduce per bucket,
+together sum_p numel(p) * grad element size bytes, none inside no_sync(); with overlap=False the
+same calls, in bucket order, inside finish_grad_sync. Experts (allreduce=False) get a buffer and
+buckets of their own, reduced over expert_group (tag "expert-grads"). Each step's launches and
+waits are timed into `self.timeline` (timeline.BucketTimeline).
 
-Why copy into the buffer from a hook instead of making p.grad a view of the buffer from the
-start? Autograd decides what p.grad is: when p.grad is None it *installs* a fresh tensor, and
-`optimizer.zero_grad(set_to_none=True)` drops whatever was there, so a view would silently
-stop being one. Megatron makes the same choice (param.main_grad is the buffer view; a hook
-adds param.grad into it). The price is one add per gradient; the gain is that accumulation
-across micro-batches happens in the buffer, under our control.
+Requires one parameter dtype, and every parameter that requires grad to receive a gradient in
+the last micro-batch's backward.
 
-Averaging: before a bucket is all-reduced (a sum), it is scaled by 1/dp (Megatron's
-gradient_scaling_factor), so the sum is the mean.
-
-Gradient accumulation: inside `no_sync()` the hooks still add every gradient into the
-buffer, but launch nothing; the last micro-batch's backward (outside no_sync) accumulates its
-gradients and launches each bucket as it completes. The buffer therefore holds the sum over
-all M micro-batches when it is reduced.
-
-A new step: the first forward (with grad enabled) after `finish_grad_sync()` zeroes the
-buffer and sets every p.grad to None (`zero_grad_buffer()`, Megatron's name, which the
-training loop may also call itself).
-
-Communication per optimizer step (ledger, tag "grads"): one all-reduce per bucket, issued
-in the order the buckets complete; together sum_p numel(p) * element_size bytes, the same
-bytes as naive DP in fewer calls. None inside no_sync(). With overlap=False the same
-all-reduces are issued, in bucket order, inside finish_grad_sync().
-
-Timeline: each step's launches and completions are timed by a timeline.TimelineRecorder (the
-algorithm calls it at five points and holds no clock) into `self.timeline`
-(timeline.BucketTimeline); chapters/01_dp/make_figures.py draws it (plot_bucket_timeline).
-
-The buffer (buffer.py) holds the gradients in `grad_dtype`: the parameters' dtype by default,
-or float32 beside 16-bit parameters (Megatron's --accumulate-allreduce-grads-in-fp32): the
-hook adds the 16-bit .grad into the float32 view, so the micro-batches are summed and reduced
-in float32; p.grad then cannot be the view (torch wants a parameter's dtype there), so the
-gradient is read through `grad_of(p)` (Megatron's param.main_grad), as the optimizer does.
-
-Requirements: all parameters have one dtype (Megatron keeps one buffer per dtype pair), and
-every parameter that requires grad receives a gradient in the last micro-batch's backward (a
-bucket that never completes is launched by finish_grad_sync, which is correct only if every
-rank agrees).
-
-Where this lives in Megatron-LM: megatron/core/distributed/distributed_data_parallel.py
-(the wrapper, the hooks, no_sync, finish_grad_sync) and
-megatron/core/distributed/param_and_grad_buffer.py (the buffer, the bucket rule, the
-scaled all-reduce of a bucket, start_grad_sync / finish_grad_sync). ZeRO-1/2 (zero.py) are
-this wrapper with sharded buckets, as Megatron's DDP with use_distributed_optimizer.
+Megatron: megatron/core/distributed/{distributed_data_parallel,param_and_grad_buffer}.py.
 """
 
 from __future__ import annotations
@@ -147,32 +106,18 @@ def megatron_default_bucket_size(dp_size: int) -> int:
 
 
 class DistributedDataParallel(DataParallel):
-    """Bucketed, overlapped data parallelism (see the module docstring).
+    """Bucketed, overlapped data parallelism (the module docstring has the algorithm).
 
-    DistributedDataParallel(module, group, bucket_size_bytes=None, overlap=True)
-      module:            this rank's full model (wrapper.module); its parameters keep their
-                         storage, only their gradients move into the buffer.
-      group:             the data-parallel process group.
-      bucket_size_bytes: a bucket closes once it holds >= this many bytes of gradients
-                         (ceil(bytes / element_size) elements, `assign_buckets`); None =
-                         Megatron's default (megatron_default_bucket_size); 1 = one bucket
-                         per parameter.
-      overlap:           launch each bucket from backward as soon as it is complete (True),
-                         or all of them in finish_grad_sync (False).
-      expert_group:      the expert-data-parallel group, where the gradients of parameters
-                         marked allreduce=False (a mixture's experts, chapter 05) are summed,
-                         in a buffer and buckets of their own (expert_grad_buffer).
-      grad_dtype:        the buffer's dtype (default: the parameters'; float32 beside 16-bit
-                         parameters, see the module docstring).
+    module: this rank's full model; only its gradients move into the buffer. group: the dp group.
+    bucket_size_bytes: a bucket closes at >= this many bytes (ceil(bytes / element size) elements);
+      None = megatron_default_bucket_size; 1 = one bucket per parameter.
+    overlap: launch each bucket from backward when complete (True) or all in finish_grad_sync.
+    expert_group: where the gradients of allreduce=False parameters (experts) are summed.
+    grad_dtype: the buffer's dtype (default the parameters'; float32 beside 16-bit parameters).
 
-    Attributes: buckets (list[buffer.Bucket], in buffer order), grad_buffer ([N] all
-    gradients; each bucket's grad_data is a slice), main_grad (dict param -> its [shape] view
-    of the buffer), timeline (BucketTimeline of the last finish_grad_sync, or None).
-
-    Interface (shared by every DP wrapper): forward = module's forward; no_sync();
-    finish_grad_sync() (afterwards the buffer holds the DP average; p.grad is its view when
-    the dtypes agree); grad_of(p); zero_grad_buffer(); broadcast_params().
-    """
+    Attributes: buckets (list[Bucket], buffer order), grad_buffer ([N]; each bucket's grad_data is a
+    slice), expert_grad_buffer (or None), main_grad ({param: [shape] view}), timeline
+    (BucketTimeline of the last finish_grad_sync, or None)."""
 
     def __init__(self, module: nn.Module, group, bucket_size_bytes: int | None = None,
                  overlap: bool = True, expert_group=None, grad_dtype: torch.dtype | None = None):
@@ -272,10 +217,8 @@ class DistributedDataParallel(DataParallel):
 
     # ------------------------------------------------------------------ the interface
     def finish_grad_sync(self) -> None:
-        """Launch any bucket not launched yet (in bucket order), wait for all of them, and
-        point every p.grad at its buffer view (when the dtypes agree), which now holds the
-        DP-averaged gradient. (no_sync, from DataParallel: backward accumulates into the
-        buffer, launches nothing.)"""
+        """Launch the buckets not launched yet (bucket order), wait for all, and point every p.grad at
+        its buffer view (when the dtypes agree): the DP-averaged gradient."""
         self.check_can_sync()
         self.recorder.sync_started()
         for bucket in self.buckets:

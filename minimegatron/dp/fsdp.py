@@ -1,55 +1,35 @@
 """ZeRO-3 / FSDP: the parameters themselves are sharded, and gathered one unit at a time.
 
-Written here from the idea (Rajbhandari et al. 2020, Section 5.3; PyTorch FSDP's design), not
-borrowed. The model is cut into *units*; for the GPT of model/gpt.py:
+The model is cut into units (`gpt_unit_plan`): embedding, each decoder.layers.i, head (final norm +
+untied output layer). A unit's parameters are flattened (matrices first, then vectors), padded
+to dp * S and cut like a ZeRO-1 bucket: rank r keeps only `unit.shard` [S]; the model's own
+parameters are deleted, so between forwards no rank holds a full weight.
 
-    embedding           embedding.*                 (word and position embeddings)
-    decoder.layers.i    one transformer layer each
-    head                decoder.final_layernorm.* and output_layer.* (untied)
+  forward    a unit's forward pre-hook all-gathers it (gather_unit_parameters, tag "fwd") and
+             sets each module attribute to a view of the gathered buffer; its forward hook
+             deletes them (free_unit_parameters). Tied embeddings: the head gathers the
+             embedding unit again (a second use, with its own gather and reduce-scatter).
+  backward   saved_tensors_hooks around the forward replace every saved tensor that lives in
+             a gathered buffer by a token; unpacking a use's first token gathers the unit again
+             (tag "bwd"). An embedding's backward reads no weight: never gathered in backward.
+  gradients  each use is one autograd node (_GatherUnit) whose backward packs its gradients
+             flat and reduce-scatters (avg, tag "grads") this rank's slice into unit.main_grad
+             [S]; under no_sync it adds them to unit.pending [dp*S] instead.
 
-Each unit's parameters are flattened (matrices first, then vectors: the two weight-decay
-groups), padded to dp * S elements and cut like a ZeRO-1 bucket (buffer.shard_range): rank r
-keeps only `unit.shard` [S], its slice. The model's own parameters are deleted; between
-forwards no rank holds any full weight.
-
-Forward. A unit's forward pre-hook all-gathers the unit (gather_unit_parameters, tag "fwd")
-and sets each module attribute (`linear.weight`, ...) to a view of the gathered flat buffer;
-its forward hook deletes them again (free_unit_parameters), so the buffer is freed. The head
-runs partly outside any module (the logits matmul), so it is freed when the wrapper's forward
-returns. With tied embeddings the head also gathers the embedding unit: the output layer reads
-the word-embedding matrix (a second *use* of that unit, with its own gather and reduce-scatter).
-
-Backward needs the weights again (dX = dY W), but autograd would keep them alive from forward
-to backward: every op saves its weight for its backward. `torch.autograd.graph.saved_tensors_hooks`
-around the forward replaces each saved tensor that lives in a gathered buffer by a small token
-(which use, and where in the buffer); unpacking the first token of a use in backward gathers
-the unit again (tag "bwd") and the use's backward frees it. A unit whose backward reads no
-weight (an embedding lookup needs only the token ids) is never gathered in backward.
-
-Each use of a unit is one autograd node (_GatherUnit): forward = the gather, backward = pack the
-gradients of its parameters into a flat padded buffer and reduce-scatter (avg, tag "grads")
-this rank's slice into `unit.main_grad` [S]. Under `no_sync` it adds the flat gradient to
-`unit.pending` [dp*S] instead (a full-size local buffer: FSDP's no_sync trades memory for
-communication); the next synced backward reduces pending + new together.
-
-Communication per micro-batch (U = uses of units: L + 2 units, plus 1 with tied embeddings;
-S_u, P_u = dp * S_u the unit's shard and padded sizes; e = bytes per element):
+Collectives per micro-batch (U uses: L + 2 units, +1 with tied embeddings; S_u the shard,
+P_u = dp * S_u the padded size, e bytes per element), all over the dp group:
 
     all_gather     "fwd"     one per use               S_u * e each
     all_gather     "bwd"     one per use whose backward reads weights (all but the embedding's)
     reduce_scatter "grads"   one per use, on micro-batches that sync     P_u * e each
-and per step the norm's all_reduce of 1 element ("grad-norm"); no parameter all-gather after
-the step (the next forward gathers). Memory per rank at rest: params sum_u S_u * e, grads
-sum_u S_u * e, AdamW state 2 * real * e; during a step + the gathered units (memory_profile).
+and per step the norm's all_reduce of 1 element ("grad-norm"); no all-gather after the step.
+Memory per rank at rest: params and grads sum_u S_u * e each, AdamW state 2 * real * e; during
+a step + the gathered units (memory_profile).
 
-With tensor parallelism (ZeRO-3 x TP, torchtitan's FSDP2 + TP "2D") a unit flattens this rank's
-tensor-parallel shards: the gathered unit is the TP-local model, and the placement records the
-unit keeps say how its parameters are cut, for the norm and for gathering full tensors. Not
-with sequence or pipeline parallelism (parallelize.validate_layout says why).
+With tensor parallelism a unit flattens this rank's TP shards (ZeRO-3 x TP); not with sequence
+or pipeline parallelism (parallelize.validate_layout).
 
-Where this lives in Megatron-LM: megatron/core/distributed/fsdp/ (Megatron-FSDP); in PyTorch:
-torch/distributed/fsdp/_flat_param.py (FlatParamHandle: flat parameters, unshard / reshard;
-FSDP1) and torch/distributed/fsdp/_fully_shard/ (FSDP2: each parameter its own Shard(0) DTensor).
+Megatron: megatron/core/distributed/fsdp/ (Megatron-FSDP).
 """
 
 from __future__ import annotations
@@ -71,15 +51,11 @@ from .naive import DataParallel
 
 @dataclass
 class Unit(Bucket):
-    """One sharded unit: a buffer.Bucket laid out like ZeRO's (records, shapes, offsets, padding
-    to dp * shard_numel, this rank's [start, end), main_grad: this rank's slice of the averaged
-    gradient, accumulating), whose parameters the model no longer holds (`params` is empty), and:
-
-    name: the plan's name of the unit. slots: (module, attribute) where each parameter is read.
-    decay_numel: the first decay_numel elements are matrices (weight decay), the rest not.
-    shard [shard_numel]: nn.Parameter, this rank's slice of the flat parameters (padding is 0).
-    pending [padded_numel] or None: local unreduced gradients accumulated under no_sync.
-    """
+    """One sharded unit: a buffer.Bucket laid out like ZeRO's whose parameters the model no longer
+    holds (`params` is empty). name: the plan's name. slots: (module, attribute) where each
+    parameter is read. decay_numel: the first decay_numel elements take weight decay.
+    shard [shard_numel]: nn.Parameter, this rank's slice (padding 0). pending [padded_numel] or
+    None: local unreduced gradients accumulated under no_sync."""
     name: str = ""
     slots: list[tuple[nn.Module, str]] = field(default_factory=list)
     decay_numel: int = 0
@@ -391,16 +367,10 @@ class FullyShardedDataParallel(DataParallel):
     # ---- the memory profile: a record at every gather and free ------------------------------
     @contextmanager
     def memory_profile(self, settle: Callable[[Callable[[], bool]], object] | None = None):
-        """`with wrapper.memory_profile() as events:` records a MemoryEvent at every gather
-        and free; gathered bytes are measured: buffers that are still referenced anywhere.
-
-        Measuring does not wait. gloo's worker thread lets go of a finished collective's
-        tensors a moment after wait() returns, so a buffer released just now may still count;
-        `settle(released)`, if given, is called before each measurement and may wait until
-        `released()` (self.released: nothing this wrapper let go of is alive any more), e.g.
-        testing.wait_until, which gives it up to 0.5 s: a real leak survives and shows.
-        chapter 01's make_figures.plot_memory_profile draws the events.
-        """
+        """`with wrapper.memory_profile() as events:` records a MemoryEvent at every gather and free;
+        gathered bytes are the buffers still referenced anywhere. gloo lets go of a finished
+        collective's tensors a moment after wait(), so `settle(released)`, if given, is called before
+        each measurement and may wait for `released()` (e.g. testing.wait_until: a real leak survives)."""
         self.profile, self._settle = [], settle
         try:
             yield self.profile

@@ -1,46 +1,23 @@
 """Naive data parallelism: every rank holds the whole model and averages its gradients.
 
-The idea in three lines. Each of the dp ranks of the data-parallel group holds a full copy of
-the model, runs forward and backward on its own slice of the global batch, and before the
-optimizer step replaces every gradient by the average over the group. Then every rank holds
-the gradient of the global-batch loss and takes the same optimizer step, so the copies stay
-identical forever, provided they started identical.
+Each of the dp ranks runs forward and backward on its slice of the global batch; before the
+optimizer step every gradient becomes the group average, grad L_global = (1/dp) sum_r grad L_r,
+so replicas that start identical (model/init.py seeds by name, or `broadcast_parameters`) stay so.
 
-Why the average is the right gradient. Each rank's loss is the mean over its local tokens
-divided by the number of micro-batches M (train.forward_backward); the global-batch loss is
-the mean of the dp ranks' losses (every rank has the same number of tokens), and the gradient
-of a mean is the mean of the gradients:
-
-    grad L_global = (1/dp) sum_r grad L_r
-
-Starting identical. Two ways: the book's initialization depends only on the seed and the
-parameter's name (model/init.py), so every rank builds the same weights on its own; or rank
-0's weights are broadcast to the others (`broadcast_parameters`, what PyTorch DDP does when
-it wraps a model). Megatron relies on the first: every data-parallel rank seeds its
-initialization identically.
-
-This file holds three versions of the same synchronisation, in the order the chapter builds
-them:
-
+  DataParallel        the interface every DP wrapper shares (no_sync, finish_grad_sync, grad_of,
+                      optimizer_segments, local_tensors)
   NaiveDataParallel   after the last backward, `allreduce_gradients`: one all-reduce per
-                      parameter, nothing overlapped. Simple, and the oracle for the others.
-  HookedDataParallel  the same averaging moved *into* backward: a post-accumulate-grad hook
-                      per parameter (`average_gradient_hook`) all-reduces each gradient as
-                      soon as autograd has finished it. Still one small blocking all-reduce
-                      per parameter; the step towards buckets.
-  ddp.py              bucketed, asynchronous all-reduces overlapped with backward (Megatron).
+                      parameter, nothing overlapped; the oracle for the others
+  HookedDataParallel  the same all-reduce per parameter from a post-accumulate-grad hook
+                      (`average_gradient_hook`), as soon as autograd has finished each gradient
 
-The wrappers share one interface, which the training loop uses for every DP variant:
-
-    wrapper = NaiveDataParallel(model, group)     # nn.Module; wrapper.module is the model
     with wrapper.no_sync():                        # micro-batches 0 .. M-2: no communication
         wrapper(tokens, labels=labels).mean().div(M).backward()
     wrapper(tokens, labels=labels).mean().div(M).backward()   # the last micro-batch
     wrapper.finish_grad_sync()                     # now every p.grad is the DP average
 
-Communication per optimizer step (ledger, tag "grads"): P all-reduces (P = number of
-parameter tensors), together sum_p numel(p) * element_size bytes: every gradient once,
-whatever M is.
+Collectives per optimizer step (tag "grads", dp group): P all-reduces (P parameter tensors),
+together sum_p numel(p) * element_size bytes, whatever M is.
 """
 
 from __future__ import annotations
@@ -59,18 +36,12 @@ from ..placement import local_tensors as placement_local_tensors
 
 
 class DataParallel(nn.Module, GradientSource):
-    """What every data-parallel wrapper of the book shares (naive, hooked, bucketed DDP, ZeRO
-    1/2, ZeRO-3): `module` (this rank's model), `group` (the data-parallel group), the
-    module's forward, and the switch the training step uses for gradient accumulation:
-
-        with wrapper.no_sync(): ...backward...    micro-batches 0 .. M-2: no communication
-        ...backward...; wrapper.finish_grad_sync()  the last one: gradients reduced
-
-    Subclasses say what "reduced" means (finish_grad_sync) and read `self.syncing` (False
-    inside no_sync) in their hooks. As an optim.GradientSource a wrapper also says where the
-    reduced gradients are: `grad_of(p)`, `optimizer_segments()` (here: every parameter whole,
-    its gradient p.grad), `zero_grad()`, `after_optimizer_step()`; and `local_tensors(grads)`,
-    this rank's parameters or gradients by single-device name, for gathering full tensors."""
+    """What every data-parallel wrapper shares: `module` (this rank's model), `group` (the dp group),
+    `dp_size`, the module's forward, and gradient accumulation's switch: inside no_sync()
+    (`self.syncing` False) backward does not communicate; finish_grad_sync() after the last
+    micro-batch reduces. As an optim.GradientSource it says where the reduced gradients are:
+    grad_of(p), optimizer_segments() (here every parameter whole, its p.grad), zero_grad(),
+    after_optimizer_step(); local_tensors(grads) gives them by single-device name."""
 
     def __init__(self, module: nn.Module, group):
         super().__init__()
@@ -148,13 +119,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def broadcast_parameters(model: nn.Module, group, tag: str = "params") -> None:
-    """Make every rank's parameters (and buffers) equal to those of the group's first rank.
-
-    In place, through comm.broadcast: one call per tensor, in model.parameters() then
-    model.buffers() order, from global rank comm.group_ranks(group)[0]. Afterwards the
-    model is the same on every rank of `group`, whatever each rank had initialized.
-    Ledger: "broadcast" x (number of tensors), sum numel * element_size bytes.
-    """
+    """Make every rank's parameters and buffers equal to those of the group's first rank, in place:
+    one comm.broadcast per tensor (tag `tag`), parameters then buffers, from
+    comm.group_ranks(group)[0]; sum numel * element_size bytes."""
     src = comm.group_ranks(group)[0]
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -223,18 +190,10 @@ def average_gradient_hook(param: nn.Parameter, group, sync: bool) -> None:
 
 
 class NaiveDataParallel(DataParallel):
-    """Data parallelism in its simplest form: all-reduce every gradient after backward.
-
-    NaiveDataParallel(module, group): `module` is this rank's full model copy (wrapper.module);
-    `group` the data-parallel process group. forward(*args, **kwargs) is module's forward.
-
-    no_sync(): a context for the first M-1 micro-batches. Here it holds nothing back (this
-      wrapper only communicates in finish_grad_sync); it exists so that every DP wrapper has
-      the same interface. Gradients accumulate in p.grad, as without data parallelism.
-    finish_grad_sync(): `allreduce_gradients(module, group)`; afterwards every p.grad is the
-      DP-averaged gradient. Calling it inside no_sync() is an error.
-    broadcast_params(): copy the group's first rank's parameters to all ranks.
-    """
+    """All-reduce every gradient after backward: finish_grad_sync() is
+    `allreduce_gradients(module, group)` (RuntimeError inside no_sync()); no_sync() holds nothing
+    back, gradients accumulate in p.grad. broadcast_params(): the group's first rank's parameters
+    to all."""
 
     def finish_grad_sync(self) -> None:
         self.check_can_sync()
@@ -245,17 +204,11 @@ class NaiveDataParallel(DataParallel):
 
 
 class HookedDataParallel(NaiveDataParallel):
-    """NaiveDataParallel with the all-reduces moved into backward, one hook per parameter.
-
-    Each parameter's post-accumulate-grad hook calls `average_gradient_hook(p, group, sync)`
-    (or `hook`, if given: the tests pass known-buggy versions), with sync False inside
-    no_sync(). Each all-reduce blocks backward until it is done: nothing overlaps yet, but
-    the communication now starts as soon as each gradient exists, which is what bucketed DDP
-    builds on. finish_grad_sync() has nothing left to send; it checks that every parameter
-    was synced in the last backward (RuntimeError naming the ones that were not).
-    Communication per step: as NaiveDataParallel (P all-reduces, all gradient bytes), in
-    backward order (the reverse of model.parameters(), roughly).
-    """
+    """NaiveDataParallel with each all-reduce in backward: every parameter's post-accumulate-grad hook
+    calls `average_gradient_hook(p, group, sync)` (or `hook`: the tests pass buggy ones), sync False
+    inside no_sync(). Each all-reduce blocks backward. finish_grad_sync() only checks that every
+    parameter was synced in the last backward (RuntimeError naming the ones that were not).
+    Collectives: as NaiveDataParallel, in backward order."""
 
     def __init__(self, module: nn.Module, group, hook: Callable | None = None):
         super().__init__(module, group)

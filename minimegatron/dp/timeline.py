@@ -1,31 +1,19 @@
-"""When did each bucket's all-reduce run, relative to backward? The record (plot_bucket_timeline
-in chapters/01_dp/make_figures.py draws it).
+"""When did each bucket's collective run, relative to backward? One `BucketTimeline` per step
+(DistributedDataParallel, and ZeRO-1 with overlap_grad_reduce), for the last micro-batch's
+backward; chapters/01_dp/make_figures.py draws it (plot_bucket_timeline).
 
-`DistributedDataParallel` (ddp.py), and ZeRO-1 with overlap_grad_reduce (zero.py), fill one
-`BucketTimeline` per optimizer step, for the
-backward of the last micro-batch (the one that communicates). All times are seconds after
-that backward started, measured with `time.perf_counter()` in the rank's own process:
+Times are time.perf_counter() seconds after that backward started, in the rank's own process:
 
-  backward start   0 by definition: when autograd produced the gradient of the model's
-                   output (a tensor hook on the output, the first thing backward computes);
-  backward end     when the last parameter gradient was accumulated into its bucket (the
-                   moment the last bucket becomes ready);
-  launched         when the bucket's asynchronous all-reduce was handed to gloo;
-  completed        when gloo finished it: a callback chained on the work's future
-                   (`work.get_future().then(...)`) runs in gloo's own thread as soon as the
-                   collective completes. It is a wall-clock time, an upper bound: the callback
-                   is Python, so it waits for the interpreter lock if the training thread
-                   holds it. Where the work has no future (gloo's reduce-scatter, ZeRO's): when
-                   the wait for it returned, a coarser upper bound (the step learns only then);
-  waited           how long `finish_grad_sync()` blocked in `work.wait()` for this bucket: the
-                   communication that was *not* hidden behind computation;
-  sync start/end   when `finish_grad_sync()` was entered and returned.
+  backward start   0: the tensor hook on the model's output (the first thing backward computes)
+  backward end     the last parameter gradient accumulated into its bucket
+  launched         the bucket's async collective handed to gloo
+  completed        a callback on the work's future, run in gloo's thread (an upper bound: it
+                   waits for the GIL); without a future (gloo's reduce-scatter), when the wait
+                   returned
+  waited           how long finish_grad_sync() blocked in work.wait(): the unhidden communication
+  sync start/end   when finish_grad_sync() was entered and returned
 
-With overlap, every bucket but the last is launched before backward ends: its communication
-runs while autograd computes the gradients of earlier layers. Without overlap, all launches
-come after backward ends, inside `finish_grad_sync()`. On a 2-core laptop the ranks share the
-cores, so "overlap" here shows the *schedule* (what is launched when), not a speed-up; the
-benchmark under benchmarks/ reports the measured speed honestly.
+On a 2-core laptop the ranks share the cores: the timeline shows the schedule, not a speed-up.
 """
 
 from __future__ import annotations

@@ -1,66 +1,40 @@
-"""ZeRO-1 and ZeRO-2: shard the optimizer state (and the gradients) over the data-parallel group.
+"""ZeRO-1 and ZeRO-2: the optimizer state (and the reduced gradients) sharded over the dp group.
 
-Plain data parallelism keeps on every one of the dp ranks a full copy of the parameters, the
-gradients and the optimizer state. ZeRO (Rajbhandari et al. 2020) removes the copies:
-
-    stage 1  (P_os)     each rank keeps the AdamW state of 1/dp of the parameters only
-    stage 2  (P_os+g)   ... and only that 1/dp of the reduced gradient
-    stage 3  (P_os+g+p) ... and only that 1/dp of the parameters (fsdp.py)
-
-ZeRO-1/2 is ddp.py's bucketed wrapper with sharded buckets (buffer.py), as Megatron's
-DistributedDataParallel with use_distributed_optimizer. The layout (after Megatron's
-param-and-grad buffer; Megatron makes one buffer per (param dtype, grad dtype,
-expert-parallel), the book one bucket or more per weight-decay group, cut by
-ddp.assign_buckets): the parameters are packed, in reverse order (backward produces gradients
-from the output back), into flat *buckets*: one per weight-decay group (matrices decay; biases
-and norm weights do not), or several of about `bucket_size` elements; a tied embedding split
-between two pipeline stages gets a bucket of its own on both (Megatron's shared_embedding), so
-that both stages shard it alike and its two gradients can be summed shard by shard after the
-reduce-scatter. A bucket of n elements is padded with zeros to dp * S elements,
-S = ceil(n / dp), and rank r owns the elements [r S, (r+1) S) (`shard_range`):
+ddp.py's bucketed wrapper with sharded buckets (buffer.py). Parameters are packed in reverse
+order into flat buckets, one per weight-decay group or cut by ddp.assign_buckets (a tied
+embedding split between pipeline stages alone, so both stages shard it alike); a bucket of n
+elements is padded to dp * S, S = ceil(n / dp), and rank r owns [r S, (r+1) S) (`shard_range`):
 
     bucket.param_data  [dp*S]  p0 | p1 | p2 ......... | pad     the model's parameters are views
-    bucket.grad_data   [dp*S]  same layout (stage 1)              each gradient is added into its view
+    bucket.grad_data   [dp*S]  same layout (stage 1 only)        each .grad is added into its view
                                rank 0 | rank 1 | ... | rank dp-1  (S elements each)
 
-One step, per bucket (Megatron: DistributedDataParallel + DistributedOptimizer; here the
-wrapper + optim.Optimizer over the wrapper's shards, `optimizer_segments`):
+One step, per bucket (the wrapper + optim.Optimizer over `optimizer_segments`):
 
     backward              every rank accumulates its local gradient of the whole bucket
-    reduce-scatter (avg)  rank r receives the average over ranks of its S elements -> main_grad
-    clip                  global norm: sum of squares of every rank's main_grad, all-reduced
-    AdamW                 on this rank's [r S, r S + real) elements only (padding never enters)
+    reduce-scatter (avg)  rank r receives the average of its S elements -> main_grad [S]
+    clip                  sum of squares of every rank's main_grad, all-reduced
+    AdamW                 on this rank's [r S, r S + real) elements (padding never enters)
     all-gather            every rank receives every rank's updated S elements -> param_data
 
-Stage 1 keeps grad_data (dp*S) for the whole step (a hook adds each .grad into it, as DDP's)
-and reduce-scatters in place, into its own slice, in `finish_grad_sync`
-(`reduce_scatter_gradients`, exercise 1.3). Stage 2 has no persistent grad_data: autograd
-writes each parameter's .grad as usual; the moment the last
-gradient of a bucket is accumulated (a post-accumulate-grad hook) the bucket is packed into a
-temporary flat buffer, reduce-scattered into the bucket's own S-element main_grad and every
-.grad of the bucket is freed. So a rank never holds the full gradient of more than the
-buckets still being produced (measured: `ZeroDataParallel.grad_bytes_peak`). With gradient
-accumulation (`no_sync`) the .grad of the earlier micro-batches stay full-size until the last
-micro-batch's backward reduces them.
+Stage 1 keeps grad_data for the whole step and reduce-scatters it in place in finish_grad_sync
+(`reduce_scatter_gradients`). Stage 2 keeps no grad_data: when a bucket's last .grad is
+accumulated it is packed into a temporary buffer, reduce-scattered into main_grad, and the
+.grads are freed (peak: `grad_bytes_peak`).
 
-Communication per optimizer step (e = bytes per element, ledger bytes; one call per bucket):
+Collectives per optimizer step (e bytes per element, one call per bucket):
 
     reduce_scatter   sum_b dp * S_b * e       the padded flat gradients     tag "grads"
     all_reduce       1 * e                    the squared gradient norm     tag "grad-norm"
     all_gather       sum_b S_b * e            this rank's padded shards     tag "params"
 
-Memory per rank (measured by `measure_memory`, compared with analysis.memory.training_memory):
+Memory per rank (`measure_memory`; analysis.memory.training_memory is the formula):
 
     params           sum_b dp * S_b * e                  (formula: N e; the difference is padding)
     grads            stage 1: sum_b dp * S_b * e;  stage 2: sum_b S_b * e     (N e; ceil(N/dp) e)
     optimizer state  2 * real_r * e, real_r = this rank's unpadded elements   (2 ceil(N/dp) e)
 
-Where this lives in Megatron-LM (main, checked 2026-11-27): megatron/core/distributed/
-param_and_grad_buffer.py (_ParamAndGradBuffer, _ParamAndGradBucketGroup.start_grad_sync /
-start_param_sync, shard_buffer) and megatron/core/optimizer/distrib_optimizer.py
-(DistributedOptimizer: the shard ranges, the main parameters, the param all-gather; its
-_compute_per_buffer_param_layout pads the buckets and gives `shared_embedding` parameters a
-bucket of their own, _does_param_require_new_bucket).
+Megatron: megatron/core/distributed/param_and_grad_buffer.py + optimizer/distrib_optimizer.py.
 """
 
 from __future__ import annotations
@@ -122,34 +96,16 @@ def build_buckets(params: list[nn.Parameter], dp: int, rank: int, bucket_size: i
 class ZeroDataParallel(DistributedDataParallel):
     """Data parallelism with ZeRO stage 1 (optimizer state sharded) or 2 (and gradients).
 
-    Wraps `module` (replicated on every rank of `group`, same initial weights); step with an
-    `optim.Optimizer([wrapper], ...)` (parallelize.build_optimizer), which steps this rank's
-    shards (`optimizer_segments`) and calls `after_optimizer_step` (the all-gather):
+    `module` is replicated on every rank of `group`; an `optim.Optimizer([wrapper], ...)` steps this
+    rank's shards (`optimizer_segments`) and calls `after_optimizer_step` (the all-gather).
+    bucket_size: elements per bucket (None: one per weight-decay group); smaller buckets, a smaller
+    stage-2 gradient peak. grad_dtype, expert_group as DistributedDataParallel (experts: stage 1).
 
-        loss = wrapper(tokens, labels=labels).mean() / M      # forward = the module's
-        with wrapper.no_sync(): loss.backward()               # micro-batches 0..M-2
-        loss.backward(); wrapper.finish_grad_sync()           # the last one, then reduce
-        optimizer.step(); optimizer.zero_grad()
-
-    bucket_size: elements per bucket (None: one bucket per weight-decay group). Stage 2
-    reduce-scatters each bucket during the backward of the last micro-batch, as soon as the
-    bucket is complete, and frees its .grad; smaller buckets mean a smaller gradient peak.
-    grad_dtype and expert_group as DistributedDataParallel (experts: stage 1 only).
-
-    Overlap (chapter 07; Megatron's --overlap-grad-reduce and --overlap-param-gather):
-    overlap_grad_reduce launches each bucket's reduce-scatter asynchronously from the backward
-    the moment the bucket is complete (as the bucketed DDP launches its all-reduces), and
-    finish_grad_sync waits for them; without it stage 1 reduces every bucket in
-    finish_grad_sync, and stage 2 reduces a complete bucket from the backward but blocks on it.
-    overlap_param_gather (needs overlap_grad_reduce, as in Megatron) launches the parameter
-    all-gathers asynchronously after the optimizer step, in the order the next forward uses
-    the buckets, and a forward pre-hook on each module waits only for the buckets holding that
-    module's parameters: the gathers of later layers travel while earlier layers compute
-    (Megatron's forward pre-hooks, finish_param_sync). finish_param_sync() waits for all of
-    them; whatever reads the parameters outside a forward calls it (local_tensors does).
-    The same collectives, bytes and order of launches either way: only when they are waited
-    for moves, so the numbers are identical.
-    """
+    overlap_grad_reduce: each bucket's reduce-scatter is launched async from backward when the bucket
+    is complete; finish_grad_sync waits. overlap_param_gather (needs overlap_grad_reduce): the
+    all-gathers are launched async after the step in forward order, and a forward pre-hook per module
+    waits for the buckets holding its parameters; finish_param_sync() waits for all. Either way the
+    same collectives, bytes and launch order: the numbers are identical."""
 
     def __init__(self, module: nn.Module, group, stage: int = 1, bucket_size: int | None = None,
                  expert_group=None, grad_dtype: torch.dtype | None = None, overlap_grad_reduce: bool = False,
