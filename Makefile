@@ -81,6 +81,18 @@ stress: $(STAMP)
 check-commands: $(STAMP)
 	BOOK_COMMANDS=all $(PY) -m pytest -q -s tests/test_commands.py -k runs_as_printed
 
+# The book against other CPUs, simulated on this one (issue 32): tests/test_measured.py (each
+# chapter's text against its record, and a fresh rerun) and tests/test_compile.py under each
+# variable that sends PyTorch's or MKL's kernels down another code path. OMP_NUM_THREADS=2 reaches
+# the test process only: ranks pin themselves to 1 thread (minimegatron/launch.py). About 25 minutes
+# on 2 cores. The whole suite under one of them: `ATEN_CPU_CAPABILITY=default make test`.
+CPU_VARIANTS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE \
+	MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=2
+.PHONY: test-other-cpus
+test-other-cpus: $(STAMP)
+	@for v in $(CPU_VARIANTS); do echo "== $$v"; \
+		env $$v $(PY) -m pytest -q tests/test_measured.py tests/test_compile.py || exit 1; done
+
 # Every chapter demo over its documented flags (chapters 06 and 07: each precision x FP8 recipe x
 # format and each recompute x kernel path over tp/sp/cp/pp/ep/dp; 01-05 and 08: their main layout
 # flags), --quick, one run at a time, and the combinations a demo must refuse (exit 2). Prints
