@@ -49,6 +49,21 @@ def _reduce_op(op: str, t: torch.Tensor):
     return _REDUCE_OPS[op]
 
 
+def _size_checked(group, what: str, whole: torch.Tensor, whole_name: str, part: torch.Tensor,
+                  part_name: str) -> int:
+    """The group size n, after refusing unless whole holds n x part's elements."""
+    n = group_size(group)
+    if whole.numel() != n * part.numel():
+        raise ValueError(f"{what}: {whole_name} has {whole.numel()} elements, expected "
+                         f"{n} x {part.numel()} (group size x {part_name})")
+    return n
+
+
+def _check_divisible(what: str, t: torch.Tensor, dim: int, n: int) -> None:
+    if t.shape[dim] % n:
+        raise ValueError(f"{what}: size {t.shape[dim]} along dim {dim} is not divisible by the group size {n}")
+
+
 def _check_buffer(t: torch.Tensor, what: str) -> None:
     # results are written into this tensor's memory: a non-contiguous view cannot take them
     if not t.is_contiguous():
@@ -123,10 +138,7 @@ def all_gather_into_tensor(out, t, group, tag=None, async_op=False):
     Records "all_gather", nbytes = t (the local shard). Returns ``out`` (or a work handle).
     """
     _check_buffer(out, "all_gather_into_tensor")
-    n = group_size(group)
-    if out.numel() != n * t.numel():
-        raise ValueError(f"all_gather_into_tensor: out has {out.numel()} elements, expected "
-                         f"{n} x {t.numel()} (group size x input)")
+    n = _size_checked(group, "all_gather_into_tensor", out, "out", t, "input")
     if n == 1:
         out.copy_(t.reshape(out.shape))
         return _Done() if async_op else out
@@ -175,10 +187,7 @@ def reduce_scatter_tensor(out, t, group, op="sum", tag=None, async_op=False):
     """
     _check_buffer(out, "reduce_scatter_tensor")
     reduce_op = _reduce_op(op, t)
-    n = group_size(group)
-    if t.numel() != n * out.numel():
-        raise ValueError(f"reduce_scatter_tensor: input has {t.numel()} elements, expected "
-                         f"{n} x {out.numel()} (group size x out)")
+    n = _size_checked(group, "reduce_scatter_tensor", t, "input", out, "out")
     if n == 1:
         out.copy_(t.reshape(out.shape))
         return _Done() if async_op else out
@@ -197,9 +206,7 @@ def reduce_scatter(t, group, dim=0, op="sum", tag=None):
     n = group_size(group)
     if n == 1:
         return t
-    if t.shape[dim] % n:
-        raise ValueError(f"reduce_scatter: size {t.shape[dim]} along dim {dim} is not "
-                         f"divisible by the group size {n}")
+    _check_divisible("reduce_scatter", t, dim, n)
     full = t.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
     reduce_scatter_tensor(out, full, group, op, tag)
@@ -311,9 +318,7 @@ def all_to_all(t, group, scatter_dim, gather_dim, tag=None):
     n = group_size(group)
     if n == 1:
         return t
-    if t.shape[scatter_dim] % n:
-        raise ValueError(f"all_to_all: size {t.shape[scatter_dim]} along dim {scatter_dim} is "
-                         f"not divisible by the group size {n}")
+    _check_divisible("all_to_all", t, scatter_dim, n)
     outgoing = torch.stack(t.chunk(n, dim=scatter_dim))  # (n, *chunk): row j goes to member j
     incoming = torch.empty_like(outgoing)
     all_to_all_single(incoming, outgoing, group, tag=tag)

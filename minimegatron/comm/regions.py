@@ -42,8 +42,8 @@ def _sum(x, group, tag):
     return all_reduce(x.clone(memory_format=torch.contiguous_format), group, tag=tag)
 
 
-def _split(x, group, dim):
-    """This member's chunk of ``x`` along ``dim`` (no communication)."""
+def _split(x, group, dim, tag=None):
+    """This member's chunk of ``x`` along ``dim`` (no communication, so ``tag`` records nothing)."""
     n = group_size(group)
     if n == 1:
         return x
@@ -77,56 +77,18 @@ class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
-    """Forward split along dim (no communication), backward all-gather along dim."""
+class _AlongDim(torch.autograd.Function):
+    """Forward fwd(x, group, dim), backward bwd(grad, group, dim): one row of the table above
+    (split, all_gather or reduce_scatter each way)."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim, tag="bwd"), None, None
-
-
-class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
-    """Forward all-gather along dim, backward split (this member's chunk of the gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim, tag="fwd")
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return fwd(x, group, dim, tag="fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward reduce-scatter along dim, backward all-gather along dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim, tag="fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim, tag="bwd"), None, None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Forward all-gather along dim, backward reduce-scatter along dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim, tag="fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, ctx.dim, tag="bwd"), None, None
+        return ctx.bwd(grad, ctx.group, ctx.dim, tag="bwd"), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -216,13 +178,13 @@ def reduce_from_tensor_model_parallel_region(x, group):
 def scatter_to_tensor_model_parallel_region(x, group, dim=-1):
     """Forward: keep this member's chunk of ``x`` along ``dim`` (no communication);
     backward: all-gather the chunks' gradients along ``dim``."""
-    return _ScatterToTensorModelParallelRegion.apply(x, group, dim)
+    return _AlongDim.apply(x, group, dim, _split, all_gather)
 
 
 def gather_from_tensor_model_parallel_region(x, group, dim=-1):
     """Forward: all-gather along ``dim``; backward: keep this member's chunk of the gradient.
     For an output every member then uses identically (each holds the full gradient)."""
-    return _GatherFromTensorModelParallelRegion.apply(x, group, dim)
+    return _AlongDim.apply(x, group, dim, all_gather, _split)
 
 
 def scatter_to_sequence_parallel_region(x, group, dim=0):
@@ -230,20 +192,20 @@ def scatter_to_sequence_parallel_region(x, group, dim=0):
     embedding's output): forward keep this member's chunk along ``dim`` (no communication);
     backward all-gather. The same operator as scatter_to_tensor_model_parallel_region, cut
     along the sequence instead of the features."""
-    return _ScatterToTensorModelParallelRegion.apply(x, group, dim)
+    return _AlongDim.apply(x, group, dim, _split, all_gather)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group, dim=0):
     """Sequence parallelism, leaving a tensor-parallel region: forward reduce-scatter
     along ``dim`` (the sequence); backward all-gather of the gradient along ``dim``."""
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group, dim)
+    return _AlongDim.apply(x, group, dim, reduce_scatter, all_gather)
 
 
 def gather_from_sequence_parallel_region(x, group, dim=0):
     """Sequence parallelism, entering a tensor-parallel region: forward all-gather along
     ``dim``; backward reduce-scatter, because each member's gradient for the full tensor
     is only a partial sum (each member computed with its own shard of the weights)."""
-    return _GatherFromSequenceParallelRegion.apply(x, group, dim)
+    return _AlongDim.apply(x, group, dim, all_gather, reduce_scatter)
 
 
 def all_to_all_region(x, group, scatter_dim, gather_dim):

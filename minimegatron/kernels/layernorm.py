@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rmsnorm import load_f32
+
 __all__ = ["layer_norm", "layernorm_backward"]
 
 
@@ -45,12 +47,12 @@ def layernorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 @triton.jit
 def _layernorm_forward(X, W, B, Y, MEAN, RSTD, rows, h, eps, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     cols = tl.arange(0, BLOCK_H)
-    w = tl.load(W + cols, mask=cols < h, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=cols < h, other=0.0).to(tl.float32)
+    w = load_f32(W, cols, h)
+    b = load_f32(B, cols, h)
     for i in range(BLOCK_ROWS):
         row = tl.program_id(0) * BLOCK_ROWS + i
         if row < rows:
-            x = tl.load(X + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+            x = load_f32(X + row * h, cols, h)
             mean = tl.sum(x, 0) / h
             xc = tl.where(cols < h, x - mean, 0.0)                 # the padding columns stay 0
             rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / h + eps)
@@ -63,14 +65,13 @@ def _layernorm_forward(X, W, B, Y, MEAN, RSTD, rows, h, eps, BLOCK_ROWS: tl.cons
 def _layernorm_backward(DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, rows, h,
                         BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     cols = tl.arange(0, BLOCK_H)
-    w = tl.load(W + cols, mask=cols < h, other=0.0).to(tl.float32)
+    w = load_f32(W, cols, h)
     dw = tl.zeros([BLOCK_H], tl.float32)
     db = tl.zeros([BLOCK_H], tl.float32)
     for i in range(BLOCK_ROWS):
         row = tl.program_id(0) * BLOCK_ROWS + i
         if row < rows:
-            x = tl.load(X + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+            x, dy = load_f32(X + row * h, cols, h), load_f32(DY + row * h, cols, h)
             mean, rstd = tl.load(MEAN + row), tl.load(RSTD + row)
             xhat = tl.where(cols < h, (x - mean) * rstd, 0.0)
             g = dy * w                                             # 0 in the padding columns (dy, w are)

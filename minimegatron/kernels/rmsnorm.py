@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rmsnorm_backward"]
+__all__ = ["load_f32", "rms_norm", "rmsnorm_backward"]
 
 
 def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -44,13 +44,19 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def load_f32(PTR, cols, n):
+    """PTR[cols] as float32, 0.0 where cols >= n (a block's padding columns); the row kernels' load."""
+    return tl.load(PTR + cols, mask=cols < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rmsnorm_forward(X, W, Y, RSTD, rows, h, eps, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     cols = tl.arange(0, BLOCK_H)
-    w = tl.load(W + cols, mask=cols < h, other=0.0).to(tl.float32)
+    w = load_f32(W, cols, h)
     for i in range(BLOCK_ROWS):
         row = tl.program_id(0) * BLOCK_ROWS + i
         if row < rows:
-            x = tl.load(X + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+            x = load_f32(X + row * h, cols, h)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / h + eps)
             tl.store(Y + row * h + cols, x * rstd * w, mask=cols < h)
             tl.store(RSTD + row, rstd)
@@ -59,13 +65,12 @@ def _rmsnorm_forward(X, W, Y, RSTD, rows, h, eps, BLOCK_ROWS: tl.constexpr, BLOC
 @triton.jit
 def _rmsnorm_backward(DY, X, W, RSTD, DX, DW_PARTIAL, rows, h, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     cols = tl.arange(0, BLOCK_H)
-    w = tl.load(W + cols, mask=cols < h, other=0.0).to(tl.float32)
+    w = load_f32(W, cols, h)
     dw = tl.zeros([BLOCK_H], tl.float32)
     for i in range(BLOCK_ROWS):
         row = tl.program_id(0) * BLOCK_ROWS + i
         if row < rows:
-            x = tl.load(X + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * h + cols, mask=cols < h, other=0.0).to(tl.float32)
+            x, dy = load_f32(X + row * h, cols, h), load_f32(DY + row * h, cols, h)
             rstd = tl.load(RSTD + row)
             xhat = x * rstd
             g = dy * w

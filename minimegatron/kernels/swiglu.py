@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rmsnorm import load_f32
+
 __all__ = ["swiglu"]
 
 
@@ -28,8 +30,7 @@ def _swiglu_forward(Y, OUT, rows, f, BLOCK_ROWS: tl.constexpr, BLOCK_F: tl.const
     for i in range(BLOCK_ROWS):
         row = tl.program_id(0) * BLOCK_ROWS + i
         if row < rows:
-            gate = tl.load(Y + row * 2 * f + cols, mask=cols < f, other=0.0).to(tl.float32)
-            up = tl.load(Y + row * 2 * f + f + cols, mask=cols < f, other=0.0).to(tl.float32)
+            gate, up = load_f32(Y + row * 2 * f, cols, f), load_f32(Y + row * 2 * f + f, cols, f)
             tl.store(OUT + row * f + cols, gate * tl.sigmoid(gate) * up, mask=cols < f)
 
 
@@ -39,9 +40,8 @@ def _swiglu_backward(DOUT, Y, DY, rows, f, BLOCK_ROWS: tl.constexpr, BLOCK_F: tl
     for i in range(BLOCK_ROWS):
         row = tl.program_id(0) * BLOCK_ROWS + i
         if row < rows:
-            gate = tl.load(Y + row * 2 * f + cols, mask=cols < f, other=0.0).to(tl.float32)
-            up = tl.load(Y + row * 2 * f + f + cols, mask=cols < f, other=0.0).to(tl.float32)
-            dout = tl.load(DOUT + row * f + cols, mask=cols < f, other=0.0).to(tl.float32)
+            gate, up = load_f32(Y + row * 2 * f, cols, f), load_f32(Y + row * 2 * f + f, cols, f)
+            dout = load_f32(DOUT + row * f, cols, f)
             sig = tl.sigmoid(gate)
             tl.store(DY + row * 2 * f + cols, dout * up * sig * (1.0 + gate * (1.0 - sig)), mask=cols < f)
             tl.store(DY + row * 2 * f + f + cols, dout * gate * sig, mask=cols < f)
