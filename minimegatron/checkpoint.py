@@ -1,43 +1,25 @@
-"""Save and resume a training run, exactly.
+"""Save and resume a training run, exactly (chapter 00's "Exact resume").
 
-A checkpoint is one file `iter_{step:07d}.pt` in a directory, plus a text file `latest`
-naming the newest one (Megatron keeps `latest_checkpointed_iteration.txt` for the same job).
-It holds everything that decides the rest of the run:
-
-  model and optimizer state   the numbers being trained
-  step                        which global batch comes next (the data order is a pure
-                              function of the step, see data.gpt_dataset.batch_for_step)
-  RNG state                   dropout masks after resuming equal the uninterrupted run's
-  configs                     a checkpoint from another model is refused, by field
-  history                     the loss curve so far, so the plot continues
-
-With data parallelism over n > 1 ranks, each rank also writes `iter_{step:07d}.rank{r}.pt`
-with what only it holds: its optimizer state (a shard under ZeRO) and its RNG state. Every
-rank writes its file, all ranks meet at a barrier, and only then does rank 0 write the main
-file and move `latest`: a checkpoint that `latest` names is always complete. Resuming needs
-the same number of ranks (resharding a checkpoint is the capstone's subject).
+A checkpoint is `iter_{step:07d}.pt` in a directory plus a text file `latest` naming the newest
+(Megatron's latest_checkpointed_iteration.txt). It holds the model and optimizer state, the
+step (the data order and learning rate are functions of it), the RNG state, both configs (a
+checkpoint of another model is refused by field) and the loss history. With data parallelism
+over n > 1 ranks each rank also writes `iter_{step:07d}.rank{r}.pt` (its optimizer shard and
+RNG state); all meet at a barrier before rank 0 writes the main file and moves `latest`, so
+`latest` always names a complete checkpoint. Resuming needs the same number of ranks.
 
 Safety rules:
-  - written to a temporary name and renamed: a crash while saving never destroys the
-    previous checkpoint (rename is atomic on POSIX filesystems); the `*.tmp` files a killed
-    save leaves behind are removed by the next save_checkpoint in that directory;
-  - resuming from a directory that holds no checkpoint (missing, a file, or no `latest`)
-    warns and trains from scratch, as Megatron's `--load` does ("could not find the metadata
-    file ... will start from random"); a `latest` that is empty or names a missing file is
-    an error;
-  - loaded with `torch.load(weights_only=True)`: tensors, numbers, strings and containers
-    only, never code from a pickle;
-  - every file carries a CRC-32 of each tensor it holds and one of all its other values
-    (`checksums`, written at save, checked at load): a file whose bytes changed after the
-    save (a disk or copy error, an edit) is refused, naming the file and the tensor, instead
-    of resuming from flipped weights (see `checksums` for why CRC-32);
-  - a save_dir that cannot be written (a file, a read-only directory, /proc) is a
-    CheckpointError naming it (check_save_dir), before training starts;
-  - one run at a time writes a directory: rank 0 of a run that saves holds its lock file
-    (lock_save_dir), which names the owner, so a second run is refused by name;
-  - every rank of a resume agrees on the load before anything else runs (all_ranks_agree):
-    a truncated or missing file of one rank ends the job in seconds, naming the file, instead
-    of leaving the other ranks to wait for it in their first collective until the timeout.
+  - written to a temporary name, then renamed (atomic); a killed save's `*.tmp` files are
+    removed by the next save in that directory;
+  - a directory without a checkpoint warns and trains from scratch (Megatron's --load); an
+    empty `latest`, or one naming a missing file, is an error;
+  - torch.load(weights_only=True): never code from a pickle;
+  - a CRC-32 per tensor and one of all other values (`checksums`), checked at load: a changed
+    file is refused, naming file and tensor;
+  - an unwritable save_dir is a CheckpointError before training (check_save_dir);
+  - one run at a time writes a directory (lock_save_dir names the owner);
+  - every rank of a resume agrees on the load first (all_ranks_agree): one rank's bad file
+    ends the job in seconds, named, not at the next collective's timeout.
 """
 
 from __future__ import annotations
@@ -135,16 +117,10 @@ def tensor_crc(t: torch.Tensor) -> int:
 
 
 def checksums(state: dict[str, Any]) -> list[int]:
-    """One CRC-32 per tensor in `state` (nested containers), in the order _leaves walks them,
-    then one of every other leaf (its path and repr, in order): what load_checkpoint compares.
-    A list, not a dict by path: 5 bytes a tensor in the file, where the paths would repeat
-    every name.
-
-    CRC-32, not a cryptographic hash: the sums live in the file they check, so whoever can
-    edit the file can rewrite them too, and a stronger hash buys nothing; what is left is
-    detecting accidental change, which CRC-32 does (every burst of up to 32 flipped bits, any
-    other change with probability 1 - 2^-32), faster than sha256 (benchmarks/README.md,
-    "Checkpoint checksums")."""
+    """One CRC-32 per tensor in `state` (nested containers), in _leaves' order, then one of every
+    other leaf (its path and repr): what load_checkpoint compares. CRC-32, not a cryptographic
+    hash: the sums live in the file they check, so only accidental change can be detected, and
+    CRC-32 catches every burst of <= 32 flipped bits, faster than sha256 (benchmarks/README.md)."""
     sums, rest = [], 0
     for path, value in _leaves(state):
         if isinstance(value, torch.Tensor):
@@ -208,12 +184,9 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, An
 
 
 def latest_checkpoint(directory: str | os.PathLike, *, warn: bool = True) -> Path | None:
-    """The file `latest` points at, or None when the directory holds no checkpoint.
-
-    With `warn` (the default, how a run's --load-dir is read), None comes with a
-    UserWarning saying why (no such directory, a file, no `latest`) and that the run starts
-    from scratch, printed by rank 0 only. CheckpointError when `latest` is empty or names a
-    file that does not exist."""
+    """The file `latest` points at, or None when the directory holds no checkpoint (with `warn`, a
+    UserWarning from rank 0 saying why, and that the run starts from scratch). CheckpointError
+    when `latest` is empty or names a missing file."""
     directory = Path(directory)
     pointer = directory / "latest"
     if not pointer.is_file():
@@ -301,18 +274,13 @@ AGREE_BYTES = 2048                    # of each rank's error message (longer one
 
 
 def all_ranks_agree(error: BaseException | None, what: str) -> None:
-    """Raise on every rank of the world when `error` happened on any rank; return on every
-    rank when it happened on none. `error` is this rank's (None: it succeeded at `what`).
+    """Raise on every rank when `error` (this rank's, None on success at `what`) happened on any
+    rank; return on every rank otherwise, so one rank's failure ends the job at once instead of
+    at the others' next collective's timeout.
 
-    Why: a rank that fails alone leaves the world; the others go on into their next
-    collective and wait there for it until the timeout (a minute, ten in Megatron), and end
-    with gloo's errors, which do not name the file. Called where ranks may fail apart (each
-    reads its own checkpoint file), it turns one rank's error into every rank's, at once.
-
-    One collective over the world: comm.all_gather of AGREE_BYTES of each rank's message
-    (tag "agree"). Every rank then raises the same CheckpointError: the message itself when
-    every rank failed with the same one, else each failed rank's message, by rank; so
-    launch.print_once prints it once. Without a process group, `error` is raised as it is."""
+    One collective over the world: comm.all_gather of AGREE_BYTES of each rank's message (tag
+    "agree"). Every rank raises the same CheckpointError: the message when all failed alike, else
+    each failed rank's, by rank (launch.print_once prints it once). No process group: `error` raised."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -373,17 +341,12 @@ def _describe(owner: dict) -> str:
 
 
 def lock_save_dir(directory: str | os.PathLike) -> SaveDirLock:
-    """Take the lock of `directory` (created if needed) for this process, the one of its run
-    that writes `latest`; CheckpointError naming the owner when another process holds it.
+    """Take the lock of `directory` (created if needed) for this process, the one of its run that
+    writes `latest`; CheckpointError naming the owner when another process holds it.
 
-    The lock is an exclusive flock(2) on `directory`/minimegatron.lock, and the file says who
-    holds it (pid, host, start time, command line). The kernel releases a flock when its
-    holder dies, however it dies: a lock file whose owner was killed is stale by construction,
-    and is taken over (`previous` says whose it was). That is the test "is the owner's pid
-    alive", done by the kernel, without its two flaws: a pid the system gave to another
-    process since, and an owner on another host. Two runs writing one directory would
-    otherwise mix their files: `latest` of one naming the iteration of the other, or
-    `remove_stale_temporaries` deleting a file the other is writing."""
+    An exclusive flock(2) on `directory`/minimegatron.lock, whose text names the holder (pid, host,
+    start time, command line). The kernel releases it when the holder dies, so a dead owner's lock
+    is taken over (`previous` says whose it was), with no pid reuse or other-host confusion."""
     directory = Path(directory)
     check_save_dir(directory)
     path = directory / LOCK_FILE

@@ -1,66 +1,30 @@
-"""Checkpoints that reshard: save under one layout, resume under any other (chapter 08).
+"""Checkpoints that reshard: save under one layout, resume under any other (chapter 08 §2-§4).
 
     save_distributed(save_dir, step, chunks, optimizer, layout, common)   # every rank, collective
     common = load_distributed(path, chunks, optimizer, layout)            # every rank, no collective
 
-Megatron-LM's `--ckpt-format torch_dist` idea, written out. No rank gathers anything: each
-rank writes what it holds, and each tensor it writes carries where it sits in the
-single-device model. A rank of another layout can then read exactly the parts of each tensor
-it needs now.
-
-What a rank holds of a parameter is its *local tensor*: the whole parameter, or its slice
-under tensor parallelism (placement.Placement.local_pieces: one global box per stride block,
-e.g. SwiGLU's [gate; up] rows; a padded vocabulary's padding rows sit in no box). The
-optimizer state may hold less: under ZeRO a segment is a flat run of a bucket, which covers
-elements [inside, inside + n) of some parameters' flattened local tensors (optim.Segment's
-owners and locations). So every piece written is
+No rank gathers: each writes what it holds, every piece tagged with where it sits in the
+single-device model:
 
     (kind, name, global shape, local shape, boxes, flat)  +  the tensor
 
-kind "model" (the parameter as the model holds it), "main" (float32 main parameters of a
-16-bit model), "exp_avg", "exp_avg_sq" (AdamW's moments), "buffer", or "fp8" (an FP8 layer's
-delayed scaling: its scales and amax histories, fp8.delayed_scaling_states); name the single-device
-name; boxes the local tensor's global boxes (each a list of [lo, hi) per dimension) and
-where each sits in the local tensor; flat the elements [lo, hi) of the flattened local tensor
-this piece holds (all of them for a parameter; a ZeRO shard's run for the optimizer).
+kind: "model", "main" (float32 main parameters), "exp_avg", "exp_avg_sq", "buffer", "fp8"
+(delayed scaling states); name: the single-device name; boxes: the local tensor's global boxes
+([lo, hi) per dimension, `boxes_of_local`) and where each sits locally; flat: the elements
+[lo, hi) of the flattened local tensor the piece holds (a ZeRO shard's run for the optimizer).
 
-Saving (collective over the world):
-  1. every rank lists the pieces it could write, without data;
-  2. comm.all_gather_object of the lists: a piece several ranks hold (a replica over dp or cp,
-     a norm weight on every tp rank) is written by the lowest of them only. This is the
-     deduplication torch.distributed.checkpoint's planner does. Megatron passes a replica_id
-     with each ShardedTensor instead, and by default (fully parallel save,
-     strategies/fully_parallel.py) spreads the replicated tensors' writes over the dp x cp
-     ranks, balancing their bytes; without it, replica 0 writes;
-  3. every rank writes its pieces to `iter_XXXXXXX/rank_RRRRR.pt` (atomically: a temporary
-     name, then a rename), with its random states;
-  4. a second comm.all_gather_object brings every rank's index to rank 0, and shows that every
-     file was written; rank 0 writes `common.pt` (the index of every piece and where it is, the
-     step, the configs, the loss history, the loss scaler), then points `latest` at the
-     directory; a barrier keeps every rank behind `latest`. A kill at any moment leaves
-     `latest` naming a complete checkpoint.
-  Every file carries the CRC-32 of each tensor in it and of its other values
-  (checkpoint.checksums), checked when it is read: a piece whose bytes changed after the save
-  is refused, naming its file and its key.
+Save (collective over the world, tag "checkpoint"): list the pieces; all_gather_object the
+lists, and a piece several ranks hold (same `piece_identity`) is written by the lowest rank;
+write `iter_XXXXXXX/rank_RRRRR.pt` atomically; a second all_gather_object brings the indexes to
+rank 0, which writes `common.pt` (index, step, configs, history, loss scaler) and then `latest`;
+a barrier. Every file carries CRC-32s (checkpoint.checksums), checked at read.
 
-Loading (every rank alone, no collective): for each tensor name it needs, the rank assembles
-the single-device tensor from the pieces in the index (a flat piece is put back into its
-local tensor first, then every local tensor into its boxes), checks that every element
-arrived, and cuts from it what it holds now: its local tensor (the model), and each segment's
-run (the optimizer). A 16-bit model's parameters come from the float32 main parameters when
-the checkpoint has them, so switching precision loses nothing the checkpoint kept. One
-single-device tensor at a time is the memory this costs; Megatron's loader reads only the
-overlapping parts of each piece (its ShardedTensors' global offsets), which scales to models
-that do not fit one process. Files are opened with torch.load(mmap=True, weights_only=True):
-only the pages read come from disk, and no pickled code runs.
+Load (every rank alone): per tensor, assemble the single-device tensor from the index's pieces
+(every element must arrive), cut this rank's local tensor and each segment's run
+(`segment_run`). One single-device tensor in memory at a time; files opened with
+torch.load(mmap=True, weights_only=True). A 16-bit model loads from the float32 main copies.
 
-Megatron-LM: megatron/core/dist_checkpointing/ (mapping.py ShardedTensor: key, global_shape,
-global_offset, replica_id; strategies/torch.py: the torch_dist format through
-torch.distributed.checkpoint; validation.py; a ShardedTensor with a flattened_range is now
-refused), and the distributed optimizer's state (megatron/core/optimizer/distrib_optimizer.py,
-sharded_state_dict). Its default format, dp_reshardable, keeps each bucket's flat runs and
-reloads under another dp only; --dist-ckpt-optim-fully-reshardable saves model-space tensors,
-as every piece here is, which reload under any tp, pp or ep (main d98e8a6, checked 2026-12-07).
+Megatron: megatron/core/dist_checkpointing/ (ShardedTensor, strategies/torch.py: torch_dist).
 """
 
 from __future__ import annotations
@@ -173,11 +137,9 @@ def _pieces_of_tensor(kind, record, local_shape, tensor, flat=None):
 
 
 def checkpoint_pieces(chunks: list[nn.Module], optimizer: Optimizer | None) -> list[tuple[dict, torch.Tensor]]:
-    """Every piece this rank holds (descriptor, tensor), before deduplication. The model's
-    parameters as local tensors (ZeRO-3's gathered over dp: a collective), its buffers, its FP8
-    layers' delayed scaling (whole: a data-parallel replica's differs, and the first one's is
-    written, as Megatron saves a TE layer's _extra_state), and the optimizer's main parameters
-    and moments as runs of local tensors."""
+    """Every piece this rank holds (descriptor, tensor), before deduplication: the parameters as local
+    tensors (ZeRO-3's gathered over dp: a collective), the buffers, FP8 layers' delayed scaling
+    (whole), and the optimizer's main parameters and moments as runs of local tensors."""
     pieces = []
     for chunk in chunks:
         model = unwrap(chunk)
@@ -346,15 +308,13 @@ def read_common(path: str | os.PathLike) -> dict:
 def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer: Optimizer | None,
                      layout: Layout, *, model_config: dict | None = None, optimizer_state: bool = True
                      ) -> dict[str, Any]:
-    """Fill this rank's model `chunks` (built for any layout) and, if given, `optimizer` from
-    the checkpoint directory `path`, cutting each single-device tensor as this rank now holds it
-    (module docstring). The optimizer's main parameters (and ZeRO-3's shards, which are the
-    model's storage) are always filled; its moments and loss scaler only with
-    `optimizer_state` (--no-load-optim and --finetune leave them fresh). Returns the common
-    part (step, configs, history, loss scaler, the saving rank's own state under "own" when
-    this rank's file exists and the layout is the same). No collective.
-    CheckpointError: another model (`model_config` differs, by field), a tensor the
-    checkpoint lacks or holds with another shape, a missing or unreadable file."""
+    """Fill this rank's model `chunks` (built for any layout) and, if given, `optimizer` from the
+    checkpoint directory `path`, cutting each single-device tensor as this rank holds it now. Main
+    parameters (and ZeRO-3's shards) are always filled; moments and loss scaler only with
+    `optimizer_state`. Returns the common part (step, configs, history, loss scaler; "own": the
+    saving rank's own state when this rank's file exists and the layout is the same). No collective.
+    CheckpointError: another model (`model_config`, by field), a tensor missing or of another
+    shape, a missing or unreadable file."""
     path = Path(path)
     common = read_common(path)
     if model_config is not None:

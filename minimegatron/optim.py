@@ -1,55 +1,34 @@
 """The optimizer side of a step, written once for every layout: AdamW composed with where the
 gradients come from, the global gradient norm and clipping, and mixed precision.
 
-    optimizer = Optimizer([model], cfg)                  # a bare model; parallelize.build_optimizer
-                                                         # composes it for any layout
+    optimizer = Optimizer([model], cfg)                  # parallelize.build_optimizer composes it
     set_learning_rate(optimizer, learning_rate(step, cfg))
     grad_norm = optimizer.step()                         # the stages below, in order
     optimizer.zero_grad()
 
-The stages of `Optimizer.step()` (Megatron's MixedPrecisionOptimizer.step: prepare_grads,
-which unscales and checks for inf/nan, clip, step, copy main params back):
+The stages of `Optimizer.step()` (Megatron's MixedPrecisionOptimizer.step):
 
-  1. gradients in     each Segment (a run of elements stepped together) says where its
-                      gradient lives: p.grad of a bare model, a data-parallel buffer's view
-                      (dp/), or this rank's shard of a ZeRO bucket (zeros when there is none:
-                      every parameter is stepped every step, on every layout). With 16-bit parameters the
-                      main parameters are float32 copies and their gradients float32 too (a
-                      copy, unless the buffer already holds them in float32: main_grad).
-  2. loss scale       with a grad_scaler: unscale, check every gradient for inf/nan on every
-                      rank that holds a part of the model (the norm's groups; Megatron's
-                      grad-stats group), and skip the step together if one has.
-  3. clip             the norm of the WHOLE single-device gradient (below), then every gradient
+  1. gradients in     each Segment (elements stepped together) says where its gradient lives:
+                      p.grad, a dp/ buffer's view, or this rank's ZeRO shard (zeros when there
+                      is none: every parameter is stepped every step). With 16-bit parameters,
+                      float32 main parameters and gradients (a copy unless already float32).
+  2. loss scale       with a grad_scaler: unscale, check for inf/nan on every rank of the norm's
+                      groups, and skip the step together if one has.
+  3. clip             the norm of the WHOLE single-device gradient, then every gradient
                       scaled by min(1, max_norm / norm).
   4. AdamW            torch's AdamW on the main parameters (weight decay on matrices only).
-  5. copy back        main parameters into the model's 16-bit ones, then each gradient
-                      source's after-step work (ZeRO: all-gather the updated shards).
+  5. copy back        main parameters into the model's 16-bit ones, then each source's
+                      after_optimizer_step (ZeRO: all-gather the updated shards).
 
-Where the gradients come from is a `GradientSource`: a bare model (`ModelGradients`) or a
-data-parallel wrapper of dp/ (each says its segments, how to zero them, and what to do after
-the step), so one optimizer serves every layout, with no class per combination.
+A `GradientSource` (a bare model, `ModelGradients`, or a dp/ wrapper) says its segments, how to
+zero them and what follows the step: one optimizer class for every layout.
 
-The global gradient norm is the norm of the single-device model's gradient, whatever the
-layout. A rank holds only part of it, and some of what it holds is held by other ranks too:
+The norm: for each `NormGroup` (dense; experts) sum the squares of the gradients this rank
+counts (`grads_for_norm`: a TP-split slice yes, a TP-replicated tensor on TP rank 0 only, a
+tied embedding's second copy no, a ZeRO shard its slice), all-reduce the one number over the
+groups that split them (tag "grad-norm"), add the groups, take the root.
 
-  - tensor parallelism: a split parameter's gradient is this rank's slice (count it); a
-    replicated one (a norm, a row-parallel bias) is the same full tensor on every rank of the
-    TP group (count it on TP rank 0 only): `param_is_not_tensor_parallel_duplicate`;
-  - pipeline parallelism: each stage holds other layers (count them all), but the last stage's
-    copy of a tied embedding is the first stage's matrix again (`shared`: count it once):
-    `param_is_not_shared`;
-  - ZeRO: each data-parallel rank holds a slice of the averaged gradient (count its slice);
-  - experts (chapter 05): split over etp x ep x pp instead of tp x pp.
-
-So: for each `NormGroup` (the dense parameters; the experts), sum the squares of the counted
-gradients, all-reduce the one number over each group that splits them, and add the groups up.
-The parameters' placement records (placement.py) say which is which.
-Megatron-LM: megatron/core/optimizer/optimizer.py (MegatronOptimizer, MixedPrecisionOptimizer,
-Float16OptimizerWithFloat16Params, get_grads_for_grad_norm), distrib_optimizer.py,
-clip_grads.py (get_grad_norm_fp32, clip_grad_by_total_norm_fp32), and
-tensor_parallel/layers.py (param_is_not_tensor_parallel_duplicate); its filters have the same
-names. Megatron builds one optimizer class per combination and chains the dense and expert
-ones (ChainedOptimizer); here one class takes the combination as data.
+Megatron: megatron/core/optimizer/{optimizer,distrib_optimizer,clip_grads}.py.
 """
 
 from __future__ import annotations
@@ -157,14 +136,10 @@ class NormGroup:
 class Segment:
     """Elements the optimizer steps together, and where their gradient lives.
 
-    param:   the model's storage of them: a parameter, or a view of a flat ZeRO shard.
-    grad:    () -> their gradient when the step runs (param's shape or numel), or None.
-    decay:   AdamW's weight decay applies (matrices; not biases and norm weights).
-    owners:  (record, lo, hi): the parameters these elements belong to, as the elements
-             [lo, hi) of the segment, each with its placement record (the norm reads them).
-    locations: for each owner, (the parameter's local shape, where element lo sits in the
-             flattened parameter): a checkpoint maps the segment back to model space with it.
-    """
+    param: a parameter, or a view of a flat ZeRO shard. grad: () -> their gradient (param's shape
+    or numel), or None. decay: AdamW's weight decay applies. owners: (record, lo, hi), the
+    parameters the elements [lo, hi) belong to (the norm reads them). locations: per owner, (its
+    local shape, where element lo sits in it flattened), for checkpoints."""
     param: torch.Tensor
     grad: Callable[[], torch.Tensor | None]
     decay: bool
@@ -208,17 +183,13 @@ class ModelGradients(GradientSource):
 # the optimizer
 # ---------------------------------------------------------------------------------------
 class Optimizer:
-    """AdamW over the segments of `sources` (bare models or data-parallel wrappers), as the
-    module docstring's stages.
+    """AdamW over the segments of `sources` (bare models or dp wrappers), in the module's stages.
 
-    norm_groups:  how the gradient norm counts (default: one group, nothing split).
-    main_params_dtype: the dtype AdamW steps in; parameters of another dtype (bf16, fp16) get
-                  main copies in it, refreshed into the model after every step. None: the
-                  parameters' own dtype (no copies).
-    grad_scaler:  the loss-scaling slot (chapter 06's fp16): an object with `scale` (the factor
-                  the loss was multiplied by) and `update(found_inf)`; None: no scaling.
-    Attributes param_groups and state are torch AdamW's, over the main parameters.
-    """
+    norm_groups: how the gradient norm counts (default: one group, nothing split).
+    main_params_dtype: the dtype AdamW steps in; parameters of another dtype get main copies,
+      copied back after every step. None: no copies.
+    grad_scaler: loss scaling (chapter 06's fp16): `scale` and `update(found_inf)`; None: none.
+    param_groups and state are torch AdamW's, over the main parameters."""
 
     def __init__(self, sources: Iterable[nn.Module | GradientSource], cfg: TrainConfig,
                  norm_groups: Iterable[NormGroup] = (NormGroup(),), main_params_dtype: torch.dtype | None = None,

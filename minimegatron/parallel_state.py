@@ -1,39 +1,23 @@
 """Who talks to whom: the 5D rank layout, and the process groups built from it.
 
-A job with `world_size` ranks is cut along five dimensions at once:
-
     tp  tensor parallel     ranks that each hold a slice of every weight matrix
     cp  context parallel    ranks that each hold a slice of the sequence
     ep  expert parallel     ranks that each hold some of the MoE experts
     dp  data parallel       ranks that hold the same weights and see different batches
     pp  pipeline parallel   ranks that each hold some of the layers (a "stage")
 
-Megatron-LM writes the layout as an order string, default "tp-cp-ep-dp-pp". Read it like
-the digits of a number written backwards: the leftmost dimension varies fastest. With 16
-ranks, tp=2, pp=4 (so dp=2) and the default order, a rank is
+The order string (Megatron's default "tp-cp-ep-dp-pp") reads leftmost fastest: with 16 ranks,
+tp=2, pp=4, dp=2, rank = tp_rank + 2 * dp_rank + 4 * pp_rank, so tp groups are neighbours
+[0,1] [2,3] ..., dp partners two apart [0,2] ..., a pipeline [0,4,8,12] .... A group "tp-pp"
+holds the ranks that differ only in tp and pp. Experts get a second grid over the same ranks,
+same order string, cp folded away, etp in tp's slot, expert_dp = world / (etp * ep * pp); only
+the pipeline stage must agree between the two grids.
 
-    rank = tp_rank + 2 * dp_rank + 4 * pp_rank
+  rank_groups / rank_coordinates   pure functions: the whole layout, no processes
+  initialize_model_parallel, get_*  real torch process groups, Megatron's getters
+  Layout                           where this process sits: sizes, ranks, groups of one step
 
-so tp groups are neighbours [0,1] [2,3] ..., data-parallel partners are two apart [0,2]
-[1,3] ..., and a pipeline walks in steps of four [0,4,8,12] .... Tensor parallelism talks
-the most, so it gets the closest ranks (the same machine); pipeline parallelism talks the
-least, so it may cross machines.
-
-A "group" is the set of ranks that differ only in the named dimensions: the tp group of
-rank 5 is every rank with rank 5's cp, dp and pp coordinates. A name like "tp-pp" means
-ranks may differ in tp and in pp (the model-parallel group: together they hold one full
-copy of the model).
-
-Experts get a second grid over the same ranks, built with the same order string: cp is
-folded away, the tensor slot holds etp (expert tensor parallel, = tp by default) and
-expert_dp = world / (etp * ep * pp). The same rank can be tp_rank 1 for attention and
-etp_rank 0 for experts; only the pipeline stage must agree, because one rank runs the
-dense and the MoE layers of the same stage.
-
-This file has two parts:
-  1. `rank_groups` / `rank_coordinates`: pure functions, no processes, the whole layout.
-  2. `initialize_model_parallel` and Megatron-named getters: real torch process groups.
-(The picture of a layout for the book is viz.draw_rank_grid.)
+Megatron: megatron/core/parallel_state.py.
 """
 
 from __future__ import annotations
@@ -115,13 +99,9 @@ def _coordinates(rank: int, sizes: dict[str, int], dims: list[str]) -> dict[str,
 
 
 def _groups(world_size, sizes, dims, members) -> list[list[int]]:
-    """Partition the ranks: two ranks share a group iff they agree outside `members`.
-
-    Walking ranks upwards puts each group's ranks in ascending order, so a rank's index
-    in its group is its rank inside that group (torch.distributed numbers group members
-    the same way). Groups are listed by their other coordinates, slowest dimension
-    first, which is Megatron's order (it also sorts the groups by their first rank).
-    """
+    """Partition the ranks: two ranks share a group iff they agree outside `members`. Ranks ascend
+    inside a group (its index is the torch group rank); groups are listed by their other
+    coordinates, slowest dimension first (Megatron's order)."""
     by_rest: dict[tuple, list[int]] = {}
     for rank in range(world_size):
         c = _coordinates(rank, sizes, dims)
@@ -201,21 +181,14 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               order: str = "tp-cp-ep-dp-pp",
                               timeout: float | timedelta | None = None,
                               hierarchical_context_parallel_sizes: tuple[int, int] | None = None) -> None:
-    """Create the process group of every key of `rank_groups` (Megatron's name).
+    """Create the process group of every key of `rank_groups` that contains this rank (Megatron's name).
 
-    Call on every rank, after torch.distributed.init_process_group. Each rank keeps
-    the groups that contain it; the getters below return them. `timeout` is in
-    seconds (or a timedelta) and applies to collectives on the new groups; None (the
-    default) gives every group the world group's own timeout (60 s from
-    launch.init_from_torchrun, `collective_timeout` from launch.spawn), so a hung rank ends
-    the job with a "timed out" error on whatever group it hangs (torch would otherwise give
-    new groups its default of 30 minutes; Megatron passes --distributed-timeout-minutes).
-
-    hierarchical_context_parallel_sizes (A, P), A x P = cp: also the groups of hierarchical
-    context parallelism ("a2a+p2p", chapter 04): each cp group cut into P sub-groups of A
-    consecutive cp ranks ("hcp-a2a", where the all-to-all runs) and the A groups of the ranks
-    with the same index in every sub-group ("hcp-p2p", the rings; group rank j = sub-group j).
-    """
+    Call on every rank after torch.distributed.init_process_group. `timeout` (seconds or a
+    timedelta) applies to collectives on the new groups; None gives them the world group's timeout
+    (not torch's 30 minutes), so a hung rank ends the job with "timed out" on any group.
+    hierarchical_context_parallel_sizes (A, P), A x P = cp (cp_comm_type "a2a+p2p"): each cp group
+    is also cut into P "hcp-a2a" groups of A consecutive cp ranks (the all-to-all) and A "hcp-p2p"
+    groups of the ranks with the same index in each (the rings; group rank j = sub-group j)."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed."
@@ -266,10 +239,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
 
 def world_group_timeout() -> timedelta:
-    """The timeout the world group was created with (init_process_group's `timeout`).
-
-    torch has no public getter: this reads the backend's options (`options._timeout`, present
-    in torch 2.x for gloo and NCCL); should that ever disappear, 60 s, the book's default."""
+    """The timeout the world group was created with: the backend's `options._timeout` (no public
+    getter in torch 2.x), else 60 s, the book's default."""
     try:
         group = dist.distributed_c10d._get_default_group()
         device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
@@ -279,14 +250,9 @@ def world_group_timeout() -> timedelta:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the groups (Megatron's name). Safe to call when nothing is initialized.
-
-    A gloo ProcessGroup, and the threads it runs, lives as long as something references it:
-    torch.distributed.destroy_process_group() unregisters the groups but does not free the
-    ones this module still holds. Dropping them here lets them go (at the next garbage
-    collection at the latest) while the interpreter is whole; launch.finish_torchrun, the
-    end of every torchrun entry, calls this first.
-    """
+    """Forget the groups (Megatron's name); safe when nothing is initialized. Dropping this module's
+    references lets gloo free the groups and their threads while the interpreter is whole
+    (launch.finish_torchrun calls it first)."""
     global _STATE
     _STATE = None
 
@@ -304,10 +270,8 @@ def _state() -> _ParallelState:
 
 
 def get_group_ranks(name: str) -> list[int]:
-    """This rank's group for a key of `rank_groups`, as global ranks.
-
-    For "embedding", a rank on a middle pipeline stage belongs to no group: [].
-    """
+    """This rank's group for a key of `rank_groups`, as global ranks ([] for "embedding" on a
+    middle pipeline stage)."""
     if name not in KEYS and name not in ("hcp-a2a", "hcp-p2p"):
         raise KeyError(f"unknown group {name!r}; known: {', '.join(KEYS)}")
     return list(_state().ranks.get(name, []))
@@ -329,28 +293,22 @@ def _size_of(key) -> int:
     return len(_state().ranks[key])
 
 
-# Megatron's getters, one line each: which key of rank_groups they read.
-def get_tensor_model_parallel_group(): return get_group("tp")
-def get_tensor_model_parallel_rank() -> int: return _rank_in("tp")
-def get_tensor_model_parallel_world_size() -> int: return _size_of("tp")
-def get_pipeline_model_parallel_group(): return get_group("pp")
-def get_pipeline_model_parallel_rank() -> int: return _rank_in("pp")
-def get_pipeline_model_parallel_world_size() -> int: return _size_of("pp")
-def get_context_parallel_group(): return get_group("cp")
-def get_context_parallel_rank() -> int: return _rank_in("cp")
-def get_context_parallel_world_size() -> int: return _size_of("cp")
+def _getters(key: str):
+    """Megatron's three getters of one dimension: its group (key of rank_groups), this rank's
+    index in it, its size."""
+    return (lambda: get_group(key)), (lambda: _rank_in(key)), (lambda: _size_of(key))
+
+
+# Megatron's getters: (group, rank, world size) of each dimension, and the key of rank_groups they read.
+get_tensor_model_parallel_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size = _getters("tp")
+get_pipeline_model_parallel_group, get_pipeline_model_parallel_rank, get_pipeline_model_parallel_world_size = _getters("pp")
+get_context_parallel_group, get_context_parallel_rank, get_context_parallel_world_size = _getters("cp")
+get_expert_model_parallel_group, get_expert_model_parallel_rank, get_expert_model_parallel_world_size = _getters("ep")
+get_expert_tensor_parallel_group, get_expert_tensor_parallel_rank, get_expert_tensor_parallel_world_size = _getters("etp")
+get_expert_data_parallel_group, get_expert_data_parallel_rank, get_expert_data_parallel_world_size = _getters("expert-dp")
 def get_model_parallel_group(): return get_group("tp-pp")
 def get_tensor_and_context_parallel_group(): return get_group("tp-cp")
 def get_expert_tensor_and_model_parallel_group(): return get_group("etp-ep")
-def get_expert_model_parallel_group(): return get_group("ep")
-def get_expert_model_parallel_rank() -> int: return _rank_in("ep")
-def get_expert_model_parallel_world_size() -> int: return _size_of("ep")
-def get_expert_tensor_parallel_group(): return get_group("etp")
-def get_expert_tensor_parallel_rank() -> int: return _rank_in("etp")
-def get_expert_tensor_parallel_world_size() -> int: return _size_of("etp")
-def get_expert_data_parallel_group(): return get_group("expert-dp")
-def get_expert_data_parallel_rank() -> int: return _rank_in("expert-dp")
-def get_expert_data_parallel_world_size() -> int: return _size_of("expert-dp")
 
 
 def get_data_parallel_group(with_context_parallel: bool = False):
@@ -399,25 +357,16 @@ def get_embedding_group():
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this process sits in the grid and the groups it talks in: the one object every
-    part of a step reads (parallelize.build_model, train.train_step, the checkpoints).
+    """Where this process sits in the grid and the groups it talks in: the one object every part of a
+    step reads (parallelize.build_model, train.train_step, the checkpoints). Layout() is one device.
 
-    Sizes tp, pp, dp (dp counts the ranks that average dense gradients, "dp-cp"), this
-    rank's index in each, and the process groups (real torch groups, also when of size 1:
-    comm skips those; None in a one-process run without torch.distributed). embedding_group:
-    the first and last pipeline stage (None on a middle stage). pp_ranks: this pipeline's
-    global ranks in stage order. Layout() is the single device.
-
-    Context parallelism (chapter 04): cp, cp_rank, cp_group; the ranks of a cp group take the
-    same sequences, so the data is split over data_parallel_size = dp / cp replicas
-    (data_parallel_rank: this rank's replica), while gradients are averaged over all dp = dp x cp
-    ranks of dp_group ("dp-cp"). cp_a2a_group and cp_p2p_group: the hierarchical groups of
-    cp_comm_type "a2a+p2p" (None otherwise).
-
-    Experts (chapter 05), on the expert grid (cp folded away, etp in tp's slot): ep, etp and
-    expert_dp sizes, this rank's ep_rank and etp_rank, and their groups; etp_ep_group (experts'
-    tensor x expert parallel ranks); tp_cp_group and tp_dp_cp_group from the dense grid.
-    """
+    Sizes tp, pp, dp (dp = the "dp-cp" ranks that average dense gradients), this rank's index in
+    each, and the groups (real torch groups even of size 1; None without torch.distributed).
+    embedding_group: first and last pipeline stage (None on a middle one). pp_ranks: this
+    pipeline's global ranks in stage order. cp, cp_rank, cp_group: a cp group takes the same
+    sequences, so data is split over data_parallel_size = dp / cp replicas (data_parallel_rank);
+    cp_a2a_group, cp_p2p_group for "a2a+p2p". Experts, on the expert grid: ep, etp, expert_dp,
+    ep_rank, etp_rank and their groups, etp_ep_group; tp_cp_group, tp_dp_cp_group on the dense grid."""
     world: int = 1
     rank: int = 0
     tp: int = 1

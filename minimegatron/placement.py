@@ -1,36 +1,23 @@
 """Where each parameter lives: one record per parameter, the one source of truth.
 
-The single-device model is built first, and every parameter gets a `Placement`: its
-single-device name and shape (model/gpt.py). Each transformation that cuts or moves a
-parameter replaces the record with a refined one (`set_placement`):
+Every parameter of the single-device model gets a `Placement` (its single-device name and
+shape, model/gpt.py); each transformation that cuts or moves it refines the record
+(`set_placement`):
 
     tp.apply_tensor_parallel     split along partition_dim over the tp group, partition_stride
                                  blocks cut alike (SwiGLU's [gate; up]), a padded vocabulary
-                                 cropped back to shape[partition_dim]; sequence_parallel on the
-                                 norms whose gradient holds only this rank's tokens
+                                 cropped back to shape[partition_dim]; sequence_parallel norms
     moe.apply_expert_parallel    an expert: held by one rank of the ep group (allreduce=False),
                                  split over the etp group
-    model/gpt.py (pipeline)      a last stage's copy of the tied embedding: shared; both copies
-                                 shared_embedding
-    dp/zero.py                   the elements [lo, hi) of the local tensor that this rank's
-                                 optimizer steps (ZeRO: a flat shard over the dp group)
+    model/gpt.py (pipeline)      a last stage's tied embedding: copy_of; both shared_embedding
+    dp/zero.py                   zero_shard: the elements [lo, hi) this rank's optimizer steps
 
-Everything that needs the global picture reads it: `gather_full_tensors` (the single-device
-tensors from the shards), the gradient norm's duplicate filter (optim.py), the data-parallel
-reductions (which group: dense or expert), and later the resharding checkpoint and the Hugging
-Face exporter (chapter 08).
+Readers: `gather_full_tensors`, the norm's duplicate filter (optim.py), the dp reductions
+(dense or expert group), the resharding checkpoint and the Hugging Face exporter.
 
-Megatron-LM keeps the same facts as loose attributes on the parameter (`tensor_model_parallel`,
-`partition_dim`, `partition_stride`, `allreduce`, `shared` (here `copy_of`), `shared_embedding`, `sequence_parallel`;
-megatron/core/tensor_parallel/layers.py, set_tensor_model_parallel_attributes), with the same
-names here as the record's fields; for checkpoints each module's `sharded_state_dict()` turns
-them into ShardedTensors (megatron/core/dist_checkpointing/mapping.py: key, global_shape,
-global_offset), which `local_pieces` gives here. In torch a DTensor carries
-`placements=[Shard(dim) | Replicate()]` over a DeviceMesh: a split is Shard(partition_dim) on
-the tp mesh dimension (DTensor has no public strided placement: torchtitan keeps SwiGLU's w1
-and w3 as separate weights), everything else Replicate. A ZeRO shard here is a contiguous 1/dp
-slice of a flat bucket, which may cut a parameter (as Megatron's distributed optimizer's);
-FSDP2 instead shards each parameter on its own, Shard(0) on its original shape.
+Megatron: the same facts as attributes on the parameter (tensor_model_parallel, partition_dim,
+partition_stride, allreduce, shared, shared_embedding, sequence_parallel;
+megatron/core/tensor_parallel/layers.py).
 """
 
 from __future__ import annotations
@@ -66,20 +53,15 @@ class Placement:
 
     name, shape:        the single-device name and shape.
     split:              the tensor-parallel cut (tp, or etp for an expert), or None: whole here.
-    allreduce:          False for a mixture's expert (Megatron's attribute): its gradient is
-                        summed over the expert-data-parallel group; `ep_group` holds one copy
-                        of each expert per rank (the experts' keys are global indices).
-    copy_of:            the single-device name of the parameter this one copies (a pipeline's
-                        last-stage tied embedding: "embedding.word_embeddings.weight"), or None;
-                        a copy (`shared`, Megatron's attribute) is counted once by the norm, the
-                        gatherer and the checkpoint, which read the original's values for it.
-    shared_embedding:   one of the two copies of a tied embedding split between pipeline
-                        stages (the first stage's and the last's; Megatron's attribute): ZeRO
-                        gives it a bucket of its own, so both stages shard it alike.
+    allreduce:          False for an expert: its gradient is summed over the expert-dp group;
+                        `ep_group` holds one copy of each expert per rank (keys: global indices).
+    copy_of:            the name of the parameter this one copies (a last stage's tied embedding),
+                        or None; a copy (Megatron's `shared`) is counted once by the norm, the
+                        gatherer and the checkpoint.
+    shared_embedding:   one of the two copies of a tied embedding split between pipeline stages
+                        (ZeRO gives it a bucket of its own, so both stages shard it alike).
     sequence_parallel:  replicated over tp, but each rank's gradient covers its own tokens only.
-    zero_shard:         (lo, hi): the elements of the flattened local tensor this rank's
-                        optimizer steps (ZeRO-1/2), or None: all of them.
-    """
+    zero_shard:         (lo, hi) of the flattened local tensor this rank's optimizer steps, or None."""
     name: str
     shape: tuple[int, ...]
     split: Split | None = None
@@ -165,13 +147,10 @@ def local_tensors(model: nn.Module, grads: bool = False,
 
 def gather_full_tensors(local: dict[str, tuple[Placement, torch.Tensor]], tag: str = "full",
                         copies: bool = False) -> dict[str, torch.Tensor]:
-    """{name: single-device tensor} from this rank's tensors (parameters or gradients, with their
-    records): a split one all-gathered along its dim over its group (one comm.all_gather each,
-    tag `tag`), its stride blocks put back in order and the padding cut off; then the experts
-    of the ep group exchanged (torch.distributed.all_gather_object: inspection plumbing, in no
-    ledger), each rank holding some; a shared copy left out (its original is elsewhere) unless
-    `copies`.
-    Collective over every split's group and the experts' ep group."""
+    """{name: single-device tensor} from this rank's (record, tensor) pairs: a split one all-gathered
+    along its dim over its group (one comm.all_gather each, tag `tag`), stride blocks put back in
+    order, padding cut off; experts exchanged over the ep group (all_gather_object, in no ledger);
+    a shared copy left out unless `copies`. Collective over every split's group and the ep group."""
     out, experts_group = {}, None
     for name, (record, t) in local.items():
         t, s = t.detach(), record.split

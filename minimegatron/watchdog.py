@@ -1,42 +1,22 @@
 """What the ranks of a job do about a rank that hangs and a launcher that dies.
 
-A collective waits for every member of its group. When one rank never arrives (stuck in its
-own code, asleep, in an endless loop), the others wait for the group's timeout
-(--distributed-timeout-minutes) and fail with gloo's "Timed out waiting 10000ms for recv
-operation to complete", which names no rank; torchrun's "root cause" is then whichever rank
-timed out first, never the one that hung. And when torchrun itself is killed, its ranks, each
-in a session of its own, go on training and writing checkpoints.
+A rank that never arrives at a collective leaves the others to gloo's timeout, whose message
+names no rank; a killed torchrun leaves its ranks training. Two mechanisms, started on every
+rank by launch.init_from_torchrun and launch.spawn:
 
-Two small mechanisms, started on every rank by launch.init_from_torchrun and launch.spawn:
-
-``die_with_parent()``
-    Linux's prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel kills this rank the moment its parent
-    (torchrun, or the process that called launch.spawn) dies, however it died. Elsewhere the
-    heartbeat thread below checks the parent's pid every second instead. (It lives in
-    lifeline.py, which a torchrun rank runs first, before torch is imported.)
-
+``die_with_parent()`` (lifeline.py)
+    prctl(PR_SET_PDEATHSIG, SIGKILL) on Linux: the kernel kills the rank when its parent dies;
+    elsewhere the heartbeat thread checks the parent's pid every second.
 ``Heartbeat``
-    a daemon thread that writes, every second, this rank's heartbeat into the job's store (the
-    TCPStore every rank already reaches: torchrun's agent, or launch.spawn's parent): the time,
-    what the rank is doing (train sets "iteration 3"), where its main thread is, and how many
-    collectives it has issued on each process group. The counts come from comm's records:
-    every collective of the book goes through minimegatron.comm, and every member of a group
-    issues the same collectives on it in the same order, so a member that has issued fewer
-    than another has not arrived where the other waits. (Sends and receives are left out:
-    their record names the group, not the peer.)
-
+    a daemon thread that writes every second, into the job's TCPStore, the time, what the rank
+    is doing, where its main thread is, and how many collectives it has issued on each group
+    (from comm's records; sends and receives left out). Every member of a group issues the same
+    collectives in the same order, so one that has issued fewer has not arrived.
 ``missing_ranks_report(...)``
-    what a rank whose collective timed out says instead of gloo's message: every rank's
-    heartbeat read back from the store, and the ranks the others wait for named (see
-    `did_not_arrive`). train.train raises it as CollectiveTimeoutError.
+    what a rank whose collective timed out says instead: every rank's heartbeat, and the ranks
+    the others wait for (`did_not_arrive`); train.train raises it as CollectiveTimeoutError.
 
-Megatron-LM leaves hangs to NVIDIA's resiliency extension (nvidia-resiliency-ext): with
---enable-ft-package, under its ft_launcher, every rank reports entering and leaving sections
-("setup", "step", "checkpointing") and one that overruns a section's timeout is found and the
-job restarted (megatron/training/ft_integration.py); --inprocess-restart monitors heartbeats
-(--inprocess-heartbeat-interval, --inprocess-heartbeat-timeout) and the progress of each
-rank (megatron/training/inprocess_restart.py). This module is the book's small version of
-the idea for gloo on a CPU: it does not restart anything, it says which rank stopped, and where.
+Megatron: nvidia-resiliency-ext (--enable-ft-package, megatron/training/ft_integration.py).
 """
 
 from __future__ import annotations
@@ -217,14 +197,10 @@ def is_collective_timeout(exc: BaseException) -> bool:
 
 
 def did_not_arrive(beats: dict[int, dict], now: float) -> tuple[list[int], dict[int, list[str]]]:
-    """The ranks the others wait for, from every rank's heartbeat; and why, per rank.
-
-    A rank is behind on a group when another member has issued more collectives on it (that
-    member waits for it there); it is waiting when it has issued more than a member on some
-    group, or its main thread is inside a collective or a wait. Named: the ranks behind and
-    not waiting (stuck in their own code), and every rank whose heartbeat is older than
-    STALE_AFTER seconds or missing (frozen or gone). A rank that is behind only because it
-    waits elsewhere is not named: it is a victim, not the cause."""
+    """The ranks the others wait for, from every rank's heartbeat, and why, per rank. A rank is behind
+    on a group when another member has issued more collectives on it; waiting when it has issued
+    more than a member somewhere, or its main thread is in a collective or a wait. Named: ranks
+    behind and not waiting, and ranks whose heartbeat is older than STALE_AFTER or missing."""
     counts = {r: {tuple(g): n for g, n in b["counts"]} for r, b in beats.items()}
     why: dict[int, list[str]] = {}
     ahead = set()
