@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from minimegatron.analysis import count_parameters
+from minimegatron.launch import spawn
 from booktools.demo import import_chapter
 
 ch01 = import_chapter("01")       # chapters/01_dp/demo.py: the experiment and its CLI
@@ -64,6 +65,17 @@ def test_a_broken_average_is_reported_by_every_variant():
     assert last.startswith("MISMATCH")
     for kind in ch01.KINDS:
         assert f"{kind} differs from the single-device run" in last, last
+
+
+def test_a_ledger_that_differs_from_the_formula_is_a_mismatch():
+    jobs = [(2, ch01.make_variant("zero1", ch01.tiny_model(), micro_batches=2))]
+    results = spawn(ch01.run_variants, 2, jobs, timeout=180)
+    assert ch01.check_variants(jobs, results)[0].ok
+    record = results[0]["zero1"]
+    record["ledger"][0][1] = record["ledger"][0][1][1:]         # step 0, the last micro-batch: a call lost
+    report = ch01.check_variants(jobs, results)[0]
+    assert not report.ok and any("ledger, rank 0, step 0, micro-batch 1" in p for p in report.problems)
+    assert "DIFFERENT" in str(report) and ch01.summary_line([report]).startswith("MISMATCH")
 
 
 def test_bad_arguments_fail_before_any_rank_starts():

@@ -29,17 +29,17 @@ run (`check_variant`) against three things computed independently of the run, an
         parameters, compared by `testing.compare_runs` with the tolerance of the dtype; and
         whether every rank ends with bit-identical parameters (fingerprints);
   [2/3] communication: the ledger of each phase of every step on every rank (each
-        micro-batch, the optimizer step), by collective, against `expected_ledger`, the
-        formulas of the chapter's docstrings (dp/naive.py, ddp.py, zero.py, fsdp.py)
-        evaluated on the parameter shapes alone;
+        micro-batch, the optimizer step), by collective, against `expected_ledger`:
+        `analysis.data_parallel_phases`, the formulas of dp/naive.py, ddp.py, zero.py and
+        fsdp.py evaluated on the parameter shapes alone;
   [3/3] memory per rank: parameter, gradient and AdamW-state bytes measured on the real
         tensors (storage sizes) against `expected_memory` (the same layout rules: buckets /
         units padded to dp * S) and next to the ZeRO paper's formula
         `analysis.training_memory(config, zero_stage=, dp=)`; the difference is the padding.
 
 Every step is the training loop's own `train.train_step`, with its forward and backward
-written out here per micro-batch (its `forward_backward` argument) so that the ledger of each
-micro-batch can be shown; the reference is the same step on one device
+written out here per micro-batch (then its finalize_model_grads and `train.optimizer_step`) so
+that the ledger of each micro-batch can be shown; the reference is the same step on one device
 (`testing.single_device_run`).
 
 The last line starts with MATCH (exit status 0) or MISMATCH (exit status 1); under torchrun
@@ -60,25 +60,24 @@ import torch.distributed as dist
 
 from minimegatron import comm
 from minimegatron.analysis import count_parameters, training_memory
+from minimegatron.analysis.communication import data_parallel_phases, zero3_unit_numels, zero_bucket_numels
 from minimegatron.config import ModelConfig, TrainConfig
 from booktools.demo import (add_training_flags, check_at_least_one, demo_parser, import_chapter, largest_differences,
                             run_demo)
 from minimegatron.dp import (DistributedDataParallel, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel,
-                             assign_buckets, finish_grad_sync, local_tensors, no_sync, unwrap)
-from minimegatron.dp.ddp import megatron_default_bucket_size
+                             finish_grad_sync, local_tensors, no_sync, unwrap)
 from minimegatron.dp.zero import storage_bytes
-from minimegatron.model import GPTModel
+from minimegatron.model import GPTModel, finalize_model_grads
 from minimegatron.optim import NormGroup, Optimizer, learning_rate
-from minimegatron.parallel_state import Layout
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch,
                                   single_device_run, wait_until)
-from minimegatron.train import train_step
+from minimegatron.train import optimizer_step
 
 ch00 = import_chapter("00")       # the tiny models and the fingerprint of a tensor
 
 __all__ = ["KINDS", "LEDGER_FORMULAS", "Variant", "make_variant", "chapter_variants", "tiny_model", "run_variants",
            "build_variant", "train_variant", "forget_averaging", "zero_bucket_numels", "zero3_unit_numels",
-           "expected_ledger", "gradient_sync_ledger", "expected_memory", "LedgerRow", "MemoryRow", "VariantReport",
+           "expected_ledger", "expected_memory", "LedgerRow", "MemoryRow", "VariantReport",
            "check_variant", "check_variants", "summary_line", "phase_names", "main"]
 
 # kind -> (zero_stage, ddp_impl, title)
@@ -245,10 +244,10 @@ def train_variant(v: Variant, group) -> dict:
     """Train `v` on this rank over the data-parallel `group`; return what `check_variant` needs.
 
     Every step is the training loop's `train.train_step`, with its forward and backward written
-    out here per micro-batch (the `forward_backward` it accepts) so that each micro-batch's
+    out here per micro-batch (then train_step's own second half) so that each micro-batch's
     communication can be shown: micro-batches 0..M-2 inside no_sync(), the last one outside;
-    then train_step's finalize_model_grads (finish_grad_sync), the optimizer step (the global
-    norm clipped, the learning rate, AdamW) and zero_grad. The ledger is split per phase
+    then finalize_model_grads (finish_grad_sync) and train.optimizer_step (the learning rate,
+    the global norm clipped, AdamW, zero_grad). The ledger is split per phase
     (`phase_names`). Returns {"dp", "rank", "losses" (this rank's local loss per step),
     "ledger" [step][phase] -> [(op, bytes, tag)], "fingerprints" {name: int} of the final full
     parameters, "memory" {"params", "grads", "exp_avg", "exp_avg_sq", "optimizer"} bytes
@@ -282,7 +281,7 @@ def train_variant(v: Variant, group) -> dict:
                 if sync and m < M - 1:
                     finish_grad_sync(wrapper)     # the mistake: a sync per micro-batch
                 total += local.item()
-            return total                          # the last sync: train_step's finalize_model_grads
+            return total                          # the last sync: finalize_model_grads
 
         def on_grads(step=step):
             marks.append(len(ledger))             # the sync is done; the optimizer step comes next
@@ -299,8 +298,10 @@ def train_variant(v: Variant, group) -> dict:
         microbatches = [v.local_microbatch(batch, m, dp, rank) for m in range(M)]
         with wrapper.memory_profile(settle=wait_until) if profiling else nullcontext() as events:
             with comm.record_communication() as ledger:
-                loss, _ = train_step([wrapper], optimizer, microbatches, Layout(), learning_rate(step, v.train),
-                                     on_grads=on_grads, forward_backward=forward_backward)
+                loss = forward_backward([wrapper], microbatches)
+                finalize_model_grads([wrapper])
+                on_grads()
+                optimizer_step(optimizer, learning_rate(step, v.train))
         if profiling:
             out["profile"] = [(e.label, e.sharded, e.gathered) for e in events]
         bounds = marks + [len(ledger)]
@@ -345,83 +346,10 @@ def _element_size(model: ModelConfig) -> int:
     return torch.empty((), dtype=model.dtype).element_size()
 
 
-def zero_bucket_numels(model: torch.nn.Module, bucket_size: int | None) -> list[int]:
-    """ZeRO-1/2's buckets (zero.py): the parameters in reverse order, split by weight decay
-    (matrices first, then vectors), each group cut by the bucket rule (`assign_buckets`)."""
-    named = list(model.named_parameters())[::-1]
-    sizes = []
-    for decay in (True, False):
-        numels = [p.numel() for _, p in named if (p.dim() >= 2) == decay]
-        sizes += [sum(numels[i] for i in b) for b in assign_buckets(numels, bucket_size)]
-    return sizes
-
-
-def zero3_unit_numels(model: torch.nn.Module) -> dict[str, int]:
-    """ZeRO-3's units (fsdp.py), in forward order: the embedding, each layer, the head
-    (final norm and an untied output layer)."""
-    named = list(model.named_parameters())
-    prefixes = {"embedding": ("embedding.",)}
-    prefixes.update({f"decoder.layers.{i}": (f"decoder.layers.{i}.",) for i in range(model.config.num_layers)})
-    prefixes["head"] = ("decoder.final_layernorm.", "output_layer.")
-    return {u: sum(p.numel() for n, p in named if n.startswith(pre)) for u, pre in prefixes.items()}
-
-
-def gradient_sync_ledger(model: torch.nn.Module, train: TrainConfig, dp: int,
-                         e: int) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
-    """The data-parallel collectives of ZeRO stage 0, 1 or 2 over `dp` > 1 ranks, for this
-    rank's `model` (any module: its parameters are what the wrapper syncs), as two lists of
-    (op, bytes, tag): (during the last micro-batch, during the optimizer step). See
-    expected_ledger for the rules."""
-    named = list(model.named_parameters())
-    stage = train.zero_stage
-    if stage == 0 and train.ddp_impl == "naive":
-        return [("all_reduce", p.numel() * e, "grads") for _, p in named], []
-    if stage == 0:
-        numels = [p.numel() for _, p in named[::-1]]
-        size = train.ddp_bucket_size or megatron_default_bucket_size(dp)
-        return [("all_reduce", sum(numels[i] for i in b) * e, "grads") for b in assign_buckets(numels, size)], []
-    if stage not in (1, 2):
-        raise ValueError(f"gradient_sync_ledger: zero_stage={stage} is not 0, 1 or 2")
-    shards = [math.ceil(n / dp) for n in zero_bucket_numels(model, train.ddp_bucket_size)]
-    return ([("reduce_scatter", dp * s * e, "grads") for s in shards],
-            [("all_reduce", e, "grad-norm")] + [("all_gather", s * e, "params") for s in shards])
-
-
 def expected_ledger(v: Variant, dp: int) -> list[list[tuple[str, int, str]]]:
     """The collectives one rank issues in each phase of a step (`phase_names`), as
-    (op, bytes, tag), e = bytes per element, N parameters, from the chapter's docstrings:
-
-      naive   last micro-batch: one all_reduce per parameter, numel(p) e each ("grads")
-      ddp     last micro-batch: one all_reduce per bucket (assign_buckets over the reversed
-              parameters, ddp_bucket_size elements; Megatron's default: one bucket)
-      zero1/2 last micro-batch: one reduce_scatter per bucket, dp S_b e ("grads"),
-              S_b = ceil(n_b / dp); optimizer step: all_reduce of the squared norm, e
-              ("grad-norm"), then one all_gather per bucket, S_b e ("params")
-      zero3   every micro-batch: an all_gather S_u e per use of a unit before its forward
-              ("fwd") and again for its backward ("bwd"; not the embedding lookup's use,
-              whose backward reads no weight); last micro-batch: a reduce_scatter dp S_u e per
-              use ("grads"); a tied head is one more use of the embedding unit; optimizer
-              step: the norm's all_reduce ("grad-norm")
-    Nothing inside no_sync for stages 0-2. A group of one rank communicates nothing.
-    """
-    M, stage = v.micro_batches, v.train.zero_stage
-    phases: list[list[tuple[str, int, str]]] = [[] for _ in range(M + 1)]
-    if dp == 1:
-        return phases
-    model = GPTModel(v.model)
-    e = _element_size(v.model)
-    if stage < 3:
-        phases[M - 1], phases[M] = gradient_sync_ledger(model, v.train, dp, e)
-    else:
-        shard = {u: math.ceil(n / dp) for u, n in zero3_unit_numels(model).items()}
-        uses = list(shard) + (["embedding"] if model.output_layer is None else [])
-        for m in range(M):
-            phases[m] = [("all_gather", shard[u] * e, "fwd") for u in uses]
-            phases[m] += [("all_gather", shard[u] * e, "bwd") for u in uses[1:]]
-            if m == M - 1:
-                phases[m] += [("reduce_scatter", dp * shard[u] * e, "grads") for u in uses]
-        phases[M] = [("all_reduce", e, "grad-norm")]
-    return phases
+    (op, bytes, tag): analysis.data_parallel_phases on the parameter shapes of v's model."""
+    return data_parallel_phases(GPTModel(v.model), v.train, dp, _element_size(v.model))
 
 
 def expected_memory(v: Variant, dp: int, rank: int) -> dict[str, int]:

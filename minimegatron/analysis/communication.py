@@ -32,6 +32,7 @@ others MoE), the first stage the embedding and the last the output layer and the
                reduce_scatter "bwd" of their gradients, cp times that
        a2a     all_to_all of q and out (b (s/cp) (a/tp) d e) and of k and v (g/tp in place of
                a/tp), forward and "bwd"
+       a2a+p2p the a2a's messages, then p2p's ring over P ranks (A x P = cp, cp.hierarchical_sizes)
   ep   alltoall    per MoE layer, all_to_all "moe-counts" of E int64, "moe-dispatch" and
                "moe-combine-bwd" of the T k routed rows, T k h e (no capacity: every token
                reaches k experts); the combine and the dispatch's backward move the rows this
@@ -47,7 +48,8 @@ others MoE), the first stage the embedding and the last the output layer and the
                input received and its gradient sent, unless it is the first
   embedding    tied embeddings over pp > 1 stages: all_reduce "embedding-grads" of Vp h / tp
                per step on the first and the last stage
-  dp           each dense gradient once per step (bytes; the calls depend on the buckets)
+  dp           each dense gradient once per step (bytes; the calls depend on the buckets):
+               data_parallel_phases, from the parameters' shapes
   expert-dp    each expert gradient once per step, over the expert-data-parallel group
   recompute    (chapter 07) what a recomputed forward runs again, its tag after "recompute ": under
                tp each recomputed linear pair's forward messages (full: a layer's attention and
@@ -59,16 +61,22 @@ others MoE), the first stage the embedding and the last the output layer and the
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
+from torch import nn
 
 from ..config import ModelConfig, TrainConfig
+from ..cp.attention import hierarchical_sizes
+from ..dp.ddp import assign_buckets, megatron_default_bucket_size
 from ..pp import stage_layers
 from .params import count_parameters
 
 __all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT", "gradient_element_size",
-           "fp8_amax_reductions"]
+           "fp8_amax_reductions", "tensor_parallel_messages", "context_parallel_messages", "dispatcher_messages",
+           "dispatcher_step_messages", "pipeline_messages", "grad_norm_messages", "zero_bucket_numels", "zero3_unit_numels",
+           "data_parallel_messages", "data_parallel_phases"]
 
 # the dispatcher's messages whose sizes depend on the routing: checked by their sums instead
 ROUTING_DEPENDENT = ("moe-combine", "moe-dispatch-bwd", "moe-etp", "moe-etp-bwd", "fp8-amax-experts")
@@ -170,55 +178,149 @@ def recomputed_parts(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> 
     return out
 
 
+def _tp_layers(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> tuple[int, int, bool, bool]:
+    """(layers of the stage, its linear pairs: attention's and each dense MLP's (a shared expert
+    counts as one), first stage, last stage)."""
+    layers, first, last = _stage(model_cfg, cfg, pp_rank)
+    moe = sum(model_cfg.is_moe_layer(i) for i in layers)
+    return len(layers), len(layers) - moe + (moe if model_cfg.moe_shared_expert_intermediate_size else 0), first, last
+
+
+def tensor_parallel_messages(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> Counter:
+    """Counter{(op, tag, bytes): calls}: the tensor-parallel records of ONE micro-batch on a rank
+    of stage pp_rank (tp > 1; empty otherwise): the "tp" lines of the module docstring (the
+    loss's three, the linears', the embedding's, recompute's), without the once-per-step
+    "sp-grads" (step_communication adds it)."""
+    m, tp, sp = model_cfg, cfg.tensor_model_parallel_size, cfg.sequence_parallel
+    if tp == 1:
+        return Counter()
+    n, n_mlp, first, last = _tp_layers(m, cfg, pp_rank)
+    e, h, T = m.dtype.itemsize, m.hidden_size, cfg.micro_batch_size * cfg.seq_length // cfg.context_parallel_size
+    again = recomputed_parts(m, cfg, pp_rank)
+    one_scale_fp8 = cfg.fp8_format is not None and cfg.fp8_recipe in ("tensorwise", "delayed")
+    full, shard = T * h * e, T * h * e // tp
+    c = 4 if e == 2 else e                                      # the loss computes in float32 for 16-bit models
+    per_mb = Counter({("all_reduce", "fwd", T * c): 3 * last})  # vocabulary-parallel cross-entropy
+    if sp:
+        # the embedding's sum is reduce-scattered, or, with learned positions (added to the
+        # whole sequence first), all-reduced and then cut without communication
+        positions = m.position_embedding_type == "learned_absolute"
+        # FP8 with one scale per tensor gathers the transformer layers' inputs as FP8 bytes
+        # (fp8/linear.py's gather_input): 1 byte an element; the output layer's stays e
+        fp8_gathers = (n + n_mlp) if one_scale_fp8 else 0
+        per_mb[("all_gather", "fwd", T * h // tp)] += fp8_gathers
+        per_mb.update({("all_gather", "fwd", shard): n + n_mlp + last - fp8_gathers,
+                       ("reduce_scatter", "fwd", full): n + n_mlp + (first and not positions),
+                       ("all_reduce", "fwd", full): first and positions,
+                       ("all_gather", "regather", shard): n + n_mlp + last,
+                       ("reduce_scatter", "bwd", full): n + n_mlp + last,
+                       ("all_gather", "bwd", shard): n + n_mlp + first})
+        linears_again = again["attention"] + again["mlp"]              # each gathers its input, scatters its output
+        per_mb.update({("all_gather", "recompute fwd", T * h // tp if one_scale_fp8 else shard): linears_again,
+                       ("reduce_scatter", "recompute fwd", full): linears_again})
+    else:
+        per_mb.update({("all_reduce", "fwd", full): n + n_mlp + first,
+                       ("all_reduce", "bwd", full): n + n_mlp + last,
+                       ("all_reduce", "recompute fwd", full): again["attention"] + again["mlp"]})
+    return Counter({k: c for k, c in per_mb.items() if c})
+
+
+def context_parallel_messages(model_cfg: ModelConfig, cfg: TrainConfig) -> Counter:
+    """Counter{(op, tag, bytes): calls}: the context-parallel records of ONE attention layer
+    and micro-batch (cp > 1; empty otherwise), kv = b (s/cp) (g/tp) d e one of K, V and q =
+    b (s/cp) (a/tp) d e: the "cp" lines of the module docstring; "a2a+p2p" (A x P ranks,
+    cp.hierarchical_sizes) runs the a2a's messages, then p2p's ring over P."""
+    m, tp, cp = model_cfg, cfg.tensor_model_parallel_size, cfg.context_parallel_size
+    if cp == 1:
+        return Counter()
+    e, local = m.dtype.itemsize, cfg.micro_batch_size * (cfg.seq_length // cp)
+    kv = local * (m.query_groups // tp) * m.kv_channels * e
+    q = local * (m.num_attention_heads // tp) * m.kv_channels * e
+
+    def ring(n: int) -> Counter:
+        return Counter({("send", "fwd", 2 * kv): n - 1, ("recv", "fwd", 2 * kv): n - 1,
+                        ("send", "bwd", 4 * kv): n - 1, ("recv", "bwd", 4 * kv): n - 1})
+    a2a = Counter({("all_to_all", "fwd", q): 2, ("all_to_all", "fwd", kv): 2,
+                   ("all_to_all", "bwd", q): 2, ("all_to_all", "bwd", kv): 2})
+    if cfg.cp_comm_type == "p2p":
+        return ring(cp)
+    if cfg.cp_comm_type == "all_gather":
+        return Counter({("all_gather", "fwd", kv): 2, ("all_gather", "regather", kv): 2,
+                        ("reduce_scatter", "bwd", cp * kv): 2})
+    if cfg.cp_comm_type == "a2a":
+        return a2a
+    return +(a2a + ring(hierarchical_sizes(cp, cfg.cp_comm_type, cfg.hierarchical_context_parallel_sizes)[1]))
+
+
+def dispatcher_messages(model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, Counter]:
+    """{"ep", "etp"}: Counter{(op, tag, bytes): calls} of the token dispatcher's messages of ONE
+    MoE layer and micro-batch that do not depend on the routing (the "ep" and "etp" lines of the
+    module docstring: alltoall's counts, dispatch and combine-bwd; allgather's seven). With a
+    capacity factor the sizes without dropping: the real ones then depend on the routing."""
+    m, tp, ep, etp = model_cfg, cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size, cfg.etp
+    e, h, E, k = m.dtype.itemsize, m.hidden_size, m.num_experts, m.moe_router_topk
+    Tm = cfg.micro_batch_size * cfg.seq_length // cfg.context_parallel_size // (tp if cfg.sequence_parallel else 1)
+    out = {"ep": Counter(), "etp": Counter()}
+    if cfg.moe_token_dispatcher_type == "alltoall":
+        if ep > 1:
+            out["ep"] = Counter({("all_to_all", "moe-counts", 8 * E): 1, ("all_to_all", "moe-dispatch", Tm * k * h * e): 1,
+                                 ("all_to_all", "moe-combine-bwd", Tm * k * h * e): 1})
+        if etp > 1:
+            out["etp"] = Counter({("all_gather", "moe-counts", 8 * E): 1})
+    elif ep * etp > 1:
+        g = ep * etp
+        out["ep"] = Counter([("all_gather", "moe-allgather", Tm * h * e), ("all_gather", "moe-allgather", Tm * E * e),
+                             ("all_gather", "moe-allgather", Tm * E), ("reduce_scatter", "moe-allgather", g * Tm * h * e),
+                             ("reduce_scatter", "moe-allgather-bwd", g * Tm * h * e),
+                             ("reduce_scatter", "moe-allgather-bwd", g * Tm * E * e),
+                             ("all_gather", "moe-allgather-bwd", Tm * h * e)])
+    return out
+
+
+def dispatcher_step_messages(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> Counter:
+    """dispatcher_messages of both groups, times the MoE layers of stage pp_rank and the M
+    micro-batches: the routing-independent dispatcher records of one step."""
+    moe_layers = sum(model_cfg.is_moe_layer(i) for i in _stage(model_cfg, cfg, pp_rank)[0])
+    both = sum(dispatcher_messages(model_cfg, cfg).values(), Counter())
+    return Counter({key: c * moe_layers * cfg.grad_accum_steps for key, c in both.items()})
+
+
+def pipeline_messages(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> Counter:
+    """Counter{(op, tag, bytes): calls}: the p2p records of one step on stage pp_rank (the "pp"
+    line of the module docstring): per micro-batch and model chunk, [b, s/cp (/tp), h] sent
+    forward ("pp-fwd") and its gradient received ("pp-bwd") unless the chunk is the last virtual
+    stage, received and its gradient sent unless it is the first."""
+    tp, sp, M = cfg.tensor_model_parallel_size, cfg.sequence_parallel, cfg.grad_accum_steps
+    T = cfg.micro_batch_size * cfg.seq_length // cfg.context_parallel_size
+    message = T // (tp if sp else 1) * model_cfg.hidden_size * model_cfg.dtype.itemsize
+    v = cfg.num_virtual_stages_per_pipeline_rank
+    sends_forward = v - (pp_rank == cfg.pipeline_model_parallel_size - 1)   # chunks not the last virtual stage
+    receives_forward = v - (pp_rank == 0)                                   # chunks not the first
+    return +Counter({("send", "pp-fwd", message): M * sends_forward, ("recv", "pp-bwd", message): M * sends_forward,
+                     ("recv", "pp-fwd", message): M * receives_forward,
+                     ("send", "pp-bwd", message): M * receives_forward})
+
+
 def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int) -> dict[str, Counter]:
     """{dimension: Counter{(op, tag, bytes): calls}}: the records one optimizer step must make
     on a rank of stage pp_rank of a world of `world` ranks, for every dimension above 1, but the dispatcher's
     ROUTING_DEPENDENT messages, the gradient reductions (their bytes: rank_parameters) and the
-    loss and norm all-reduces. None for cp under "a2a+p2p" and ep with a capacity factor (not
-    computed here). See the module docstring for each line."""
+    loss and norm all-reduces. None for ep with a capacity factor (not computed here). See the
+    module docstring for each line."""
     m = model_cfg
     tp, cp, pp = cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.pipeline_model_parallel_size
-    ep, etp, M, v = cfg.expert_model_parallel_size, cfg.etp, cfg.grad_accum_steps, cfg.num_virtual_stages_per_pipeline_rank
+    ep, etp, M = cfg.expert_model_parallel_size, cfg.etp, cfg.grad_accum_steps
     e, h, b, sp = m.dtype.itemsize, m.hidden_size, cfg.micro_batch_size, cfg.sequence_parallel
-    layers, first, last = _stage(m, cfg, pp_rank)
-    moe_layers = [i for i in layers if m.is_moe_layer(i)]
-    n, n_mlp = len(layers), len(layers) - len(moe_layers)
-    if m.moe_shared_expert_intermediate_size:                       # a shared expert: a dense MLP in each MoE layer
-        n_mlp += len(moe_layers)
-    T = b * cfg.seq_length // cp                                    # this rank's tokens of a micro-batch
+    n, n_mlp, first, last = _tp_layers(m, cfg, pp_rank)
+    moe_layers = [i for i in _stage(m, cfg, pp_rank)[0] if m.is_moe_layer(i)]
     out: dict[str, Counter] = {}
     # activation recompute (chapter 07) runs some forwards again in the backward: their
     # collectives again, their tags after "recompute " (an FP8 recompute casts with the first forward's
     # scales: no amax again)
     again = recomputed_parts(m, cfg, pp_rank)
-    one_scale_fp8 = cfg.fp8_format is not None and cfg.fp8_recipe in ("tensorwise", "delayed")
 
     if tp > 1:
-        full, shard = T * h * e, T * h * e // tp
-        c = 4 if e == 2 else e                                      # the loss computes in float32 for 16-bit models
-        per_mb = Counter({("all_reduce", "fwd", T * c): 3 * last})  # vocabulary-parallel cross-entropy
-        if sp:
-            # the embedding's sum is reduce-scattered, or, with learned positions (added to the
-            # whole sequence first), all-reduced and then cut without communication
-            positions = m.position_embedding_type == "learned_absolute"
-            # FP8 with one scale per tensor gathers the transformer layers' inputs as FP8 bytes
-            # (fp8/linear.py's gather_input): 1 byte an element; the output layer's stays e
-            fp8_gathers = (n + n_mlp) if cfg.fp8_format is not None and cfg.fp8_recipe in ("tensorwise", "delayed") else 0
-            per_mb[("all_gather", "fwd", T * h // tp)] += fp8_gathers
-            per_mb.update({("all_gather", "fwd", shard): n + n_mlp + last - fp8_gathers,
-                           ("reduce_scatter", "fwd", full): n + n_mlp + (first and not positions),
-                           ("all_reduce", "fwd", full): first and positions,
-                           ("all_gather", "regather", shard): n + n_mlp + last,
-                           ("reduce_scatter", "bwd", full): n + n_mlp + last,
-                           ("all_gather", "bwd", shard): n + n_mlp + first})
-            linears_again = again["attention"] + again["mlp"]              # each gathers its input, scatters its output
-            per_mb.update({("all_gather", "recompute fwd", T * h // tp if one_scale_fp8 else shard): linears_again,
-                           ("reduce_scatter", "recompute fwd", full): linears_again})
-        else:
-            per_mb.update({("all_reduce", "fwd", full): n + n_mlp + first,
-                           ("all_reduce", "bwd", full): n + n_mlp + last,
-                           ("all_reduce", "recompute fwd", full): again["attention"] + again["mlp"]})
-        out["tp"] = Counter({k: c * M for k, c in per_mb.items() if c})
+        out["tp"] = Counter({k: c * M for k, c in tensor_parallel_messages(m, cfg, pp_rank).items()})
         if sp:
             counts = count_parameters(m)
             layer = counts["per_layer"]
@@ -228,36 +330,16 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
             out["tp"][("all_reduce", "sp-grads", replicated * gradient_element_size(m, cfg))] += 1
 
     if cp > 1:
-        kv = b * (cfg.seq_length // cp) * (m.query_groups // tp) * m.kv_channels * e     # one of K, V
-        q = b * (cfg.seq_length // cp) * (m.num_attention_heads // tp) * m.kv_channels * e
-        per_layer = {"p2p": {("send", "fwd", 2 * kv): cp - 1, ("recv", "fwd", 2 * kv): cp - 1,
-                             ("send", "bwd", 4 * kv): cp - 1, ("recv", "bwd", 4 * kv): cp - 1},
-                     "all_gather": {("all_gather", "fwd", kv): 2, ("all_gather", "regather", kv): 2,
-                                    ("reduce_scatter", "bwd", cp * kv): 2},
-                     "a2a": {("all_to_all", "fwd", q): 2, ("all_to_all", "fwd", kv): 2,
-                             ("all_to_all", "bwd", q): 2, ("all_to_all", "bwd", kv): 2}}.get(cfg.cp_comm_type)
-        out["cp"] = None if per_layer is None else Counter({k: c * n * M for k, c in per_layer.items()})
+        per_layer = context_parallel_messages(m, cfg)
+        out["cp"] = Counter({k: c * n * M for k, c in per_layer.items()})
         cores_again = again["attention"] + again["core_attn"]
-        if out["cp"] is not None and cores_again:                      # the forward's messages once more
+        if cores_again:                                             # the forward's messages once more
             out["cp"].update({(op, "recompute fwd", nbytes): c * cores_again * M
                               for (op, tag, nbytes), c in per_layer.items() if tag == "fwd"})
 
     if moe_layers and m.moe_expert_capacity_factor is None:
-        Tm = T // (tp if sp else 1)                                 # the tokens this rank routes
-        E, k = m.num_experts, m.moe_router_topk
-        if cfg.moe_token_dispatcher_type == "alltoall":
-            if ep > 1:
-                out["ep"] = Counter({("all_to_all", "moe-counts", 8 * E): 1, ("all_to_all", "moe-dispatch", Tm * k * h * e): 1,
-                                     ("all_to_all", "moe-combine-bwd", Tm * k * h * e): 1})
-            if etp > 1:
-                out["etp"] = Counter({("all_gather", "moe-counts", 8 * E): 1})
-        elif ep * etp > 1:
-            g = ep * etp
-            out["ep"] = Counter([("all_gather", "moe-allgather", Tm * h * e), ("all_gather", "moe-allgather", Tm * E * e),
-                                 ("all_gather", "moe-allgather", Tm * E), ("reduce_scatter", "moe-allgather", g * Tm * h * e),
-                                 ("reduce_scatter", "moe-allgather-bwd", g * Tm * h * e),
-                                 ("reduce_scatter", "moe-allgather-bwd", g * Tm * E * e),
-                                 ("all_gather", "moe-allgather-bwd", Tm * h * e)])
+        E = m.num_experts
+        out.update({dim: c for dim, c in dispatcher_messages(m, cfg).items() if c})
         if (m.moe_aux_loss_coeff or m.moe_z_loss_coeff) and tp * cp > 1:
             # the auxiliary losses' token set is a micro-batch's tokens over tp x cp: its routed counts summed there
             per_sequence = b if m.moe_router_load_balancing_type == "seq_aux_loss" else 1
@@ -278,17 +360,94 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
         out["ep"] = None
 
     if pp > 1:
-        message = T // (tp if sp else 1) * h * e                   # [b, s/cp (/tp), h]
-        sends_forward = v - last                                    # chunks that are not the last virtual stage
-        receives_forward = v - first                                # chunks that are not the first
-        out["pp"] = Counter({("send", "pp-fwd", message): M * sends_forward,
-                             ("recv", "pp-bwd", message): M * sends_forward,
-                             ("recv", "pp-fwd", message): M * receives_forward,
-                             ("send", "pp-bwd", message): M * receives_forward})
-        out["pp"] = +out["pp"]                                      # drop zero counts
+        out["pp"] = pipeline_messages(m, cfg, pp_rank)
         if not m.untie_embeddings_and_output_weights and (first or last):
             out["embedding"] = Counter({("all_reduce", "embedding-grads",
                                          _padded_vocab(m, tp) * h // tp * gradient_element_size(m, cfg)): 1})
     if fp8_amax_reductions(m, cfg, pp_rank):
         out["fp8"] = fp8_amax_reductions(m, cfg, pp_rank)
     return out
+
+
+def grad_norm_messages(cfg: TrainConfig, e: int) -> Counter:
+    """The optimizer step's all_reduce "grad-norm" of the squared norm (e bytes) over the dense
+    parameters' model-parallel groups above 1, tp and pp (optim.NormGroup,
+    parallelize.build_optimizer); the data-parallel one under ZeRO: data_parallel_phases."""
+    calls = (cfg.tensor_model_parallel_size > 1) + (cfg.pipeline_model_parallel_size > 1)
+    return Counter({("all_reduce", "grad-norm", e): calls}) if calls else Counter()
+
+
+def zero_bucket_numels(model: nn.Module, bucket_size: int | None) -> list[int]:
+    """ZeRO-1/2's buckets (dp/zero.py): the parameters in reverse order, split by weight decay
+    (matrices first, then vectors), each group cut by the bucket rule (`assign_buckets`)."""
+    named = list(model.named_parameters())[::-1]
+    sizes = []
+    for decay in (True, False):
+        numels = [p.numel() for _, p in named if (p.dim() >= 2) == decay]
+        sizes += [sum(numels[i] for i in b) for b in assign_buckets(numels, bucket_size)]
+    return sizes
+
+
+def zero3_unit_numels(model: nn.Module) -> dict[str, int]:
+    """ZeRO-3's units (dp/fsdp.py), in forward order: the embedding, each layer, the head
+    (final norm and an untied output layer)."""
+    named = list(model.named_parameters())
+    prefixes = {"embedding": ("embedding.",)}
+    prefixes.update({f"decoder.layers.{i}": (f"decoder.layers.{i}.",) for i in range(model.config.num_layers)})
+    prefixes["head"] = ("decoder.final_layernorm.", "output_layer.")
+    return {u: sum(p.numel() for n, p in named if n.startswith(pre)) for u, pre in prefixes.items()}
+
+
+def data_parallel_messages(model: nn.Module, cfg: TrainConfig, dp: int,
+                           e: int) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
+    """ZeRO stage 0, 1 or 2 over dp > 1 ranks, for a rank holding `model` (any module: its
+    parameters are what the wrapper syncs): (op, bytes, tag) of (the last micro-batch, the
+    optimizer step). See data_parallel_phases."""
+    named = list(model.named_parameters())
+    stage = cfg.zero_stage
+    if stage == 0 and cfg.ddp_impl == "naive":
+        return [("all_reduce", p.numel() * e, "grads") for _, p in named], []
+    if stage == 0:
+        numels = [p.numel() for _, p in named[::-1]]
+        size = cfg.ddp_bucket_size or megatron_default_bucket_size(dp)
+        return [("all_reduce", sum(numels[i] for i in b) * e, "grads") for b in assign_buckets(numels, size)], []
+    if stage not in (1, 2):
+        raise ValueError(f"data_parallel_messages: zero_stage={stage} is not 0, 1 or 2")
+    shards = [math.ceil(n / dp) for n in zero_bucket_numels(model, cfg.ddp_bucket_size)]
+    return ([("reduce_scatter", dp * s * e, "grads") for s in shards],
+            [("all_reduce", e, "grad-norm")] + [("all_gather", s * e, "params") for s in shards])
+
+
+def data_parallel_phases(model: nn.Module, cfg: TrainConfig, dp: int, e: int) -> list[list[tuple[str, int, str]]]:
+    """The data-parallel records of each phase of a step (micro-batches 0..M-1, the optimizer
+    step), (op, bytes, tag), on a rank holding `model` (a GPTModel) in a group of dp ranks, e
+    bytes per element:
+
+      naive   last micro-batch: one all_reduce per parameter, numel(p) e each ("grads")
+      ddp     last micro-batch: one all_reduce per bucket (assign_buckets over the reversed
+              parameters, ddp_bucket_size elements; Megatron's default: one bucket)
+      zero1/2 last micro-batch: one reduce_scatter per bucket, dp S_b e ("grads"),
+              S_b = ceil(n_b / dp); optimizer step: all_reduce of the squared norm, e
+              ("grad-norm"), then one all_gather per bucket, S_b e ("params")
+      zero3   every micro-batch: an all_gather S_u e per use of a unit before its forward
+              ("fwd") and again for its backward ("bwd"; not the embedding lookup's use,
+              whose backward reads no weight); last micro-batch: a reduce_scatter dp S_u e per
+              use ("grads"); a tied head is one more use of the embedding unit; optimizer
+              step: the norm's all_reduce ("grad-norm")
+    Nothing inside no_sync for stages 0-2. A group of one rank communicates nothing."""
+    M = cfg.grad_accum_steps
+    phases: list[list[tuple[str, int, str]]] = [[] for _ in range(M + 1)]
+    if dp == 1:
+        return phases
+    if cfg.zero_stage < 3:
+        phases[M - 1], phases[M] = data_parallel_messages(model, cfg, dp, e)
+        return phases
+    shard = {u: math.ceil(n / dp) for u, n in zero3_unit_numels(model).items()}
+    uses = list(shard) + (["embedding"] if model.output_layer is None else [])
+    for m in range(M):
+        phases[m] = [("all_gather", shard[u] * e, "fwd") for u in uses]
+        phases[m] += [("all_gather", shard[u] * e, "bwd") for u in uses[1:]]
+        if m == M - 1:
+            phases[m] += [("reduce_scatter", dp * shard[u] * e, "grads") for u in uses]
+    phases[M] = [("all_reduce", e, "grad-norm")]
+    return phases
