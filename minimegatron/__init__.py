@@ -1,9 +1,8 @@
 """minimegatron: a runnable textbook of Megatron-LM's 5D parallelism (see the README).
 
-Importing the package first ties a torchrun rank's life to torchrun's (lifeline.py: before
-torch's slow import, so a launcher killed in the first seconds leaves no orphan), then decides
-where chapter 07's Triton kernels run (triton_mode.py: on a CPU, Triton's interpreter), before
-anything else can import triton.
+Importing it first ties a torchrun rank's life to torchrun's (lifeline.py, before torch's slow
+import), then sets where chapter 07's Triton kernels run (triton_mode.py) before anything can
+import triton.
 """
 
 from .lifeline import hold_on_to_launcher as _hold_on_to_launcher

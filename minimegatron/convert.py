@@ -1,35 +1,22 @@
-"""Hand the model to the Hugging Face ecosystem, and take one back (chapter 08).
+"""Hand the model to the Hugging Face ecosystem, and take one back (chapter 08 §5b).
 
     python -m minimegatron.convert --load runs/ckpt --to-hf runs/hf          # book -> HF
     python -m minimegatron.convert --from-hf runs/hf --save runs/ckpt2       # HF -> book
 
---to-hf reads a torch_dist checkpoint (dist_checkpoint.py, saved under any layout) as the
-single-device model and writes a folder that transformers loads:
+--to-hf reads a torch_dist checkpoint (any layout) as the single-device model and writes
+config.json (LlamaForCausalLM, or MixtralForCausalLM for a mixture), model.safetensors (written
+here: 8-byte little-endian header size, JSON header, raw bytes; the checkpoint's dtype),
+tokenizer.json and tokenizer_config.json (the book's BPE file as it is, or the byte tokenizer as
+a byte-level BPE without merges: ids 0-255 the bytes, 256 "<eod>").
+--from-hf writes a torch_dist checkpoint of the model alone, iteration 0, a release (train
+--load starts from it under any layout); another tokenizer.json is copied beside it.
 
-  config.json             LlamaForCausalLM's config (the book's LLaMA-style model: RMSNorm,
-                          SwiGLU, RoPE in the rotate-half layout, grouped-query attention), or
-                          MixtralForCausalLM's for a mixture of experts of Mixtral's kind
-  model.safetensors       the weights under transformers' names, in the checkpoint's dtype
-  tokenizer.json          the tokenizer in the `tokenizers` library's format: the book's BPE
-  tokenizer_config.json   file as it is, or the byte tokenizer written as a byte-level BPE
-                          without merges (ids 0-255 the bytes, 256 "<eod>")
-                          (one difference: written inside a text, "<eod>" encodes to the
-                          special id in transformers, to five characters in the book, whose
-                          encode_special_tokens setting the `tokenizers` file cannot hold)
+Refused by name, before anything is written: a config.json field the model cannot express, a
+missing or mistyped field, weights that are not the config's model (missing, left over, shape,
+dtype, NaN, vocab_size), a malformed safetensors file, GPT-2-style models, mixtures Mixtral
+cannot express, and a non-empty output folder without --force.
 
---from-hf reads such a folder back and writes a torch_dist checkpoint of the model alone, at
-iteration 0, marked as a release: `train --load` then starts from its weights under any layout,
-as Megatron treats a release checkpoint (--finetune assumed). A tokenizer.json other than the
-byte tokenizer is copied beside it and recorded, so that generate decodes with it.
-
-Refused by name, before anything is written: a config.json field the book's model cannot
-express (hidden_act other than silu, rope_scaling, biases, a sliding window, router noise), a
-missing or mistyped field, weights that are not the config's model (a tensor missing or left
-over, a shape, a dtype, a NaN, vocab_size against the embedding's rows), a malformed
-safetensors file. Neither direction writes into a folder that already holds files (a training
-run's checkpoints, whose `latest` a release would re-point; another model) without --force.
-
-The names (the book's model/gpt.py -> transformers' LlamaForCausalLM):
+The names (model/gpt.py -> transformers):
 
   embedding.word_embeddings.weight              model.embed_tokens.weight
   decoder.layers.i.input_layernorm.weight       model.layers.i.input_layernorm.weight
@@ -46,15 +33,7 @@ The names (the book's model/gpt.py -> transformers' LlamaForCausalLM):
   ...mlp.experts.local_experts.j.linear_fc1     model.layers.i.mlp.experts.gate_up_proj[j] [2 f_e, h]
   ...mlp.experts.local_experts.j.linear_fc2     model.layers.i.mlp.experts.down_proj[j] [h, f_e]
 
-model.safetensors is written by this file (the format is a little-endian 8-byte header size, a
-JSON header of names, dtypes, shapes and byte offsets, then the raw bytes), so the book needs
-no extra package for it. Not yet: GPT-2-style models (LayerNorm, GELU, learned positions), and
-mixtures Mixtral cannot express (a shared expert, sigmoid scores, an expert bias, capacity,
-mixtures every other layer); both are refused by name.
-
-Megatron-LM: tools/checkpoint/ (convert.py with loader and saver plugins, loader_mixtral_hf.py,
-schema_hf.py); its README points to Megatron Bridge (NVIDIA-NeMo/Megatron-Bridge) for
-Hugging Face <-> Megatron conversion (checked on main d98e8a6, 2026-11-27).
+Megatron: tools/checkpoint/ (loader_mixtral_hf.py, schema_hf.py); Megatron Bridge.
 """
 
 from __future__ import annotations
@@ -297,6 +276,15 @@ _HF_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate
              "moe_ffn_hidden_size": "intermediate_size"}
 
 
+def _top_names(cfg: ModelConfig) -> dict[str, str]:
+    """The book's -> transformers' names outside the layers (all one to one)."""
+    names = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+             "decoder.final_layernorm.weight": "model.norm.weight"}
+    if cfg.untie_embeddings_and_output_weights:
+        names["output_layer.weight"] = "lm_head.weight"
+    return names
+
+
 def _layer_names(i: int, cfg: ModelConfig) -> dict[str, str]:
     """The book's -> transformers' names of layer i that map one to one."""
     book, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -330,10 +318,7 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     state = _Reads(state, "the checkpoint")
     a, g, d, h, f = cfg.num_attention_heads, cfg.query_groups, cfg.kv_channels, cfg.hidden_size, cfg.ffn_size
     n = a // g
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-           "model.norm.weight": state["decoder.final_layernorm.weight"]}
-    if cfg.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = state["output_layer.weight"]
+    out = {hf: state[book] for book, hf in _top_names(cfg).items()}
     for i in range(cfg.num_layers):
         out.update({hf: state[book] for book, hf in _layer_names(i, cfg).items()})
         qkv = state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].view(g, n + 2, d, h)   # group by group
@@ -425,10 +410,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     check_hf_weights."""
     check_hf_weights(hf, cfg)
     a, g, d, h = cfg.num_attention_heads, cfg.query_groups, cfg.kv_channels, cfg.hidden_size
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if cfg.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = hf["lm_head.weight"]
+    out = {book: hf[name] for book, name in _top_names(cfg).items()}
     for i in range(cfg.num_layers):
         out.update({book: hf[name] for book, name in _layer_names(i, cfg).items()})
         attn = f"model.layers.{i}.self_attn."

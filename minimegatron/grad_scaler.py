@@ -1,28 +1,17 @@
-"""Loss scaling for fp16 training (chapter 06): the factor the loss is multiplied by before the
-backward, so that small gradients survive in float16, and how that factor moves.
-
-Why: float16 has 5 exponent bits. Its smallest normal number is 2^-14 ~ 6.1e-5 and its
-smallest subnormal 2^-24 ~ 6.0e-8; gradients of a language model are often smaller, and round to
-zero. Multiplying the loss by S multiplies every gradient by S (the backward is linear in its
-seed), which shifts them into range; the optimizer divides by S again (in float32) before it
-uses them. Too large an S overflows instead (float16's largest number is 65504): a gradient
-becomes inf, the step is skipped on every rank, and S is lowered.
+"""Loss scaling for fp16 training (chapter 06 §3): the factor S the loss is multiplied by before the
+backward, so that small gradients survive in float16, and how S moves.
 
     scaler = DynamicGradScaler(initial_scale=2**32, min_scale=1.0, growth_interval=1000, hysteresis=2)
     (loss * scaler.scale).backward()
     found_inf = ...                    # optim.Optimizer: unscale, check every rank, agree
     scaler.update(found_inf)           # the step is skipped if found_inf
 
-`DynamicGradScaler.update` has Megatron-Core's semantics exactly (checked on main d98e8a6,
-2026-11-27, megatron/core/optimizer/grad_scaler.py); update_dynamic_scale's docstring gives the
-rules (exercise 6.1).
+`DynamicGradScaler.update` has Megatron-Core's semantics (update_dynamic_scale, exercise 6.1);
+Megatron's flags --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis, and
+--loss-scale S (a ConstantGradScaler); growth factor 2, back-off 0.5. The scale is a Python
+float (a power of two times the initial scale, exact).
 
-Megatron's flags: --fp16 with --initial-loss-scale (2^32), --min-loss-scale (1),
---loss-scale-window (1000), --hysteresis (2); --loss-scale S gives a ConstantGradScaler
-(megatron/training/arguments.py; megatron/core/optimizer/__init__.py builds the scaler, with the
-growth factor 2 and the back-off factor 0.5 written there).
-Megatron keeps the scale in a one-element CUDA tensor; here it is a Python float (a power of
-two times the initial scale, exact in float64).
+Megatron: megatron/core/optimizer/grad_scaler.py.
 """
 
 from __future__ import annotations

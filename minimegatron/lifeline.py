@@ -1,16 +1,9 @@
 """A torchrun rank dies with its launcher from its first line on, not only once torch is loaded.
 
-Importing `minimegatron` calls `hold_on_to_launcher()` before anything else (before torch: its
-import takes seconds on a busy laptop). Under torchrun it
-
-  1. arms the kernel's parent-death signal (Linux prctl(PR_SET_PDEATHSIG, SIGKILL):
-     die_with_parent), so a torchrun killed from now on takes this rank with it;
-  2. checks that the launcher is still there (launcher_gone), and exits at once, saying so,
-     when it is not: torchrun was killed before this rank could arm the signal, and the rank
-     would otherwise import torch, then wait in the rendezvous for a store that is gone (1 to
-     3 minutes, an orphan whose parent is pid 1).
-
-Standard library only: this module runs before torch is imported.
+Importing `minimegatron` calls `hold_on_to_launcher()` first (torch's import takes seconds).
+Under torchrun it arms the kernel's parent-death signal (die_with_parent), then exits at once,
+saying so, if the launcher is already gone (launcher_gone) rather than wait minutes in the
+rendezvous as an orphan. Standard library only: it runs before torch is imported.
 """
 
 from __future__ import annotations
@@ -33,15 +26,10 @@ def is_torchrun_rank() -> bool:
 
 
 def die_with_parent() -> bool:
-    """Have the kernel SIGKILL this process when its parent process dies (Linux); returns
-    whether that is armed.
-
-    SIGKILL, not SIGTERM: a rank blocked in a collective must die at once, and a checkpoint
-    it was writing is safe (checkpoint.py writes to a temporary name and renames). The kernel
-    sends it when the parent *thread* that started us exits; torchrun and launch.spawn start
-    their ranks from their main thread. A parent that dies while the signal is being armed is
-    seen (the parent pid changes) and the process ends at once; one that died before is what
-    launcher_gone looks for."""
+    """Have the kernel SIGKILL this process when its parent thread exits (Linux prctl
+    PR_SET_PDEATHSIG); returns whether that is armed. SIGKILL: a rank blocked in a collective must
+    die at once (checkpoints are written by rename, so they stay safe). A parent that dies while
+    arming is seen (the parent pid changes) and the process ends at once."""
     if not sys.platform.startswith("linux"):
         return False
     parent = os.getppid()
@@ -57,14 +45,10 @@ def die_with_parent() -> bool:
 
 
 def launcher_gone(timeout: float = 2.0) -> str | None:
-    """Why this torchrun rank's launcher is known to be gone, or None (alive, or unknown).
-
-    torchrun's agent hosts the job's store (TORCHELASTIC_USE_AGENT_STORE=True) at
-    MASTER_ADDR:MASTER_PORT from before it starts any rank until it exits: a refused connection
-    there means the agent is gone (on a second node too: the job's store is gone). Anything
-    else (a timeout, no such variables, another launcher) is not taken as proof.
-    (A rank's parent pid cannot tell: torchrun may itself be pid 1 in a container, and an
-    orphan is adopted by a subreaper as often as by pid 1.)"""
+    """Why this torchrun rank's launcher is known to be gone, or None (alive, or unknown). torchrun's
+    agent hosts the job's store at MASTER_ADDR:MASTER_PORT while it lives, so a refused connection
+    there is proof; a timeout or missing variables are not (nor is the parent pid: torchrun may be
+    pid 1 in a container)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not host or not port:
         return None

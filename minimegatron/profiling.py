@@ -1,24 +1,17 @@
-"""`--profile` (chapter 07): torch.profiler over a few steps of any layout, as Megatron-LM's
-`--profile --use-pytorch-profiler` does.
+"""`--profile` (chapter 07): torch.profiler over a few steps of any layout (Megatron's
+`--profile --use-pytorch-profiler`).
 
     with StepProfiler(cfg, rank, out_dir) as profiler:   # the training loop
         for step in ...:
             train_step(...)
             profiler.step()
 
-The profiler waits until step profile_step_start, warms up on the step before it, records the
-steps [profile_step_start, profile_step_end) (counted from 0, as the loop's steps are), then
-writes a Chrome trace per rank, `<out_dir>/torch_profile/rank-<r>.json.gz` (open it in
-chrome://tracing or https://ui.perfetto.dev), and rank 0 prints the operators that took the most
-time. Only the ranks in profile_ranks profile (all when it is empty). On a CPU the trace holds
-the CPU operators, the collectives (gloo) and the Python function ranges the book's code opens;
-on a GPU torch adds the CUDA kernels. Megatron's default `--profile` drives Nsight Systems
-(nsys) instead, which needs a GPU.
+Schedule: wait until profile_step_start, warm up on the step before it, record the steps
+[profile_step_start, profile_step_end) (counted from 0); then each rank in profile_ranks (all
+when empty) writes `<out_dir>/torch_profile/rank-<r>.json.gz` (chrome://tracing, Perfetto) and
+rank 0 prints the operators that took the most time.
 
-Megatron-LM: megatron/training/training.py (the torch.profiler schedule: wait =
-profile_step_start - 1, warmup 1, active = profile_step_end - profile_step_start, repeat 1) and
-megatron/training/config/common_config.py (ProfilingConfig: --profile, --profile-step-start,
---profile-step-end, --use-pytorch-profiler, --profile-ranks).
+Megatron: megatron/training/training.py (the torch.profiler schedule).
 """
 
 from __future__ import annotations

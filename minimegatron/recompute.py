@@ -1,37 +1,22 @@
 """Activation recompute (chapter 07): keep less for the backward, and compute the rest again
-when the backward needs it. Megatron-LM's --recompute-granularity, --recompute-method,
---recompute-num-layers and --recompute-modules, as one transformation of the one model:
+when the backward needs it (Megatron's --recompute-granularity, -method, -num-layers, -modules).
 
     model = apply_recompute(model, cfg.recompute_granularity, cfg.recompute_method,
                             cfg.recompute_num_layers, cfg.recompute_modules)   # parallelize.build_model
 
-full       the chunk's transformer layers run in units (method "uniform": every `num_layers`
-           consecutive layers form one unit; "block": each of the first `num_layers` layers is a
-           unit, the rest run as usual). A unit keeps only its input [b, s, h] (and the RoPE
-           tables); its backward first runs its forward again, with autograd on.
-selective  the named part of every layer is a unit (RECOMPUTE_MODULES): "core_attn" the
-           attention core (the [b, a, s, s] probabilities, Korthikanti et al.'s 5 a s^2 b),
-           "mlp" a dense MLP, "moe" an MoE layer, "moe_act" each expert's activation,
-           "layernorm" both norms.
+full       the chunk's layers run in units (`recompute_units`: "uniform" every `num_layers`
+           consecutive layers, "block" each of the first `num_layers` layers). A unit keeps only
+           its input [b, s, h] (and the RoPE tables); its backward runs its forward again.
+selective  the named part of every layer is a unit (RECOMPUTE_MODULES): "core_attn" (the
+           [b, a, s, s] probabilities), "mlp", "moe", "moe_act" (each expert's activation),
+           "layernorm" (both norms).
 
-A recomputed forward must compute the very numbers the first one did:
-  - random numbers: torch's default generator and every stream of the tracker (tp/random.py;
-    the CUDA generator too on a GPU) are saved before the first forward, set again for the
-    recompute, and the backward's own states put back afterwards (exercise 7.1);
-  - FP8 with one scale per tensor: the recompute casts with the scales the first forward chose,
-    takes no amax and adds nothing to a delayed history (each layer's gemm is told:
-    Gemm.set_recompute; Transformer Engine does the same);
-  - collectives inside a unit run again: the ledger records them with their tag after
-    "recompute " (comm.retagged), and analysis.step_communication counts them.
-The result is bit for bit the run without recompute (tests/test_recompute.py).
+The recompute computes the very numbers of the first forward (tests/test_recompute.py): the
+random states of torch's generator and every tracker stream are saved and set again (exercise
+7.1); FP8 per-tensor scales are reused, no amax taken (Gemm.set_recompute); collectives run
+again, tagged "recompute <tag>" (comm.retagged).
 
-Megatron-LM: megatron/core/tensor_parallel/random.py (CheckpointFunction, checkpoint),
-megatron/core/recompute.py (checkpointed_forward: uniform and block),
-megatron/core/transformer/attention.py (_checkpointed_attention_forward) and
-transformer_layer.py (the selective modules). Where the book differs: Megatron's "layernorm"
-and "moe_act" also drop the unit's output (CheckpointWithoutOutput) and rebuild it just before
-the consuming GEMM's backward; here a unit keeps its output (the next GEMM saves it anyway), so
-those two save only what is inside them (the norm's float32 copies; the activation's gate).
+Megatron: megatron/core/tensor_parallel/random.py (CheckpointFunction) and recompute.py.
 """
 
 from __future__ import annotations
@@ -69,11 +54,10 @@ def set_rng_states(states: tuple) -> None:
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """out = run(*args), keeping only `args` for the backward (tensors or None; `run` returns
-    one tensor). The backward sets the random states of the forward, runs `run` again with
-    autograd on (its collectives' tags after "recompute ", the FP8 gemms in `gemms` reusing their
-    scales), goes through it with the incoming gradient, puts the backward's random states
-    back, and returns the gradients of `args`."""
+    """out = run(*args), keeping only `args` (tensors or None) for the backward; `run` returns one
+    tensor. The backward sets the forward's random states, runs `run` again with autograd on
+    (collectives retagged "recompute ", the FP8 `gemms` reusing their scales), backpropagates the
+    incoming gradient, restores the backward's random states, and returns the gradients of `args`."""
 
     @staticmethod
     def forward(ctx, run: Callable, gemms: list, *args):

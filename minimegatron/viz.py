@@ -5,16 +5,10 @@
     plot_run_summary the loss, the rank grid and the bytes per dimension (run_report, make demo)
     new_figure, finish_figure, colour   the common frame of every figure of the book
 
-A chapter's own figures live with its experiment, in chapters/NN_*/make_figures.py (the DDP
-bucket timeline and ZeRO-3's memory profile in chapter 01's, the pipeline timelines in chapter
-03's, ...): that script draws them from the records the algorithms keep (dp.timeline,
-pp.timeline, ...) and writes the chapter's figures/*.png; its notebook and tests import the same
-functions (booktools.demo.import_chapter("01", "make_figures")).
-
-Every function builds a matplotlib Figure on its own Agg canvas (no pyplot, no backend switch:
-a notebook's backend is left alone), saves it to `path` if given, and returns it.
-This module sits late in the import order: the training loop imports it for its loss curve; no
-algorithm module does.
+A chapter's own figures live in chapters/NN_*/make_figures.py, drawn from the records the
+algorithms keep (dp.timeline, pp.timeline, ...). Every function builds a matplotlib Figure on
+its own Agg canvas (no pyplot: a notebook's backend is left alone), saves it to `path` if given,
+and returns it.
 """
 
 from __future__ import annotations
@@ -63,14 +57,9 @@ def colour(i: int, n: int):
 def draw_rank_grid(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                    etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
                    keys=("tp", "dp", "pp"), path=None):
-    """One panel per key of parallel_state.rank_groups: every rank is a box, coloured by its
-    group of that key.
-
-    Rows are pipeline stages; inside a row the ranks of that stage in ascending order.
-    A box shows the rank (large) and the index of its group (small, "g3"). Each box is
-    a Rectangle with gid "<key>:<rank>", so tests can find it. Saves to `path` if given.
-    Returns a matplotlib Figure drawn with the Agg backend (no screen needed).
-    """
+    """One panel per key of parallel_state.rank_groups: a box per rank (rows: pipeline stages, ranks
+    ascending), coloured by its group of that key, showing the rank and its group's index ("g3");
+    each a Rectangle with gid "<key>:<rank>". Saves to `path` if given; returns the Agg Figure."""
     layout = rank_groups(world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
     for key in keys:
         if key not in layout:
