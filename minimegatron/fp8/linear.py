@@ -3,59 +3,28 @@
 
     model = apply_fp8(model, Fp8Recipe(scaling="current"), amax_group=layout.tp_cp_group)
 
-A linear layer's three products, each with its two operands in FP8 and the sum in float32:
+A linear layer's three products, both operands in FP8, the sum in float32:
 
     fprop   y  = x W^T       x: role "input" (e4m3)        W: role "weight" (e4m3)
     dgrad   dx = dy W        dy: role "grad_output" (e5m2 under "hybrid")
     wgrad   dW = dy^T x      both summed over the tokens
 
-Each operand is quantized along the dimension its GEMM sums over (fp8/quantize.py): x along
-its features for fprop and along its tokens for wgrad, W along its inputs for fprop and its
-outputs for dgrad. That matters only for the blocked recipes (blockwise, mxfp8); one scale per
-tensor does not care. The product is emulated: dequantize both and multiply in float32 (on this
-CPU bit for bit torch._scaled_mm's tensorwise result), then round to the layer's dtype.
+Each operand is quantized along the dimension its GEMM sums over (matters for the blocked
+recipes only). Emulated: dequantize both, multiply in float32 (bit for bit torch._scaled_mm's
+tensorwise result on this CPU), round to the layer's dtype.
 
-One scale per tensor (current, delayed) needs the amax of the WHOLE tensor, which under tensor
-or context parallelism no rank holds: a weight's shard, a row-parallel input's features, an
-output gradient's columns, a context-parallel rank's tokens. Each cast therefore all-reduces
-its amax (max, one float, tag "fp8-amax") over `amax_group`: the tp x cp ranks, so every shard
-casts with the scale one device would use for the same micro-batch. That is the book's choice,
-for both recipes; Transformer Engine differs per recipe:
+One-scale recipes (current, delayed) all-reduce each cast's amax (max, one float, tag
+"fp8-amax") over `amax_group` = tp x cp, so every shard casts with one device's scale
+(Transformer Engine reduces differently: chapter 06, section 5). Blocked recipes need no
+reduction. The backward re-casts the forward's input and weight with the scales that forward
+used (`forward_scales`, queued in forward order); wgrad reuses dgrad's output-gradient scale:
+one amax reduction per role and micro-batch.
 
-  delayed  every role's amax over the group Megatron passes to fp8_autocast: tp x dp x cp
-           (parallel_state.get_amax_reduction_group(with_context_parallel=True), fp8_utils.py;
-           TE's DelayedScaling.reduce_amax), or tp x cp with TransformerConfig.tp_only_amax_red
-           (a config field, no command-line flag). Data-parallel replicas then share one scale
-           for the global batch, which one device running the micro-batches in turn would not.
-  current  only a column-parallel layer's sequence-parallel input and a row-parallel layer's
-           sequence-parallel output gradient, over tp (TE's linear.py,
-           set_quantizer_amax_reduction_group); weight shards and cp ranks keep their own amax,
-           so a TE run under tp is not one device's.
+FP8 layers: linear_qkv, linear_proj, linear_fc1, linear_fc2 (experts' and shared expert's
+too); the embedding, output layer and router stay in the model's dtype; grouped experts are
+refused (their stacked weights would share one scale).
 
-The blocked recipes need no reduction (each block has its own scale), so they equal one
-device under every layout.
-
-Which layers: the transformer layers' linear_qkv, linear_proj, linear_fc1, linear_fc2 (the
-experts' and the shared expert's too). The embedding, the output layer and the router stay in
-the model's dtype, as in Megatron by default (its output layer is a plain ColumnParallelLinear
-unless fp8_output_proj, with the mxfp8 recipe only, makes it a Transformer Engine layer; TE's
-grouped experts take FP8). The experts' grouped form (one batched product) is refused: its
-stacked weights would share one scale.
-
-With one scale per tensor the backward re-casts the forward's input and weight with the scales
-that forward used (no second amax): each forward with autograd on (`backward_follows`, noted
-by a pre-hook of its layer) queues its two scales (`forward_scales`), and the backwards, which
-run in the forwards' order in every schedule of the book (one micro-batch after another per
-model chunk), take them in turn; the weight gradient reuses the output gradient's scale of the
-input gradient. So each role costs one amax reduction per micro-batch: 3 per layer.
-Transformer Engine keeps the forward's FP8 copies instead; the numbers are the same.
-
-Megatron-LM / Transformer Engine: megatron/core/extensions/transformer_engine.py (TELinear,
-TEColumnParallelLinear, TERowParallelLinear, TEGroupedLinear), megatron/core/fp8_utils.py
-(get_fp8_context, the recipe from --fp8-recipe), and TE's quantizers
-(transformer_engine/pytorch/tensor/: Float8Quantizer, Float8CurrentScalingQuantizer,
-Float8BlockQuantizer, MXFP8Quantizer).
-"""
+Megatron-LM / TE: megatron/core/extensions/transformer_engine.py (TELinear and kin), fp8_utils.py."""
 
 from __future__ import annotations
 
@@ -89,12 +58,10 @@ def tensor_amax(x: torch.Tensor, group, tag: str = "fp8-amax") -> torch.Tensor:
 
 
 class Fp8Gemm(Gemm):
-    """The three products of one linear layer in FP8 (the module docstring), with the layer's
-    scaling state: `delayed[role]` (recipe "delayed"), and for both one-scale recipes the
-    scales of the forwards whose backward has not run (`forward_scales`) and of the output
-    gradient the last dgrad cast (`grad_scale`, which its wgrad reuses). `stats`, when a dict,
-    collects per role (relative error, non-zero elements that underflow to 0, elements that
-    saturate) over every scale-setting cast (the chapter's quantisation table)."""
+    """The three FP8 products of one linear layer, with its scaling state: `delayed[role]` (recipe
+    "delayed"), `forward_scales` (forwards whose backward has not run), `grad_scale` (dgrad's, reused
+    by wgrad). `stats`, when a dict, collects per role (relative error, underflows to 0,
+    saturations) over every scale-setting cast."""
 
     def __init__(self, recipe: Fp8Recipe, amax_group=None, amax_tag: str = "fp8-amax"):
         self.recipe, self.amax_group, self.amax_tag = recipe, amax_group, amax_tag
@@ -109,11 +76,9 @@ class Fp8Gemm(Gemm):
         self.recompute: str | None = None         # chapter 07's phase (Gemm.set_recompute)
 
     def set_recompute(self, phase: str | None) -> None:
-        """Under activation recompute a forward runs twice: "checkpointed" (no autograd, but a
-        backward follows: its scales are queued) and "recomputing" (the same forward in the
-        backward: it casts with the scales queued for it, takes no amax and records no history),
-        so the backward sees the numbers a run without recompute would (Transformer Engine keeps
-        the first forward's FP8 metadata for its recompute the same way)."""
+        """"checkpointed": no autograd but a backward follows (scales queued); "recomputing": the
+        backward's rerun casts with the queued scales, takes no amax, records no history; so recompute
+        changes no number."""
         self.recompute = phase
 
     def _replayed_scales(self) -> tuple | None:
@@ -121,11 +86,9 @@ class Fp8Gemm(Gemm):
         return self.forward_scales[0] if self.one_scale and self.recompute == "recomputing" else None
 
     def cast(self, x: torch.Tensor, role: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x [.., K] in FP8 along its last dimension K, dequantized; the scale(s) used). The
-        dequantized values are float32 (the GEMM's accumulation), float64 for a float64 model
-        (the book's exact checks). One-scale recipes: with `scale` (one this layer set before
-        for the same tensor) no amax is taken; without, the amax is all-reduced over
-        amax_group (tag "fp8-amax") and sets the scale (current) or is recorded (delayed)."""
+        """(x [.., K] cast to FP8 along K and dequantized, float32 (float64 for a float64 model); the
+        scale(s) used). With `scale` no amax is taken; without, one-scale recipes all-reduce the amax
+        over amax_group (tag "fp8-amax") and set the scale (current) or record it (delayed)."""
         fmt, scaling = self.recipe.format_of(role), self.recipe.scaling
         if scaling == "blockwise":
             q = quantize_blockwise(x, fmt, two_d=role == "weight" and x.dim() == 2)
@@ -142,13 +105,10 @@ class Fp8Gemm(Gemm):
         return out, q.scale
 
     def gather_input(self, x: torch.Tensor, group, dim: int, tag: str) -> torch.Tensor:
-        """The sequence-parallel all-gather in FP8 (one-scale recipes; the blocked ones gather in
-        the model's dtype): cast this rank's tokens with the scale of the whole input (its amax
-        reduced over amax_group, which holds the tp group), all-gather their FP8 bytes (a uint8
-        view: gloo has no FP8 type; the ledger records 1 byte an element), and hand fprop the
-        dequantized result, which it does not cast again. The backward's regather of the
-        input (tag "regather", chapter 04's exercise 4.3) stays in the model's dtype; cast
-        with the forward's scale it gives the same FP8 values."""
+        """The sequence-parallel all-gather in FP8 (one-scale recipes; blocked ones gather in the model's
+        dtype): cast this rank's tokens with the whole input's scale, all-gather the FP8 bytes as uint8
+        (1 byte an element in the ledger), return the dequantized [b, s, in] for fprop. The backward's
+        regather (tag "regather") stays in the model's dtype."""
         if not self.one_scale:
             return super().gather_input(x, group, dim, tag)
         fmt, replayed = self.recipe.format_of("input"), self._replayed_scales()
@@ -217,8 +177,7 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 def _collect(stats: dict, role: str, x: torch.Tensor, out: torch.Tensor, q) -> None:
-    """Add one cast to `stats[role]`: its relative error, the non-zero elements it turned into 0,
-    and the elements it saturated (clamped at the format's largest value: |x s| beyond it)."""
+    """Add one cast to `stats[role]`: relative error, non-zero elements turned 0, elements saturated."""
     x32 = x.detach().to(torch.float32)
     data = q.data.to(torch.float32)[tuple(slice(0, n) for n in x.shape)]     # blocked data is padded
     fmt_max = 448.0 if q.data.dtype == torch.float8_e4m3fn else 57344.0
@@ -232,10 +191,9 @@ def _collect(stats: dict, role: str, x: torch.Tensor, out: torch.Tensor, q) -> N
 
 
 def apply_fp8(model: nn.Module, recipe: Fp8Recipe | None, amax_group=None, expert_amax_group=None) -> nn.Module:
-    """Give every transformer-layer linear layer of `model` (FP8_LAYERS, by the last part of its
-    name) its own Fp8Gemm: the dense ones reducing their amaxes over `amax_group`, the routed
-    experts' over `expert_amax_group` (the ranks that cut one expert: etp). None: no FP8 (the
-    model unchanged). Returns the model."""
+    """Give every transformer-layer linear of `model` (FP8_LAYERS, by name) its own Fp8Gemm: dense
+    layers reduce amaxes over `amax_group`, routed experts over `expert_amax_group` (etp).
+    recipe None: the model unchanged. Returns the model."""
     if recipe is None:
         return model
     for name, module in model.named_modules():
@@ -264,24 +222,19 @@ def _delayed_layers(model: nn.Module) -> dict[str, Fp8Gemm]:
 
 
 def delayed_scaling_states(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Delayed scaling's state of every FP8 linear layer of `model` (a chunk of any layout):
-    {the layer's single-device name: [3, 2 + L] float32}, one row per role in ROLES order
-    (input, weight, grad_output): the scale, 1.0 when an amax is recorded and not yet turned
-    into a scale (DelayedScaling.pending), then the amax history (L = --fp8-amax-history-len).
-    Empty without delayed scaling. Every tp and cp rank of a layer holds the same state (the
-    amaxes are reduced over tp x cp); data-parallel replicas hold their own. Transformer Engine
-    keeps the same numbers (fp8 meta: scale, amax_history) in each layer's `_extra_state`,
-    which Megatron saves once, from the first replica (a ShardedObject with replica_id)."""
+    """{single-device layer name: [3, 2 + L] float32} for `model`'s FP8 layers under delayed scaling,
+    one row per role in ROLES order: scale, pending (1.0 when an amax is not yet a scale), amax
+    history (L = --fp8-amax-history-len). Empty otherwise. Equal on a layer's tp and cp ranks.
+    Megatron keeps it in TE's `_extra_state`, saved from the first data-parallel replica."""
     return {name: torch.stack([torch.cat([s.scale.reshape(1), torch.tensor([float(s.pending)]), s.history])
                                for s in (gemm.delayed[role] for role in ROLES)])
             for name, gemm in _delayed_layers(model).items()}
 
 
 def load_delayed_scaling_states(model: nn.Module, states: dict[str, torch.Tensor]) -> int:
-    """Set the delayed scaling of `model`'s FP8 layers from `states` (delayed_scaling_states'
-    form, from any layout); a layer `states` lacks keeps its fresh state (scale 1, as at the
-    start of training). Returns how many layers were set. ValueError when a saved history has
-    another length than this run's --fp8-amax-history-len."""
+    """Set `model`'s delayed scaling from `states` (delayed_scaling_states' form, any layout); layers
+    missing from it keep scale 1. Returns how many were set. ValueError when a history's length is
+    not this run's --fp8-amax-history-len."""
     done = 0
     for name, gemm in _delayed_layers(model).items():
         if name not in states:

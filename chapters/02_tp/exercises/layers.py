@@ -23,25 +23,14 @@ from minimegatron.model.linear import GEMM, Gemm
 
 def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                     has_bias: bool, group, gemm: Gemm = GEMM):
-    """The backward of a column-parallel linear y = x W_r^T + b_r, written out by hand.
+    """Backward of the column-parallel y = x W_r^T + b_r, by hand.
 
-    grad_output dy [..., out/tp]: the gradient of this rank's output slice.
-    x [..., in]: the layer's input, the same on every rank of ``group``.
-    weight W_r [out/tp, in]: this rank's rows of the full W.
-    gemm: the layer's matrix products (model/linear.py's seam): grad_x = gemm.dgrad(dy, W_r),
-    grad_weight = gemm.wgrad(dy, x).
-    Returns (grad_x [..., in], grad_weight [out/tp, in], grad_bias [out/tp] or None), in the
-    dtypes of x and weight.
-
-    Every rank's output slice depends on ALL of x, so the full gradient of x is the sum over
-    the group of dy_r W_r: grad_x is all-reduced (sum) over ``group`` -- the backward half of
-    copy operator (the paper's f), one comm.all_reduce of [..., in], tag "bwd", and no other collective.
-    grad_weight = dy^T x and grad_bias = the sum of dy over every dimension but the last are
-    local: they are exactly this rank's rows of the single-device gradients.
-    Order, as Megatron's LinearWithGradAccumulationAndAsyncCommunication: compute grad_x,
-    launch its all-reduce asynchronously (async_op=True), compute the weight gradient while
-    it travels, then wait: communication overlapped with a matmul.
-    """
+    dy [..., out/tp], x [..., in] (same on every rank), weight W_r [out/tp, in]; gemm: the layer's
+    dgrad/wgrad (model/linear.py). Returns (grad_x [..., in], grad_weight [out/tp, in], grad_bias
+    [out/tp] or None) in x's and weight's dtypes. grad_x = sum over ``group`` of dy_r W_r: one
+    comm.all_reduce of [..., in], tag "bwd", async and overlapped with the wgrad GEMM; grad_weight and
+    grad_bias are local, exactly this rank's rows of the single-device gradients.
+    Megatron: LinearWithGradAccumulationAndAsyncCommunication.backward."""
     # BEGIN EXERCISE 2.1: the column-parallel linear's backward
     # hint: each rank's dx uses only its rows of W, so it is a partial sum: which collective completes it, and which gradients can you compute while it travels? (Megatron: LinearWithGradAccumulationAndAsyncCommunication.backward)
     raise NotImplementedError("exercise 2.1")
@@ -51,18 +40,12 @@ def column_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, 
 
 def row_parallel_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 group, gemm: Gemm = GEMM) -> torch.Tensor:
-    """The forward of a row-parallel linear: y = sum over ranks of x_r W_r^T, plus b once.
+    """y = sum over ranks of x_r W_r^T, plus b once.
 
-    x [..., in/tp]: this rank's input features (e.g. a column-parallel output).
-    weight W_r [out, in/tp]: this rank's columns of the full W. bias [out] (the full bias,
-    replicated) or None. gemm: the layer's matrix products (model/linear.py's seam; its
-    autograd op `gemm.linear` computes x W_r^T with its backward).
-    Returns y [..., out], the same on every rank: the single-device x W^T + b.
-    Communication: ONE all-reduce (sum) of the [..., out] partial sums through
-    comm.reduce_from_tensor_model_parallel_region (the reduce operator, the paper's g: identity backward, so every rank's x_r gets the
-    full dy), and nothing else. The bias is added after the all-reduce; added before, it
-    would be summed tp times.
-    """
+    x [..., in/tp], weight W_r [out, in/tp], bias [out] (replicated) or None; gemm: the layer's
+    products (`gemm.linear` carries the backward). Returns y [..., out], the same on every rank.
+    Communication: one all-reduce (sum) of [..., out] via reduce_from_tensor_model_parallel_region
+    (identity backward). The bias is added after it (before, it would be summed tp times)."""
     # BEGIN EXERCISE 2.2: the row-parallel linear's forward
     # hint: each rank's product holds only its columns' share of y: which of the paper's two operators completes it, and how often would a bias added before it be counted? (Megatron: RowParallelLinear.forward)
     raise NotImplementedError("exercise 2.2")

@@ -23,26 +23,14 @@ from minimegatron.tp.layers import SEQUENCE_DIM
 
 def sequence_parallel_linear_backward(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                       has_bias: bool, group, gemm: Gemm = GEMM):
-    """The backward of the column-parallel linear under sequence parallelism
-    (LinearWithSequenceParallelGather in minimegatron/tp/layers.py), written out by hand.
+    """Backward of the column-parallel linear under sequence parallelism, by hand.
 
-    grad_output dy [b, s, out/tp]: the gradient of this rank's output columns, over the FULL
-    sequence (the forward gathered the sequence before the GEMM).
-    x (x_r) [b, s/tp, in]: the saved input, only this rank's s/tp tokens (rank r of ``group``
-    holds positions [r s/tp, (r+1) s/tp) of dim 1, SEQUENCE_DIM).
-    weight W_r [out/tp, in]: this rank's rows of the full W. gemm: the layer's matrix products
-    (model/linear.py's seam: dgrad and wgrad).
-    Returns (grad_x [b, s/tp, in], grad_weight [out/tp, in], grad_bias [out/tp] or None):
-    grad_x the single-device gradient of x restricted to this rank's tokens, grad_weight and
-    grad_bias exactly this rank's rows of the single-device gradients.
-
-    dW = dy^T x needs every token's input, so the full x [b, s, in] is all-gathered again
-    along s (comm.all_gather(x, group, dim=SEQUENCE_DIM, tag="regather")); db = dy summed
-    over b and s. Every rank's output columns depend on all of x, so dx = dy W_r [b, s, in] is
-    a partial sum: comm.reduce_scatter(dx, group, dim=SEQUENCE_DIM, tag="bwd") sums it over the
-    group and leaves each rank its own s/tp tokens. Exactly these two collectives, one
-    all_gather of the [b, s/tp, in] shard and one reduce_scatter of [b, s, in], nothing else.
-    """
+    dy [b, s, out/tp] (the full sequence); x_r [b, s/tp, in], the saved shard (positions
+    [r s/tp, (r+1) s/tp) of SEQUENCE_DIM); weight W_r [out/tp, in]; gemm: dgrad/wgrad.
+    Returns (grad_x [b, s/tp, in], grad_weight [out/tp, in], grad_bias [out/tp] or None), this
+    rank's parts of the single-device gradients. Collectives, exactly two: all_gather of x_r
+    along s (tag "regather") for dW = dy^T x, and reduce_scatter of dx = dy W_r [b, s, in] along
+    s (tag "bwd")."""
     # BEGIN EXERCISE 4.3: the sequence-parallel column linear's backward
     # hint: the forward gathered the tokens: dW needs every token's input again, and dx is a partial sum of which each rank keeps only its own tokens. Which two collectives, along which dimension? (Megatron: LinearWithGradAccumulationAndAsyncCommunication.backward)
     raise NotImplementedError("exercise 4.3")
