@@ -188,7 +188,12 @@ def korthikanti_activation_memory(config: ModelConfig, batch: int, seq: int, tp:
     """Korthikanti et al. 2022's 16-bit bytes per layer and rank: s b h (34 + 5 a s / h); with tensor
     parallelism t, s b h (10 + 24/t + 5 a s / (h t)); with sequence parallelism too,
     s b h (34/t + 5 a s / (h t)). Returns {"per_layer": ..., "total": L x per_layer} (no embedding,
-    final norm or loss). Why it differs from `activation_memory`: chapter 00, section 3.3."""
+    final norm or loss).
+
+    What `activation_memory` adds for the same bf16 shapes (tests/test_analysis.py checks each):
+    the norms' fp32 inputs (4 bytes, not 2), mean/rstd and weight copies; the fp32 softmax output;
+    the causal mask (s^2 bools); CPU dropout masks in the input's dtype (2 bytes, not 1). SwiGLU
+    saves 3 b s f e + fc2's input where GELU saves 2 b s f e; GQA's k, v are repeated to a heads."""
     b, s, h, a, t = batch, seq, config.hidden_size, config.num_attention_heads, tp
     if sequence_parallel:
         per_layer = (34 * s * b * h + 5 * a * s * s * b) // t

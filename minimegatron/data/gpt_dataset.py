@@ -1,55 +1,23 @@
 """GPT training samples: fixed-length windows over a shuffled stream of documents.
 
-A GPT is trained on sequences of exactly ``seq_length`` tokens, but documents have any length.
-Megatron-LM's ``GPTDataset`` (``megatron/core/datasets/gpt_dataset.py``) resolves this the same
-way this file does, in three steps:
+1. Document order: the split's documents [start_doc, end_doc), shuffled with the seed, laid end
+   to end (each ends with <eod>) form one token stream; ``doc_order[k]`` is its k-th document.
+2. Windows: window w is stream[w s : w s + s + 1] (s = seq_length); consecutive windows share
+   one token, N stream tokens give (N - 1) // s windows, the tail is dropped. Windows cross
+   document boundaries; only their pieces are read from the memory-mapped .bin.
+3. Sample order: sample i is window ``sample_order[i]``, a second seeded permutation.
 
-1. **Document order.** The documents of the split, ``[start_doc, end_doc)`` of the indexed
-   dataset, are shuffled with the seed. Laid end to end they form one token *stream*; every
-   document already ends with ``<eod>`` (``preprocess --append-eod``), so the model can see the
-   boundaries. ``doc_order[k]`` is the k-th document of the stream.
+``dataset[i]`` is {"tokens": LongTensor[s], "labels": LongTensor[s]}, labels[t] == tokens[t + 1];
+``document_masks`` adds Megatron's per-document "position_ids", "document_ids", "loss_mask"
+(chapter 07) when asked.
 
-2. **Windows.** Window w is ``stream[w*s : w*s + s + 1]`` for s = seq_length: s + 1 tokens,
-   because the model reads tokens ``[0, s)`` and predicts tokens ``[1, s + 1)``. Consecutive
-   windows share one token (the last label of window w is the first input of window w + 1), so
-   no token is wasted and a stream of N tokens gives ``(N - 1) // s`` full windows; the tail
-   that does not fill a window is dropped. Windows cross document boundaries freely. Only the
-   window's pieces are read from the memory-mapped ``.bin``; the stream is never materialized.
+Which samples each rank trains on: with b = micro_batch_size, M micro-batches, D = dp_size,
+G = b M D, step k reads global indices [k G, (k+1) G); micro-batch m of dp rank r gets
+[k G + (m D + r) b, k G + (m D + r + 1) b), index g being sample g % len(dataset) (a pure
+function, so resume sees the same samples; Megatron's MegatronPretrainingSampler).
+``train_valid_split`` gives the last documents (file order) to validation, like --split.
 
-3. **Sample order.** Sample i is window ``sample_order[i]``, a second seeded permutation, so
-   consecutive samples come from unrelated parts of the corpus.
-
-``dataset[i]`` returns ``{"tokens": LongTensor[s], "labels": LongTensor[s]}`` with
-``labels[t] == tokens[t + 1]`` for t < s - 1: labels are the tokens shifted left by one.
-
-**Documents inside a window (chapter 07).** By default a window's documents see each other:
-attention runs over the whole window and positions count from its start, as Megatron's
-default does. Megatron's three switches (``--reset-position-ids``, ``--reset-attention-mask``,
-``--eod-mask-loss``; its ``_get_ltor_masks_and_position_ids``) make each document of a window
-train as if it were alone: ``document_masks`` adds ``"position_ids"`` (counting from 0 after
-each ``<eod>``), ``"document_ids"`` (which document of the window each token is in; the model
-attends only inside one) and ``"loss_mask"`` (0 where the input token is ``<eod>``).
-
-**Which sample does each rank train on at each step?** ``batch_for_step`` is a pure function,
-so a run resumed at step k sees exactly the samples the uninterrupted run saw. It follows
-Megatron's ``MegatronPretrainingSampler``. With
-
-    b = micro_batch_size, M = grad_accum_steps (microbatches per step), D = dp_size,
-    G = b * M * D (the global batch size),
-
-step k consumes the *global sample indices* ``[k*G, (k+1)*G)``, cut first by microbatch, then
-by data-parallel rank: microbatch m of data-parallel rank r gets the b contiguous indices
-
-    [k*G + (m*D + r)*b,  k*G + (m*D + r + 1)*b)
-
-So, over all m and r, the step covers its G indices exactly once: the union over ranks and
-microbatches equals the single-device (D = 1, M = 1, b = G) batch of the same step. Global
-index g is sample ``g % len(dataset)``: when the dataset is exhausted the next epoch starts
-over, with the same sample order.
-
-Splits are by whole documents: ``train_valid_split`` gives the last ``valid_fraction`` of the
-documents (in file order, before shuffling) to validation, as Megatron's ``--split`` does.
-"""
+Megatron-LM: megatron/core/datasets/gpt_dataset.py (GPTDataset)."""
 
 from __future__ import annotations
 
@@ -101,17 +69,14 @@ def train_valid_split(indexed: IndexedDataset,
 
 def document_masks(tokens: torch.Tensor, eod: int, reset_position_ids: bool = False,
                    reset_attention_mask: bool = False, eod_mask_loss: bool = False) -> dict[str, torch.Tensor]:
-    """Megatron's per-document masks for tokens [s] or [b, s] (the inputs, each document ending
-    with `eod`): a document starts after each `eod` (and at the window's start).
+    """Megatron's per-document masks for tokens [s] or [b, s] (a document starts after each `eod`
+    and at the window's start); only the keys asked for:
 
       "position_ids"  [.., s] int64, reset_position_ids: t minus the start of t's document
-      "document_ids"  [.., s] int64, reset_attention_mask: the number of `eod`s before t, so
-                      a query attends to the keys of its own document only (the block-diagonal
-                      causal mask; Megatron's THD format carries the same as cu_seqlens)
-      "loss_mask"     [.., s] float32, eod_mask_loss: 0 where the input is `eod` (the
-                      prediction of the next document's first token from the last one's end)
-    Only the keys asked for. Megatron-LM: megatron/core/datasets/gpt_dataset.py,
-    _get_ltor_masks_and_position_ids."""
+      "document_ids"  [.., s] int64, reset_attention_mask: the number of `eod`s before t (a query
+                      attends within its document: the block-diagonal causal mask)
+      "loss_mask"     [.., s] float32, eod_mask_loss: 0 where the input is `eod`
+    Megatron: gpt_dataset.py, _get_ltor_masks_and_position_ids."""
     is_eod = (tokens == eod).long()                                          # [.., s]
     out = {}
     document = is_eod.cumsum(-1) - is_eod                                    # [.., s] eods strictly before t
@@ -129,12 +94,8 @@ def document_masks(tokens: torch.Tensor, eod: int, reset_position_ids: bool = Fa
 
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of ``seq_length`` tokens (+ shifted labels) from a document range, seeded.
-
-    Attributes (all numpy int64):
-      doc_order[k]     the k-th document of the stream (a permutation of the split's documents)
-      doc_starts[k]    stream position where doc_order[k] begins; doc_starts[-1] = num_tokens
-      sample_order[i]  the window (see module docstring) that is sample i
-    """
+    numpy int64 attributes: doc_order[k] (the stream's k-th document), doc_starts[k] (its stream
+    position; doc_starts[-1] = num_tokens), sample_order[i] (the window that is sample i)."""
 
     def __init__(self, indexed: IndexedDataset, seq_length: int, seed: int, split=None, eod: int | None = None,
                  reset_position_ids: bool = False, reset_attention_mask: bool = False, eod_mask_loss: bool = False):
@@ -211,10 +172,7 @@ class GPTDataset(torch.utils.data.Dataset):
 def global_sample_indices(step: int, micro_batch_size: int, microbatch_index: int,
                           grad_accum_steps: int, dp_rank: int = 0,
                           dp_size: int = 1) -> list[int]:
-    """The global sample indices of (step, microbatch, dp_rank); see the module docstring.
-
-    Returns ``range(k*G + (m*D + r)*b, k*G + (m*D + r + 1)*b)`` as a list, G = b*M*D.
-    """
+    """[k G + (m D + r) b, k G + (m D + r + 1) b) as a list for (step k, microbatch m, dp_rank r), G = b M D."""
     for name, value in (("micro_batch_size", micro_batch_size),
                         ("grad_accum_steps", grad_accum_steps), ("dp_size", dp_size)):
         if value < 1:
@@ -234,12 +192,9 @@ def global_sample_indices(step: int, micro_batch_size: int, microbatch_index: in
 def batch_for_step(dataset: GPTDataset, step: int, micro_batch_size: int,
                    microbatch_index: int, grad_accum_steps: int, dp_rank: int = 0,
                    dp_size: int = 1) -> dict[str, torch.Tensor]:
-    """The microbatch ``microbatch_index`` of data-parallel rank ``dp_rank`` at ``step``.
-
-    Returns {"tokens": LongTensor[b, s], "labels": LongTensor[b, s]} (and the dataset's document
-    masks, [b, s] each), b = micro_batch_size, row j being sample
-    ``global_sample_indices(...)[j] % len(dataset)``.
-    """
+    """Micro-batch ``microbatch_index`` of dp rank ``dp_rank`` at ``step``: {"tokens", "labels":
+    LongTensor[b, s]} (+ the dataset's document masks, [b, s] each), row j being sample
+    ``global_sample_indices(...)[j] % len(dataset)``."""
     indices = global_sample_indices(step, micro_batch_size, microbatch_index,
                                     grad_accum_steps, dp_rank, dp_size)
     samples = [dataset[g % len(dataset)] for g in indices]

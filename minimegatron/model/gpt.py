@@ -6,10 +6,7 @@ Shape legend (used in every shape comment of the book):
   L layers               tp, cp, pp, dp, ep    the parallel sizes (later chapters)
   c one context-parallel chunk, s / (2 cp) tokens (chapter 04: a cp rank holds two, s / cp)
 
-Activations are [b, s, h] here. Megatron-LM keeps them as [s, b, h] so that sequence and
-context parallelism can cut the first dimension; the maths is the same.
-
-Module and parameter names follow Megatron-core's GPTModel, so a state dict reads like one:
+Activations are [b, s, h] (Megatron-LM: [s, b, h]). Names follow Megatron-core's GPTModel:
 
   embedding.word_embeddings.weight                 [V, h]
   embedding.position_embeddings.weight             [P, h]     learned positions only
@@ -22,10 +19,8 @@ Module and parameter names follow Megatron-core's GPTModel, so a state dict read
   decoder.final_layernorm.{weight,bias}
   output_layer.weight                              [V, h]     untied, or a pipeline's last stage
 
-For pipeline parallelism a stage builds only part of the model (Megatron's `pre_process` /
-`post_process` flags and a range of global layer numbers); layer i keeps its global name
-`decoder.layers.{i}` on every layout, which is what layout-independent init needs.
-"""
+A pipeline stage builds part of the model (`pre_process`, `post_process`, a range of global
+layer numbers); layer i keeps its name `decoder.layers.{i}` on every layout."""
 
 from __future__ import annotations
 
@@ -56,11 +51,8 @@ def dropout(x: torch.Tensor, p: float, training: bool, rng=None) -> torch.Tensor
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). [b, s, h] -> [b, s, h]
-    ([b, s/tp, h] under sequence parallelism: the norms and residuals see this rank's tokens,
-    the linear layers gather and scatter them).
-
-    dropout_rng: as SelfAttention's, for the residual branches' dropout (None: torch's
-    default generator; sequence parallelism sets the per-rank stream, tp/apply_tensor_parallel)."""
+    ([b, s/tp, h] under sequence parallelism). dropout_rng: as SelfAttention's, for the residual
+    branches (None: torch's default generator)."""
 
     def __init__(self, config: ModelConfig, layer_number: int = 0):
         super().__init__()
@@ -81,13 +73,10 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """The decoder (Megatron-core's TransformerBlock): this stage's transformer layers, keyed by
-    their global numbers, and on the last stage the final norm, which GPTModel applies.
-
-    forward(x, rope, document_ids=None): x [b, s, h] through the layers in order -> [b, s, h]
-    (document_ids [b, s]: packed documents, each attending only to itself). Chapter 07's full
-    recompute replaces this forward with one that runs the layers in checkpointed units
-    (recompute.py; Megatron's TransformerBlock._checkpointed_forward)."""
+    """The decoder: this stage's layers keyed by global number, and on the last stage the final norm
+    (which GPTModel applies). forward(x, rope, document_ids=None): x [b, s, h] -> [b, s, h];
+    document_ids [b, s] keeps attention within packed documents. Chapter 07's full recompute
+    replaces forward (Megatron: TransformerBlock._checkpointed_forward)."""
 
     def __init__(self, config: ModelConfig, layer_numbers: list[int], post_process: bool):
         super().__init__()
@@ -103,12 +92,9 @@ class TransformerBlock(nn.Module):
 
 
 class Embedding(nn.Module):
-    """tokens [b, s] (+ positions) -> hidden states [b, s, h].
-
-    Two hooks for sequence parallelism (tp.apply_tensor_parallel sets them, Megatron's
-    LanguageModelEmbedding does the same): `scatter_to_sequence_parallel`, a function
-    [b, s, h] -> [b, s/tp, h] applied after the positions are added (None: nothing), and
-    `dropout_rng` (see TransformerLayer)."""
+    """tokens [b, s] (+ positions) -> [b, s, h]. Sequence-parallel hooks (set by
+    tp.apply_tensor_parallel): `scatter_to_sequence_parallel` ([b, s, h] -> [b, s/tp, h], after the
+    positions; None: nothing) and `dropout_rng`. Megatron: LanguageModelEmbedding."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -130,30 +116,16 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """The decoder-only language model, or one pipeline stage of it.
+    """The decoder-only language model, or one pipeline stage of it (the book's only model).
 
-    Args:
-      config:        the model (validated here).
-      pre_process:   this stage owns the embedding (input: tokens).
-      post_process:  this stage owns the final norm, output layer and loss.
-      layer_numbers: the global layer indices this stage runs (default: all L layers).
-
+    config: validated here; pre_process: owns the embedding; post_process: owns the final norm,
+    output layer and loss; layer_numbers: the global layers run (default all L).
     forward(tokens, position_ids=None, labels=None, hidden_states=None, document_ids=None):
-      tokens [b, s] int64 (first stage) or hidden_states [b, s, h] (later stages);
-      position_ids [b, s] or [s], default 0..s-1: pass them when this rank's tokens are not
-      positions 0..s-1 (context parallelism: cp/layout.get_batch_on_this_cp_rank; packed
-      documents), and to every pipeline stage when hidden_states are cut along s (sequence
-      parallelism); document_ids [b, s] (packed documents, chapter 07: each token attends
-      only to its own document), to every stage;
-      returns, on the last stage, per-token losses [b, s] (float32, or float64 for a float64
-      model) when labels [b, s] are given, otherwise logits [b, s, V]; on other stages the
-      hidden states [b, s, h].
-
-    This is the only model of the book. Each parallelism transforms it in place
-    (parallelize.build_model): tensor parallelism swaps its linear layers, embedding, output
-    layer and loss for their parallel forms (tp.apply_tensor_parallel); pipeline parallelism
-    builds one per stage (pre_process, post_process, layer_numbers); data parallelism wraps it.
-    """
+      tokens [b, s] int64 (first stage) or hidden_states [b, s, h]; position_ids [b, s] or [s]
+      (default 0..s-1; pass them under cp, packed documents, or SP-cut hidden states);
+      document_ids [b, s] to every stage. Returns, on the last stage, losses [b, s] (float32, or
+      float64 for a float64 model) with labels, else logits [b, s, V]; elsewhere [b, s, h].
+    Parallelisms transform it in place (parallelize.build_model)."""
 
     def __init__(self, config: ModelConfig, pre_process: bool = True, post_process: bool = True,
                  layer_numbers: list[int] | None = None):
@@ -219,9 +191,8 @@ class GPTModel(nn.Module):
         return self.output_and_loss(x, labels)                              # [b, s] or [b, s, V]
 
     def output_and_loss(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """The last stage's head: x [b, s, h] (after the final norm) -> per-token losses [b, s]
-        when labels [b, s] are given, else logits [b, s, V]. The seam chapter 07's fused linear
-        cross-entropy takes (kernels.apply_kernels): the loss without the logits."""
+        """x [b, s, h] (after the final norm) -> losses [b, s] with labels [b, s], else logits [b, s, V].
+        The seam chapter 07's fused linear cross-entropy replaces (kernels.apply_kernels)."""
         logits = self.output_layer(x, weight=self.output_weight())          # [b, s, V]
         if labels is None:
             return logits
@@ -237,21 +208,11 @@ class LanguageModelLoss(nn.Module):
 
 
 class CrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy, logits z [N, V] and labels t [N] -> losses [N], whose backward
-    reuses the memory of what the forward saved.
+    """Per-token cross-entropy z [N, V], t [N] -> losses [N], F.cross_entropy(reduction="none")'s values.
 
-    forward:  log_probs = log_softmax(z) [N, V] (saved); loss = -log_probs[t]
-    backward: d loss / d z = (softmax(z) - onehot(t)) * d loss, computed in place in the saved
-              log_probs: exp_ gives the softmax, minus 1 at each target, times d loss.
-    The same values as F.cross_entropy(reduction="none"), whose backward instead fills a new
-    zero [N, V] tensor for nll_loss's gradient and runs log_softmax's backward over it: two
-    more passes over the largest tensor of the step ([b s, V]). Megatron-LM computes the
-    loss with its vocab-parallel cross-entropy also at tp = 1, and that writes the gradient
-    into the saved softmax the same way (megatron/core/tensor_parallel/cross_entropy.py,
-    calculate_gradients); tp.vocab_parallel_cross_entropy here does too.
-    The backward runs once: a second one through the same graph (retain_graph=True) raises,
-    because the saved tensor has been consumed.
-    """
+    forward saves log_probs = log_softmax(z) [N, V]; backward writes (softmax(z) - onehot(t)) *
+    dloss in place in it (no new [N, V] tensor), so it runs once: a second backward raises.
+    Megatron: tensor_parallel/cross_entropy.py, calculate_gradients (the same in-place gradient)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -271,13 +232,10 @@ class CrossEntropy(torch.autograd.Function):
 
 def mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None = None,
               loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """A micro-batch's loss from its per-token losses [b, s]: their mean, or with a loss_mask
-    [b, s] (chapter 07's --eod-mask-loss) the mean over the tokens it keeps, sum(losses x mask) /
-    sum(mask) (Megatron's loss_func; a micro-batch with every token masked gives 0).
-    loss_tokens (a number, cp/layout.get_batch_on_this_cp_rank puts it in the batch): the tokens
-    the mask keeps in the WHOLE micro-batch over the context-parallel size, the denominator
-    instead of this rank's own count, so that the average over the cp ranks (the gradients'
-    and the loss's) is the micro-batch's mean although the ranks keep different numbers."""
+    """A micro-batch's loss from per-token losses [b, s]: their mean, or with loss_mask [b, s]
+    (--eod-mask-loss) sum(losses x mask) / sum(mask) (0 when all masked; Megatron's loss_func).
+    loss_tokens: the kept tokens of the WHOLE micro-batch over cp (from get_batch_on_this_cp_rank),
+    used as the denominator so the cp ranks' average is the micro-batch's mean."""
     if loss_mask is None:
         return losses.mean()
     mask = loss_mask.to(losses.dtype)
@@ -286,11 +244,8 @@ def mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor | None = None,
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy: logits [b, s, V], labels [b, s] -> losses [b, s].
-
-    Computed in float32 for 16-bit logits (Megatron does the same), else in the logits' dtype.
-    Equal to F.cross_entropy(reduction="none"), values and gradients (CrossEntropy above).
-    """
+    """Per-token cross-entropy: logits [b, s, V], labels [b, s] -> losses [b, s], in float32 for
+    16-bit logits (as Megatron), else the logits' dtype; equal to F.cross_entropy(reduction="none")."""
     b, s, v = logits.shape
     logits = logits.to(compute_dtype(logits))
     return CrossEntropy.apply(logits.reshape(b * s, v), labels.reshape(b * s)).view(b, s)

@@ -1,38 +1,23 @@
 """A mixture of experts in place of the MLP: the single-device GPT-MoE of chapter 05.
 
-Shape legend as in model/gpt.py, plus T = b s tokens, E experts (num_experts), k experts per
-token (moe_router_topk), f_e an expert's inner width (moe_ffn_hidden_size).
+Shapes as in model/gpt.py, plus T = b s tokens, E experts (num_experts), k experts per token
+(moe_router_topk), f_e an expert's inner width (moe_ffn_hidden_size).
 
     x [b, s, h] -> tokens [T, h]
       router: logits = tokens W_r^T [T, E] -> probs, routing_map [T, E]  (model/router.py)
       capacity (optional): each expert keeps at most ceil(T k / E * factor) of its tokens
-      experts: expert e runs its own MLP on the tokens routed to it; every output row is
-               weighted by its probability and added to its token's row:
-                   y[t] = sum over chosen e of probs[t, e] * expert_e(tokens[t])
-      shared expert (optional): one more MLP that every token takes, added unweighted
+      experts: y[t] = sum over chosen e of probs[t, e] * expert_e(tokens[t])
+      shared expert (optional): one more MLP every token takes, added unweighted
     -> [b, s, h]
 
-Two forms of the experts, equal to rounding (tests/test_moe.py): `experts_loop`, one expert at
-a time on its tokens (Megatron-Core's SequentialMLP), and `experts_grouped`, every expert in
-one batched matrix product over tokens sorted by expert and padded to the largest count (what
-a grouped GEMM does without the padding: Megatron's TEGroupedMLP).
+Two forms of the experts, equal to rounding: `experts_loop` (Megatron's SequentialMLP) and
+`experts_grouped`, one batched product over tokens sorted by expert (Megatron's TEGroupedMLP).
+The auxiliary losses reach the router's gradient through MoEAuxLossAutoScaler, scaled by
+`aux_loss_scale` (1 / micro-batches); their values are in `aux_losses`.
 
-Auxiliary losses (the load-balancing loss and the z-loss, model/router.py) do not change the
-output. `MoEAuxLossAutoScaler` attaches them to it: the forward returns the output unchanged, the
-backward adds d(aux)/d(logits) scaled by `aux_loss_scale`, which the training step sets to one
-micro-batch's share (1 / number of micro-batches, as the language-model loss is scaled):
-Megatron-Core's MoEAuxLossAutoScaler. The values are kept in `aux_losses` for logging.
-
-Parameter names follow Megatron-Core's MoELayer: mlp.router.weight [E, h],
-mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2, mlp.shared_experts.linear_fc1 /
-linear_fc2. One difference: here e is the GLOBAL expert index on every layout (a rank of
-chapter 05 keeps the keys of the experts it holds), so a rank's names read like the
-single-device ones. Megatron's modules use the LOCAL index (SequentialMLP.local_experts is a
-ModuleList 0 .. E/ep - 1 on every rank); the global index appears only in its distributed-
-checkpoint keys (SequentialMLP.sharded_state_dict: local_experts.{i} becomes experts.{offset + i}
-or an offset along an added expert axis, offset = ep_rank E/ep; checked on Megatron-LM main
-d98e8a6, 2026-11-27).
-"""
+Names follow Megatron-Core's MoELayer: mlp.router.weight [E, h],
+mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2, mlp.shared_experts.linear_fc1 / linear_fc2,
+with e the GLOBAL expert index on every layout (Megatron's modules use the local index)."""
 
 from __future__ import annotations
 
@@ -93,13 +78,10 @@ def experts_grouped(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torc
 
 def experts_on_sorted_tokens(x: torch.Tensor, counts: list[int], experts: list[nn.Module],
                              grouped: bool = False) -> torch.Tensor:
-    """Each expert on its own rows: x [N, h] holds counts[0] rows for experts[0], then counts[1]
-    for experts[1], ... (N = sum counts) -> [N, h], unweighted (what a dispatcher hands its
-    local experts). grouped=False: one expert at a time (Megatron's SequentialMLP); True: the
-    rows padded to [E_local, C, h] (C the largest count) and every expert in one batched product,
-    fc1 and fc2 stacked into [E_local, f1, h] and [E_local, h, f] and multiplied by the first
-    expert's gemm (model/linear.py's seam; a grouped GEMM without the padding: Megatron's
-    TEGroupedMLP)."""
+    """Each expert on its own rows: x [N, h] holds counts[0] rows for experts[0], then counts[1] for
+    experts[1], ... -> [N, h], unweighted. grouped=False: one expert at a time; True: rows padded
+    to [E_local, C, h] (C the largest count), fc1/fc2 stacked to [E_local, f1, h] / [E_local, h, f]
+    and multiplied by the first expert's gemm (Megatron: TEGroupedMLP, without the padding)."""
     if not grouped:
         return torch.cat([expert(chunk) for expert, chunk in zip(experts, x.split(counts))])
     counts_t = torch.tensor(counts, device=x.device)
@@ -118,16 +100,9 @@ def experts_on_sorted_tokens(x: torch.Tensor, counts: list[int], experts: list[n
 
 
 class TopKRouter(nn.Module):
-    """tokens [T, h] -> logits [T, E] (weight [E, h]: Megatron's router.weight). The book's
-    router has no bias. Megatron's has one since 2025-09 (the gpt-oss work): a parameter
-    router.bias [E] whenever add_bias_linear is set, created in float32 like the weight (both
-    then cast to params_dtype) and marked sequence_parallel like it (router.py, Router.__init__
-    and reset_parameters; checked on main d98e8a6, 2026-11-27).
-
-    With config.moe_router_enable_expert_bias, two buffers as in Megatron-Core's TopKRouter:
-    expert_bias [E] (steers the choice, saved with the model) and local_tokens_per_expert [E]
-    (this rank's routed counts since the last update; moe.update_expert_bias reads and resets
-    them after each step)."""
+    """tokens [T, h] -> logits [T, E] (weight [E, h], no bias; Megatron's has one with
+    add_bias_linear). With config.moe_router_enable_expert_bias, buffers expert_bias [E] (saved
+    with the model) and local_tokens_per_expert [E] (counts since the last update_expert_bias)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -146,21 +121,15 @@ class TopKRouter(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """[b, s, h] -> [b, s, h], the module docstring's computation. `grouped` picks the experts'
-    form (False: experts_loop). aux_loss_scale: the backward scale of the auxiliary losses
-    (set_moe_aux_loss_scale); aux_losses: their last values on this rank, {"load_balancing",
-    "z_loss"} (under sequence or context parallelism, this rank's part: the layer's losses are
-    the sums over aux_group).
+    """[b, s, h] -> [b, s, h], the module docstring's computation; `grouped` picks the experts' form.
+    aux_losses: last values on this rank, {"load_balancing", "z_loss"}.
 
-    What expert parallelism (moe/expert_parallel.py) sets, all None or 1 on one device:
-      token_dispatcher  callable(tokens, probs, routing_map, local experts, grouped) -> [T, h]:
-                        sends the tokens to the ranks holding their experts and brings the
-                        weighted outputs back (moe/dispatcher.py); None: every expert is here
-      aux_group         the tensor x context parallel group: the ranks whose tokens together make
-                        the micro-batch's token set, over which the routing counts are summed
-      aux_grad_scale    cp: the dense gradients are averaged over dp x cp, while the cp ranks'
-                        auxiliary losses are parts of one sum, so their gradients weigh cp times
-    """
+    Set by expert parallelism (moe/expert_parallel.py), None or 1 on one device:
+      token_dispatcher  callable(tokens, probs, routing_map, local experts, grouped) -> [T, h]
+                        (moe/dispatcher.py); None: every expert is here
+      aux_group         the tp x cp group, whose tokens together make the micro-batch
+      aux_grad_scale    cp: the cp ranks' aux losses are parts of one sum, gradients averaged over
+                        dp x cp, so they weigh cp times"""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -177,6 +146,15 @@ class MoELayer(nn.Module):
         self.token_dispatcher = None
         self.aux_group = None
         self.aux_grad_scale = 1
+
+    @property
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """tp.apply_tensor_parallel's cut: the router replicated (s/tp tokens under SP), the shared expert
+        as a dense MLP, the routed experts left to moe.apply_expert_parallel (etp)."""
+        plan = {"router": "replicated"}
+        if self.shared_experts is not None:
+            plan |= {"shared_experts.linear_fc1": "column", "shared_experts.linear_fc2": "row"}
+        return plan
 
     def local_experts(self) -> dict[int, nn.Module]:
         """{global expert index: its MLP} for the experts this rank holds (all of them on one device)."""
@@ -211,13 +189,10 @@ class MoELayer(nn.Module):
         return out.view(b, s, h)
 
     def attach_aux_losses(self, out: torch.Tensor, logits: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """The load-balancing loss and the z-loss of this rank's logits [T, E], attached to the
-        backward of `out` (MoEAuxLossAutoScaler). Both are defined over the micro-batch's token set
-        (aux_group's tokens together): the routed counts are summed over aux_group (one all-reduce
-        of E numbers, tag "moe-aux"; of b E numbers per sequence for "seq_aux_loss") and the z-loss
-        coefficient is divided by its size, so the ranks' losses add up to the layer's loss. The
-        counts are those of the plain top-k choice, before capacity and expert bias (Megatron-Core
-        computes the auxiliary loss's routing map the same way)."""
+        """Attach the load-balancing loss and z-loss of this rank's logits [T, E] to `out`'s backward.
+        Routed counts (plain top-k, before capacity and bias) are summed over aux_group: one all-reduce
+        of E numbers (b E for "seq_aux_loss"), tag "moe-aux"; the z-loss coefficient is divided by its
+        size, so the ranks' losses add up to the layer's."""
         cfg = self.config
         k, parts = cfg.moe_router_topk, group_size(self.aux_group) if self.aux_group is not None else 1
         top = torch.zeros_like(logits, dtype=torch.bool).scatter(1, logits.topk(k, dim=-1).indices, True)  # [T, E]
@@ -245,8 +220,7 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 
 
 def set_moe_aux_loss_scale(models: list[nn.Module], scale: float) -> None:
-    """Give every MoE layer of `models` the backward scale of its auxiliary losses (the training
-    step: 1 / number of micro-batches, the same share as each micro-batch's language-model loss)."""
+    """Set every MoE layer's auxiliary-loss backward scale (1 / number of micro-batches)."""
     for model in models:
         for layer in moe_layers(model):
             layer.aux_loss_scale = scale
@@ -254,12 +228,10 @@ def set_moe_aux_loss_scale(models: list[nn.Module], scale: float) -> None:
 
 @torch.no_grad()
 def update_expert_bias(models: list[nn.Module], group=None) -> None:
-    """After a step's backward: every MoE layer's expert bias moves by its rate towards balance
-    (router.expert_bias_update), from the routed counts of the whole step, summed over `group`
-    (every rank of this pipeline stage: tp x dp x cp; None on one device) in one all-reduce of
-    the stacked counts (tag "moe-bias"); the counts are then reset. The "expert-bias" gradient
-    hook (finalize.py): GPTModel registers it, moe.apply_expert_parallel gives it its group.
-    Megatron-LM: finalize_model_grads.py, _update_router_expert_bias. A no-op without expert biases."""
+    """After a step's backward, move every expert bias (router.expert_bias_update) by the step's
+    counts summed over `group` (tp x dp x cp of this stage; None on one device): one all-reduce of
+    the stacked counts, tag "moe-bias"; then reset the counts. No-op without expert biases.
+    Megatron: finalize_model_grads.py, _update_router_expert_bias."""
     routers = [layer.router for m in models for layer in moe_layers(m) if layer.router.expert_bias is not None]
     if not routers:
         return

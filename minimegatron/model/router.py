@@ -1,9 +1,7 @@
 """The router of a mixture of experts: which experts each token goes to, with which weight.
 
-Shape legend: T tokens (b s of one micro-batch, flattened), E experts, k = topk experts per
-token. The router is a linear layer h -> E; its output are the logits [T, E]. Everything here
-is a pure function of the logits, so it can be tested against hand-computed values and reused
-on any layout (chapter 05 applies it per rank to the rank's tokens).
+T tokens (b s of one micro-batch, flattened), E experts, k = topk. The router is a linear
+layer h -> E; everything here is a pure function of its logits [T, E]:
 
     topk_routing(logits, k)          -> probs [T, E] (zero off the k chosen experts),
                                         routing_map [T, E] (bool, k True per token)
@@ -13,26 +11,8 @@ on any layout (chapter 05 applies it per rank to the rank's tokens).
     apply_token_dropping(probs, routing_map, k, capacity_factor, ...)   expert capacity
     expert_bias_update(tokens_per_expert, bias, rate)   DeepSeek-V3's aux-loss-free balancing
 
-Megatron-Core's semantics (megatron/core/transformer/moe/moe_utils.py:
-topk_routing_with_score_function, group_limited_topk, switch_load_balancing_loss_func,
-z_loss_func, apply_router_token_dropping, get_capacity, get_updated_expert_bias; checked
-against Megatron-LM main of 2026-08-22, commit d98e8a6):
-
-  score_function="softmax" (default): the k largest logits are chosen and the weights are the
-      softmax over those k logits only (they sum to 1 per token); with pre_softmax=True the
-      softmax runs over all E experts first and the k largest probabilities are kept as they
-      are (they sum to less than 1).
-  score_function="sigmoid": scores = sigmoid(logits); with an expert_bias [E] the choice is
-      made on scores + bias, but the weights are the scores without it (the bias steers the
-      choice only: DeepSeek-V3's auxiliary-loss-free balancing); with k > 1 the chosen scores
-      are normalised to sum to 1.
-  num_groups, group_topk: device- (or node-) limited routing: the experts form num_groups
-      equal groups; each group's score is the sum of its k / group_topk best scores; only the
-      group_topk best groups may be chosen from.
-  scaling_factor multiplies the weights.
-Scores and weights are computed in float32 for 16-bit logits (as Megatron does), else in the
-logits' dtype.
-"""
+Scores and weights in float32 for 16-bit logits, else the logits' dtype.
+Megatron-Core: megatron/core/transformer/moe/moe_utils.py (same semantics, main d98e8a6)."""
 
 from __future__ import annotations
 
@@ -169,16 +149,13 @@ def aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: 
 def sequence_aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float, batch_size: int, *,
                       score_function: str = "softmax", tokens_per_expert: torch.Tensor | None = None,
                       seq_length: int | None = None) -> torch.Tensor:
-    """The per-sequence load-balancing loss (Megatron-Core's "seq_aux_loss", DeepSeek-V2/V3's
-    sequence-wise balance loss): `aux_loss` computed over each sequence's own tokens, then
-    averaged over the batch's sequences:
+    """The per-sequence load-balancing loss (Megatron's "seq_aux_loss", DeepSeek-V2/V3): `aux_loss`
+    over each sequence's tokens, averaged over the b sequences:
 
         loss = 1/b sum_j coeff * E / (k S^2) * sum_i (sum_{t in j} P[t, i]) * c_{j,i}
 
-    logits [b s, E] with the tokens of each sequence consecutive (b-major, as MoELayer flattens
-    [b, s, h]); S the sequence's length, c_{j,i} its tokens routed to expert i. Over several
-    ranks that each hold part of every sequence (sequence or context parallel), pass
-    `tokens_per_expert` [b, E] and `seq_length` summed over them, as for aux_loss."""
+    logits [b s, E], b-major (as MoELayer flattens). Under sp/cp pass `tokens_per_expert` [b, E] and
+    `seq_length` summed over the ranks, as for aux_loss."""
     scores = _scores_for_aux_loss(logits, score_function)                                # [b s, E]
     experts = logits.shape[1]
     per_sequence = scores.view(batch_size, -1, experts).sum(dim=1)                     # [b, E]
@@ -189,15 +166,13 @@ def sequence_aux_loss(logits: torch.Tensor, routing_map: torch.Tensor, topk: int
 
 
 def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
-    """ST-MoE's router z-loss: coeff * mean over tokens of logsumexp(logits)^2 (it keeps the
-    logits small, so the softmax stays well conditioned). A differentiable scalar."""
+    """ST-MoE's router z-loss: coeff * mean over tokens of logsumexp(logits)^2. A differentiable scalar."""
     return torch.logsumexp(_compute(logits), dim=-1).square().mean() * coeff
 
 
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
-    """Slots per expert: ceil(T k / E * capacity_factor) (Megatron's get_capacity of T k
-    routed copies). ValueError, naming it, for a capacity_factor that is not a positive finite
-    number (math.ceil of an infinite one raises a bare OverflowError)."""
+    """Slots per expert: ceil(T k / E * capacity_factor) (Megatron's get_capacity). ValueError for a
+    capacity_factor that is not a positive finite number."""
     if not 0 < capacity_factor < math.inf:
         raise ValueError(f"capacity_factor={capacity_factor} must be a positive, finite number")
     return math.ceil(num_tokens * topk / num_experts * capacity_factor)
@@ -206,14 +181,10 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
 def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, topk: int, capacity_factor: float,
                          drop_policy: str = "probs", pad_to_capacity: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Enforce expert capacity: each expert keeps at most `expert_capacity` of the tokens routed
-    to it; the others lose that expert (their weight there becomes 0).
-
-    drop_policy "probs": an expert keeps the tokens with the largest weights for it;
-    "position": the first ones in token order. pad_to_capacity: every expert then processes
-    exactly `capacity` slots (unrouted slots filled with tokens of weight 0), so the shapes are
-    static; the returned map is the slots, the probs stay those of the routed tokens.
-    Returns (probs, routing_map), [T, E] each."""
+    """Expert capacity: each expert keeps at most `expert_capacity` of its routed tokens (the others
+    get weight 0 there). drop_policy "probs": the largest weights; "position": the first in token
+    order. pad_to_capacity: every expert gets exactly `capacity` slots (weight-0 fillers; the map
+    is the slots). Returns (probs, routing_map), [T, E] each."""
     tokens, experts = probs.shape
     if drop_policy not in ("probs", "position"):
         raise ValueError(f"drop_policy={drop_policy!r} is not 'probs' or 'position'")
@@ -233,9 +204,7 @@ def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, topk: i
 
 @torch.no_grad()
 def expert_bias_update(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, rate: float) -> torch.Tensor:
-    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): after each step, raise
-    the bias of the experts that got fewer tokens than the average and lower it for those that
-    got more, by `rate`: bias + rate * sign(mean - count). tokens_per_expert: the counts of the
-    step summed over every rank that shares the router (Megatron: the TP x DP x CP group)."""
+    """DeepSeek-V3's aux-loss-free balancing: bias + rate * sign(mean - count). tokens_per_expert:
+    the step's counts summed over every rank sharing the router (Megatron: tp x dp x cp)."""
     counts = tokens_per_expert.to(expert_bias.dtype)
     return expert_bias + rate * torch.sign(counts.mean() - counts)

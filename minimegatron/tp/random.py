@@ -1,53 +1,20 @@
 """Random numbers under tensor parallelism: which dropout masks must agree across ranks.
 
-A tensor-parallel group holds two kinds of activations (shape legend as in model/gpt.py):
-
-  replicated  the residual stream [b, s, h], e.g. the output of a RowParallelLinear after
-              its all-reduce. Every rank of the group holds the SAME full tensor.
-  sharded     the activations between a column- and a row-parallel layer, e.g. the
-              attention probabilities of this rank's heads [b, a/tp, s, s] or the MLP
-              activation [b, s, f/tp]. Rank r holds part r of a larger tensor.
-
-Dropout on each kind needs a different random stream:
-
-  * On a REPLICATED tensor every rank must draw the SAME mask. The replicas are meant to be
-    one tensor stored tp times; with different masks they stop being equal after the first
-    dropout, and since every later layer reads its own copy, the ranks' residual streams
-    (and then their gradients) drift apart: the group no longer computes one model.
-  * On a SHARDED tensor every rank must draw a DIFFERENT mask. The shards are different
-    pieces of one full tensor, whose mask should be independent Bernoulli draws everywhere.
-    The same stream on every rank would cut the same pattern into every shard: head 0 of
-    rank 0 and head 0 of rank 1 would always drop the same positions, a mask correlated
-    with itself, which is a different (and wrong) regulariser from the single-device one.
-
-So there are two streams. torch's default CPU generator is the shared one, seeded with the
-same value on every rank of a group; the tracker holds named extra streams and ``fork``
-swaps one in for the duration of a block:
+Dropout on a REPLICATED tensor (the residual stream [b, s, h]) must draw the same mask on
+every rank of the group; on a SHARDED one ([b, a/tp, s, s] probabilities, [b, s, f/tp]) a
+different mask per rank (chapter 02 says why). So two streams: torch's default CPU generator,
+seeded alike on the group, and a tracker's named streams that ``fork`` swaps in for a block:
 
     model_parallel_manual_seed(seed, tp_rank)
     y = F.dropout(row_parallel_out, p)              # default stream: same on the group
     with get_rng_tracker().fork():                  # "model-parallel-rng": per TP rank
         probs = F.dropout(local_head_probs, p)
 
-Seeds, as in Megatron-LM (megatron/training/initialize.py ``_set_random_seed`` adds the
-pipeline offset, then megatron/core/tensor_parallel/random.py
-``model_parallel_cuda_manual_seed`` derives the TP stream from the offset seed):
+Seeds: base = seed + 100 * pp_rank; default generator = base; "model-parallel-rng" =
+base + 2718 + tp_rank (DP ranks draw the same masks).
 
-    base                 = seed + 100 * pp_rank        (pipeline stages hold different layers)
-    default generator    = base                        same on all TP ranks (and DP ranks)
-    "model-parallel-rng" = base + 2718 + tp_rank       differs across the TP group, equal on
-                                                       ranks with the same tp_rank in other
-                                                       DP groups
-
-The DP ranks therefore draw the same masks too; they apply them to different samples.
-(Megatron's optional ``data_parallel_random_init`` adds 10 * dp_rank to the base; its
-"expert-parallel-rng" and "data-parallel-rng" streams are left out here.)
-
-Megatron-LM: megatron/core/tensor_parallel/random.py (CudaRNGStatesTracker,
-model_parallel_cuda_manual_seed, get_cuda_rng_tracker). Difference: Megatron swaps the CUDA
-generator and leaves the CPU one alone; on this CPU-only book the default CPU generator is
-the one every dropout uses, so it is the one swapped.
-"""
+Megatron-LM: megatron/core/tensor_parallel/random.py (CudaRNGStatesTracker; it swaps the CUDA
+generator, this book the CPU one)."""
 
 from __future__ import annotations
 
@@ -66,27 +33,14 @@ _DEFAULT = "default"    # name of "no stream forked": torch's own generator stat
 
 
 class RNGStatesTracker:
-    """Named random streams that can be swapped into torch's default CPU generator.
+    """Named random streams (torch.Generator states, uint8 tensors) swapped into torch's default CPU generator.
 
-    A stream is a generator state (a uint8 tensor, ``torch.Generator.get_state()``); the
-    tracker owns the states, torch's default generator is the one that draws.
-
-    ``add(name, seed)``  creates stream ``name`` from ``seed``. Neither name nor seed may be
-                         used already (two streams from one seed would be the same
-                         stream). Does not touch the default generator.
-    ``fork(name)``       context manager: on entry saves the default generator's state and
-                         loads stream ``name``; on exit stores the advanced state back as
-                         ``name`` (the next fork continues where this one stopped) and
-                         restores the saved state, so code outside the block sees the
-                         default stream exactly as if the block had not run. Restores also
-                         when the block raises. Forks nest; forking the stream already
-                         active just continues it.
-    ``get_states()``     {name: state} copies, for a checkpoint. The default generator is
-                         not included: save ``torch.get_rng_state()`` beside it, as
-                         Megatron's checkpoint does.
-    ``set_states(s)``    replaces all streams by copies of ``s`` (checkpoint resume).
-    ``reset()``          forgets every stream and seed.
-    """
+    ``add(name, seed)``  new stream; name and seed must both be unused. Leaves the default alone.
+    ``fork(name)``       context: load stream ``name``; on exit (also on raise) store its advanced
+                         state back and restore the default generator as if the block had not run.
+                         Forks nest; forking the active stream continues it.
+    ``get_states()``     {name: state} copies (not the default generator's: save torch.get_rng_state()).
+    ``set_states(s)``    replace all streams by copies of ``s``.  ``reset()`` forget all."""
 
     def __init__(self) -> None:
         self.reset()
@@ -146,23 +100,16 @@ _RNG_TRACKER = RNGStatesTracker()
 
 
 def get_rng_tracker() -> RNGStatesTracker:
-    """The process's tracker (Megatron's get_cuda_rng_tracker): one per rank, shared by
-    every layer, so each dropout site advances the same per-rank stream."""
+    """The process's one tracker (Megatron's get_cuda_rng_tracker), shared by every layer."""
     return _RNG_TRACKER
 
 
 def model_parallel_manual_seed(seed: int, tp_rank: int | None = None,
                                pp_rank: int = 0) -> None:
-    """Seed both streams of this rank (Megatron's _set_random_seed +
-    model_parallel_cuda_manual_seed); call once per rank instead of torch.manual_seed.
-
-    ``tp_rank`` None: read from ``parallel_state`` (which must be initialized).
-    Effect, with base = seed + 100 * pp_rank:
-      torch.manual_seed(base)                      the shared stream (replicated tensors)
-      tracker reset, then add("model-parallel-rng", base + 2718 + tp_rank)
-                                                   the per-TP-rank stream (sharded tensors)
-    Raises ValueError for a negative seed or rank.
-    """
+    """Seed both streams of this rank, instead of torch.manual_seed: torch.manual_seed(base), then
+    tracker reset and add("model-parallel-rng", base + 2718 + tp_rank), base = seed + 100 * pp_rank.
+    ``tp_rank`` None: from parallel_state. ValueError for a negative seed or rank.
+    Megatron: _set_random_seed + model_parallel_cuda_manual_seed."""
     if tp_rank is None:
         from ..parallel_state import get_tensor_model_parallel_rank
         tp_rank = get_tensor_model_parallel_rank()
