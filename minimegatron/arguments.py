@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 from typing import Any, Iterable
 
@@ -38,227 +39,17 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 # ---------------------------------------------------------------------------------------
 # command line: Megatron-LM's flags, where the book implements what they do
 # ---------------------------------------------------------------------------------------
-# Every config field is a flag in one of the groups of Megatron's --help, with a one-line help
-# saying its unit; the default is appended from the configs themselves. The first name of a
+# Each ModelConfig / TrainConfig field declares its flags, --help group and one-line help
+# (config.opt); the default is appended from the configs themselves. The first name of a
 # flag is Megatron's spelling (checked 2026-11-24 against Megatron-LM main: the flags
 # megatron/training/arguments.py adds, and those it generates from TransformerConfig,
 # TrainingConfig, SchedulerConfig, CheckpointConfig, RNGConfig); more names are the book's.
 GROUPS = ("model", "moe", "training", "mixed precision", "parallelism", "data", "checkpointing", "logging")
-
-# field -> (group, flag names, help). Booleans are switches (SWITCHES below), not flags.
+FIELDS = {f.name: f for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)}
+# field -> (group, flag names, help), for the fields that take a value
 FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "vocab_size": ("model", ("--vocab-size",), "rows of the embedding table, in tokens (>= the tokenizer's size)"),
-    "make_vocab_size_divisible_by": ("model", ("--make-vocab-size-divisible-by",),
-                                     "with TP, pad the vocabulary to a multiple of this x tp (Megatron: 128, "
-                                     "padding on one device too)"),
-    "hidden_size": ("model", ("--hidden-size",), "h, the width of the residual stream"),
-    "num_layers": ("model", ("--num-layers",), "L, transformer layers"),
-    "num_attention_heads": ("model", ("--num-attention-heads",), "a, query heads"),
-    "num_query_groups": ("model", ("--num-query-groups",),
-                         "g, key/value heads (grouped-query attention); unset: g = a"),
-    "ffn_hidden_size": ("model", ("--ffn-hidden-size",),
-                        "f, the MLP's inner width; unset: 4h (GELU), about 8h/3 (SwiGLU)"),
-    "max_position_embeddings": ("model", ("--max-position-embeddings",), "longest sequence the model accepts, tokens"),
-    "normalization": ("model", ("--normalization",), "LayerNorm or RMSNorm"),
-    "activation": ("model", ("--activation",), "the MLP's activation, gelu or swiglu (the book's; Megatron: --swiglu)"),
-    "position_embedding_type": ("model", ("--position-embedding-type",), "learned_absolute or rope"),
-    "rotary_base": ("model", ("--rotary-base",), "RoPE's base theta, > 0"),
-    "layernorm_epsilon": ("model", ("--norm-epsilon", "--layernorm-epsilon"),
-                          "epsilon added to the variance in LayerNorm / RMSNorm, > 0"),
-    "init_method_std": ("model", ("--init-method-std",), "standard deviation of the normal initial weights, > 0"),
-    "hidden_dropout": ("model", ("--hidden-dropout",), "dropout probability on the residual branches, in [0, 1)"),
-    "attention_dropout": ("model", ("--attention-dropout",),
-                          "dropout probability on the attention probabilities, in [0, 1)"),
-    "attention_backend": ("model", ("--attention-backend",),
-                          "how attention is computed (the book's implementations, see minimegatron/model)"),
-    "seed": ("model", ("--seed",), "initial weights: each parameter is a function of (seed, its name); "
-                                   "Megatron's --seed also seeds data and dropout, here --data-seed does"),
-    "params_dtype": ("model", ("--params-dtype",),
-                     "dtype of parameters and activations: float32, float64, bfloat16 or float16, plain (no "
-                     "float32 main copies: --bf16 / --fp16 are mixed precision) (the book's)"),
-    "num_experts": ("moe", ("--num-experts",), "E, experts in each MoE layer; unset: a dense MLP everywhere "
-                                               "(chapter 05)"),
-    "moe_router_topk": ("moe", ("--moe-router-topk",), "k, experts each token is routed to"),
-    "moe_ffn_hidden_size": ("moe", ("--moe-ffn-hidden-size",), "an expert's inner width; unset: --ffn-hidden-size"),
-    "moe_layer_freq": ("moe", ("--moe-layer-freq",), "every n-th layer (layer i with i %% n == 0) is an MoE layer"),
-    "moe_shared_expert_intermediate_size": ("moe", ("--moe-shared-expert-intermediate-size",),
-                                            "inner width of a shared expert every token also takes; unset: none"),
-    "moe_router_score_function": ("moe", ("--moe-router-score-function",), "softmax or sigmoid"),
-    "moe_aux_loss_coeff": ("moe", ("--moe-aux-loss-coeff",), "weight of the load-balancing loss, >= 0"),
-    "moe_z_loss_coeff": ("moe", ("--moe-z-loss-coeff",), "weight of the router z-loss, >= 0"),
-    "moe_expert_capacity_factor": ("moe", ("--moe-expert-capacity-factor",),
-                                   "slots per expert = ceil(tokens x k / E x factor), the rest dropped; unset: "
-                                   "no capacity"),
-    "moe_token_drop_policy": ("moe", ("--moe-token-drop-policy",),
-                              "which tokens a full expert keeps: probs (the largest weights) or position (the first)"),
-    "moe_router_load_balancing_type": ("moe", ("--moe-router-load-balancing-type",),
-                                       "aux_loss (over the micro-batch's tokens) or seq_aux_loss (per sequence, "
-                                       "averaged)"),
-    "moe_router_bias_update_rate": ("moe", ("--moe-router-bias-update-rate",),
-                                    "with --moe-router-enable-expert-bias: the bias's step per training step"),
-    "moe_token_dispatcher_type": ("moe", ("--moe-token-dispatcher-type",),
-                                  "how tokens reach the ranks of their experts: alltoall or allgather"),
-    "expert_model_parallel_size": ("parallelism", ("--expert-model-parallel-size",),
-                                   "ep, ranks the experts of a layer are spread over (chapter 05); expert dp = "
-                                   "world size / (etp x ep x pp)"),
-    "expert_tensor_parallel_size": ("parallelism", ("--expert-tensor-parallel-size",),
-                                    "etp, ranks each expert's matrices are cut over (chapter 05); unset: tp"),
-    "loss_scale": ("mixed precision", ("--loss-scale",), "a constant loss scale (a power of 2); unset: dynamic "
-                                                        "with --fp16, none with --bf16 (chapter 06)"),
-    "initial_loss_scale": ("mixed precision", ("--initial-loss-scale",), "--fp16's dynamic loss scale to start from"),
-    "min_loss_scale": ("mixed precision", ("--min-loss-scale",), "the dynamic loss scale never drops below this"),
-    "loss_scale_window": ("mixed precision", ("--loss-scale-window",),
-                          "clean steps in a row after which the dynamic loss scale doubles"),
-    "hysteresis": ("mixed precision", ("--hysteresis",),
-                   "overflowing steps before the dynamic loss scale halves (refilled only when it grows)"),
-    "fp8_format": ("mixed precision", ("--fp8-format",), "the transformer layers' GEMMs in FP8: hybrid (e4m3 "
-                                                          "forward, e5m2 output gradients) or e4m3; unset: no FP8 "
-                                                          "(chapter 06)"),
-    "fp8_recipe": ("mixed precision", ("--fp8-recipe",), "how FP8 tensors are scaled: tensorwise, delayed, blockwise "
-                                                         "or mxfp8"),
-    "fp8_margin": ("mixed precision", ("--fp8-margin",), "delayed scaling: scale = fp8_max / amax / 2^margin"),
-    "fp8_amax_history_len": ("mixed precision", ("--fp8-amax-history-len",),
-                             "delayed scaling: amaxes remembered per tensor role (at most 1024, Transformer "
-                             "Engine's default, or the run's train_iters x grad_accum_steps)"),
-    "fp8_amax_compute_algo": ("mixed precision", ("--fp8-amax-compute-algo",),
-                              "delayed scaling: the scale from the latest amax (most_recent) or the history's max"),
-    "kernels": ("training", ("--kernels",), "torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton "
-                                            "kernels (interpreted on a CPU: for reading, not speed); compile: each layer "
-                                            "through torch.compile (chapter 07) (the book's)"),
-    "recompute_granularity": ("training", ("--recompute-granularity",),
-                              "activation recompute (chapter 07): full (whole layers, in units) or selective "
-                              "(the parts --recompute-modules names); unset: none"),
-    "recompute_method": ("training", ("--recompute-method",),
-                         "full recompute: uniform (every --recompute-num-layers layers one unit) or block (the "
-                         "first --recompute-num-layers layers of each chunk)"),
-    "recompute_num_layers": ("training", ("--recompute-num-layers",),
-                             "full recompute: layers per unit (uniform) or recomputed layers per chunk (block)"),
-    "recompute_modules": ("training", ("--recompute-modules",),
-                          "selective recompute: any of core_attn, mlp, moe, moe_act, layernorm"),
-    "profile_step_start": ("logging", ("--profile-step-start",),
-                           "with --profile: the first step recorded, counted from 0 (chapter 07)"),
-    "profile_step_end": ("logging", ("--profile-step-end",), "with --profile: the step the recording stops before"),
-    "profile_ranks": ("logging", ("--profile-ranks",), "with --profile: the ranks that profile; unset: all"),
-    "micro_batch_size": ("training", ("--micro-batch-size",), "b, sequences per micro-batch on one data-parallel rank"),
-    "grad_accum_steps": ("training", ("--grad-accum-steps",),
-                         "M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
-                         "derives M from --global-batch-size)"),
-    "train_iters": ("training", ("--train-iters",), "optimizer steps"),
-    "lr": ("training", ("--lr",), "peak learning rate, reached at the end of warm-up"),
-    "min_lr": ("training", ("--min-lr",), "learning rate at the end of the cosine decay"),
-    "lr_warmup_iters": ("training", ("--lr-warmup-iters",), "steps of linear warm-up to --lr"),
-    "weight_decay": ("training", ("--weight-decay",), "AdamW's decoupled weight decay on matrices, >= 0"),
-    "adam_beta1": ("training", ("--adam-beta1",), "Adam's first-moment decay, in [0, 1)"),
-    "adam_beta2": ("training", ("--adam-beta2",), "Adam's second-moment decay, in [0, 1)"),
-    "adam_eps": ("training", ("--adam-eps",), "Adam's epsilon in the denominator, > 0"),
-    "adam_impl": ("training", ("--adam-impl",), "torch's AdamW kernels: default (a loop over the tensors on a CPU), "
-                                               "foreach (each op over all tensors at once) or fused (one kernel; "
-                                               "Megatron uses Transformer Engine's or Apex's FusedAdam) (the book's)"),
-    "clip_grad": ("training", ("--clip-grad",), "clip the global gradient L2 norm to this; 0: no clipping"),
-    "eval_interval": ("training", ("--eval-interval",), "steps between validation runs; 0: never"),
-    "eval_iters": ("training", ("--eval-iters",), "validation batches per validation run"),
-    "device": ("training", ("--device",), "cpu (gloo, the tested path) or cuda (NCCL, one GPU per rank) (the book's)"),
-    "tensor_model_parallel_size": ("parallelism", ("--tensor-model-parallel-size",),
-                                   "tp, ranks each matrix is split over (chapter 02)"),
-    "pipeline_model_parallel_size": ("parallelism", ("--pipeline-model-parallel-size",),
-                                     "pp, pipeline stages (chapter 03); dp = world size / (tp x pp)"),
-    "num_virtual_stages_per_pipeline_rank": ("parallelism", ("--num-virtual-stages-per-pipeline-rank",),
-                                             "model chunks per pipeline rank; > 1 with --pipeline-schedule "
-                                             "interleaved"),
-    "pipeline_schedule": ("parallelism", ("--pipeline-schedule",),
-                          "gpipe, 1f1b or interleaved (the book's; Megatron runs 1F1B, interleaved with "
-                          "virtual stages)"),
-    "context_parallel_size": ("parallelism", ("--context-parallel-size",),
-                              "cp, ranks each sequence is split over (chapter 04); dp = world size / (tp x cp x pp)"),
-    "cp_comm_type": ("parallelism", ("--cp-comm-type",),
-                     "how attention reaches the other cp ranks' keys: p2p (ring), all_gather, a2a (Ulysses) or "
-                     "a2a+p2p (hierarchical) (chapter 04)"),
-    "hierarchical_context_parallel_sizes": ("parallelism", ("--hierarchical-context-parallel-sizes",),
-                                            "with --cp-comm-type a2a+p2p: the all-to-all size and the ring size, "
-                                            "product cp; unset: 2 and cp / 2"),
-    "zero_stage": ("parallelism", ("--zero-stage",), "ZeRO stage over data parallelism: 0 replicated, 1 optimizer "
-                                                     "state, 2 + gradients, 3 + parameters sharded (chapter 01; the book's)"),
-    "ddp_impl": ("parallelism", ("--ddp-impl",), "with --zero-stage 0: naive (an all-reduce per gradient) or "
-                                                 "bucketed (overlapped with backward) (the book's)"),
-    "ddp_bucket_size": ("parallelism", ("--ddp-bucket-size",),
-                        "elements per gradient bucket; unset: Megatron's max(4e7, 1e6 x dp)"),
-    "data_path": ("data", ("--data-path",), "prefix of a .bin/.idx pair (python tools/preprocess_data.py); "
-                                            "unset: this repository's text, tokenized"),
-    "tokenizer": ("data", ("--tokenizer",), "byte, or the path of a BPE tokenizer .json (the book's)"),
-    "seq_length": ("data", ("--seq-length",), "s, tokens per sequence"),
-    "data_seed": ("data", ("--data-seed",), "seeds the data order and the dropout masks, >= 0 (the book's)"),
-    "save_dir": ("checkpointing", ("--save", "--save-dir"), "directory to save checkpoints to; unset: no checkpoints"),
-    "load_dir": ("checkpointing", ("--load", "--load-dir"),
-                 "directory to resume from (its `latest`); without a checkpoint there: a warning, then a fresh start"),
-    "save_interval": ("checkpointing", ("--save-interval",), "steps between checkpoints; 0: at the end only"),
-    "ckpt_format": ("checkpointing", ("--ckpt-format",),
-                    "torch: a file per rank, resumed under the same layout only (the book's default); torch_dist: "
-                    "each piece with its global offsets, resumed under any layout (Megatron's default; chapter 08)"),
-    "exit_interval": ("checkpointing", ("--exit-interval",), "stop after an iteration divisible by it, saving first"),
-    "out_dir": ("checkpointing", ("--out-dir",), "directory of the loss log and plot (the book's)"),
-}
-
-# field -> [(switch, value it stores, help)]: Megatron's switch first, the book's opposite after
-SWITCHES: dict[str, list[tuple[str, Any, str]]] = {
-    "untie_embeddings_and_output_weights": [
-        ("--untie-embeddings-and-output-weights", True, "a separate output layer instead of the embedding's transpose"),
-        ("--tie-embeddings-and-output-weights", False, "the output layer is the embedding's transpose (the book's)")],
-    "add_bias_linear": [
-        ("--disable-bias-linear", False, "no biases in the linear layers"),
-        ("--add-bias-linear", True, "biases in the linear layers (the book's)")],
-    "activation": [("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")],
-    "profile": [("--profile", True, "torch.profiler over --profile-step-start .. --profile-step-end: a Chrome trace per "
-                                    "rank in <out-dir>/torch_profile/ and rank 0's top operators (chapter 07)")],
-    "reset_position_ids": [("--reset-position-ids", True, "positions count from 0 after each <eod> (chapter 07)")],
-    "reset_attention_mask": [("--reset-attention-mask", True,
-                              "each token attends only to the tokens of its own document (chapter 07)")],
-    "eod_mask_loss": [("--eod-mask-loss", True, "no loss where the input token is <eod> (chapter 07)")],
-    "recompute_granularity": [("--recompute-activations", "selective",
-                               "selective recompute of --recompute-modules (Megatron's older switch)")],
-    "progress": [("--no-progress", False, "no progress bar (the book's)"),
-                 ("--progress", True, "a progress bar on rank 0 (the book's)")],
-    "moe_router_pre_softmax": [("--moe-router-pre-softmax", True, "softmax over all experts before the top-k "
-                                                                  "(default: over the chosen k after it)")],
-    "moe_router_enable_expert_bias": [("--moe-router-enable-expert-bias", True,
-                                       "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias for the "
-                                       "choice, updated after each step (needs sigmoid scores)")],
-    "kernels": [("--compile", "compile", "each transformer layer through torch.compile, the same as --kernels compile "
-                                         "(chapter 07) (the book's)")],
-    "overlap_grad_reduce": [("--overlap-grad-reduce", True, "ZeRO-1/2: launch each bucket's reduce-scatter from the "
-                                                              "backward as soon as it is complete (the bucketed DDP "
-                                                              "always overlaps its all-reduces; chapter 07)")],
-    "overlap_param_gather": [("--overlap-param-gather", True, "ZeRO-1/2: the parameter all-gathers launched after the "
-                                                                "step, waited module by module in the next forward "
-                                                                "(needs --overlap-grad-reduce; chapter 07)")],
-    "no_load_optim": [("--no-load-optim", True, "torch_dist: load the model only; the optimizer starts fresh")],
-    "no_load_rng": [("--no-load-rng", True, "torch_dist: do not restore the random states; seed them afresh")],
-    "finetune": [("--finetune", True, "torch_dist: load the model only and start from iteration 0 (no optimizer, "
-                                       "random states or history)")],
-    "overlap_p2p_comm": [("--overlap-p2p-communication", True, "with pp > 1: each receive posted one op ahead, so it "
-                                                               "arrives while the stage computes (chapter 07) (the book's; "
-                                                               "Megatron has only --no-overlap-p2p-communication, "
-                                                               "overlapping by default)"),
-                         ("--no-overlap-p2p-communication", False, "receives posted when needed (the book's default; "
-                                                                   "Megatron overlaps by default with interleaving)")],
-    "overlap_sp_backward": [("--overlap-sp-backward", True, "with --sequence-parallel: the column-parallel backward's "
-                                                             "all-gather and reduce-scatter run behind its GEMMs, as "
-                                                             "Megatron's layer always does, with no flag (chapter 07) "
-                                                             "(the book's)")],
-    "sequence_parallel": [("--sequence-parallel", True, "with tp > 1: norms, dropout and residuals hold s/tp tokens "
-                                                         "per rank; all-gather / reduce-scatter replace the all-reduces "
-                                                         "(chapter 04)")],
-    "bf16": [("--bf16", True, "bfloat16 mixed precision: bf16 parameters and activations, float32 main parameters "
-                              "and gradients in the optimizer (sets --params-dtype bfloat16; chapter 06)")],
-    "fp16": [("--fp16", True, "float16 mixed precision with loss scaling: fp16 parameters and activations, float32 "
-                              "main parameters (sets --params-dtype float16; chapter 06)")],
-    "accumulate_allreduce_grads_in_fp32": [("--accumulate-allreduce-grads-in-fp32", True,
-                                            "accumulate and reduce the gradients in float32 (always with --bf16)")],
-    "grad_reduce_in_bf16": [("--grad-reduce-in-bf16", True, "with --bf16: accumulate and reduce the gradients in "
-                                                            "bfloat16 instead")],
-    "zero_stage": [("--use-distributed-optimizer", 1, "Megatron's distributed optimizer: the book's --zero-stage 1")],
-}
-
-PRECISION_SWITCHES = ("bf16", "fp16", "accumulate_allreduce_grads_in_fp32", "grad_reduce_in_bf16")
+    name: (f.metadata["group"], f.metadata["flags"], f.metadata["help"]) for name, f in FIELDS.items()
+    if f.metadata.get("flags")}
 
 # Flags that exist only on the command line (not config fields): name -> (group, add_argument kwargs)
 CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
@@ -340,15 +131,20 @@ def _defaults(field_name: str) -> str:
     return f"[default: {_shown(base)}" + "".join(f"; {o}" for o in others) + "]"
 
 
-def _field_kind(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type).replace(" | None", "").strip("'"), str)
+def _value_type(f: dataclasses.Field) -> dict[str, Any]:
+    """argparse's type (and nargs) from the field's annotation: `int | None` -> int,
+    `tuple[int, int]` -> 2 ints, `tuple[str, ...]` -> one or more strings."""
+    kind = {"int": int, "float": float, "str": str}[re.search(r"\b(int|float|str)\b", str(f.type)).group(1)]
+    if not str(f.type).startswith("tuple"):
+        return dict(type=kind)
+    return dict(type=kind, nargs="+" if "..." in str(f.type) else str(f.type).count(",") + 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `python -m minimegatron.train`: every ModelConfig / TrainConfig field is a
-    flag (FLAGS, SWITCHES) in one of Megatron's groups; CLI_ONLY adds the command-line-only
-    ones; NOT_IN_BOOK refuses Megatron flags the book does not implement. Every value
-    defaults to None ("not given") so that presets apply underneath."""
+    flag or switch in one of Megatron's groups, as its `config.opt` declares; CLI_ONLY adds the
+    command-line-only ones; NOT_IN_BOOK refuses Megatron flags the book does not implement.
+    Every value defaults to None ("not given") so that presets apply underneath."""
     parser = _Parser(prog="python -m minimegatron.train", description=__doc__.split("\n\n")[0],
                      usage="%(prog)s [--preset {tiny,demo}] [--style {llama,gpt2}] [FLAG VALUE | SWITCH ...]",
                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
@@ -364,24 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
                                         "learned positions, biases, tied [default: llama]")
     for title in GROUPS:
         groups[title] = parser.add_argument_group(title)
-    fields = [f for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)]
-    missing = [f.name for f in fields if f.name not in FLAGS and f.name not in SWITCHES]
-    if missing:
-        raise RuntimeError(f"config field(s) without a flag in arguments.FLAGS: {', '.join(missing)}")
-    for f in fields:
-        if f.name in FLAGS:
-            title, names, text = FLAGS[f.name]
-            kind = ({"hierarchical_context_parallel_sizes": dict(type=int, nargs=2),
-                     "recompute_modules": dict(type=str, nargs="+"),
-                     "profile_ranks": dict(type=int, nargs="+")}.get(f.name) or dict(type=_field_kind(f)))
-            groups[title].add_argument(*names, dest=f.name, default=None, metavar=f.name.upper(),
-                                       help=f"{text} {_defaults(f.name)}", **kind)
-        for switch, value, text in SWITCHES.get(f.name, []):
-            title = (FLAGS[f.name][0] if f.name in FLAGS else "model" if hasattr(ModelConfig, f.name) else
-                     "mixed precision" if f.name in PRECISION_SWITCHES else "training")
-            shown = f" {_defaults(f.name)}" if f.name not in FLAGS and value is True else ""
-            groups[title].add_argument(switch, dest=f.name, action="store_const", const=value, default=None,
-                                       help=text + shown)
+    for f in FIELDS.values():
+        if "group" not in f.metadata:
+            raise RuntimeError(f"config field {f.name} has no command line: declare it with config.opt")
+        flags, group = f.metadata["flags"], groups[f.metadata["group"]]
+        if flags:
+            group.add_argument(*flags, dest=f.name, default=None, metavar=f.name.upper(), **_value_type(f),
+                               help=f"{f.metadata['help']} {_defaults(f.name)}".replace("%", "%%"))
+        for switch, value, text in f.metadata["switches"]:
+            shown = f" {_defaults(f.name)}" if not flags and value is True else ""
+            group.add_argument(switch, dest=f.name, action="store_const", const=value, default=None,
+                               help=(text + shown).replace("%", "%%"))
     for flag, (title, kwargs) in CLI_ONLY.items():
         groups[title].add_argument(flag, **kwargs)
     refused = parser.add_argument_group("Megatron-LM flags this book does not implement (refused with the reason)")
@@ -404,7 +193,7 @@ def _explain_leftovers(extra: list[str], argv: list[str], parser: argparse.Argum
                   None)
     action = switches.get(before or "")
     if action is not None:
-        other = [s for s, _, _ in SWITCHES.get(action.dest, []) if s != before]
+        other = [s for s, _, _ in FIELDS[action.dest].metadata["switches"] if s != before]
         return (f"{before} is a switch and takes no value, got {token!r}: give {before} alone" +
                 (f" (its opposite: {' or '.join(other)})" if other else ""))
     return f"unexpected argument {token!r}"
@@ -434,9 +223,7 @@ def parse_command_line(argv: Iterable[str] | None = None,
     style = args.pop("style")
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
     given = {k: v for k, v in args.items() if v is not None}
-    for name in ("hierarchical_context_parallel_sizes", "recompute_modules", "profile_ranks"):
-        if name in given:
-            given[name] = tuple(given[name])
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}     # nargs gives lists
     _refuse_ignored_flags(given)
     if "train_iters" in given and "lr_warmup_iters" not in given and "lr_warmup_iters" in train_over:
         train_over["lr_warmup_iters"] = train_over["lr_warmup_iters"] * given["train_iters"] // train_over["train_iters"]

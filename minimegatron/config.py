@@ -1,18 +1,16 @@
 """Configuration dataclasses: the model and the training run (its parallel sizes included).
 
-Field names follow Megatron-LM's command-line arguments where one exists
-(`--hidden-size` -> `hidden_size`, `--num-query-groups` -> `num_query_groups`, ...),
-so a learner can carry a config between the two.
+Each field is declared once, with its command line (`opt`): Megatron-LM's flag spelling
+(`--hidden-size` -> `hidden_size`), the --help group and a one-line help; arguments.py
+builds the parser of `python -m minimegatron.train` from them.
 
 Every config has a `validate()` that raises `ConfigError` (a `ValueError`) naming the
 field and the numbers, e.g.
 
     ConfigError: hidden_size=100 is not divisible by num_attention_heads=3
 
-Validation runs before any process is spawned or any tensor allocated. Every float field
-must first be a finite number (`check_finite`): an infinite learning rate or loss weight
-used to train to NaN and exit 0, an infinite capacity factor to raise OverflowError deep in
-the router.
+Validation runs before any process is spawned or any tensor allocated, and checks first
+that every float field is finite (`check_finite`).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -38,16 +36,37 @@ def dtype_from_name(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_finite(cfg: Any) -> None:
-    """ConfigError naming the first float field of the dataclass `cfg` that is inf or nan.
+def opt(default: Any, *flags: str, group: str, help: str = "", switches: Sequence[tuple[str, Any, str]] = ()) -> Any:
+    """A dataclass field with its command line (metadata for arguments.build_parser): `flags`
+    take a value, Megatron's spelling first, except a bool's, which are switches setting it
+    True (store_true); `switches` are (switch, value stored, help); `help` is one line with the
+    unit, and --help appends the default."""
+    if isinstance(default, bool):
+        flags, switches = (), [(flag, True, help) for flag in flags] + list(switches)
+    return dataclasses.field(default=default, metadata={"flags": flags, "group": group, "help": help,
+                                                        "switches": tuple(switches)})
 
-    Every range check after this one may then compare numbers as numbers: nan fails every
-    comparison (so `nan > 0` is refused as "must be positive", but `not nan < 0` would pass),
-    and inf passes every "must be positive" and ">= 0" check while training to NaN."""
+
+def check_finite(cfg: Any) -> None:
+    """ConfigError naming the first float field of the dataclass `cfg` that is inf or nan (run
+    first: nan fails every comparison, `not nan < 0` included, and inf passes every "> 0")."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{f.name}={value} must be a finite number")
+
+
+def need(cond: bool, msg: str) -> None:
+    """ConfigError(msg) unless cond."""
+    if not cond:
+        raise ConfigError(msg)
+
+
+def need_one_of(cfg: Any, name: str, *choices: str) -> None:
+    """ConfigError "name='x' is not 'a' or 'b'" (four or more: "is not one of a, b, c, d")."""
+    listed = (f"one of {', '.join(choices)}" if len(choices) > 3 else
+              ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}")
+    need(getattr(cfg, name) in choices, f"{name}={getattr(cfg, name)!r} is not {listed}")
 
 
 @dataclass
@@ -60,45 +79,86 @@ class ModelConfig:
     Use `ModelConfig.gpt2(...)` / `ModelConfig.llama(...)` for the presets.
     """
 
-    vocab_size: int = 257                 # byte tokenizer: 256 bytes + <eod>
+    vocab_size: int = opt(257, "--vocab-size", group="model",
+                          help="rows of the embedding table, in tokens (>= the tokenizer's size)")
     # tensor parallelism pads the vocabulary to a multiple of this x tp (Megatron's
     # --make-vocab-size-divisible-by, default 128, pads on one device too; here the
     # single-device model keeps exactly vocab_size rows, and 1 pads only as much as tp needs)
-    make_vocab_size_divisible_by: int = 1
-    hidden_size: int = 64                 # h
-    num_layers: int = 2                   # L
-    num_attention_heads: int = 4          # a (query heads)
-    num_query_groups: int | None = None   # g (key/value heads); None = a (multi-head attention)
-    ffn_hidden_size: int | None = None    # f; None = 4h (GELU) or about 8h/3 (SwiGLU)
-    max_position_embeddings: int = 64     # longest sequence the model accepts
-    normalization: str = "LayerNorm"      # "LayerNorm" | "RMSNorm"
-    activation: str = "gelu"              # "gelu" | "swiglu"
-    position_embedding_type: str = "learned_absolute"  # "learned_absolute" | "rope"
-    rotary_base: float = 10000.0
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0           # dropout on the residual branches
-    attention_dropout: float = 0.0        # dropout on the attention probabilities
-    attention_backend: str = "sdpa"       # "sdpa" (fused exact kernel) | "naive" (written out: exercise 0.1)
-    seed: int = 1234                      # initial weights depend on (seed, parameter name) only
-    params_dtype: str = "float32"         # "float32" | "float64" | "bfloat16" | "float16"
+    make_vocab_size_divisible_by: int = opt(1, "--make-vocab-size-divisible-by", group="model",
+                                            help="with TP, pad the vocabulary to a multiple of this x tp (Megatron: "
+                                                 "128, padding on one device too)")
+    hidden_size: int = opt(64, "--hidden-size", group="model", help="h, the width of the residual stream")
+    num_layers: int = opt(2, "--num-layers", group="model", help="L, transformer layers")
+    num_attention_heads: int = opt(4, "--num-attention-heads", group="model", help="a, query heads")
+    num_query_groups: int | None = opt(None, "--num-query-groups", group="model",
+                                       help="g, key/value heads (grouped-query attention); unset: g = a")
+    ffn_hidden_size: int | None = opt(None, "--ffn-hidden-size", group="model",
+                                      help="f, the MLP's inner width; unset: 4h (GELU), about 8h/3 (SwiGLU)")
+    max_position_embeddings: int = opt(64, "--max-position-embeddings", group="model",
+                                       help="longest sequence the model accepts, tokens")
+    normalization: str = opt("LayerNorm", "--normalization", group="model", help="LayerNorm or RMSNorm")
+    activation: str = opt("gelu", "--activation", group="model",
+                          help="the MLP's activation, gelu or swiglu (the book's; Megatron: --swiglu)",
+                          switches=[("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")])
+    position_embedding_type: str = opt("learned_absolute", "--position-embedding-type", group="model",
+                                       help="learned_absolute or rope")
+    rotary_base: float = opt(10000.0, "--rotary-base", group="model", help="RoPE's base theta, > 0")
+    untie_embeddings_and_output_weights: bool = opt(False, group="model", switches=[
+        ("--untie-embeddings-and-output-weights", True, "a separate output layer instead of the embedding's transpose"),
+        ("--tie-embeddings-and-output-weights", False, "the output layer is the embedding's transpose (the book's)")])
+    add_bias_linear: bool = opt(True, group="model", switches=[
+        ("--disable-bias-linear", False, "no biases in the linear layers"),
+        ("--add-bias-linear", True, "biases in the linear layers (the book's)")])
+    layernorm_epsilon: float = opt(1e-5, "--norm-epsilon", "--layernorm-epsilon", group="model",
+                                   help="epsilon added to the variance in LayerNorm / RMSNorm, > 0")
+    init_method_std: float = opt(0.02, "--init-method-std", group="model",
+                                 help="standard deviation of the normal initial weights, > 0")
+    hidden_dropout: float = opt(0.0, "--hidden-dropout", group="model",
+                                help="dropout probability on the residual branches, in [0, 1)")
+    attention_dropout: float = opt(0.0, "--attention-dropout", group="model",
+                                   help="dropout probability on the attention probabilities, in [0, 1)")
+    attention_backend: str = opt("sdpa", "--attention-backend", group="model",
+                                 help="how attention is computed (the book's implementations, see minimegatron/model)")
+    seed: int = opt(1234, "--seed", group="model",
+                    help="initial weights: each parameter is a function of (seed, its name); Megatron's --seed also "
+                         "seeds data and dropout, here --data-seed does")
+    params_dtype: str = opt("float32", "--params-dtype", group="model",
+                            help="dtype of parameters and activations: float32, float64, bfloat16 or float16, plain "
+                                 "(no float32 main copies: --bf16 / --fp16 are mixed precision) (the book's)")
     # mixture of experts (chapter 05); None: a dense MLP everywhere
-    num_experts: int | None = None        # E experts in every moe_layer_freq-th layer
-    moe_router_topk: int = 2              # k experts per token
-    moe_ffn_hidden_size: int | None = None   # an expert's inner width; None = ffn_hidden_size
-    moe_layer_freq: int = 1               # layer i is an MoE layer when i % moe_layer_freq == 0
-    moe_shared_expert_intermediate_size: int | None = None   # a dense expert every token also takes
-    moe_router_score_function: str = "softmax"   # "softmax" | "sigmoid"
-    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (else after)
-    moe_aux_loss_coeff: float = 0.0       # load-balancing loss (Switch / GShard)
-    moe_z_loss_coeff: float = 0.0         # router z-loss (ST-MoE)
-    moe_expert_capacity_factor: float | None = None   # None: no capacity, no token dropped
-    moe_token_drop_policy: str = "probs"  # "probs" | "position": which tokens an expert keeps
-    moe_router_load_balancing_type: str = "aux_loss"   # "aux_loss" (per micro-batch) | "seq_aux_loss" (per sequence)
-    moe_router_enable_expert_bias: bool = False   # DeepSeek-V3's bias for the choice (sigmoid scores)
-    moe_router_bias_update_rate: float = 1e-3     # the bias's step per training step
+    num_experts: int | None = opt(None, "--num-experts", group="moe",
+                                  help="E, experts in each MoE layer; unset: a dense MLP everywhere (chapter 05)")
+    moe_router_topk: int = opt(2, "--moe-router-topk", group="moe", help="k, experts each token is routed to")
+    moe_ffn_hidden_size: int | None = opt(None, "--moe-ffn-hidden-size", group="moe",
+                                          help="an expert's inner width; unset: --ffn-hidden-size")
+    moe_layer_freq: int = opt(1, "--moe-layer-freq", group="moe",
+                              help="every n-th layer (layer i with i % n == 0) is an MoE layer")
+    moe_shared_expert_intermediate_size: int | None = opt(
+        None, "--moe-shared-expert-intermediate-size", group="moe",
+        help="inner width of a shared expert every token also takes; unset: none")
+    moe_router_score_function: str = opt("softmax", "--moe-router-score-function", group="moe",
+                                         help="softmax or sigmoid")
+    moe_router_pre_softmax: bool = opt(False, "--moe-router-pre-softmax", group="model",
+                                       help="softmax over all experts before the top-k (default: over the chosen k "
+                                            "after it)")
+    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff", group="moe",
+                                    help="weight of the load-balancing loss, >= 0")
+    moe_z_loss_coeff: float = opt(0.0, "--moe-z-loss-coeff", group="moe", help="weight of the router z-loss, >= 0")
+    moe_expert_capacity_factor: float | None = opt(None, "--moe-expert-capacity-factor", group="moe",
+                                                   help="slots per expert = ceil(tokens x k / E x factor), the rest "
+                                                        "dropped; unset: no capacity")
+    moe_token_drop_policy: str = opt("probs", "--moe-token-drop-policy", group="moe",
+                                     help="which tokens a full expert keeps: probs (the largest weights) or position "
+                                          "(the first)")
+    moe_router_load_balancing_type: str = opt("aux_loss", "--moe-router-load-balancing-type", group="moe",
+                                              help="aux_loss (over the micro-batch's tokens) or seq_aux_loss (per "
+                                                   "sequence, averaged)")
+    moe_router_enable_expert_bias: bool = opt(False, "--moe-router-enable-expert-bias", group="model",
+                                              help="DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias "
+                                                   "for the choice, updated after each step (needs sigmoid scores)")
+    moe_router_bias_update_rate: float = opt(1e-3, "--moe-router-bias-update-rate", group="moe",
+                                             help="with --moe-router-enable-expert-bias: the bias's step per training "
+                                                  "step")
 
     # ---- presets -------------------------------------------------------------------
     @classmethod
@@ -152,10 +212,6 @@ class ModelConfig:
 
     # ---- validation ----------------------------------------------------------------
     def validate(self) -> "ModelConfig":
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
         check_finite(self)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
@@ -169,18 +225,13 @@ class ModelConfig:
         need(self.query_groups > 0 and self.num_attention_heads % self.query_groups == 0,
              f"num_attention_heads={self.num_attention_heads} is not divisible by "
              f"num_query_groups={self.query_groups}")
-        need(self.normalization in ("LayerNorm", "RMSNorm"),
-             f"normalization={self.normalization!r} is not 'LayerNorm' or 'RMSNorm'")
-        need(self.activation in ("gelu", "swiglu"),
-             f"activation={self.activation!r} is not 'gelu' or 'swiglu'")
-        need(self.position_embedding_type in ("learned_absolute", "rope"),
-             f"position_embedding_type={self.position_embedding_type!r} is not "
-             f"'learned_absolute' or 'rope'")
+        need_one_of(self, "normalization", "LayerNorm", "RMSNorm")
+        need_one_of(self, "activation", "gelu", "swiglu")
+        need_one_of(self, "position_embedding_type", "learned_absolute", "rope")
         need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
              f"rope needs an even head size, got kv_channels={self.kv_channels} "
              f"(hidden_size={self.hidden_size} / num_attention_heads={self.num_attention_heads})")
-        need(self.attention_backend in ("naive", "sdpa"),
-             f"attention_backend={self.attention_backend!r} is not 'naive' or 'sdpa'")
+        need_one_of(self, "attention_backend", "naive", "sdpa")
         # positive and finite: with a negative epsilon the variance plus epsilon can reach 0
         # or below, a rotary base of 0 makes the frequencies infinite (both train to NaN),
         # and a negative std is no standard deviation (it used to be taken silently)
@@ -198,17 +249,13 @@ class ModelConfig:
             for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor"):
                 value = getattr(self, name)
                 need(value is None or value > 0, f"{name}={value} must be positive")
-            need(self.moe_router_score_function in ("softmax", "sigmoid"),
-                 f"moe_router_score_function={self.moe_router_score_function!r} is not 'softmax' or 'sigmoid'")
+            need_one_of(self, "moe_router_score_function", "softmax", "sigmoid")
             need(not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
                  "moe_router_pre_softmax applies to moe_router_score_function='softmax' only")
             for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
                 need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
-            need(self.moe_token_drop_policy in ("probs", "position"),
-                 f"moe_token_drop_policy={self.moe_token_drop_policy!r} is not 'probs' or 'position'")
-            need(self.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"),
-                 f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} is not 'aux_loss' "
-                 f"or 'seq_aux_loss'")
+            need_one_of(self, "moe_token_drop_policy", "probs", "position")
+            need_one_of(self, "moe_router_load_balancing_type", "aux_loss", "seq_aux_loss")
             need(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
                  "moe_router_enable_expert_bias needs moe_router_score_function='sigmoid' (as in Megatron-Core)")
             need(self.moe_router_bias_update_rate >= 0,
@@ -227,94 +274,202 @@ class TrainConfig:
     command line, Megatron's --global-batch-size sets grad_accum_steps from the other two.)
     """
 
-    data_path: str | None = None          # prefix of a .bin/.idx pair; None = embedded corpus
-    tokenizer: str = "byte"               # "byte" | path to a trained BPE tokenizer .json
-    seq_length: int = 64
-    micro_batch_size: int = 4
-    grad_accum_steps: int = 1
-    train_iters: int = 200
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    lr_warmup_iters: int = 20
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    adam_impl: str = "default"           # torch's AdamW: "default" (a for-loop on a CPU) | "foreach" | "fused"
-    clip_grad: float = 1.0                # 0 disables clipping
-    eval_interval: int = 50
-    eval_iters: int = 4
-    save_interval: int = 0                # 0 = save only at the end (when save_dir is set)
-    save_dir: str | None = None
-    load_dir: str | None = None
-    ckpt_format: str = "torch"            # "torch": one file per rank, the same layout to resume (chapter 00)
-                                          # "torch_dist": pieces with global offsets, any layout (chapter 08)
-    exit_interval: int | None = None      # stop after an iteration divisible by it, saving first
-    no_load_optim: bool = False           # torch_dist: the model only; the optimizer starts fresh
-    no_load_rng: bool = False             # torch_dist: the random states are seeded afresh
-    finetune: bool = False                # torch_dist: the model only, from iteration 0
-    out_dir: str = "runs/latest"          # loss log and plot
+    data_path: str | None = opt(None, "--data-path", group="data",
+                                help="prefix of a .bin/.idx pair (python tools/preprocess_data.py); unset: this "
+                                     "repository's text, tokenized")
+    tokenizer: str = opt("byte", "--tokenizer", group="data",
+                         help="byte, or the path of a BPE tokenizer .json (the book's)")
+    seq_length: int = opt(64, "--seq-length", group="data", help="s, tokens per sequence")
+    micro_batch_size: int = opt(4, "--micro-batch-size", group="training",
+                                help="b, sequences per micro-batch on one data-parallel rank")
+    grad_accum_steps: int = opt(1, "--grad-accum-steps", group="training",
+                                help="M, micro-batches per step on each data-parallel rank (the book's name; Megatron "
+                                     "derives M from --global-batch-size)")
+    train_iters: int = opt(200, "--train-iters", group="training", help="optimizer steps")
+    lr: float = opt(3e-3, "--lr", group="training", help="peak learning rate, reached at the end of warm-up")
+    min_lr: float = opt(3e-4, "--min-lr", group="training", help="learning rate at the end of the cosine decay")
+    lr_warmup_iters: int = opt(20, "--lr-warmup-iters", group="training", help="steps of linear warm-up to --lr")
+    weight_decay: float = opt(0.1, "--weight-decay", group="training",
+                              help="AdamW's decoupled weight decay on matrices, >= 0")
+    adam_beta1: float = opt(0.9, "--adam-beta1", group="training", help="Adam's first-moment decay, in [0, 1)")
+    adam_beta2: float = opt(0.95, "--adam-beta2", group="training", help="Adam's second-moment decay, in [0, 1)")
+    adam_eps: float = opt(1e-8, "--adam-eps", group="training", help="Adam's epsilon in the denominator, > 0")
+    adam_impl: str = opt("default", "--adam-impl", group="training",
+                         help="torch's AdamW kernels: default (a loop over the tensors on a CPU), foreach (each op "
+                              "over all tensors at once) or fused (one kernel; Megatron uses Transformer Engine's or "
+                              "Apex's FusedAdam) (the book's)")
+    clip_grad: float = opt(1.0, "--clip-grad", group="training",
+                           help="clip the global gradient L2 norm to this; 0: no clipping")
+    eval_interval: int = opt(50, "--eval-interval", group="training", help="steps between validation runs; 0: never")
+    eval_iters: int = opt(4, "--eval-iters", group="training", help="validation batches per validation run")
+    save_interval: int = opt(0, "--save-interval", group="checkpointing",
+                             help="steps between checkpoints; 0: at the end only")
+    save_dir: str | None = opt(None, "--save", "--save-dir", group="checkpointing",
+                               help="directory to save checkpoints to; unset: no checkpoints")
+    load_dir: str | None = opt(None, "--load", "--load-dir", group="checkpointing",
+                               help="directory to resume from (its `latest`); without a checkpoint there: a warning, "
+                                    "then a fresh start")
+    ckpt_format: str = opt("torch", "--ckpt-format", group="checkpointing",
+                           help="torch: a file per rank, resumed under the same layout only (the book's default); "
+                                "torch_dist: each piece with its global offsets, resumed under any layout (Megatron's "
+                                "default; chapter 08)")
+    exit_interval: int | None = opt(None, "--exit-interval", group="checkpointing",
+                                    help="stop after an iteration divisible by it, saving first")
+    no_load_optim: bool = opt(False, "--no-load-optim", group="training",
+                              help="torch_dist: load the model only; the optimizer starts fresh")
+    no_load_rng: bool = opt(False, "--no-load-rng", group="training",
+                            help="torch_dist: do not restore the random states; seed them afresh")
+    finetune: bool = opt(False, "--finetune", group="training",
+                         help="torch_dist: load the model only and start from iteration 0 (no optimizer, random "
+                              "states or history)")
+    out_dir: str = opt("runs/latest", "--out-dir", group="checkpointing",
+                       help="directory of the loss log and plot (the book's)")
     # data parallelism (chapter 01); the data-parallel size is the number of ranks
-    zero_stage: int = 0                   # 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded
-    ddp_impl: str = "bucketed"            # zero_stage 0: "naive" (one all-reduce per gradient) | "bucketed"
-    ddp_bucket_size: int | None = None    # elements per bucket; None = Megatron's default for DDP,
-                                          # one bucket per weight-decay group for ZeRO-1/2
-    overlap_grad_reduce: bool = False     # ZeRO-1/2: each bucket's reduce-scatter launched from the backward
-    overlap_param_gather: bool = False    # ZeRO-1/2: the parameter all-gathers waited in the next forward
+    zero_stage: int = opt(0, "--zero-stage", group="parallelism",
+                          help="ZeRO stage over data parallelism: 0 replicated, 1 optimizer state, 2 + gradients, 3 + "
+                               "parameters sharded (chapter 01; the book's)",
+                          switches=[("--use-distributed-optimizer", 1,
+                                     "Megatron's distributed optimizer: the book's --zero-stage 1")])
+    ddp_impl: str = opt("bucketed", "--ddp-impl", group="parallelism",
+                        help="with --zero-stage 0: naive (an all-reduce per gradient) or bucketed (overlapped with "
+                             "backward) (the book's)")
+    ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size", group="parallelism",
+                                      help="elements per gradient bucket; unset: Megatron's max(4e7, 1e6 x dp)")
+    overlap_grad_reduce: bool = opt(False, "--overlap-grad-reduce", group="training",
+                                    help="ZeRO-1/2: launch each bucket's reduce-scatter from the backward as soon as "
+                                         "it is complete (the bucketed DDP always overlaps its all-reduces; chapter "
+                                         "07)")
+    overlap_param_gather: bool = opt(False, "--overlap-param-gather", group="training",
+                                     help="ZeRO-1/2: the parameter all-gathers launched after the step, waited module "
+                                          "by module in the next forward (needs --overlap-grad-reduce; chapter 07)")
     # tensor parallelism (chapter 02): the ranks form a grid, tp fastest; dp = world / tp
-    tensor_model_parallel_size: int = 1   # each matrix split over this many ranks
+    tensor_model_parallel_size: int = opt(1, "--tensor-model-parallel-size", group="parallelism",
+                                          help="tp, ranks each matrix is split over (chapter 02)")
     # pipeline parallelism (chapter 03): pp stages, the slowest dimension; dp = world / (tp pp)
-    pipeline_model_parallel_size: int = 1
-    pipeline_schedule: str = "1f1b"       # "gpipe" | "1f1b" | "interleaved"; grad_accum_steps micro-batches
-    num_virtual_stages_per_pipeline_rank: int = 1   # model chunks per rank (> 1: interleaved)
-    overlap_p2p_comm: bool = False        # post each receive one op ahead, so it arrives during compute (chapter 07)
+    pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size", group="parallelism",
+                                            help="pp, pipeline stages (chapter 03); dp = world size / (tp x pp)")
+    pipeline_schedule: str = opt("1f1b", "--pipeline-schedule", group="parallelism",
+                                 help="gpipe, 1f1b or interleaved (the book's; Megatron runs 1F1B, interleaved with "
+                                      "virtual stages)")
+    num_virtual_stages_per_pipeline_rank: int = opt(1, "--num-virtual-stages-per-pipeline-rank", group="parallelism",
+                                                    help="model chunks per pipeline rank; > 1 with "
+                                                         "--pipeline-schedule interleaved")
+    overlap_p2p_comm: bool = opt(False, group="training", switches=[
+        ("--overlap-p2p-communication", True, "with pp > 1: each receive posted one op ahead, so it arrives while the "
+                                              "stage computes (chapter 07) (the book's; Megatron has only "
+                                              "--no-overlap-p2p-communication, overlapping by default)"),
+        ("--no-overlap-p2p-communication", False, "receives posted when needed (the book's default; Megatron "
+                                                  "overlaps by default with interleaving)")])
     # sequence and context parallelism (chapter 04); dp = world / (tp cp pp)
-    sequence_parallel: bool = False       # with tp > 1: norms, dropout, residuals hold s/tp tokens
-    overlap_sp_backward: bool = False     # SP's backward collectives behind its GEMMs (chapter 07, tp/overlap.py)
-    context_parallel_size: int = 1        # cp, ranks each sequence is split over (zig-zag)
-    cp_comm_type: str = "p2p"             # "p2p" (ring) | "all_gather" | "a2a" (Ulysses) | "a2a+p2p"
-    hierarchical_context_parallel_sizes: tuple[int, int] | None = None   # a2a+p2p: (all-to-all, ring) sizes
+    sequence_parallel: bool = opt(False, "--sequence-parallel", group="training",
+                                  help="with tp > 1: norms, dropout and residuals hold s/tp tokens per rank; "
+                                       "all-gather / reduce-scatter replace the all-reduces (chapter 04)")
+    overlap_sp_backward: bool = opt(False, "--overlap-sp-backward", group="training",
+                                    help="with --sequence-parallel: the column-parallel backward's all-gather and "
+                                         "reduce-scatter run behind its GEMMs, as Megatron's layer always does, with "
+                                         "no flag (chapter 07) (the book's)")
+    context_parallel_size: int = opt(1, "--context-parallel-size", group="parallelism",
+                                     help="cp, ranks each sequence is split over (chapter 04); dp = world size / (tp "
+                                          "x cp x pp)")
+    cp_comm_type: str = opt("p2p", "--cp-comm-type", group="parallelism",
+                            help="how attention reaches the other cp ranks' keys: p2p (ring), all_gather, a2a "
+                                 "(Ulysses) or a2a+p2p (hierarchical) (chapter 04)")
+    hierarchical_context_parallel_sizes: tuple[int, int] | None = opt(
+        None, "--hierarchical-context-parallel-sizes", group="parallelism",
+        help="with --cp-comm-type a2a+p2p: the all-to-all size and the ring size, product cp; unset: 2 and cp / 2")
     # expert parallelism (chapter 05): the experts' own grid over the same ranks, cp folded away;
     # expert_dp = world / (etp ep pp)
-    expert_model_parallel_size: int = 1   # ep, ranks the experts of a layer are spread over
-    expert_tensor_parallel_size: int | None = None   # etp, ranks each expert's matrices are cut over; None = tp
-    moe_token_dispatcher_type: str = "alltoall"      # "alltoall" | "allgather"
+    expert_model_parallel_size: int = opt(1, "--expert-model-parallel-size", group="parallelism",
+                                          help="ep, ranks the experts of a layer are spread over (chapter 05); expert "
+                                               "dp = world size / (etp x ep x pp)")
+    expert_tensor_parallel_size: int | None = opt(None, "--expert-tensor-parallel-size", group="parallelism",
+                                                  help="etp, ranks each expert's matrices are cut over (chapter 05); "
+                                                       "unset: tp")
+    moe_token_dispatcher_type: str = opt("alltoall", "--moe-token-dispatcher-type", group="moe",
+                                         help="how tokens reach the ranks of their experts: alltoall or allgather")
     # mixed precision (chapter 06): 16-bit parameters and activations (the model's params_dtype
     # must say bfloat16 / float16; --bf16 and --fp16 set it), float32 main parameters in the optimizer
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None       # a constant loss scale; None: dynamic with fp16, none with bf16
-    initial_loss_scale: float = 2.0 ** 32  # fp16's dynamic scaler (grad_scaler.py), Megatron's defaults
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000         # clean steps in a row before the scale doubles
-    hysteresis: int = 2                   # overflows before the scale halves
-    accumulate_allreduce_grads_in_fp32: bool = False   # main_grad in float32 (always with bf16, unless:)
-    grad_reduce_in_bf16: bool = False     # bf16: accumulate and reduce the gradients in bf16
+    bf16: bool = opt(False, "--bf16", group="mixed precision",
+                     help="bfloat16 mixed precision: bf16 parameters and activations, float32 main parameters and "
+                          "gradients in the optimizer (sets --params-dtype bfloat16; chapter 06)")
+    fp16: bool = opt(False, "--fp16", group="mixed precision",
+                     help="float16 mixed precision with loss scaling: fp16 parameters and activations, float32 main "
+                          "parameters (sets --params-dtype float16; chapter 06)")
+    loss_scale: float | None = opt(None, "--loss-scale", group="mixed precision",
+                                   help="a constant loss scale (a power of 2); unset: dynamic with --fp16, none with "
+                                        "--bf16 (chapter 06)")
+    initial_loss_scale: float = opt(2.0 ** 32, "--initial-loss-scale", group="mixed precision",
+                                    help="--fp16's dynamic loss scale to start from")
+    min_loss_scale: float = opt(1.0, "--min-loss-scale", group="mixed precision",
+                                help="the dynamic loss scale never drops below this")
+    loss_scale_window: int = opt(1000, "--loss-scale-window", group="mixed precision",
+                                 help="clean steps in a row after which the dynamic loss scale doubles")
+    hysteresis: int = opt(2, "--hysteresis", group="mixed precision",
+                          help="overflowing steps before the dynamic loss scale halves (refilled only when it grows)")
+    accumulate_allreduce_grads_in_fp32: bool = opt(
+        False, "--accumulate-allreduce-grads-in-fp32", group="mixed precision",
+        help="accumulate and reduce the gradients in float32 (always with --bf16)")
+    grad_reduce_in_bf16: bool = opt(False, "--grad-reduce-in-bf16", group="mixed precision",
+                                    help="with --bf16: accumulate and reduce the gradients in bfloat16 instead")
     # FP8 (chapter 06): the transformer layers' GEMMs in FP8 (fp8/), Megatron's flags
-    fp8_format: str | None = None         # None: no FP8 | "hybrid" (e4m3 forward, e5m2 gradients) | "e4m3"
-    fp8_recipe: str = "delayed"           # "tensorwise" | "delayed" | "blockwise" | "mxfp8"
-    fp8_margin: int = 0                   # delayed: scale = fp8_max / amax / 2^margin
-    fp8_amax_history_len: int = 1         # delayed: amaxes remembered per tensor role
-    fp8_amax_compute_algo: str = "most_recent"   # delayed: "most_recent" | "max" over the history
-    kernels: str = "torch"                # "torch" | "triton" (norms, attention, SwiGLU, loss in Triton) | "compile" (chapter 07)
+    fp8_format: str | None = opt(None, "--fp8-format", group="mixed precision",
+                                 help="the transformer layers' GEMMs in FP8: hybrid (e4m3 forward, e5m2 output "
+                                      "gradients) or e4m3; unset: no FP8 (chapter 06)")
+    fp8_recipe: str = opt("delayed", "--fp8-recipe", group="mixed precision",
+                          help="how FP8 tensors are scaled: tensorwise, delayed, blockwise or mxfp8")
+    fp8_margin: int = opt(0, "--fp8-margin", group="mixed precision",
+                          help="delayed scaling: scale = fp8_max / amax / 2^margin")
+    fp8_amax_history_len: int = opt(1, "--fp8-amax-history-len", group="mixed precision",
+                                    help="delayed scaling: amaxes remembered per tensor role (at most 1024, "
+                                         "Transformer Engine's default, or the run's train_iters x grad_accum_steps)")
+    fp8_amax_compute_algo: str = opt("most_recent", "--fp8-amax-compute-algo", group="mixed precision",
+                                     help="delayed scaling: the scale from the latest amax (most_recent) or the "
+                                          "history's max")
+    kernels: str = opt("torch", "--kernels", group="training",
+                       help="torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton kernels "
+                            "(interpreted on a CPU: for reading, not speed); compile: each layer through "
+                            "torch.compile (chapter 07) (the book's)",
+                       switches=[("--compile", "compile", "each transformer layer through torch.compile, the same as "
+                                                          "--kernels compile (chapter 07) (the book's)")])
     # activation recompute (chapter 07, recompute.py), Megatron's flags
-    recompute_granularity: str | None = None   # None: keep every activation | "full" | "selective"
-    recompute_method: str | None = None   # full: "uniform" (units of recompute_num_layers) | "block"
-    recompute_num_layers: int | None = None    # full: layers per unit (uniform), recomputed per chunk (block)
-    recompute_modules: tuple[str, ...] = ("core_attn",)   # selective: which parts (recompute.RECOMPUTE_MODULES)
-                                                          # (DEFAULT_RECOMPUTE_MODULES)
+    recompute_granularity: str | None = opt(None, "--recompute-granularity", group="training",
+                                            help="activation recompute (chapter 07): full (whole layers, in units) or "
+                                                 "selective (the parts --recompute-modules names); unset: none",
+                                            switches=[("--recompute-activations", "selective", "selective recompute "
+                                                       "of --recompute-modules (Megatron's older switch)")])
+    recompute_method: str | None = opt(None, "--recompute-method", group="training",
+                                       help="full recompute: uniform (every --recompute-num-layers layers one unit) "
+                                            "or block (the first --recompute-num-layers layers of each chunk)")
+    recompute_num_layers: int | None = opt(None, "--recompute-num-layers", group="training",
+                                           help="full recompute: layers per unit (uniform) or recomputed layers per "
+                                                "chunk (block)")
+    recompute_modules: tuple[str, ...] = opt(("core_attn",), "--recompute-modules", group="training",
+                                             help="selective recompute: any of core_attn, mlp, moe, moe_act, "
+                                                  "layernorm")
     # torch.profiler over steps [profile_step_start, profile_step_end) (chapter 07, profiling.py)
-    profile: bool = False
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    profile_ranks: tuple[int, ...] = ()   # the ranks that profile; () = all
+    profile: bool = opt(False, "--profile", group="training",
+                        help="torch.profiler over --profile-step-start .. --profile-step-end: a Chrome trace per rank "
+                             "in <out-dir>/torch_profile/ and rank 0's top operators (chapter 07)")
+    profile_step_start: int = opt(10, "--profile-step-start", group="logging",
+                                  help="with --profile: the first step recorded, counted from 0 (chapter 07)")
+    profile_step_end: int = opt(12, "--profile-step-end", group="logging",
+                                help="with --profile: the step the recording stops before")
+    profile_ranks: tuple[int, ...] = opt((), "--profile-ranks", group="logging",
+                                         help="with --profile: the ranks that profile; unset: all")
     # documents inside a window (chapter 07, data/gpt_dataset.py document_masks), Megatron's switches
-    reset_position_ids: bool = False      # positions count from 0 after each <eod>
-    reset_attention_mask: bool = False    # a token attends only to its own document
-    eod_mask_loss: bool = False           # no loss where the input token is <eod>
-    data_seed: int = 1234                 # data order and dropout masks
-    device: str = "cpu"                   # "cpu" (gloo, the tested path) | "cuda" (NCCL, one GPU per rank)
-    progress: bool = True
+    reset_position_ids: bool = opt(False, "--reset-position-ids", group="training",
+                                   help="positions count from 0 after each <eod> (chapter 07)")
+    reset_attention_mask: bool = opt(False, "--reset-attention-mask", group="training",
+                                     help="each token attends only to the tokens of its own document (chapter 07)")
+    eod_mask_loss: bool = opt(False, "--eod-mask-loss", group="training",
+                              help="no loss where the input token is <eod> (chapter 07)")
+    data_seed: int = opt(1234, "--data-seed", group="data",
+                         help="seeds the data order and the dropout masks, >= 0 (the book's)")
+    device: str = opt("cpu", "--device", group="training",
+                      help="cpu (gloo, the tested path) or cuda (NCCL, one GPU per rank) (the book's)")
+    progress: bool = opt(True, group="training", switches=[
+        ("--no-progress", False, "no progress bar (the book's)"),
+        ("--progress", True, "a progress bar on rank 0 (the book's)")])
 
     @property
     def etp(self) -> int:
@@ -335,10 +490,6 @@ class TrainConfig:
         """ConfigError naming the field and the numbers for any value that cannot train; with
         the `model`, also what depends on it (the sequence length, the largest learning rate
         AdamW can take in the model's dtype: adamw_step_bound)."""
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
         check_finite(self)
         for name in ("seq_length", "micro_batch_size", "grad_accum_steps", "train_iters"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
@@ -351,13 +502,11 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):      # torch.optim.AdamW's own ranges
             need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
         need(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
-        need(self.adam_impl in ("default", "foreach", "fused"),
-             f"adam_impl={self.adam_impl!r} is not 'default', 'foreach' or 'fused'")
+        need_one_of(self, "adam_impl", "default", "foreach", "fused")
         need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no "
                                   f"negative seed)")
         need(self.save_interval >= 0, f"save_interval={self.save_interval} must be >= 0 (0: save at the end only)")
-        need(self.ckpt_format in ("torch", "torch_dist"), f"ckpt_format={self.ckpt_format!r} is not 'torch' or "
-                                                          f"'torch_dist'")
+        need_one_of(self, "ckpt_format", "torch", "torch_dist")
         need(self.exit_interval is None or self.exit_interval > 0, f"exit_interval={self.exit_interval} must be > 0")
         for name in ("no_load_optim", "no_load_rng", "finetune"):
             need(not getattr(self, name) or self.ckpt_format == "torch_dist",
@@ -365,11 +514,11 @@ class TrainConfig:
                  f"(--ckpt-format torch_dist)")
         need(self.eval_interval >= 0 and self.eval_iters >= 0,
              f"eval_interval={self.eval_interval} and eval_iters={self.eval_iters} must be >= 0")
-        need(self.device in ("cpu", "cuda"), f"device={self.device!r} is not 'cpu' or 'cuda'")
+        need_one_of(self, "device", "cpu", "cuda")
         need(self.device != "cuda" or torch.cuda.is_available(),
              "device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
         need(self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage} is not 0, 1, 2 or 3")
-        need(self.ddp_impl in ("naive", "bucketed"), f"ddp_impl={self.ddp_impl!r} is not 'naive' or 'bucketed'")
+        need_one_of(self, "ddp_impl", "naive", "bucketed")
         need(not self.overlap_param_gather or self.overlap_grad_reduce,
              "overlap_param_gather needs overlap_grad_reduce (Megatron's rule)")
         need(not (self.overlap_grad_reduce or self.overlap_param_gather) or self.zero_stage in (1, 2),
@@ -378,10 +527,8 @@ class TrainConfig:
              f"unit)")
         need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
-        need(self.cp_comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"),
-             f"cp_comm_type={self.cp_comm_type!r} is not one of p2p, all_gather, a2a, a2a+p2p")
-        need(self.moe_token_dispatcher_type in ("alltoall", "allgather"),
-             f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r} is not 'alltoall' or 'allgather'")
+        need_one_of(self, "cp_comm_type", "p2p", "all_gather", "a2a", "a2a+p2p")
+        need_one_of(self, "moe_token_dispatcher_type", "alltoall", "allgather")
         need(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
              f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} must be >= 1")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -403,8 +550,7 @@ class TrainConfig:
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         need(not self.grad_reduce_in_bf16 or self.bf16, "grad_reduce_in_bf16 needs bf16")
         need(self.fp8_format in (None, "hybrid", "e4m3"), f"fp8_format={self.fp8_format!r} is not 'hybrid' or 'e4m3'")
-        need(self.fp8_recipe in ("tensorwise", "delayed", "blockwise", "mxfp8"),
-             f"fp8_recipe={self.fp8_recipe!r} is not one of tensorwise, delayed, blockwise, mxfp8")
+        need_one_of(self, "fp8_recipe", "tensorwise", "delayed", "blockwise", "mxfp8")
         need(self.fp8_margin >= 0, f"fp8_margin={self.fp8_margin} must be >= 0")
         need(self.fp8_amax_history_len >= 1, f"fp8_amax_history_len={self.fp8_amax_history_len} must be >= 1")
         need(self.fp8_format is not None or self.fp8_recipe == "delayed",
@@ -417,10 +563,9 @@ class TrainConfig:
              f"{self.train_iters} x grad_accum_steps={self.grad_accum_steps} = {recorded}): the entries past those "
              f"are never written, and each costs 4 bytes per role of every FP8 layer "
              f"({4 * self.fp8_amax_history_len / 2 ** 20:,.0f} MiB a role here)")
-        need(self.fp8_amax_compute_algo in ("most_recent", "max"),
-             f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is not 'most_recent' or 'max'")
-        need(self.kernels in ("torch", "triton", "compile"), f"kernels={self.kernels!r} is not 'torch', 'triton' or 'compile'")
-        self._validate_recompute(need)
+        need_one_of(self, "fp8_amax_compute_algo", "most_recent", "max")
+        need_one_of(self, "kernels", "torch", "triton", "compile")
+        self._validate_recompute()
         if self.profile:
             need(0 <= self.profile_step_start < self.profile_step_end <= self.train_iters,
                  f"profile: profile_step_start={self.profile_step_start} and profile_step_end={self.profile_step_end} "
@@ -445,7 +590,7 @@ class TrainConfig:
         return self
 
 
-    def _validate_recompute(self, need) -> None:
+    def _validate_recompute(self) -> None:
         """Megatron's rules (TransformerConfig.__post_init__, checked on main d98e8a6): full needs
         a method and a number of layers; selective takes neither, and its modules from the list."""
         granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

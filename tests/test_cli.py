@@ -196,3 +196,13 @@ def test_data_with_token_ids_beyond_the_vocabulary_stops_before_training(tmp_pat
     assert main(["--data-path", str(prefix), "--out-dir", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "token id 1000 (document 3)" in err and "[0, 257)" in err
+
+
+def test_a_config_field_without_its_command_line_is_refused_by_name(monkeypatch):
+    """Each field declares its flags, group and help once, in config.py (config.opt): a field
+    declared without them stops the parser from being built, naming the field."""
+    import minimegatron.arguments as arguments
+    bare = dataclasses.fields(dataclasses.make_dataclass("Bare", [("widget_count", int, dataclasses.field(default=1))]))
+    monkeypatch.setitem(arguments.FIELDS, "widget_count", bare[0])
+    with pytest.raises(RuntimeError, match="widget_count has no command line"):
+        build_parser()
