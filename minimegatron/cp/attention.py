@@ -1,46 +1,23 @@
 """Context parallelism as a transformation of the one model: `apply_context_parallel`.
 
-Shape legend as in model/attention.py, plus cp (the context-parallel size), a and g the
-query and key/value heads this rank runs (a / tp and g / tp under tensor parallelism); a rank
-holds s / cp tokens, two chunks of c = s / (2 cp) (cp/layout.py). Under context parallelism every module but attention
-works on the rank's own tokens as it would on a shorter sequence: the embedding, the norms,
-the MLP, the loss (on its own tokens' labels), RoPE (on its own tokens' positions, which the
-batch carries: cp/layout.get_batch_on_this_cp_rank). Attention alone needs the keys and
-values of every position before a query's own, and `ContextParallelAttention` gets them in
-one of Megatron-Core's four ways (`cp_comm_type`):
+Shapes as in model/attention.py; a and g are this rank's query and key/value heads (a / tp,
+g / tp under tensor parallelism); a cp rank holds s / cp tokens, two chunks of c = s / (2 cp)
+(cp/layout.py). Every module but attention treats them as a shorter sequence (RoPE reads the
+positions the batch carries). `ContextParallelAttention` gets the other keys and values in one
+of Megatron's four `cp_comm_type`s:
 
-  "p2p"        ring attention (cp/ring.py): K/V blocks go round the ring, cp - 1 hops each
-               way; compute overlaps the transfers; memory holds two blocks at a time.
-  "all_gather" all-gather K and V [b, g, s/cp, d] -> [b, g, s, d], then the local queries
-               attend to every key (Llama 3's choice: one collective, simple, but every rank
-               holds the whole K and V while it attends). Only the rank's own K and V are
-               kept for the backward, which gathers them again (tag "regather") and
-               reduce-scatters dK, dV, as Transformer Engine's AttnFuncWithCPAndKVAllGather.
-  "a2a"        DeepSpeed-Ulysses: an all-to-all turns q, k, v from sequence-sharded
-               [b, a, s/cp, d] into head-sharded [b, a/cp, s, d]; each rank runs ordinary
-               attention over the whole sequence for a / cp heads; an all-to-all turns the
-               output back. Needs a and g divisible by cp.
-  "a2a+p2p"    hierarchical: the all-to-all inside groups of A consecutive cp ranks, the
-               ring across the P groups (Megatron's hierarchical_context_parallel_sizes
-               = [A, P], A P = cp).
+  "p2p"        ring attention (cp/ring.py): K/V blocks go round the ring, cp - 1 hops.
+  "all_gather" all-gather K, V [b, g, s/cp, d] -> [b, g, s, d]; backward gathers again (tag
+               "regather") and reduce-scatters dK, dV.
+  "a2a"        DeepSpeed-Ulysses: all-to-all q, k, v to head-sharded [b, a/cp, s, d], attend,
+               all-to-all back. a and g divisible by cp.
+  "a2a+p2p"    all-to-all inside groups of A consecutive ranks, ring across the P groups
+               (hierarchical_context_parallel_sizes = [A, P], A P = cp).
 
-Every variant attends with the same blockwise core (cp/blocks.py, backends "naive" and
-"sdpa") and skips the blocks a causal mask hides, so all four give the single-device
-attention of this rank's tokens.
-
-Dense gradients: every cp rank holds the same weights and computes gradients from its own
-tokens, so they are averaged over the "dp-cp" group (parallel_state), which the data-parallel
-wrapper does when given that group. Nothing else is added to finalize_model_grads.
-
-Megatron-LM: megatron/core/extensions/transformer_engine.py (TEDotProductAttention passes
-cp_group, cp_global_ranks, cp_stream and cp_comm_type to Transformer Engine), Transformer
-Engine's context_parallel.py (AttnFuncWithCPAndKVP2P, AttnFuncWithCPAndKVAllGather,
-AttnFuncWithCPAndQKVOA2A), megatron/core/parallel_state.py (the cp and hierarchical cp groups).
-One exception outside Transformer Engine: the experimental DeepSeek sparse attention
-(DSAttention, megatron/core/transformer/experimental_attention_variant/dsa.py) runs its own
-all-gather CP in Megatron (gather_from_sequence_parallel_region over the cp group; its only
-cp_comm_type is all-gather). Checked on main d98e8a6, 2026-11-27.
-"""
+All four use the blockwise core of cp/blocks.py and skip causally hidden blocks. Dense
+gradients are averaged over the "dp-cp" group by the data-parallel wrapper.
+Megatron-LM: TEDotProductAttention (megatron/core/extensions/transformer_engine.py) into
+Transformer Engine's context_parallel.py (AttnFuncWithCPAndKVP2P, ...KVAllGather, ...QKVOA2A)."""
 
 from __future__ import annotations
 
@@ -126,30 +103,18 @@ class _AllGatherAttention(torch.autograd.Function):
 
 
 class ContextParallelAttention:
-    """The core attention of one SelfAttention under context parallelism: q [b, a, s/cp, d],
-    k and v [b, g, s/cp, d] of this rank's tokens (chunks `chunk_ids_per_rank[cp_rank]`) ->
-    out [b, a, s/cp, d], the single-device attention output of those tokens.
+    """Core attention under context parallelism: q [b, a, s/cp, d], k, v [b, g, s/cp, d] of this
+    rank's chunks (`chunk_ids_per_rank[cp_rank]`) -> out [b, a, s/cp, d], the single-device output
+    of those tokens. cp_group; for "a2a+p2p" also a2a_group (consecutive ranks) and p2p_group (the ring).
 
-    cp_group: the context-parallel group; for "a2a+p2p" also a2a_group (the sub-group this
-    rank does its all-to-all in, consecutive cp ranks) and p2p_group (the ranks with the same
-    index in every sub-group: the ring). chunk_ids_per_rank[r]: the chunks cp rank r holds.
-    Communication per call (ledger tags "fwd", "bwd", and "regather" for all_gather's second
-    gather), per rank, with kv the bytes of this rank's k (or v) and q of its q; a step is one
-    collective call or one ring hop (a send and a receive, two ledger entries):
-      p2p         forward cp - 1 steps, each a send/recv of 2 kv; backward cp - 1 of 4 kv
-      all_gather  forward 2 all-gathers of kv; backward 2 all-gathers of kv ("regather") and 2
-                  reduce-scatters of cp kv
-      a2a         4 all-to-alls forward (q, k, v, out: 2 q + 2 kv) and 4 backward
-      a2a+p2p     the a2a's 4 + 4 in the sub-group of A ranks, then p2p's ring over the P = cp / A
-                  sub-groups
-    Packed documents (chapter 07, --reset-attention-mask): document_ids [b, s], the WHOLE
-    sequence's (cp/layout.get_batch_on_this_cp_rank leaves them uncut), give every block pair
-    its mask (ring.same_document), so each query attends to its own document only; the same
-    messages as without.
-    Not an nn.Module: it holds no parameters, so the state dict is unchanged.
-    """
-
-    takes_document_ids = True           # SelfAttention.core_attention_forward may pass them
+    Per call and rank, kv = bytes of this rank's k (or v), q of its q; tags "fwd", "bwd", "regather":
+      p2p         forward cp - 1 ring hops of 2 kv; backward cp - 1 of 4 kv
+      all_gather  forward 2 all-gathers of kv; backward 2 all-gathers of kv ("regather") and
+                  2 reduce-scatters of cp kv
+      a2a         4 all-to-alls forward (2 q + 2 kv) and 4 backward
+      a2a+p2p     a2a's in the A ranks, then p2p's ring over P = cp / A
+    document_ids [b, s], the WHOLE sequence's, mask every block pair (ring.same_document); same
+    messages. Not an nn.Module: the state dict is unchanged."""
 
     def __init__(self, cp_group, comm_type: str, chunk_ids_per_rank: list[list[int]], backend: str = "sdpa",
                  a2a_group=None, p2p_group=None):
@@ -187,11 +152,10 @@ class ContextParallelAttention:
 
 def apply_context_parallel(model: nn.Module, cp_group, comm_type: str = "p2p", load_balance: bool = True,
                            a2a_group=None, p2p_group=None) -> nn.Module:
-    """Give every attention layer of `model` (a GPTModel or a stage, after tensor parallelism)
-    a ContextParallelAttention over `cp_group`; returns it. A no-op when the group has one
-    rank. Nothing else changes: the other modules see the rank's tokens as a shorter sequence,
-    and the batch must be this rank's (cp/layout.get_batch_on_this_cp_rank with the same
-    `load_balance`). ConfigError before anything changes when the heads do not divide."""
+    """Give every attention layer of `model` (after tensor parallelism) a ContextParallelAttention
+    over `cp_group`; returns the model; no-op for one rank. The batch must be this rank's
+    (get_batch_on_this_cp_rank with the same `load_balance`). ConfigError before any change when
+    the heads do not divide."""
     cp, cfg = group_size(cp_group), model.config
     if cp == 1:
         return model

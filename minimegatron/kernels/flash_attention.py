@@ -1,55 +1,26 @@
 """FlashAttention-2 (Dao 2023) in Triton: causal attention that never stores the [s, s] scores,
-forward and backward, with grouped-query attention (k, v shared by a/g query heads, never
-repeated in memory). Chapter 07.
+forward and backward, with grouped-query attention (k, v never repeated in memory). Chapter 07.
 
     out = flash_attention(q, k, v)          q [b, a, s, d], k and v [b, g, s, d] -> [b, a, s, d]
     out = flash_attention(q, k, v, document_ids=ids)      packed documents, ids [b, s]
 
-Forward, one program per (block of BLOCK_M queries, batch x head): the queries' rows of
-softmax(q k^T / sqrt(d)) v, computed over key blocks of BLOCK_N with the online softmax. The
-program keeps, per query row, the running maximum m, the running sum l of exp(score - m) and the
-running output acc; a new block of scores S moves them to
+Forward, one program per (BLOCK_M queries, batch x head), over key blocks of BLOCK_N with the
+online softmax: per row the running max m, sum l and output acc move to
 
     m' = max(m, rowmax S)        l' = l e^(m - m') + rowsum e^(S - m')
     acc' = acc e^(m - m') + e^(S - m') v
 
-(exercise 7.3 writes this merge in PyTorch: `online_softmax_step`), and at the end out = acc / l.
-Causal: a query block reads only the key blocks at or before it, and masks the diagonal block.
-For the backward
-it keeps its inputs q, k, v, its output, and one float32 log-sum-exp per row, lse = m + log l
-(4 b a s bytes), where the written-out attention keeps the b a s^2 probabilities and more.
+(`online_softmax_step`, exercise 7.3); out = acc / l. Saved for the backward: q, k, v, out and
+lse = m + log l [b, a, s] float32. Backward, D = rowsum(dout * out), P = exp(S - lse): one
+kernel per key block (dv = P^T dout, dk = dS^T q / sqrt(d), dS = P (dout v^T - D)), one per
+query block (dq = dS k / sqrt(d)); no atomics; GQA's dk, dv summed over a/g heads afterwards.
 
-Backward, with D = rowsum(dout * out) (one pass in PyTorch): the probabilities come back from
-the scores and lse, P = exp(S - lse), so nothing [s, s] was kept. Two kernels, each summing in
-its own program (no atomics): one per key block, which loops over the query blocks at or after
-it for dv = P^T dout and dk = dS^T q / sqrt(d), dS = P (dout v^T - D); one per query block for
-dq = dS k / sqrt(d). Under GQA each query head's dk, dv are written apart and summed over the
-a/g heads of a group afterwards (two float32 [b, a, s, d] buffers; a fused kernel would
-accumulate them in place).
-
-The kernels compute in float32: 16-bit inputs are upcast before the launch and the results
-cast back (a production kernel reads them in 16 bits and accumulates in float32; Triton's
-interpreter gets 16-bit arithmetic wrong, so the book keeps one path). On a CPU the kernels run
-in that interpreter (minimegatron/triton_mode.py sets TRITON_INTERPRET=1 there): exact in float32,
-hundreds of times slower than PyTorch, so the tests keep s and d small. d must be a power of
-2, and on a GPU at least 16 (Triton's tl.dot); both are refused by name. No dropout.
-
-Packed documents (chapter 07 §5; Megatron's THD format): with document_ids [b, s] (the data
-pipeline's, non-decreasing along s) a query sees only the keys of its own document, and the
-kernels skip the tiles that mask would empty. `document_tile_bounds` turns the ids into what
-flash-attn's variable-length kernels get from cu_seqlens: per query block the first key block
-its first row's document reaches (the forward and dq loops start there instead of at 0), and
-per key block the end of its last key's document (the dk, dv loop stops there instead of at s).
-Inside the visited tiles the mask compares the ids. A row of a later document can then meet a
-tile it sees nothing of before its own, so the merge guards a maximum that is still -inf as
-exercise 7.3 does. `attention_tiles` counts the [BLOCK_M, BLOCK_N] tiles the forward visits,
-from the same bounds; without documents the bounds are 0 and s, the causal kernel's.
-
-Reference: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
-Partitioning" (2023), Algorithms 1 and 2. Megatron-LM reaches the same algorithm through
-Transformer Engine's fused attention or the flash-attn package (megatron/core/extensions/
-transformer_engine.py, TEDotProductAttention).
-"""
+Computed in float32 (16-bit inputs upcast before the launch, results cast back); on a CPU in
+Triton's interpreter (minimegatron/triton_mode.py). d a power of 2 (>= 16 on a GPU). No dropout.
+Packed documents: `document_tile_bounds` gives each query block's first key and each key
+block's last query (flash-attn's cu_seqlens), so empty tiles are skipped; `attention_tiles`
+counts the visited tiles.
+Megatron-LM: Transformer Engine's fused attention or flash-attn (TEDotProductAttention)."""
 
 from __future__ import annotations
 
@@ -185,13 +156,10 @@ def _flash_backward_q(Q, K, V, DO, LSE, DELTA, DQ, DOC, KEY_START, sm_scale, seq
 
 def document_tile_bounds(document_ids: torch.Tensor | None, b: int, s: int, block_m: int, block_n: int,
                          device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' loop bounds for document_ids [b, s] (None: one document per row):
-    (ids [b, s] int32 contiguous, key_start [b, cdiv(s, block_m)] int32: the first key the
-    query block's loop reads, its first row's document start rounded down to a multiple of
-    block_n; query_end [b, cdiv(s, block_n)] int32: one past the last query row the key block's
-    loop reads, the end of the document of the block's last key). Megatron's THD format holds
-    the same in cu_seqlens, the documents' start offsets. ValueError if ids decrease along s
-    (a document in two pieces could not be skipped by ranges)."""
+    """Loop bounds for document_ids [b, s] (None: one document per row) -> (ids [b, s] int32,
+    key_start [b, cdiv(s, block_m)] int32: each query block's first key, its first row's document
+    start rounded down to block_n; query_end [b, cdiv(s, block_n)] int32: one past the last query
+    row each key block reads). ValueError if ids decrease along s."""
     if document_ids is None:
         ids = torch.zeros(b, s, dtype=torch.int32, device=device)
     else:
@@ -215,18 +183,16 @@ def document_tile_bounds(document_ids: torch.Tensor | None, b: int, s: int, bloc
 
 
 def attention_tiles(document_ids: torch.Tensor | None, b: int, s: int, block_m: int = 16, block_n: int = 16) -> int:
-    """How many [block_m, block_n] score tiles the forward kernel computes per head over b
-    sequences of s tokens (its loop: key_start up to the query block's last row), with or
-    without packed documents. No kernel runs: the bounds are document_tile_bounds'."""
+    """[block_m, block_n] score tiles the forward computes per head over b sequences of s tokens,
+    with or without packed documents (document_tile_bounds'; no kernel runs)."""
     _, key_start, _ = document_tile_bounds(document_ids, b, s, block_m, block_n)
     ends = (torch.arange(0, s, block_m) + block_m).clamp(max=s)                      # [cdiv(s, block_m)]
     return int((-(-(ends - key_start) // block_n)).sum())
 
 
 class FlashAttention(torch.autograd.Function):
-    """flash_attention as an autograd op; saves q, k, v, out and lse [b, a, s] (float32), and with
-    packed documents their ids and tile bounds (int32; without documents the backward makes the
-    causal kernel's bounds again rather than keep them)."""
+    """flash_attention as an autograd op; saves q, k, v, out, lse [b, a, s] float32, and with
+    packed documents the ids and tile bounds (int32)."""
 
     @staticmethod
     def forward(ctx, q, k, v, document_ids, block_m: int, block_n: int):
@@ -272,18 +238,12 @@ class FlashAttention(torch.autograd.Function):
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     training: bool = False, block_m: int = 16, block_n: int = 16,
                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(d)) v: q [b, a, s, d], k and v [b, g, s, d] (a a multiple of
-    g; d a power of 2) -> [b, a, s, d], through the Triton kernels above; with document_ids
-    [b, s] (non-decreasing) each query attends to its own document's keys only, and the tiles
-    outside every document are skipped. The signature of the book's attention backends
-    (model/attention.py; takes_document_ids: the attention module passes packed documents' ids);
-    dropout is not supported."""
+    """Causal softmax(q k^T / sqrt(d)) v: q [b, a, s, d], k, v [b, g, s, d] (g divides a, d a power
+    of 2) -> [b, a, s, d]; document_ids [b, s] (non-decreasing) keeps each query in its document.
+    The signature of SelfAttention.core_attention's backends; no dropout."""
     if dropout_p and training:
         raise ValueError("flash_attention (Triton) has no dropout: use attention_dropout 0 with --kernels triton")
     d = q.shape[-1]
     if d & (d - 1) or (q.is_cuda and d < 16):
         raise ValueError(f"flash_attention needs a head size that is a power of 2 (at least 16 on a GPU), got {d}")
     return FlashAttention.apply(q, k, v, document_ids, block_m, block_n)
-
-
-flash_attention.takes_document_ids = True

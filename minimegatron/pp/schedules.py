@@ -1,33 +1,21 @@
 """Pipeline schedules as pure functions: which forward and backward each stage runs, in order.
 
-A pipeline of pp stages (ranks 0..pp-1 of a pipeline group) trains one global batch as m
-micro-batches. Each stage runs, per micro-batch, a forward F (after the previous stage's F of
-that micro-batch) and a backward B (after the next stage's B). A schedule is the ORDER in which
-one stage runs its F's and B's; everything else (sending, waiting) follows from it:
+A pipeline of pp stages trains one global batch as m micro-batches; per micro-batch a stage
+runs a forward F (after the previous stage's) and a backward B (after the next stage's). A
+schedule is the ORDER of one stage's F's and B's; sending and waiting follow from it:
 
     schedule(kind, pp_size, pp_rank, num_microbatches, num_chunks=1)
         -> [("F" or "B", microbatch, chunk), ...]        every (microbatch, chunk) F once, B once
 
-  "gpipe"        all forwards, then all backwards (GPipe, Huang et al. 2019; Megatron's
-                 "all-forward-all-backward"). Every micro-batch's activations are alive at once.
-  "1f1b"         warm-up: pp - rank - 1 forwards; steady state: one forward, one backward;
-                 cool-down: the remaining backwards (PipeDream-Flush, Narayanan et al. 2021;
-                 Megatron's forward_backward_pipelining_without_interleaving). At most
-                 pp - rank micro-batches alive on stage `rank`.
-  "interleaved"  each rank holds num_chunks > 1 model chunks ("virtual stages"): chunk c of
-                 rank r is virtual stage c * pp + r, so a micro-batch visits every rank
-                 num_chunks times. 1F1B over the virtual stages, in Megatron's order
-                 (forward_backward_pipelining_with_interleaving): see interleaved_order.
+  "gpipe"        all forwards, then all backwards (Megatron's "all-forward-all-backward").
+  "1f1b"         pp - rank - 1 warm-up forwards, then one forward one backward, then the rest
+                 (forward_backward_pipelining_without_interleaving).
+  "interleaved"  num_chunks > 1 chunks per rank, chunk c of rank r is virtual stage c pp + r;
+                 1F1B over the virtual stages (forward_backward_pipelining_with_interleaving).
 
-Megatron-LM: megatron/core/pipeline_parallel/schedules.py. What the book adds: the orders as
-data, so they can be printed, tested and drawn (timeline.simulate) without running anything.
-Constraints, as Megatron's with its default micro-batch group size (pp): interleaving needs
-num_microbatches to be a multiple of pp. The book fixes the group size at pp; Megatron makes it
-a setting (microbatch_group_size_per_vp_stage, --microbatch-group-size-per-virtual-pipeline-stage).
-pp = 2 with 2 chunks is allowed, as in Megatron with its default p2p overlap (its
-training/arguments.py asks for pp > 2 with interleaving only under --no-overlap-p2p-communication;
-checked 2026-11-24).
-"""
+Interleaving needs num_microbatches a multiple of pp (the micro-batch group size is fixed at
+pp, Megatron's default microbatch_group_size_per_vp_stage).
+Megatron-LM: megatron/core/pipeline_parallel/schedules.py."""
 
 from __future__ import annotations
 
@@ -61,23 +49,10 @@ def check_schedule_args(kind: str, pp_size: int, pp_rank: int, num_microbatches:
 
 def num_warmup_microbatches(kind: str, pp_size: int, pp_rank: int, num_microbatches: int,
                             num_chunks: int = 1) -> int:
-    """Forwards a stage runs before its first backward (over all its chunks).
-
-    1f1b:        min(pp - rank - 1, m): the micro-batches in flight ahead of this stage when
-                 the first one's backward reaches it.
-    interleaved: min(2 (pp - rank - 1) + (v - 1) G, v m), counted in micro-batch-chunks, with
-                 G = pp the micro-batch group size (see interleaved_order): before a rank's
-                 first backward, the whole first group runs through chunks 0..v-2 ((v - 1) G
-                 forwards), and the first micro-batch's last chunk needs about two chunk-sized
-                 slots per rank behind this one to go there and come back. When that reaches
-                 v m, every forward is warm-up (all forwards, then all backwards). There is no
-                 special case for m == pp: with pp=4, v=2, m=4, stages 0 and 1 warm up all 8
-                 chunks, stages 2 and 3 only 6 and 4.
-    gpipe:       all m.
-
-    Megatron-LM: get_pp_rank_microbatches in megatron/core/pipeline_parallel/schedules.py
-    (checked 2026-11-24; its m == pp all-warm-up case was removed in November 2024).
-    """
+    """Forwards a stage runs before its first backward (over all its chunks): gpipe m; 1f1b
+    min(pp - rank - 1, m); interleaved min(2 (pp - rank - 1) + (v - 1) pp, v m) micro-batch-chunks
+    (no special case for m == pp: pp=4, v=2, m=4 warms up 8, 8, 6, 4).
+    Megatron: get_pp_rank_microbatches."""
     check_schedule_args(kind, pp_size, pp_rank, num_microbatches, num_chunks)
     if kind == "gpipe":
         return num_microbatches
@@ -89,14 +64,9 @@ def num_warmup_microbatches(kind: str, pp_size: int, pp_rank: int, num_microbatc
 
 
 def interleaved_order(pp_size: int, num_microbatches: int, num_chunks: int) -> list[tuple[int, int]]:
-    """The (microbatch, chunk) order of an interleaved stage's forwards (the same on every rank).
-
-    Micro-batches enter in groups of pp: chunk 0 of micro-batches 0..pp-1, then chunk 1 of the
-    same micro-batches, ..., chunk v-1; then the next group of pp micro-batches. Backwards take
-    the same order with the chunks reversed (chunk v-1 first: the last virtual stage's backward
-    comes first). Megatron: the schedule table of forward_backward_pipelining_with_interleaving,
-    with its default group size (microbatch_group_size_per_vp_stage = pp).
-    """
+    """The (microbatch, chunk) order of an interleaved stage's forwards, the same on every rank:
+    groups of pp micro-batches, chunk 0 of each, then chunk 1, ..., chunk v-1, then the next
+    group. Backwards take it with chunk c replaced by v - 1 - c."""
     order = []
     for first in range(0, num_microbatches, pp_size):
         group = range(first, min(first + pp_size, num_microbatches))
