@@ -250,13 +250,9 @@ def parse_command_line(argv: Iterable[str] | None = None,
 
 
 def _refuse_ignored_flags(given: dict[str, Any]) -> None:
-    """ConfigError naming the flags when a flag given would do nothing without another one.
-
-    TrainConfig.validate refuses the values it can see (a non-default --recompute-modules
-    without selective recompute, --fp8-recipe tensorwise without --fp8-format); this sees what
-    was typed, so the default values too: --recompute-modules core_attn, --fp8-recipe delayed.
-    Refused, not warned about: a warning scrolls past, and the run would do less than its
-    command line says."""
+    """ConfigError naming the flags when one given would do nothing without another. Unlike
+    TrainConfig.validate, this sees what was typed, default values included (--fp8-recipe
+    delayed without --fp8-format); refused, not warned: the run would do less than it says."""
     def flag(name: str) -> str:
         return FLAGS[name][1][0]
 

@@ -629,17 +629,11 @@ def is_power_of_two(x: float) -> bool:
 
 
 def adamw_step_bound(cfg: TrainConfig, dtype: torch.dtype) -> None:
-    """ConfigError when torch's AdamW cannot take cfg.lr for parameters of `dtype`.
-
-    The bound is AdamW's own, not a taste: each step adds exp_avg / denom times the step size
-    lr / (1 - adam_beta1^t) to the parameters, and torch raises "value cannot be converted to
-    type float without overflow" when that scalar exceeds the largest number of the dtype the
-    addition computes in (float32 for float32 and bfloat16 parameters: 3.4e38; float64 for
-    float64 ones, where it would instead overflow to an infinite step and NaN). It is largest
-    at the first step, t = 1: lr / (1 - adam_beta1). Below the bound a huge lr is accepted; it
-    trains to a non-finite loss, which the training loop stops, naming the iteration
-    (train.check_finite_step). (Measured with torch 2.13: the weight decay's factor
-    1 - lr x weight_decay is not checked; it makes the parameters infinite, caught the same way.)"""
+    """ConfigError when torch's AdamW cannot take cfg.lr for parameters of `dtype`: its step size
+    lr / (1 - adam_beta1^t), largest at t = 1, must not exceed the largest number of the dtype the
+    update computes in (float32 for float32 and bfloat16 parameters, float64 for float64), or
+    torch raises "value cannot be converted to type float without overflow" (torch 2.13). A huge
+    lr below the bound trains to a non-finite loss, which train.check_finite_step stops."""
     compute = torch.promote_types(dtype, torch.float32)
     name, biggest = str(compute).replace("torch.", ""), torch.finfo(compute).max
     first_step = cfg.lr / (1.0 - cfg.adam_beta1)
