@@ -1,30 +1,18 @@
-"""How many parameters a model has, component by component.
-
-Shape legend (the one of model/gpt.py):
-  b micro-batch size     s sequence length     h hidden size        V vocabulary size
-  a query heads          g key/value heads     d head size (h / a)  f MLP inner size
-  L layers               P max_position_embeddings
-
-The count is read off the parameter shapes listed in gpt.py's docstring, one line per
-tensor:
+"""How many parameters a model has, component by component (shapes as in model/gpt.py, P
+max_position_embeddings):
 
   word embedding        V h
-  position embedding    P h                          learned_absolute only (RoPE has none)
+  position embedding    P h                          learned_absolute only
   per layer:
-    linear_qkv          (a + 2g) d h  + (a + 2g) d   weight + bias (bias if add_bias_linear)
+    linear_qkv          (a + 2g) d h  + (a + 2g) d   weight + bias (if add_bias_linear)
     linear_proj         h a d         + h
-    linear_fc1          f h  + f                     GELU
-                        2f h + 2f                    SwiGLU (gate and up stacked)
+    linear_fc1          f h  + f  (GELU), 2f h + 2f (SwiGLU)
     linear_fc2          h f  + h
-    2 norms             2 * 2h                       LayerNorm (weight and bias)
-                        2 * h                        RMSNorm (weight only)
+    2 norms             2 * 2h (LayerNorm), 2 * h (RMSNorm)
   final norm            2h or h
-  output layer          V h                          only when the embeddings are untied
+  output layer          V h                          untied only
 
-For GPT-2 style layers (g = a, f = 4h, biases, LayerNorm) a layer has 12h^2 + 13h
-parameters, the count every paper quotes: 4h^2 + 4h for attention, 8h^2 + 5h for the MLP,
-4h for the two LayerNorms.
-"""
+A GPT-2 style layer (g = a, f = 4h, biases, LayerNorm) has 12h^2 + 13h."""
 
 from __future__ import annotations
 
@@ -32,37 +20,15 @@ from ..config import ModelConfig
 
 
 def count_parameters(config: ModelConfig) -> dict:
-    """The parameter count of the single-device `GPTModel(config)`, by component.
+    """Parameter elements of the single-device `GPTModel(config)`, by component:
 
-    Returns a dict (all values are numbers of elements, not bytes):
-
-      "embedding"            V h
-      "position_embedding"   P h (0 with RoPE)
-      "per_layer"            a dict for ONE transformer layer:
-                               "qkv_weight" (a+2g) d h, "qkv_bias" (a+2g) d,
-                               "proj_weight" h a d,     "proj_bias" h,
-                               "fc1_weight" f h or 2f h, "fc1_bias" f or 2f,
-                               "fc2_weight" h f,        "fc2_bias" h,
-                               "norms" 4h (LayerNorm) or 2h (RMSNorm), "total"
-                             (biases are 0 without add_bias_linear)
-      "layers"               L * per_layer["total"]
-      "final_norm"           2h or h
-      "output_layer"         V h when untied, else 0 (the embedding matrix is reused)
-      "total"                the sum: what `sum(p.numel() for p in model.parameters())` gives
-      "non_embedding"        total - embedding - position_embedding - output_layer
-      "moe"                  None for a dense model; for a GPT-MoE (num_experts set, chapter 05)
-                             {"layers": the number of MoE layers, "router" E h, "expert" one
-                             expert's MLP (width moe_ffn_size), "shared" the shared expert's,
-                             "per_moe_layer" what an MoE layer holds in place of the MLP}; "layers"
-                             and "total" then count E experts in each MoE layer
-      "active"               the parameters one token uses: total with only k of the E experts
-                             of each MoE layer (= total for a dense model)
-
-    "non_embedding" is Kaplan et al. 2020's N ("Scaling Laws for Neural Language Models",
-    Section 2.1): "the number of model parameters, excluding all vocabulary and positional
-    embeddings". We also leave out an untied output layer, the "de-embedding" that Kaplan
-    lists next to the embedding, so N is the same tied or untied.
-    """
+      "embedding" V h; "position_embedding" P h (0 with RoPE); "per_layer" {"qkv_weight",
+      "qkv_bias", "proj_weight", "proj_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias",
+      "norms", "total"} (biases 0 without add_bias_linear); "layers" L x per_layer; "final_norm";
+      "output_layer" (0 when tied); "total" = sum(p.numel() for p in model.parameters());
+      "non_embedding" total minus the embeddings and an untied output layer (Kaplan et al.'s N);
+      "moe" None, or for a GPT-MoE {"layers", "router" E h, "expert", "shared", "per_moe_layer"};
+      "active" the parameters one token uses (k of the E experts)."""
     config.validate()
     h, a, g, d, f = (config.hidden_size, config.num_attention_heads, config.query_groups,
                      config.kv_channels, config.ffn_size)
@@ -117,23 +83,16 @@ def count_parameters(config: ModelConfig) -> dict:
 
 
 def tensor_parallel_parameters(config: ModelConfig, tp: int) -> dict:
-    """Parameters ONE rank of a tensor-parallel group of `tp` holds (chapter 02's layout, which
-    is Megatron's), from count_parameters' components. Numbers of elements:
+    """Parameter elements ONE rank of a tensor-parallel group of `tp` holds (chapter 02's layout):
 
-      "split"       what is cut tp ways, per rank: (qkv + proj weight + fc1 + fc2 weight) / tp
-                    per layer, the qkv and fc1 biases / tp, and the vocabulary matrices
-                    (embedding, untied output layer) as Vp/tp rows of h, Vp = V padded to a
-                    multiple of config.make_vocab_size_divisible_by * tp
-      "padding"     of "split", the rows of the padded vocabulary: (Vp - V) h / tp per matrix
-      "replicated"  what every rank holds in full: the norms, the position embedding, the
-                    row-parallel biases (linear_proj's and linear_fc2's h each, per layer)
+      "split"       what is cut tp ways, per rank: qkv, proj, fc1, fc2 weights and the qkv, fc1
+                    biases / tp, vocabulary matrices as Vp/tp rows (Vp = V padded to
+                    make_vocab_size_divisible_by * tp)
+      "padding"     of "split", the padded vocabulary rows: (Vp - V) h / tp per matrix
+      "replicated"  norms, position embedding, linear_proj's and linear_fc2's biases
       "per_rank"    split + replicated
-      "total"       count_parameters(config)["total"] (the single-device model)
-
-    So per_rank = (total - replicated) / tp + replicated + padding: as tp grows, the rank's
-    share tends to the replicated part, which is O(L h), not zero. ConfigError (naming the
-    numbers) when the layout cannot exist, e.g. 12 heads over tp = 8.
-    """
+      "total"       count_parameters(config)["total"]
+    ConfigError naming the numbers when the layout cannot exist (12 heads over tp = 8)."""
     from ..tp import check_tensor_parallel_config           # heads, KV groups, ffn by tp
     check_tensor_parallel_config(config, tp)                # ConfigError for a layout that cannot exist
     c = count_parameters(config)

@@ -5,39 +5,22 @@ and activations, from the book's own accounting (minimegatron.analysis), stage b
                                                            "zero3_gathered", "zero3_pending", "activations",
                                                            "total", ...}
 
-Legend: n_d, n_e the dense and expert parameter elements of the rank (analysis.rank_parameters:
-tp, pp, ep, etp and the padded vocabulary applied); p, g, K the bytes per parameter of
-analysis.adam_bytes_per_parameter (bf16: p = 2, g = 4 for the float32 main gradients, K = 12
-for the float32 main copy and Adam's two moments: Megatron's 18 bytes); D = dp x cp the ranks
-that shard the dense state under ZeRO (the "dp-cp" group), D_e = world / (etp ep pp) the
-experts'.
+n: the rank's dense (and expert) parameter elements (analysis.rank_parameters); p, g, K bytes
+per parameter (analysis.adam_bytes_per_parameter; bf16: 2, 4, 12); D = dp x cp ("dp-cp"),
+D_e = world / (etp ep pp) for the experts:
 
   params      p n                 ZeRO-3: p ceil(n / D)
   grads       g n                 ZeRO-2, 3: g ceil(n / D)
-  zero3_pending                   ZeRO-3 with m > 1 micro-batches: g D ceil(n / D) more inside a
-                                  step (the book's ZeRO-3 accumulates under no_sync in a full-size
-                                  buffer, dp/fsdp.py's unit.pending, freed by the step's last
-                                  backward)
   optimizer   K n                 ZeRO-1, 2, 3: K ceil(n / D)
-  zero3_gathered                  ZeRO-3: one unit gathered whole while it runs, about one layer:
-                                  p n_d / (the rank's layers)
-  (each line for the dense part over D and the experts over D_e, added)
+  zero3_pending                   ZeRO-3, m > 1: g D ceil(n / D) (dp/fsdp.py's full-size buffer)
+  zero3_gathered                  ZeRO-3: one unit gathered whole, p n_d / (the rank's layers)
+With tp = pp = cp = 1 these are analysis.training_memory's numbers.
 
-With tp = pp = cp = 1 these are analysis.training_memory's numbers exactly.
-
-Activations: what the book's model saves for backward, analysis.activation_memory, per layer
-and outside the layers, for a micro-batch of b sequences of s / cp tokens (context parallelism
-cuts the sequence; ring attention keeps its own K and V stacked, its output and log-sum-exp,
-the other ranks' K and V blocks are sent again in the backward: `_ring_attention_change`), on a tp
-rank with sequence parallelism when tp > 1, under the layout's recompute. An MoE layer (which
-activation_memory does not count) is the same layer with its MLP replaced by an estimate of
-what the dispatcher saves (written out in `moe_mlp_bytes`; not measured by the book). A stage
-holds the layers of its v chunks for as many micro-batch-chunks as its schedule keeps in
-flight at once (pp.peak_in_flight of pp.schedule: 1F1B's first stage min(p, m), the last 1);
-the first stage adds the embedding's tensors (and the RoPE tables) per micro-batch in flight,
-the last the final norm, the output layer's input and the loss's, once (1F1B runs a
-micro-batch's backward right after its last forward).
-"""
+Activations: analysis.activation_memory per layer for b sequences of s / cp tokens, on a tp
+rank with SP when tp > 1, under the layout's recompute (MoE layers: `moe_mlp_bytes`'s estimate;
+ring attention: `_ring_attention_change`), held for as many micro-batch-chunks as the schedule
+keeps in flight (pp.peak_in_flight); the first stage adds the embedding's tensors per
+micro-batch in flight, the last the final norm's, output layer's and loss's once."""
 
 from __future__ import annotations
 
@@ -63,28 +46,22 @@ def pipeline_kind(cfg: TrainConfig) -> str:
 
 @lru_cache(maxsize=4096)
 def _in_flight(kind: str, pp: int, pp_rank: int, m: int, v: int) -> int:
-    """peak_in_flight of the schedule, which stops growing once the warm-up is full (1F1B:
-    pp - rank; interleaved: min(2 (pp - rank - 1) + (v - 1) pp, v m) + 1, full by m = 3 pp): so
-    at most 3 pp micro-batches are simulated (a multiple of pp, as interleaving needs), and a
-    global batch of millions is planned in the time of a small one."""
+    """pp.peak_in_flight of the schedule, simulated over at most 3 pp micro-batches (the warm-up is
+    full by then), so a large global batch plans as fast as a small one."""
     if kind in ("1f1b", "interleaved"):
         m = min(m, 3 * pp)
     return peak_in_flight(schedule(kind, pp, pp_rank, m, v))
 
 
 def moe_mlp_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
-    """Estimated bytes an MoE layer's MLP part saves for one micro-batch (in place of a dense
-    MLP's fc1 input, activation and fc2 input), with balanced routing. T = b s / cp tokens of
-    the rank, T_r = T / tp the tokens it routes under sequence parallelism, R = T_r k rows it
-    sends (and, balanced, receives), e bytes of the model dtype, c = 4 (router scores in fp32):
+    """Estimated bytes an MoE layer's MLP part saves for one micro-batch, balanced routing (not
+    measured; not called under full recompute). T = b s / cp, T_r = T / tp routed, R = T_r k rows,
+    e model bytes, c = 4:
 
       router       input T_r h e, scores T_r E c, chosen experts T_r k 8
-      experts      fc1 input etp R h e (the rows gathered over etp), activation R f_e e (GELU)
-                   or 3 R f_e e (SwiGLU: gate, silu(gate), up), fc2 input R f_e e
+      experts      fc1 input etp R h e, activation R f_e e (GELU) or 3 R f_e e (SwiGLU), fc2 input R f_e e
       combine      expert outputs R h e and their probabilities R c
-      shared       fc1 input T_r h e, activation (1 or 3) T f_s / tp e, fc2 input T f_s / tp e
-
-    Under full recompute a layer keeps only its input, so this is not called then."""
+      shared       fc1 input T_r h e, activation (1 or 3) T f_s / tp e, fc2 input T f_s / tp e"""
     h, e, c = model_cfg.hidden_size, model_cfg.dtype.itemsize, 4
     tp, etp = cfg.tensor_model_parallel_size, cfg.etp
     T = cfg.micro_batch_size * cfg.seq_length // cfg.context_parallel_size
@@ -100,14 +77,10 @@ def moe_mlp_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
 
 
 def _ring_attention_change(model_cfg: ModelConfig, cfg: TrainConfig, layer: dict[str, int]) -> int:
-    """How much more (or less) a layer saves under ring attention (cp/ring.py, one autograd
-    function) than the single-device attention of its s / cp tokens: the ring keeps its query
-    (RoPE's rotated copy, or a view of the packed qkv output, which it then keeps alive), its
-    output [b, a, s/cp, d] and log-sum-exp, and its own K and V stacked [2, b, g, s/cp, d];
-    the single device kept the qkv output, the rotated query and key, and the log-sum-exp.
-    Measured in chapters/08_capstone/plan_vs_measured.py (dense LLaMA and GPT-2 layers, no
-    recompute; with recompute, and for the other cp_comm_types, the estimate stays the single
-    device's for s / cp tokens)."""
+    """Bytes a layer saves under ring attention minus the single-device attention of its s / cp tokens:
+    the ring keeps its query, output [b, a, s/cp, d], log-sum-exp and stacked K, V [2, b, g, s/cp, d];
+    one device kept the qkv output, rotated q and k, and the log-sum-exp. Checked by
+    chapters/08_capstone/plan_vs_measured.py checks it; applied to "p2p" without recompute only."""
     tp = cfg.tensor_model_parallel_size
     b, s = cfg.micro_batch_size, cfg.seq_length // cfg.context_parallel_size
     a, g, d, e = (model_cfg.num_attention_heads // tp, model_cfg.query_groups // tp, model_cfg.kv_channels,
@@ -155,9 +128,8 @@ def _sharded(n: int, shards: int, zero: int, m: int, bytes_per: dict) -> dict[st
 
 def rank_states(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int,
                 parameters: dict | None = None) -> dict:
-    """{"params", "grads", "optimizer" (what the rank keeps from step to step), "zero3_gathered",
-    "zero3_pending" (what ZeRO-3 holds only inside a step)} bytes of a rank of stage pp_rank, and
-    "parameters" (its elements, analysis.rank_parameters; pass them if known)."""
+    """{"params", "grads", "optimizer", "zero3_gathered", "zero3_pending"} bytes of a rank of stage
+    pp_rank, and "parameters" (analysis.rank_parameters'; pass them if known)."""
     tp, pp, v = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                  cfg.num_virtual_stages_per_pipeline_rank)
     m, zero = cfg.grad_accum_steps, cfg.zero_stage
@@ -176,11 +148,9 @@ def rank_states(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: i
 
 def rank_memory(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int, *,
                 parameters: dict | None = None, per_microbatch: dict | None = None) -> dict:
-    """Bytes a rank of stage pp_rank holds at its peak (see the module docstring):
-    {"params", "grads", "optimizer", "zero3_gathered", "zero3_pending", "activations", "total", "parameters"
-    (the elements, {"dense", "experts"}), "in_flight" (micro-batch-chunks at the peak)}.
-    `parameters` (rank_parameters') and `per_microbatch` (layer_activation_bytes') may be
-    passed when already known."""
+    """Bytes a rank of stage pp_rank holds at its peak (module docstring): {"params", "grads",
+    "optimizer", "zero3_gathered", "zero3_pending", "activations", "total", "parameters" ({"dense",
+    "experts"}), "in_flight"}. `parameters` and `per_microbatch` may be passed when known."""
     pp, v = cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank
     out = rank_states(model_cfg, cfg, world, pp_rank, parameters)
     counts = out.pop("parameters")

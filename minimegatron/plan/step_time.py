@@ -3,41 +3,24 @@ efficiency, plus the communication that is not hidden, stretched by the pipeline
 
     step_estimate(model_cfg, train_cfg, world, cluster) -> {"step_time", "mfu", "flops", "comm", ...}
 
-The model (every constant below is an assumption, printed above the planner's table):
+The model (its constants are assumptions, printed above the planner's table):
 
-  FLOPs      model FLOPs = Megatron's num_floating_point_operations (megatron_formulas.
-             megatron_flops) for the global batch; the GPUs also run the recomputed forwards:
-             full recompute one more forward of every layer ((mlp + attention + core) / 3),
-             selective ("core_attn") one more core attention (core / 3). Spread evenly over
-             the world's ranks (first and last stages' embedding and loss are not singled out).
-  compute    a micro-batch's share on a rank at COMPUTE_EFFICIENCY of the peak FLOP/s
-  bytes      per dimension, what a rank hands to the collectives in one step (the ledger's
-             convention, comm/ledger.py): analysis.step_communication for tp, cp, ep, etp, pp
-             and the tied embedding, with the dispatcher's routing-dependent messages taken as
-             balanced routing makes them ("moe-combine" and "moe-dispatch-bwd" as large as
-             "moe-dispatch"; the etp gather and reduce-scatter of the received rows); and
-             for the gradients (analysis.rank_parameters):
-               dp / expert-dp   ZeRO-0 all-reduce of the gradients; ZeRO-1, 2 reduce-scatter
-                                of them + all-gather of the updated bf16 shards; ZeRO-3 two
-                                all-gathers of the shards per micro-batch (one of the embedding,
-                                whose backward reads no weight) + one reduce-scatter
-  time       on the wire, ring algorithms over a group of n: all-reduce 2 (n - 1) / n x bytes,
-             reduce-scatter and all-to-all (n - 1) / n x the input, all-gather (n - 1) x the
-             shard, a send its bytes (links are full duplex: receives cost nothing more); at
-             the group's bandwidth, NVLink inside a node, the network across (cluster.py); no
-             latency term (small messages look cheaper than they are)
-  overlap    tp (+ SP), ep, etp, pp messages: exposed, on every micro-batch's critical path;
-             cp's ring: hidden behind the core attention it feeds, only the excess exposed;
-             dp and expert-dp (ZeRO-0, 1, 2): hidden behind one micro-batch's compute (the
-             last backward, overlap_grad_reduce; the first forward, overlap_param_gather),
-             only the excess exposed; ZeRO-3: each micro-batch's gathers behind its compute;
-             the tied embedding's all-reduce: exposed, once
+  FLOPs      megatron_formulas.megatron_flops of the global batch, plus recomputed forwards
+             (full: (mlp + attention + core) / 3; selective: core / 3), spread evenly over ranks
+  compute    at COMPUTE_EFFICIENCY of peak
+  bytes      per dimension, in the ledger's convention: analysis.step_communication for tp,
+             cp, ep, etp, pp and the tied embedding (MoE messages at balanced routing), and
+             the gradients: ZeRO-0 all-reduce; ZeRO-1, 2 reduce-scatter + all-gather of bf16
+             shards; ZeRO-3 all-gathers per micro-batch + one reduce-scatter
+  time       ring algorithms over n: all-reduce 2 (n - 1) / n x bytes, reduce-scatter and
+             all-to-all (n - 1) / n x the input, all-gather (n - 1) x the shard, a send its
+             bytes; NVLink inside a node, the network across (cluster.py); no latency term
+  overlap    tp, ep, etp, pp: exposed; cp's ring behind the core attention; dp, expert-dp
+             behind one micro-batch's compute (ZeRO-3: each micro-batch's); tied embedding exposed
 
-  step time  = (m + (p - 1) / v) t_mb + exposed gradient communication + embedding all-reduce
-             where t_mb = compute + exposed communication of one micro-batch on the slowest of
-             the first and last stages, and (p - 1) / (v m) = pp.bubble_fraction's bubble
-  MFU        = model FLOPs / (step time x GPUs x peak)
-"""
+  step time  = (m + (p - 1) / v) t_mb + exposed gradient communication + embedding all-reduce,
+             t_mb the slower of the first and last stages' micro-batch
+  MFU        = model FLOPs / (step time x GPUs x peak)"""
 
 from __future__ import annotations
 
@@ -72,9 +55,8 @@ def wire_bytes(op: str, nbytes: int, n: int) -> float:
 
 
 def group_shapes(cfg: TrainConfig, world: int) -> dict[str, tuple[int, int]]:
-    """{dimension: (stride, size)} of a rank's group in parallel_state's order tp-cp-ep-dp-pp
-    (the expert grid: etp-ep-expert_dp-pp). The tied embedding's group joins the first and
-    the last stage: placed like the pipeline's."""
+    """{dimension: (stride, size)} of a rank's groups in parallel_state's order tp-cp-ep-dp-pp (experts:
+    etp-ep-expert_dp-pp); the tied embedding's placed like the pipeline's."""
     tp, cp, pp = cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.pipeline_model_parallel_size
     ep, etp = cfg.expert_model_parallel_size, cfg.etp
     return {"tp": (1, tp), "cp": (tp, cp), "dp": (tp, world // (tp * pp)), "pp": (world // pp, pp),
@@ -83,12 +65,10 @@ def group_shapes(cfg: TrainConfig, world: int) -> dict[str, tuple[int, int]]:
 
 
 def _moe_balanced(model_cfg: ModelConfig, cfg: TrainConfig, counters: dict, moe_layers: int) -> None:
-    """Add the dispatcher's routing-dependent messages, at balanced routing, to counters["ep"]
-    and ["etp"]: each rank receives as many rows as it sends, R = T_r k per MoE layer and
-    micro-batch (T_r = b s / cp / tp tokens routed under SP), so the combine (and a recomputed
-    layer's combine) is as large as the dispatch, the dispatch's backward as the combine's; with
-    etp > 1 the received rows are all-gathered over etp and the outputs reduce-scattered
-    (forward; the same again in the backward)."""
+    """Add the dispatcher's routing-dependent messages at balanced routing to counters["ep"] and
+    ["etp"]: R = T_r k rows per MoE layer and micro-batch (T_r = b s / cp / tp) each way, combine
+    as large as dispatch; with etp > 1 the received rows all-gathered and outputs reduce-scattered
+    over etp (and again in the backward)."""
     ep = counters.get("ep")
     if ep:
         added = Counter()
@@ -129,13 +109,10 @@ def _gradient_messages(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cou
 
 
 def _zero3_messages(model_cfg: ModelConfig, cfg: TrainConfig, n: int, shards: int, g: int, p: int) -> Counter:
-    """ZeRO-3's messages of one step (dp/fsdp.py's units: the embedding, each layer, the head),
-    lumped: every unit's shard is all-gathered for its forward and again for its backward, each
-    micro-batch, but the embedding's backward reads no weight (a lookup needs only the token
-    ids); with tied embeddings the output layer uses the embedding unit a second time (its
-    gather, its backward's gather, its reduce-scatter). The gradients are reduce-scattered
-    once a step. Each unit is padded to a multiple of dp on its own, here the total: equal
-    when the units divide (up to dp - 1 elements a unit apart otherwise)."""
+    """ZeRO-3's messages of one step (dp/fsdp.py's units): every unit's shard all-gathered for its
+    forward and its backward per micro-batch (not the embedding's backward; tied embeddings reuse
+    the embedding unit), gradients reduce-scattered once. Padding lumped over the total (up to
+    dp - 1 elements a unit apart)."""
     m, h = cfg.grad_accum_steps, model_cfg.hidden_size
     embedding = (pad_vocab_size(model_cfg.vocab_size, cfg.tensor_model_parallel_size,
                                 model_cfg.make_vocab_size_divisible_by) * h // cfg.tensor_model_parallel_size
@@ -150,10 +127,8 @@ def _zero3_messages(model_cfg: ModelConfig, cfg: TrainConfig, n: int, shards: in
 
 def stage_messages(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int,
                    counts: dict | None = None) -> dict[str, Counter]:
-    """{dimension: Counter({(op, tag, bytes): calls})}: the messages of one optimizer step on a
-    rank of stage pp_rank (the module docstring's "bytes"), in the ledger's convention, so that
-    a run's comm records (run_report.records_by_dimension) can be set against them. `counts`:
-    analysis.rank_parameters' of the stage, if known."""
+    """{dimension: Counter({(op, tag, bytes): calls})}: one optimizer step's messages on a rank of
+    stage pp_rank, in the ledger's convention (comparable with run_report.records_by_dimension)."""
     counters = step_communication(model_cfg, cfg, world, pp_rank)
     if any(c is None for c in counters.values()):
         raise ValueError(f"step_communication does not compute {[d for d, c in counters.items() if c is None]} "
@@ -225,13 +200,10 @@ def compute_bound(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster:
 
 def step_estimate(model_cfg: ModelConfig, cfg: TrainConfig, world: int, cluster: Cluster, *,
                   parameters: dict | None = None, flops: dict | None = None) -> dict:
-    """The step of a layout on `cluster` (see the module docstring). Returns
-    {"model_flops" (Megatron's, the global batch), "hardware_flops" (with the recomputed
-    forwards), "bubble" ((p - 1) / (v m)), "compute_per_microbatch" (seconds), "comm_bytes"
-    and "comm_seconds" ({dimension: per step, on the slowest stage}), "step_time" (seconds),
-    "tokens_per_second_per_gpu", "mfu"}. `parameters` ({stage: analysis.rank_parameters'} of the
-    first and last stage) and `flops` (megatron_flops' of the global batch) may be passed when
-    already known."""
+    """The step of a layout on `cluster` (module docstring): {"model_flops", "hardware_flops",
+    "bubble" ((p - 1) / (v m)), "compute_per_microbatch", "comm_bytes" and "comm_seconds"
+    ({dimension: per step, slowest stage}), "step_time", "tokens_per_second_per_gpu", "mfu"}.
+    `parameters` and `flops` may be passed when known."""
     pp, m, v = cfg.pipeline_model_parallel_size, cfg.grad_accum_steps, cfg.num_virtual_stages_per_pipeline_rank
     hardware, compute_mb, core_mb, flops = _compute(model_cfg, cfg, world, cluster, flops)
     stages = {0, pp - 1}
