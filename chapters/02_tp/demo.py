@@ -28,8 +28,8 @@ on rank 0 under torchrun), against three things computed independently of it:
         `testing.single_device_run` on the same global batch, with the largest differences
         and the tolerance; gradient clipping is active on every step;
   [2/3] communication: the ledger of each phase of a step, by group (TP, DP) and collective,
-        against `expected_ledger`, the chapter's formula (tp/parallel.py's docstring for the TP
-        group, chapter 01's for the DP group; every rank and step checked);
+        against `expected_ledger`, analysis/communication.py's formulas (tensor_parallel_messages
+        for the TP group, data_parallel_phases for the DP group; every rank and step checked);
   [3/3] parameters per rank: counted on the tensors, against
         `analysis.tensor_parallel_parameters` (what is split, what is replicated).
 
@@ -48,6 +48,7 @@ import torch
 
 from minimegatron import comm
 from minimegatron.analysis import tensor_parallel_parameters
+from minimegatron.analysis.communication import data_parallel_phases, grad_norm_messages, tensor_parallel_messages
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.optim import learning_rate
 from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
@@ -57,7 +58,6 @@ from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_pa
 from minimegatron.train import initialize_layout, train_step
 
 ch00 = import_chapter("00")         # fingerprint: bit-identical replicas
-ch01 = import_chapter("01")         # gradient_sync_ledger: the data-parallel formula
 
 Call = tuple[str, str, int, str]          # (op, "tp" or "dp", bytes, tag)
 
@@ -134,7 +134,7 @@ def train_run(run: TPRun) -> dict:
 
     Returns {"tp_rank", "dp_rank", "losses" (this DP rank's loss per step), "ledger"
     [step][phase] -> [(op, "tp"|"dp", bytes, tag)], "param_elements" (elements of this rank's
-    parameters), "dp_sync" (chapter 01's DP formula on this rank's parameter shapes, see
+    parameters), "dp_sync" (analysis.data_parallel_phases on this rank's parameter shapes, see
     expected_ledger), "fingerprints" {name: int} of the final full parameters, "grads"
     (first step, full, DP-averaged) and "params" (final, full) on rank 0 only}.
     """
@@ -155,7 +155,7 @@ def train_run(run: TPRun) -> dict:
     M, out = run.micro_batches, {"tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank, "losses": [], "ledger": []}
     out["param_elements"] = sum(p.numel() for p in model.parameters())
     e = torch.empty((), dtype=run.model.dtype).element_size()
-    out["dp_sync"] = ch01.gradient_sync_ledger(model, run.train, run.dp, e) if run.dp > 1 else ([], [])
+    out["dp_sync"] = data_parallel_phases(model, run.train, run.dp, e)
     for step, batch in enumerate(run.global_batches()):
         microbatches = [run.local_microbatch(batch, m, layout.dp_rank) for m in range(M)]
         starts, final = [], []              # ledger positions: each forward's start; the grads final
@@ -185,33 +185,19 @@ def train_run(run: TPRun) -> dict:
 # ---------------------------------------------------------------------------------------
 # the formulas
 # ---------------------------------------------------------------------------------------
-def expected_ledger(run: TPRun, dp_sync) -> list[list[Call]]:
+def expected_ledger(run: TPRun, dp_sync: list[list[tuple[str, int, str]]]) -> list[list[Call]]:
     """The collectives one rank issues in each phase of a step (`phase_names`), as
-    (op, group, bytes, tag); e bytes per element, b s tokens per micro-batch, L layers.
+    (op, group, bytes, tag): the TP group's from analysis (tensor_parallel_messages per
+    micro-batch, grad_norm_messages at the optimizer step), the DP group's `dp_sync`
+    (analysis.data_parallel_phases on the shapes of a rank's parameters, a TP shard: train_run
+    returns it; the shapes are checked against tensor_parallel_parameters)."""
+    e = torch.empty((), dtype=run.model.dtype).element_size()
 
-    TP group, every micro-batch (tp/parallel.py): forward 1 + 2L all-reduces of b s h e (the
-    embedding's g, and g after linear_proj and linear_fc2 of each layer) and 3 of b s e (the
-    vocab-parallel loss: max, target logit, sum of exponentials); backward 2L + 1 of b s h e
-    (f before linear_qkv and linear_fc1 of each layer, f before the output layer).
-    DP group, last micro-batch and optimizer step: `dp_sync`, chapter 01's formula
-    (gradient_sync_ledger in chapters/01_dp/demo.py) evaluated on the shapes of a rank's
-    parameters, a TP shard (train_run returns it; the shapes are checked against
-    tensor_parallel_parameters).
-    Optimizer step: the squared gradient norm, one all-reduce of e over the TP group (plus
-    one over the DP group under ZeRO, where the gradients are also split over DP).
-    """
-    cfg, t = run.model, run.train
-    e = torch.empty((), dtype=cfg.dtype).element_size()
-    bsh, bs, L = t.micro_batch_size * t.seq_length * cfg.hidden_size, t.micro_batch_size * t.seq_length, cfg.num_layers
-    tp_microbatch = ([("all_reduce", "tp", bsh * e, "fwd")] * (1 + 2 * L) + [("all_reduce", "tp", bs * e, "fwd")] * 3
-                     + [("all_reduce", "tp", bsh * e, "bwd")] * (2 * L + 1))
-    M = run.micro_batches
-    phases = [list(tp_microbatch) for _ in range(M)] + [[("all_reduce", "tp", e, "grad-norm")]]
-    if run.dp > 1:
-        last, step = dp_sync
-        phases[M - 1] += [(op, "dp", n, tag) for op, n, tag in last]
-        phases[M] += [(op, "dp", n, tag) for op, n, tag in step]
-    return phases
+    def calls(counter: Counter, group: str) -> list[Call]:
+        return [(op, group, n, tag) for (op, tag, n), c in counter.items() for _ in range(c)]
+    tp = [calls(tensor_parallel_messages(run.model, run.train, 0), "tp")] * run.micro_batches
+    tp.append(calls(grad_norm_messages(run.train, e), "tp"))
+    return [mine + [(op, "dp", n, tag) for op, n, tag in dp] for mine, dp in zip(tp, dp_sync)]
 
 
 # ---------------------------------------------------------------------------------------
