@@ -1,51 +1,23 @@
 """FP8 numbers and the four ways to scale a tensor into them (chapter 06).
 
-An FP8 number has 8 bits: a sign, e exponent bits and m mantissa bits.
-
     format  bits       largest normal      smallest normal  smallest subnormal  torch dtype
     e4m3    1 + 4 + 3  448 = 1.75 x 2^8    2^-6             2^-9                float8_e4m3fn (no inf)
     e5m2    1 + 5 + 2  57344 = 1.75 x 2^15 2^-14            2^-16               float8_e5m2 (IEEE-like)
     e8m0    0 + 8 + 0  2^127               2^-127           -                   (MX scales: powers of 2)
 
-e4m3 keeps one more mantissa bit (relative rounding 2^-4 = 6.25%), e5m2 twice the exponent range:
-the forward's inputs and weights take e4m3, the backward's output gradients, whose range is
-wider, e5m2 (the "hybrid" format). Eight bits cover far less range than bf16, so every tensor is
-multiplied by a scale s before the cast and the GEMM divides it out again:
+Every tensor is multiplied by a scale s before the cast, which the GEMM divides out again:
+x_fp8 = cast(clamp(x * s, -max, max)), x ~ x_fp8 / s. The recipes:
 
-    x_fp8 = cast(clamp(x * s, -max, max))          x ~ x_fp8 / s
+    tensorwise (current)  one scale per tensor, s = max / amax of this tensor
+    delayed               one scale per tensor ROLE, from earlier amaxes (fp8/scaling.py)
+    blockwise             one power-of-2 scale per 1 x 128 tile (inputs, output gradients) or
+                          128 x 128 block (weights) (TE's Float8BlockScaling, DeepSeek-V3's tiles)
+    mxfp8                 one e8m0 scale per 32 consecutive elements, rounded up (OCP MX, TE's
+                          MXFP8BlockScaling)
 
-The recipes differ in how many scales a tensor has and where they come from:
-
-    tensorwise (current)  one scale per tensor, from this tensor's amax: s = max / amax
-    delayed               one scale per tensor ROLE, from the amaxes of earlier casts
-                          (fp8/scaling.py: DelayedScaling)
-    blockwise             one scale per 1 x 128 tile (inputs, output gradients) or 128 x 128
-                          block (weights), a power of 2 (DeepSeek-V3's tiles, whose scales are
-                          not rounded; the power of 2 is TE's Float8BlockScaling default)
-    mxfp8                 one e8m0 scale (a power of 2) per 32 consecutive elements (the OCP MX
-                          format; the scale rounded up as TE's MXFP8BlockScaling does)
-
-A block's elements run along the dimension the GEMM sums over (its K), so each product of the
-GEMM pairs two blocks with one scale each: x [T, K] is cut along K for the forward, along T for
-the weight gradient dy^T x (TE quantizes "rowwise" and "columnwise" copies for that reason).
-
-Every function returns a `Quantized`: the FP8 data and the scales, `dequantize()` giving back
-data / scale in float32. The book's GEMMs on this CPU are emulated: dequantize both operands
-and multiply in float32 (bit for bit what torch._scaled_mm returns with tensorwise scales here,
-PLATFORM.md); on an H100 the same FP8 bytes go to the tensor cores.
-
-Sources (checked 2026-11-27): torchao's float8 (float8_utils.amax_to_scale: amax in float64,
-clamped at 1e-12; to_fp8_saturated: clamp, then cast), Transformer Engine's recipe docs
-(Float8BlockScaling: scale = max / amax with the mantissa bits zeroed, i.e. rounded down to a
-power of 2, its default unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1; MXFP8: the e8m0
-exponent of amax / max rounded up by float_to_e8m0, so no element saturates; the OCP MX
-spec's own rule, 2^(floor(log2 amax) - 8) for e4m3, can clamp a block's largest elements),
-DeepSeek-V3's technical report section 3.3 (the 1 x 128 and 128 x 128 tiles).
-
-torch's own casts (torch 2.13): float8_e4m3fn saturates at +-448, inf included, and keeps NaN
-(older releases gave NaN from 480 up); float8_e5m2 gives inf from 61440 up. cast_to_fp8
-clamps first, so it does not depend on either.
-"""
+Blocks run along the dimension the GEMM sums over (x [T, K] along K for fprop, along T for
+wgrad). Every function returns a `Quantized` (FP8 data and float32 scales). Rounding rules
+follow torchao's float8 (amax_to_scale, to_fp8_saturated) and Transformer Engine's recipes."""
 
 from __future__ import annotations
 
@@ -68,19 +40,17 @@ MX_BLOCK = 32      # MXFP8: 32 consecutive elements share one e8m0 scale
 
 @dataclass
 class Quantized:
-    """FP8 `data` with float32 `scale`: one number (block None), or one per block of the last
-    dimension (block an int: data [.., K'] holds K'/block tiles, scale [.., K'/block]) or per
-    block x block tile of a matrix (block a pair). Blocked data is zero-padded to whole blocks
-    (K' >= K); `shape` is the tensor's own, which dequantize() returns."""
+    """FP8 `data` with float32 `scale`: one number (block None), one per block of the last dimension
+    (block an int: data [.., K'], scale [.., K'/block]) or per block x block tile (block a pair).
+    Blocked data is zero-padded to whole blocks (K' >= K); `shape` is the tensor's own."""
     data: torch.Tensor
     scale: torch.Tensor
     block: int | tuple[int, int] | None = None
     shape: tuple[int, ...] | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """data x (1 / scale) in `dtype`: float32, as a GEMM with FP8 inputs accumulates (with
-        the reciprocal, as torch._scaled_mm takes it: the product of two dequantized operands
-        then equals its result bit for bit), or float64 (a float64 model's emulation)."""
+        """data x (1 / scale) in `dtype`: float32 (bit for bit what torch._scaled_mm's product of two such
+        operands gives) or float64 (a float64 model's emulation); returns `shape`."""
         x = self.data.to(dtype)
         if self.block is None:
             return x * self.scale.reciprocal().to(dtype)
@@ -93,9 +63,7 @@ class Quantized:
 
 
 def _pad_to(x: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
-    """x with zeros appended along `dims` up to a multiple of `multiple` (a partial last block:
-    zeros change no amax). TE asks for whole blocks (for speed); the book's small models do not
-    have them."""
+    """x with zeros appended along `dims` to a multiple of `multiple` (zeros change no amax)."""
     pad = []
     for d in range(x.dim() - 1, -1, -1):                  # F.pad lists the last dimension first
         pad += [0, (-x.shape[d]) % multiple if d in dims else 0]
@@ -103,8 +71,7 @@ def _pad_to(x: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tens
 
 
 def tensorwise_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """fp8_max / max(amax, 1e-12), computed in float64 and rounded to float32 (torchao's
-    amax_to_scale, so that the book's casts equal torchao's bit for bit)."""
+    """fp8_max / max(amax, 1e-12), in float64 rounded to float32 (torchao's amax_to_scale, bit for bit)."""
     return (fp8_max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
 
 
@@ -134,10 +101,9 @@ def _power_of_two_below(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blockwise(x: torch.Tensor, fmt: str, two_d: bool = False) -> Quantized:
-    """TE's Float8BlockScaling (DeepSeek-V3's tiles). two_d=False: x [.., K] in 1 x 128 tiles along its
-    last dimension; two_d=True: a matrix [R, C] in 128 x 128 blocks. Each block's scale is
-    fp8_max / amax rounded down to a power of 2 (an all-zero block: 1), so its largest element
-    never saturates. No scale is shared across blocks, so no rank needs another rank's amax."""
+    """TE's Float8BlockScaling: two_d=False, x [.., K] in 1 x 128 tiles along K; two_d=True, a matrix
+    [R, C] in 128 x 128 blocks. Each scale is fp8_max / amax rounded down to a power of 2 (all-zero
+    block: 1), so nothing saturates and no amax crosses ranks."""
     fp8_max = FORMATS[fmt][1]
     x32 = _pad_to(x.detach().to(torch.float32), BLOCK, (0, 1) if two_d else (x.dim() - 1,))
     if two_d:
@@ -154,10 +120,9 @@ def quantize_blockwise(x: torch.Tensor, fmt: str, two_d: bool = False) -> Quanti
 
 
 def quantize_mxfp8(x: torch.Tensor, fmt: str) -> Quantized:
-    """TE's MXFP8BlockScaling (the OCP MX format): 32 consecutive elements along the last dimension
-    share a power-of-2 scale 2^-E, E = ceil(log2(amax / fp8_max)) (TE's rounding up: the block's
-    largest element lands at or below fp8_max, never saturating), stored as an e8m0 exponent
-    in [-127, 127]; an all-zero block gets 2^127 (E = -127), like TE's."""
+    """TE's MXFP8BlockScaling: 32 consecutive elements of the last dimension share 2^-E,
+    E = ceil(log2(amax / fp8_max)) (nothing saturates), stored as an e8m0 exponent in [-127, 127];
+    an all-zero block gets 2^127."""
     fp8_max = FORMATS[fmt][1]
     tiles = _pad_to(x.detach().to(torch.float32), MX_BLOCK, (x.dim() - 1,)).unflatten(-1, (-1, MX_BLOCK))
     amax = tiles.abs().amax(dim=-1)                                                # [.., K/32]

@@ -1,46 +1,28 @@
 """Token dispatchers: how each token reaches the ranks that hold its experts, and comes back.
 
-Shape legend as in model/moe.py (T tokens on this rank, E experts, k per token, h hidden), plus
-ep (expert-parallel ranks), etp (expert tensor-parallel ranks), E_l = E / ep experts per rank,
-N this rank's routed (token, expert) pairs, R the pairs it receives.
+Shapes as in model/moe.py (T tokens on this rank, E experts, k per token, h hidden), plus ep,
+etp, E_l = E / ep experts per rank (rank r holds r E_l .. (r+1) E_l - 1), N this rank's routed
+(token, expert) pairs, R the pairs it receives.
 
-Expert parallelism keeps E_l of a layer's E experts on each of the ep ranks of its "ep" group
-(rank r holds experts r E_l .. (r+1) E_l - 1). Every rank routes its own tokens; then:
+AllToAllDispatcher (Megatron's MoEAlltoAllTokenDispatcher), forward:
+  1. counts        all-to-all of the per-expert counts [E] -> [ep, E_l] (tag "moe-counts")
+  2. permute       each token once per chosen expert, sorted by expert: [N, h]
+  3. dispatch      all-to-all of the rows, uneven splits -> [R, h], [source][local expert]
+                   (tag "moe-dispatch")
+  4. (etp > 1)     all-gather of the rows over "etp": [etp R, h] (tag "moe-etp")
+  5. sort chunks   to [local expert][source] (sort_chunks_by_expert)
+  6. experts       model/moe.experts_on_sorted_tokens
+  then in reverse: unsort, (etp > 1: reduce-scatter over "etp"), the reverse all-to-all (tag
+  "moe-combine"), unpermute weighted by the probabilities. Backward: the same exchanges
+  reversed (tags + "-bwd").
 
-AllToAllDispatcher (Megatron-Core's MoEAlltoAllTokenDispatcher), forward:
-  1. counts        this rank's routed pairs per expert [E]; all-to-all of the counts, so each
-                   rank learns how many rows each source sends each of its experts: [ep, E_l]
-                   (tag "moe-counts")
-  2. permute       copy each token once per chosen expert, sorted by expert: [N, h]
-  3. dispatch      all-to-all of the rows, uneven splits: rank j gets the rows of its experts
-                   from every source, ordered [source][local expert]: [R, h] (tag "moe-dispatch")
-  4. (etp > 1)     all-gather of the received rows over "etp" (each etp rank holds a slice of
-                   every local expert's matrices, so each needs all the rows): [etp R, h] (tag "moe-etp")
-  5. sort chunks   re-sort from [source][local expert] to [local expert][source], so each
-                   expert's rows are contiguous (Megatron's sort_chunks_by_idxs)
-  6. experts       model/moe.experts_on_sorted_tokens (a loop, or one batched product)
-  then every step undone in reverse: unsort, (etp > 1: reduce-scatter over "etp", summing the
-  slices' partial outputs), the reverse all-to-all (tag "moe-combine"), and unpermute: each row
-  weighted by its probability and added to its token's row, on the rank that owns the token.
-  Backward runs the same exchanges in reverse (tags + "-bwd"); the counts need none.
+AllGatherDispatcher (MoEAllGatherTokenDispatcher): all-gather tokens, weights and routing map
+over "etp-ep" ([ep etp T, h]), run the local experts, reduce-scatter the outputs back to T
+rows (tag "moe-allgather"): (ep etp - 1) T h per rank each way.
 
-AllGatherDispatcher (MoEAllGatherTokenDispatcher): all-gather every rank's tokens, weights
-  and routing map over "etp-ep" ([ep etp T, h]); each rank runs its local experts on the rows
-  routed to them (zero elsewhere); a reduce-scatter sums the ranks' outputs and hands each rank
-  its own T rows (tag "moe-allgather"). Simple, with no counts to exchange, but it moves every
-  token to every rank: (ep etp - 1) T h per rank each way, against about k T h (1 - 1/ep) for
-  the all-to-all (chapter 05 measures both).
-
-Where this lives in Megatron-LM (checked 2026-11-24, main at d98e8a6):
-megatron/core/transformer/moe/token_dispatcher.py (MoEAlltoAllTokenDispatcher,
-MoEAllGatherTokenDispatcher, and the "flex" dispatcher for DeepEP-style kernels, not in the
-book), moe_utils.py (permute, unpermute, sort_chunks_by_idxs). Two differences: Megatron
-exchanges the counts with one all-gather of the whole [ep, etp, E] count matrix over etp x ep
-where the book runs an all-to-all over ep (and an all-gather over etp); and Megatron applies each
-row's probability inside the expert, to the activation before fc2, where the book weights the
-expert's output when the row is back on its token's rank (the same numbers: Megatron scales the
-fc2 bias by the probability too, megatron/core/transformer/mlp.py, MLP.forward).
-"""
+Megatron-LM: megatron/core/transformer/moe/token_dispatcher.py, moe_utils.py. The book
+exchanges counts by all-to-all over ep (+ all-gather over etp) and weights each expert's
+output on its token's rank (chapter 05 says how Megatron differs)."""
 
 from __future__ import annotations
 
@@ -94,10 +76,9 @@ def unsort_chunks_by_expert(rows: torch.Tensor, counts: torch.Tensor) -> torch.T
 
 
 class AllToAllDispatcher:
-    """The all-to-all dispatcher (module docstring) for one MoE layer's experts spread over
-    ep_group, each cut over etp_group. Called as MoELayer.token_dispatcher:
-    (tokens [T, h], probs [T, E], routing_map [T, E], local experts {global index: MLP},
-    grouped) -> [T, h], the weighted sum of each token's experts' outputs."""
+    """The all-to-all dispatcher for one MoE layer's experts over ep_group, each cut over etp_group.
+    As MoELayer.token_dispatcher: (tokens [T, h], probs [T, E], routing_map [T, E], local experts
+    {global index: MLP}, grouped) -> [T, h], each token's weighted sum of its experts' outputs."""
 
     def __init__(self, num_experts: int, ep_group, etp_group):
         self.num_experts, self.ep_group, self.etp_group = num_experts, ep_group, etp_group
@@ -105,10 +86,10 @@ class AllToAllDispatcher:
         self.local = num_experts // self.ep                                    # E_l
 
     def exchange_counts(self, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(this rank's pairs per expert [E]; the pairs it receives per ep source and local expert
-        [ep, E_l]; the same for every source after the etp gather [S, E_l], S = etp x ep, etp
-        rank i's sources in rows i ep .. (i+1) ep - 1). One all-to-all of E numbers over ep, and
-        with etp > 1 an all-gather of ep E_l numbers over etp (tag "moe-counts")."""
+        """(this rank's pairs per expert [E]; pairs received per ep source and local expert [ep, E_l]; the
+        same per source after the etp gather [S, E_l], S = etp ep, etp rank i's sources in rows
+        i ep .. (i+1) ep - 1). One all-to-all of E numbers over ep, and with etp > 1 an all-gather of
+        ep E_l numbers over etp (tag "moe-counts")."""
         per_expert = routing_map.sum(0)                                        # [E]
         received = torch.empty_like(per_expert)                                 # [ep E_l], source-major
         all_to_all_single(received, per_expert, self.ep_group, tag="moe-counts")
@@ -135,8 +116,7 @@ class AllToAllDispatcher:
 
 
 class AllGatherDispatcher:
-    """The all-gather dispatcher (module docstring) over etp_ep_group, the ranks that together
-    hold every slice of every expert of the layer. Same call as AllToAllDispatcher."""
+    """The all-gather dispatcher over etp_ep_group (every slice of every expert). Called as AllToAllDispatcher."""
 
     def __init__(self, etp_ep_group):
         self.group = etp_ep_group

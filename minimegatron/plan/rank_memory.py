@@ -79,8 +79,8 @@ def moe_mlp_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
 def _ring_attention_change(model_cfg: ModelConfig, cfg: TrainConfig, layer: dict[str, int]) -> int:
     """Bytes a layer saves under ring attention minus the single-device attention of its s / cp tokens:
     the ring keeps its query, output [b, a, s/cp, d], log-sum-exp and stacked K, V [2, b, g, s/cp, d];
-    one device kept the qkv output, rotated q and k, and the log-sum-exp. Checked by
-    chapters/08_capstone/plan_vs_measured.py checks it; applied to "p2p" without recompute only."""
+    one device kept the qkv output, rotated q and k, and the log-sum-exp (checked by
+    chapters/08_capstone/plan_vs_measured.py). Applied to "p2p" without recompute only."""
     tp = cfg.tensor_model_parallel_size
     b, s = cfg.micro_batch_size, cfg.seq_length // cfg.context_parallel_size
     a, g, d, e = (model_cfg.num_attention_heads // tp, model_cfg.query_groups // tp, model_cfg.kv_channels,

@@ -1,25 +1,16 @@
 """Cutting the model into pipeline stages: which layers each rank (and each of its chunks) holds.
 
-A pipeline of pp ranks with v model chunks per rank has pp * v "virtual stages", in the order a
-micro-batch visits them: virtual stage k = chunk * pp + rank (chunk 0 of every rank, then chunk
-1 of every rank, ...). The L transformer layers are cut into pp * v contiguous ranges, one per
-virtual stage, in that order. The first virtual stage also holds the embedding (pre_process),
-the last one the final norm, the output layer and the loss (post_process):
+pp ranks with v chunks each make pp v virtual stages, in the order a micro-batch visits them:
+k = chunk * pp + rank. The L layers are cut into pp v contiguous ranges in that order; the
+first virtual stage also holds the embedding (pre_process), the last the final norm, output
+layer and loss (post_process):
 
     L = 8, pp = 4, v = 1:   rank 0 [0, 1]  rank 1 [2, 3]  rank 2 [4, 5]  rank 3 [6, 7]
     L = 8, pp = 2, v = 2:   rank 0 chunk 0 [0, 1], chunk 1 [4, 5]; rank 1 chunk 0 [2, 3], chunk 1 [6, 7]
 
-Even split: L divisible by pp * v, each virtual stage L / (pp v) layers (Megatron's
-get_transformer_layer_offset). Uneven: `layers_per_stage`, one count per virtual stage in
-visiting order, summing to L (the first and last stages often get fewer layers, because they
-also hold the embedding and the output layer and loss; Megatron's options for this are
-decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers). A stage may hold no
-layer at all (only the embedding, or only the head), as in Megatron.
-
-Each chunk is a `model.GPTModel(config, pre_process, post_process, layer_numbers)`: the
-layers keep their global names and initial values (`decoder.layers.{i}`), so a stage is
-exactly a piece of the single-device model.
-"""
+Even split: L / (pp v) layers each (Megatron's get_transformer_layer_offset); uneven:
+`layers_per_stage`, one count per virtual stage (zero allowed). Each chunk is a
+`GPTModel(config, pre_process, post_process, layer_numbers)` with global layer names."""
 
 from __future__ import annotations
 
@@ -79,10 +70,9 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 
 
 def build_stage(config: ModelConfig, layout, chunk: int = 0, num_chunks: int = 1,
                 layers_per_stage: list[int] | None = None, device: torch.device | str = "cpu") -> GPTModel:
-    """Chunk `chunk` (of num_chunks) of this rank's pipeline stage (layout.pp, layout.pp_rank):
-    the GPTModel of its layers (stage_layers), with the embedding on virtual stage 0 and the
-    final norm, output layer and loss on the last; in a pipeline of several stages it registers
-    the "tied-embedding" gradient hook over layout.embedding_group (model/finalize.py)."""
+    """Chunk `chunk` (of num_chunks) of this rank's stage (layout.pp, layout.pp_rank): the GPTModel
+    of stage_layers, embedding on virtual stage 0, head on the last; with several stages it
+    registers the "tied-embedding" gradient hook over layout.embedding_group (model/finalize.py)."""
     stage, last = virtual_stage(layout.pp, layout.pp_rank, chunk), layout.pp * num_chunks - 1
     layers = stage_layers(config.num_layers, layout.pp, layout.pp_rank, num_chunks, chunk, layers_per_stage)
     model = GPTModel(config, pre_process=stage == 0, post_process=stage == last, layer_numbers=layers).to(device)

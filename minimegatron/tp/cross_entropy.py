@@ -1,43 +1,20 @@
 """Vocab-parallel cross-entropy: the loss over a vocabulary split across ranks, without ever
 gathering the logits.
 
-Shape legend as in model/gpt.py; Vp is the padded vocabulary (tp divides it), each rank
-holds the logits of its Vp/tp ids: z [b, s, Vp/tp], ids [start, start + Vp/tp).
+Each rank holds z [b, s, Vp/tp], the logits of ids [start, start + Vp/tp) of the padded
+vocabulary. loss = log sum_j exp(z_j - m) - (z_t - m), every piece a reduction over the
+vocabulary, so three all-reduces of [b, s] finish it:
 
-The loss of one token with target t is  loss = log sum_j exp(z_j) - z_t. Stabilised with
-the row maximum m (subtracting a constant changes neither term's difference):
+    1. m       = all-reduce MAX  of the local row max
+    2. z_t - m = all-reduce SUM  of (z_t - m) on the rank owning t, 0 elsewhere
+    3. S       = all-reduce SUM  of the local sum_j exp(z_j - m)
 
-    loss = log sum_j exp(z_j - m) - (z_t - m)
+Bytes: 3 b s e_loss (e_loss = 4 for 16-bit logits, computed in float32). Backward: softmax_j -
+[j == t] from the local softmax columns, no communication. Padding columns (ids >= vocab_size)
+are set to -inf: zero probability and gradient, so every layout has exactly V ids (Megatron
+does not mask them).
 
-Each of the three pieces is a reduction over the vocabulary, so each rank reduces its own
-columns and one all-reduce over the group finishes the job:
-
-    1. m       = all-reduce MAX  of the local max over columns        [b, s]
-    2. z_t - m = all-reduce SUM  of (z_t - m) on the rank owning t,    [b, s]
-                                 0 on every other rank
-    3. S       = all-reduce SUM  of the local sum_j exp(z_j - m)       [b, s]
-
-Three all-reduces of b*s numbers each: bytes = 3 * b * s * e_loss (e_loss = 4 for 16-bit
-logits, which the loss computes in float32; else the logits' element size), where the
-gathered logits would be b * s * V * e (about V/3 times more; 50k/3 for GPT-2).
-
-Backward. d loss / d z_j = softmax_j - [j == t]. Each rank already holds its columns of the
-softmax, exp(z_j - m) / S, and knows whether it owns t: the gradient is local, no
-communication. (The all-reduces of the forward are not differentiated through: m cancels
-out of the loss, and the other two are reassembled in the closed form above.)
-
-Padding. Columns of ids >= vocab_size (the padding of pad_vocab_size) are set to -inf
-before step 1: exp(-inf) = 0, so they hold zero probability, add nothing to S, and get
-a zero gradient. Whatever values the padding logits have, the loss and the gradients of the
-real columns equal the single-device ones over the V real ids.
-
-Megatron-LM: megatron/core/tensor_parallel/cross_entropy.py (VocabParallelCrossEntropy,
-_VocabParallelCrossEntropy). Difference: Megatron does not mask the padding; its padded ids
-are ordinary rows of its (padded) embedding, so they carry a little probability, and since
-the padded size depends on tp (a multiple of 128 x tp: GPT-2's 50,257 ids become 50,304 at
-tp 1 and 51,200 at tp 8) the model differs slightly between layouts. Here the single-device
-model has exactly V ids on every layout, so we mask.
-"""
+Megatron-LM: megatron/core/tensor_parallel/cross_entropy.py (VocabParallelCrossEntropy)."""
 
 from __future__ import annotations
 
@@ -140,23 +117,17 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tenso
                                  vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy of logits split by vocabulary over ``group``.
 
-    logits_shard [b, s, Vp/tp]: this rank's columns (ids [r Vp/tp, (r+1) Vp/tp)), as a
-    ColumnParallelLinear output layer (or the tied VocabParallelEmbedding) produces them.
-    labels [b, s] int64, global ids in [0, vocab_size), the same on every rank.
-    vocab_size: the real vocabulary V <= Vp; ids >= V are padding and get zero probability.
-    Default Vp (no padding).
-    Returns losses [b, s], the same on every rank, float32 for 16-bit logits else the
-    logits' dtype; equal to F.cross_entropy over the V real columns of the full logits.
-    Communication: forward three all-reduces of [b, s] (max, sum, sum), tag "fwd";
-    backward none.
-    """
+    logits_shard [b, s, Vp/tp] (ids [r Vp/tp, (r+1) Vp/tp)); labels [b, s] int64, global ids in
+    [0, vocab_size), the same on every rank; vocab_size V <= Vp (default Vp), ids >= V get zero
+    probability. Returns losses [b, s], the same on every rank, float32 for 16-bit logits else the
+    logits' dtype: F.cross_entropy over the V real columns. Communication: forward three
+    all-reduces of [b, s] (max, sum, sum), tag "fwd"; backward none."""
     return _VocabParallelCrossEntropy.apply(logits_shard, labels, group, vocab_size)
 
 
 class VocabParallelCrossEntropy(torch.nn.Module):
-    """The loss module of a tensor-parallel GPTModel (tp.apply_tensor_parallel puts it in
-    place of model.LanguageModelLoss): forward(logits_shard, labels) =
-    vocab_parallel_cross_entropy(logits_shard, labels, group, vocab_size)."""
+    """The loss module of a tensor-parallel GPTModel (in place of LanguageModelLoss):
+    forward(logits_shard, labels) = vocab_parallel_cross_entropy(logits_shard, labels, group, vocab_size)."""
 
     def __init__(self, group, vocab_size: int):
         super().__init__()
