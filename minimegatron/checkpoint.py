@@ -75,11 +75,9 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def check_save_dir(directory: str | os.PathLike) -> None:
-    """CheckpointError naming `directory` and why when checkpoints cannot be written there: it
-    (or a parent) is a file, it is not writable, the filesystem is read-only or refuses files
-    (/proc). Creates the directory, as a save would, and writes and removes a probe file:
-    asking the filesystem is the only test that holds for every reason (root ignores the
-    permission bits that os.access reads)."""
+    """CheckpointError naming `directory` and why when checkpoints cannot be written there (a file on
+    the path, not writable, a read-only or refusing filesystem). Creates the directory and writes
+    and removes a probe file: the one test that holds for every reason (root ignores os.access)."""
     directory = Path(directory)
     blocker = next((p for p in [directory, *directory.parents] if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -158,10 +156,8 @@ def verify_checksums(state: dict[str, Any], path: str | os.PathLike) -> None:
 
 
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Delete the `*.tmp` files that saves killed half-way left in `directory`; returns them.
-
-    Only safe while nothing else writes to the directory: train calls save_checkpoint on
-    rank 0 after the barrier that follows every rank's own file, so no save is in flight."""
+    """Delete the `*.tmp` files that killed saves left in `directory`; returns them. Safe only while
+    nothing else writes there (train saves on rank 0 after the barrier that follows every rank's file)."""
     stale = sorted(Path(directory).glob("*.tmp"))
     for path in stale:
         path.unlink(missing_ok=True)
@@ -169,10 +165,8 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:
-    """Write `state` (plus the step and format tag) as iter_{step}.pt and point `latest` at it.
-
-    First removes the `*.tmp` files earlier saves left when they were killed (see
-    remove_stale_temporaries: no other save may be writing to the directory)."""
+    """Write `state` (plus the step and format tag) as iter_{step}.pt, point `latest` at it; first
+    remove_stale_temporaries."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
@@ -208,11 +202,8 @@ def latest_checkpoint(directory: str | os.PathLike, *, warn: bool = True) -> Pat
 
 
 def load_checkpoint(path: str | os.PathLike, *, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Load a checkpoint file (or the latest one in a directory) without running pickled code.
-
-    If `model_config` is given, the checkpoint's stored model config must equal it; otherwise
-    CheckpointError lists the differing fields, e.g. "hidden_size: checkpoint 64, run 128".
-    """
+    """Load a checkpoint file (or a directory's latest) without running pickled code. With
+    `model_config`, CheckpointError lists the fields that differ ("hidden_size: checkpoint 64, run 128")."""
     path = Path(path)
     if path.is_dir():
         found = latest_checkpoint(path, warn=False)

@@ -11,10 +11,8 @@ a byte-level BPE without merges: ids 0-255 the bytes, 256 "<eod>").
 --from-hf writes a torch_dist checkpoint of the model alone, iteration 0, a release (train
 --load starts from it under any layout); another tokenizer.json is copied beside it.
 
-Refused by name, before anything is written: a config.json field the model cannot express, a
-missing or mistyped field, weights that are not the config's model (missing, left over, shape,
-dtype, NaN, vocab_size), a malformed safetensors file, GPT-2-style models, mixtures Mixtral
-cannot express, and a non-empty output folder without --force.
+Refused by name, before anything is written: what the model or config.json cannot express,
+weights that are not the config's model, a malformed file, a non-empty folder without --force.
 
 The names (model/gpt.py -> transformers):
 
@@ -539,12 +537,10 @@ def read_hf_config(folder: Path) -> dict:
 
 
 def import_hf(folder: str | os.PathLike, save: str | os.PathLike, *, force: bool = False) -> Path:
-    """Write the Hugging Face folder `folder` (config.json, model.safetensors) as a torch_dist
-    checkpoint of the model alone in `save`, iteration 0, a release (module docstring).
-    ConfigError for a config the book's model cannot express (model_config_from_hf),
-    CheckpointError for weights that are not that model's (check_hf_weights), and when `save` is
-    a file, or holds anything (a training run's checkpoints, whose `latest` it would re-point)
-    and `force` is off."""
+    """Write the Hugging Face `folder` (config.json, model.safetensors) as a torch_dist release
+    checkpoint of the model alone, iteration 0, in `save`. ConfigError for a config the model cannot
+    express; CheckpointError for weights that are not its (check_hf_weights), and for a `save` that
+    is a file or holds anything, unless `force`."""
     from .dist_checkpoint import save_release
     folder = Path(folder)
     if not folder.is_dir():
@@ -571,12 +567,10 @@ def import_hf(folder: str | os.PathLike, save: str | os.PathLike, *, force: bool
 
 
 def _read_tokenizer(folder: Path, cfg: ModelConfig) -> str | None:
-    """Which tokenizer the imported checkpoint records (generate and export_hf read it): "byte"
-    for the book's byte tokenizer as export_hf writes it; "copy" for another tokenizer.json the
-    book reads (its BPE format is the `tokenizers` library's), which import_hf copies beside the
-    checkpoint; None without a tokenizer.json (the byte tokenizer is then assumed). ConfigError
-    when the book cannot read the file (no "<eod>" token, say) or its ids do not fit the model's
-    vocab_size."""
+    """Which tokenizer the imported checkpoint records: "byte" (the byte tokenizer as export_hf writes
+    it), "copy" (another tokenizer.json the book reads, copied beside the checkpoint), None (no
+    tokenizer.json: byte assumed). ConfigError when the book cannot read the file (no "<eod>") or
+    its ids exceed vocab_size."""
     from .data import build_tokenizer
     file = folder / "tokenizer.json"
     if not file.is_file():

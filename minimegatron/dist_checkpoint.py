@@ -182,11 +182,9 @@ def piece_identity(desc: dict) -> tuple:
 
 def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Module], optimizer: Optimizer | None,
                      layout: Layout, common: dict[str, Any], own: dict[str, Any]) -> Path:
-    """Write this rank's pieces of iteration `step` (module docstring), then, on rank 0, the
-    index and `common` (step, configs, history, ...), then `latest`. `own`: this rank's extra
-    state (random states), kept in its file. Collective over the world: two
-    comm.all_gather_object calls (the piece lists, then the written indexes; tag "checkpoint")
-    and one barrier. Returns the iteration's directory."""
+    """Write this rank's pieces of iteration `step` and its `own` state (random states); then rank 0
+    writes the index and `common` (step, configs, history, ...), then `latest`. Collective over the
+    world: two comm.all_gather_object (tag "checkpoint") and one barrier. Returns the directory."""
     out = iteration_dir(directory, step)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
@@ -390,10 +388,9 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
 
 
 def save_release(directory: str | os.PathLike, state: dict[str, torch.Tensor], common: dict[str, Any]) -> Path:
-    """Write a single-device model `state` ({single-device name: tensor}) as the torch_dist
-    checkpoint of iteration 0 in `directory`, marked a release (a model without its training:
-    a resume loads the model alone, from iteration 0, as --finetune). One process, no group.
-    `common`: at least "model_config". Returns the iteration's directory."""
+    """Write a single-device `state` ({name: tensor}) as the torch_dist checkpoint of iteration 0 in
+    `directory`, marked a release (resumed as the model alone, as --finetune). One process, no
+    group. `common`: at least "model_config". Returns the iteration's directory."""
     out = iteration_dir(directory, 0)
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)

@@ -102,10 +102,8 @@ def update_dynamic_scale(scaler: DynamicGradScaler, found_inf: bool) -> None:
 
 
 def build_grad_scaler(cfg) -> ConstantGradScaler | DynamicGradScaler | None:
-    """The scaler a TrainConfig asks for, as Megatron chooses it: with bf16 or fp16, a constant
-    one when loss_scale is set; else, with fp16, a dynamic one (initial_loss_scale,
-    min_loss_scale, loss_scale_window, hysteresis); None otherwise (bf16 needs no scaling: its
-    exponent has float32's range)."""
+    """The scaler a TrainConfig asks for, as Megatron chooses it: constant when loss_scale is set
+    (bf16 or fp16); dynamic with fp16 otherwise; None otherwise (bf16 has float32's range)."""
     if cfg.loss_scale is not None and (cfg.bf16 or cfg.fp16):
         return ConstantGradScaler(cfg.loss_scale)
     if not cfg.fp16:

@@ -137,10 +137,7 @@ def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
 # --------------------------------------------------------------------------------------
 
 def _check_importable(fn: Callable) -> None:
-    """Raise TypeError before any process starts if a spawned rank could not find ``fn``.
-
-    ``spawn`` pickles ``fn`` by reference (module + name) and each new process imports it.
-    """
+    """TypeError before any process starts if a spawned rank could not import ``fn`` by name."""
     qualname = getattr(fn, "__qualname__", repr(fn))
     module = getattr(fn, "__module__", None)
     hint = ("spawn() starts fresh Python processes that import the function by name: define "
@@ -208,15 +205,13 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0,
           **kwargs) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results in rank order.
 
-    Each rank is a new "spawn" process with OMP_NUM_THREADS=1, RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT and ``env``; it joins the default gloo group (``collective_timeout``
-    seconds per collective), runs ``fn``, sends the result back (tensors detached, on the CPU),
-    meets the others at a barrier and destroys the group. ``fn`` must be importable by name
-    (TypeError before any process starts). ``timeout`` bounds the whole run, start-up included.
-
-    Raises, for the first failure (all other ranks are stopped at once): the rank's builtin
-    exception class or RankError, "rank R of W failed: Type: message" + its traceback; RankError
-    with the exit code for a rank that died without one; TimeoutError naming the unfinished ranks."""
+    Each rank is a new "spawn" process (OMP_NUM_THREADS=1, RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT, ``env``) in the default gloo group (``collective_timeout`` seconds a
+    collective); results come back pickled, tensors detached on the CPU. ``fn`` must be importable
+    by name (else TypeError at once). ``timeout`` bounds the whole run. The first failure stops the
+    other ranks and is raised: the rank's builtin exception class or RankError ("rank R of W
+    failed: ...", with its traceback), RankError with the exit code for a rank that died, or
+    TimeoutError naming the unfinished ranks."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     _check_importable(fn)
@@ -334,10 +329,8 @@ def init_from_torchrun(timeout: float = 60.0, device: str = "cpu") -> tuple[int,
 
 
 def gloo_threads() -> int:
-    """How many threads of this process belong to gloo: each live gloo ProcessGroup runs
-    worker threads ("pt_gloo_runloop", two by default) and its device's event loop
-    ("gloo_tcp_loop"). Read from the thread names in /proc/self/task (Linux); -1 where that
-    is not available (then nothing is known)."""
+    """How many threads of this process belong to gloo ("pt_gloo_runloop" workers, "gloo_tcp_loop"),
+    from /proc/self/task's thread names; -1 where that cannot be read."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:

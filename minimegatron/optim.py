@@ -75,10 +75,8 @@ def param_is_not_shared(param: torch.Tensor | Placement) -> bool:
 
 
 def is_expert_parameter(param: torch.Tensor | Placement) -> bool:
-    """True for a routed expert's parameter of a mixture of experts: `allreduce = False` in its
-    placement record (Megatron's attribute; moe.apply_expert_parallel sets it). Its gradient is
-    reduced over the expert-data-parallel group and counted in the norm over the experts'
-    groups (chapter 05)."""
+    """True for a routed expert's parameter (`allreduce = False` in its placement record, set by
+    moe.apply_expert_parallel): reduced over the expert-dp group, normed over the experts' groups."""
     return not placement_of(param).allreduce
 
 

@@ -113,18 +113,14 @@ def _groups(world_size, sizes, dims, members) -> list[list[int]]:
 def rank_groups(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                 etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
                 ) -> dict[str, list[list[int]]]:
-    """Every group of every kind, as lists of global ranks (Megatron-LM semantics).
-
-    Keys: "tp", "cp", "dp" (data parallel without cp), "dp-cp" (where dense gradients
-    are averaged), "pp" (index in a group = pipeline stage), "tp-cp", "tp-pp" (model
-    parallel), "tp-dp-cp", "embedding" ([first, last] stage of each pipeline group, one
-    rank when pp == 1), and from the expert grid "ep", "etp", "expert-dp", "etp-ep".
-    Ranks ascend inside a group; groups come in Megatron's creation order.
-    Raises ValueError, naming the numbers, for a layout that cannot exist.
+    """Every group of every kind, as lists of global ranks (Megatron-LM semantics). Keys: "tp", "cp",
+    "dp" (without cp), "dp-cp" (where dense gradients are averaged), "pp" (index = stage), "tp-cp",
+    "tp-pp" (model parallel), "tp-dp-cp", "embedding" ([first, last] stage of each pipeline), and
+    on the expert grid "ep", "etp", "expert-dp", "etp-ep". Ranks ascend inside a group; groups in
+    Megatron's creation order. ValueError, naming the numbers, for a layout that cannot exist.
 
     >>> rank_groups(8, tp=2, pp=2)["pp"]
-    [[0, 4], [1, 5], [2, 6], [3, 7]]
-    """
+    [[0, 4], [1, 5], [2, 6], [3, 7]]"""
     dims, dense, expert = _grids(world_size, tp, pp, cp, ep, etp, order)
     out = {key: _groups(world_size, dense, dims, m) for key, m in DENSE_KEYS.items()}
     # Tied input/output embeddings live on the first and the last stage; their
@@ -145,11 +141,8 @@ def check_grids(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
 def rank_coordinates(rank: int, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
                      ep: int = 1, etp: int | None = None, order: str = "tp-cp-ep-dp-pp",
                      ) -> dict[str, int]:
-    """Where `rank` sits: its rank inside each of its groups.
-
-    Returns tp_rank, cp_rank, dp_rank, dp_cp_rank (rank in the "dp-cp" group), pp_rank,
-    and on the expert grid etp_rank, ep_rank, expert_dp_rank.
-    """
+    """Where `rank` sits: tp_rank, cp_rank, dp_rank, dp_cp_rank, pp_rank, and on the expert grid
+    etp_rank, ep_rank, expert_dp_rank (its index in each of its groups)."""
     dims, dense, expert = _grids(world_size, tp, pp, cp, ep, etp, order)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside 0..{world_size - 1}")

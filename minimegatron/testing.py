@@ -18,9 +18,8 @@ is checked against are derived below from the precision and the operations under
   bf16/fp16 cast_layout_tolerance on their grids (one cast GEMM): loss 1.2e-2 / 1.5e-3,
             rtol 1.6e-2 / 2e-3; the rows (2e-2 / 5e-3, 5e-2 / 1e-2) are above both
 
-AdamW amplifies a gradient g far below eps into an update of about lr * g / eps, so tiny
-rounding differences on near-zero gradients show in the parameters: multi-step Adam equivalence
-tests run in float64, float32 ones use adam_eps = 1e-5 or compare losses and gradients only.
+AdamW turns a gradient g far below eps into an update of about lr * g / eps, so multi-step Adam
+equivalence tests run in float64; float32 ones use adam_eps = 1e-5 or compare no parameters.
 """
 
 from __future__ import annotations
@@ -253,17 +252,15 @@ def local_microbatch(batch: dict[str, torch.Tensor], train_cfg: TrainConfig, m: 
 def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batches: list[dict[str, torch.Tensor]],
                  tags: tuple[str, ...] = (), after_build=None, load_balance: bool = True, split_batch=None
                  ) -> tuple[dict, list, object, object]:
-    """Train `model_cfg` on this rank's share of `batches` (one global batch per step) on the layout of
-    `train_cfg` over the whole world, with the loop's own pieces: train.initialize_layout,
-    parallelize.build_model (then `after_build(chunks, layout)`), build_optimizer, train.train_step
-    on this rank's micro-batches (local_microbatch, then `split_batch`, default
-    cp.get_batch_on_this_cp_rank, zig-zag unless load_balance=False). Collective over every rank.
+    """Train `model_cfg` on this rank's share of `batches` (one global batch a step) on `train_cfg`'s
+    layout over the whole world, with the loop's own pieces (initialize_layout, build_model then
+    `after_build(chunks, layout)`, build_optimizer, train_step on this rank's micro-batches, split by
+    `split_batch`, default cp.get_batch_on_this_cp_rank). Collective over every rank.
 
-    Returns (out, chunks, layout, optimizer); out = {"tp_rank", "cp_rank", "pp_rank", "dp_rank",
-    "ep_rank", "etp_rank", "expert_dp_rank", "losses" (per step, the global mean), "grads" (first
-    step) and "params" (final) under single-device names, "ledger" (the first step's (op, tag,
-    bytes) with a tag in `tags`), "records" (its comm.CommRecords, this function's own gathers
-    left out), "microbatches" (the last step's)}."""
+    Returns (out, chunks, layout, optimizer); out: "tp_rank", "cp_rank", "pp_rank", "dp_rank",
+    "ep_rank", "etp_rank", "expert_dp_rank", "losses" (global means), "grads" (first step) and
+    "params" (final) under single-device names, "ledger" (the first step's (op, tag, bytes) for
+    `tags`), "records" (its CommRecords, without this function's gathers), "microbatches"."""
     from . import comm
     from .cp import get_batch_on_this_cp_rank
     from .optim import learning_rate

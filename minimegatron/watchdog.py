@@ -52,10 +52,8 @@ class CollectiveTimeoutError(RuntimeError):
 # the job's store
 # ---------------------------------------------------------------------------------------
 def job_store(timeout: float = 5.0) -> dist.TCPStore | None:
-    """A new client of the job's TCPStore (MASTER_ADDR:MASTER_PORT), or None where there is
-    none to reach: no launcher, or a launcher whose store exists only once the process group
-    does (torchrun hosts it in its agent, TORCHELASTIC_USE_AGENT_STORE=True, before any rank
-    starts; launch.spawn in its parent)."""
+    """A new client of the job's TCPStore (MASTER_ADDR:MASTER_PORT), or None where none can be
+    reached before the process group exists (torchrun's agent hosts it; launch.spawn's parent)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if host is None or port is None:
         return None

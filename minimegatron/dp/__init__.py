@@ -32,17 +32,12 @@ from .zero import ZeroDataParallel, measure_memory, reduce_scatter_gradients, st
 
 
 def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=None) -> nn.Module:
-    """Wrap `model` for data parallelism over `group` as `cfg` asks, or return it unwrapped when both
-    groups have one rank and there is no cfg.main_grads_dtype:
-
-      zero_stage 0   ddp_impl "naive" (NaiveDataParallel) or "bucketed" (DistributedDataParallel,
-                     buckets of ddp_bucket_size elements)
-      zero_stage 1,2 ZeroDataParallel (overlap_grad_reduce, overlap_param_gather)
-      zero_stage 3   FullyShardedDataParallel
-
-    expert_group: the expert-data-parallel group where experts (allreduce=False) are reduced
-    (bucketed DDP and ZeRO-1). cfg.main_grads_dtype: the buffers' gradient dtype (float32 beside
-    bf16: Megatron's main_grad); then the model is wrapped even at dp 1, as Megatron always wraps."""
+    """Wrap `model` for data parallelism over `group` as `cfg` asks (unwrapped when both groups have
+    one rank and there is no cfg.main_grads_dtype): zero_stage 0, ddp_impl "naive"
+    (NaiveDataParallel) or "bucketed" (DistributedDataParallel, ddp_bucket_size elements); 1, 2
+    ZeroDataParallel; 3 FullyShardedDataParallel. expert_group: the expert-dp group where experts
+    are reduced (bucketed DDP, ZeRO-1). cfg.main_grads_dtype: the buffers' gradient dtype (float32
+    beside bf16, Megatron's main_grad; then wrapped even at dp 1, as Megatron always wraps)."""
     grad_dtype = cfg.main_grads_dtype
     if (comm.group_size(group) == 1 and (expert_group is None or comm.group_size(expert_group) == 1)
             and grad_dtype is None):

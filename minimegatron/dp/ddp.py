@@ -108,16 +108,12 @@ def megatron_default_bucket_size(dp_size: int) -> int:
 class DistributedDataParallel(DataParallel):
     """Bucketed, overlapped data parallelism (the module docstring has the algorithm).
 
-    module: this rank's full model; only its gradients move into the buffer. group: the dp group.
-    bucket_size_bytes: a bucket closes at >= this many bytes (ceil(bytes / element size) elements);
-      None = megatron_default_bucket_size; 1 = one bucket per parameter.
-    overlap: launch each bucket from backward when complete (True) or all in finish_grad_sync.
-    expert_group: where the gradients of allreduce=False parameters (experts) are summed.
-    grad_dtype: the buffer's dtype (default the parameters'; float32 beside 16-bit parameters).
-
-    Attributes: buckets (list[Bucket], buffer order), grad_buffer ([N]; each bucket's grad_data is a
-    slice), expert_grad_buffer (or None), main_grad ({param: [shape] view}), timeline
-    (BucketTimeline of the last finish_grad_sync, or None)."""
+    module: this rank's full model; group: the dp group. bucket_size_bytes: a bucket closes at >=
+    this many bytes (None: megatron_default_bucket_size; 1: one bucket per parameter). overlap:
+    launch each bucket from backward (True) or all in finish_grad_sync. expert_group: where experts'
+    gradients are summed. grad_dtype: the buffer's dtype (default the parameters').
+    Attributes: buckets (buffer order), grad_buffer [N] (each bucket's grad_data a slice),
+    expert_grad_buffer or None, main_grad ({param: [shape] view}), timeline (or None)."""
 
     def __init__(self, module: nn.Module, group, bucket_size_bytes: int | None = None,
                  overlap: bool = True, expert_group=None, grad_dtype: torch.dtype | None = None):

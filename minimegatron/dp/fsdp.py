@@ -16,18 +16,12 @@ parameters are deleted, so between forwards no rank holds a full weight.
              flat and reduce-scatters (avg, tag "grads") this rank's slice into unit.main_grad
              [S]; under no_sync it adds them to unit.pending [dp*S] instead.
 
-Collectives per micro-batch (U uses: L + 2 units, +1 with tied embeddings; S_u the shard,
-P_u = dp * S_u the padded size, e bytes per element), all over the dp group:
-
-    all_gather     "fwd"     one per use               S_u * e each
-    all_gather     "bwd"     one per use whose backward reads weights (all but the embedding's)
-    reduce_scatter "grads"   one per use, on micro-batches that sync     P_u * e each
-and per step the norm's all_reduce of 1 element ("grad-norm"); no all-gather after the step.
-Memory per rank at rest: params and grads sum_u S_u * e each, AdamW state 2 * real * e; during
-a step + the gathered units (memory_profile).
-
-With tensor parallelism a unit flattens this rank's TP shards (ZeRO-3 x TP); not with sequence
-or pipeline parallelism (parallelize.validate_layout).
+Collectives per micro-batch over the dp group (one per use of a unit: L + 2 uses, +1 with tied
+embeddings; S_u the shard, e bytes per element): all_gather "fwd" S_u * e; all_gather "bwd" S_u
+* e (all but the embedding's); reduce_scatter "grads" dp * S_u * e on micro-batches that sync.
+Per step the norm's all_reduce ("grad-norm"); no all-gather after the step. Memory at rest:
+params and grads sum_u S_u * e each, AdamW 2 * real * e; in a step + the gathered units.
+With TP a unit flattens this rank's TP shards; not with SP or PP (parallelize.validate_layout).
 
 Megatron: megatron/core/distributed/fsdp/ (Megatron-FSDP).
 """

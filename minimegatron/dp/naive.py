@@ -11,11 +11,6 @@ so replicas that start identical (model/init.py seeds by name, or `broadcast_par
   HookedDataParallel  the same all-reduce per parameter from a post-accumulate-grad hook
                       (`average_gradient_hook`), as soon as autograd has finished each gradient
 
-    with wrapper.no_sync():                        # micro-batches 0 .. M-2: no communication
-        wrapper(tokens, labels=labels).mean().div(M).backward()
-    wrapper(tokens, labels=labels).mean().div(M).backward()   # the last micro-batch
-    wrapper.finish_grad_sync()                     # now every p.grad is the DP average
-
 Collectives per optimizer step (tag "grads", dp group): P all-reduces (P parameter tensors),
 together sum_p numel(p) * element_size bytes, whatever M is.
 """

@@ -68,11 +68,9 @@ class BucketTimeline:
 
 
 class TimelineRecorder:
-    """The clock of a BucketTimeline. DistributedDataParallel calls it at the moments the
-    module docstring names (backward started, a gradient arrived, a bucket launched, waiting
-    for a bucket, the sync started and ended); it keeps the times, so the algorithm in
-    ddp.py holds none. time.perf_counter(), seconds; the finished timeline is shifted so that
-    backward starts at 0."""
+    """The clock of a BucketTimeline: DistributedDataParallel calls it at the moments the module
+    docstring names and it keeps the times (time.perf_counter() seconds, shifted so that backward
+    starts at 0), so ddp.py holds none."""
 
     def __init__(self, overlap: bool):
         self.overlap = overlap

@@ -9,13 +9,10 @@ elements is padded to dp * S, S = ceil(n / dp), and rank r owns [r S, (r+1) S) (
     bucket.grad_data   [dp*S]  same layout (stage 1 only)        each .grad is added into its view
                                rank 0 | rank 1 | ... | rank dp-1  (S elements each)
 
-One step, per bucket (the wrapper + optim.Optimizer over `optimizer_segments`):
-
-    backward              every rank accumulates its local gradient of the whole bucket
-    reduce-scatter (avg)  rank r receives the average of its S elements -> main_grad [S]
-    clip                  sum of squares of every rank's main_grad, all-reduced
-    AdamW                 on this rank's [r S, r S + real) elements (padding never enters)
-    all-gather            every rank receives every rank's updated S elements -> param_data
+A step, per bucket: backward accumulates every rank's local gradient of the whole bucket; a
+reduce-scatter (avg) leaves rank r the average of its S elements in main_grad [S]; the clip
+all-reduces the squared norm; AdamW (optim.Optimizer over `optimizer_segments`) steps this
+rank's [r S, r S + real) elements; an all-gather brings every rank's shard into param_data.
 
 Stage 1 keeps grad_data for the whole step and reduce-scatters it in place in finish_grad_sync
 (`reduce_scatter_gradients`). Stage 2 keeps no grad_data: when a bucket's last .grad is
@@ -79,11 +76,10 @@ def reduce_scatter_gradients(buckets: list[Bucket], group) -> None:
 def build_buckets(params: list[nn.Parameter], dp: int, rank: int, bucket_size: int | None = None, *, group=None,
                   grad_dtype: torch.dtype | None = None, hold_grads: bool = True, experts: bool = False,
                   first_index: int = 0) -> list[Bucket]:
-    """ZeRO's buckets (the module docstring's layout) of `params` (in model order) for `rank` of
-    `dp`, reduced over `group`: in reverse order, a tied embedding split between pipeline
-    stages alone, the others by weight-decay group cut by ddp.assign_buckets (bucket_size
-    elements; None: one bucket per group); each padded to dp * S. The parameters become views
-    of their bucket's param_data; with hold_grads (stage 1) a zeroed grad_data in grad_dtype."""
+    """ZeRO's buckets of `params` (model order) for `rank` of `dp`, reduced over `group`: reversed, a
+    pipeline-split tied embedding alone, the others per weight-decay group cut by assign_buckets
+    (bucket_size elements; None: one per group), each padded to dp * S. The parameters become views
+    of param_data; with hold_grads (stage 1) a zeroed grad_data in grad_dtype."""
     order = params[::-1]
     runs = [[p] for p in order if placement_of(p).shared_embedding]               # sharded alike on both stages
     for decay in (True, False):
@@ -96,16 +92,13 @@ def build_buckets(params: list[nn.Parameter], dp: int, rank: int, bucket_size: i
 class ZeroDataParallel(DistributedDataParallel):
     """Data parallelism with ZeRO stage 1 (optimizer state sharded) or 2 (and gradients).
 
-    `module` is replicated on every rank of `group`; an `optim.Optimizer([wrapper], ...)` steps this
-    rank's shards (`optimizer_segments`) and calls `after_optimizer_step` (the all-gather).
-    bucket_size: elements per bucket (None: one per weight-decay group); smaller buckets, a smaller
-    stage-2 gradient peak. grad_dtype, expert_group as DistributedDataParallel (experts: stage 1).
-
-    overlap_grad_reduce: each bucket's reduce-scatter is launched async from backward when the bucket
-    is complete; finish_grad_sync waits. overlap_param_gather (needs overlap_grad_reduce): the
-    all-gathers are launched async after the step in forward order, and a forward pre-hook per module
-    waits for the buckets holding its parameters; finish_param_sync() waits for all. Either way the
-    same collectives, bytes and launch order: the numbers are identical."""
+    `module` is replicated over `group`; an `optim.Optimizer([wrapper], ...)` steps this rank's
+    shards (`optimizer_segments`) and calls `after_optimizer_step` (the all-gather). bucket_size:
+    elements per bucket (None: one per weight-decay group). grad_dtype, expert_group as DDP's
+    (experts: stage 1 only). overlap_grad_reduce: reduce-scatters launched async from backward,
+    waited in finish_grad_sync. overlap_param_gather (needs overlap_grad_reduce): all-gathers
+    launched async after the step, each module's forward pre-hook waits for its buckets
+    (finish_param_sync waits for all). Same collectives, bytes and order either way."""
 
     def __init__(self, module: nn.Module, group, stage: int = 1, bucket_size: int | None = None,
                  expert_group=None, grad_dtype: torch.dtype | None = None, overlap_grad_reduce: bool = False,
