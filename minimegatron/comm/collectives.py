@@ -76,12 +76,9 @@ _OUTSIDE_GRAPHS: dict[str, object] = {}   # name -> its compiler-disabled versio
 
 
 def _eager(collective):
-    """Every collective runs eagerly, also inside a compiled region (chapter 07's --kernels
-    compile): when torch.compile traces a call, the call goes to the compiler-disabled version
-    that compile_barriers() made, so the graph stops there and resumes after it; the ledger
-    records each call in Python and the process group sees plain tensors. Eagerly it is one
-    flag test a call (well under a microsecond), and importing comm does not import the
-    compiler (torch._dynamo, over a second a process)."""
+    """Run a collective eagerly also inside a torch.compile region: traced, the call goes to the
+    compiler-disabled version compile_barriers() made (a graph break), so the ledger records it in
+    Python. Eagerly one flag test; importing comm does not import torch._dynamo."""
     name = collective.__name__
     _COLLECTIVES[name] = collective
 
@@ -149,14 +146,10 @@ def all_gather_into_tensor(out, t, group, tag=None, async_op=False):
 
 @_eager
 def all_gather(t, group, dim=0, sizes=None, tag=None):
-    """Concatenate every member's ``t`` along ``dim``, in group order: a new tensor.
-
-    ``sizes``: each member's ``t.shape[dim]`` when they differ (gloo gathers equal sizes
-    only, so each shard is padded to the largest, gathered, and the padding cut off; the
-    record counts the padded shard). Find the sizes with an explicit, counted call:
-    ``sizes = all_gather(torch.tensor([t.shape[dim]]), group).tolist()``.
-    With one member, returns ``t`` itself.
-    """
+    """Concatenate every member's ``t`` along ``dim``, in group order: a new tensor (``t`` itself
+    with one member). ``sizes``: each member's ``t.shape[dim]`` when they differ (padded to the
+    largest for gloo, padding cut off; the record counts the padded shard), e.g. from
+    ``all_gather(torch.tensor([t.shape[dim]]), group).tolist()``."""
     n = group_size(group)
     if n == 1:
         return t
@@ -272,12 +265,8 @@ class P2POp:
 
 @_eager
 def batch_isend_irecv(ops, tag=None):
-    """Start all sends and receives of ``ops`` together; returns their work handles.
-
-    Posting them as one batch is what lets two pipeline stages exchange activations and
-    gradients in both directions without deadlocking. ``ops`` are :class:`P2POp` or
-    ``torch.distributed.P2POp`` (with ``dist.isend``/``dist.irecv``). One record per op.
-    """
+    """Start all sends and receives of ``ops`` (:class:`P2POp` or ``dist.P2POp``) as one batch, so
+    two stages can exchange both ways without deadlock; returns their work handles. One record per op."""
     torch_ops = []
     for op in ops:
         if isinstance(op, dist.P2POp):
@@ -326,10 +315,8 @@ def all_to_all(t, group, scatter_dim, gather_dim, tag=None):
 
 
 def all_gather_object(obj, group, tag=None) -> list:
-    """Every member's picklable ``obj``, in group order (torch.distributed.all_gather_object):
-    for metadata, such as a checkpoint's plan of who writes which piece, never for tensors
-    a step computes with. Records "all_gather_object", nbytes = the pickled size of ``obj``.
-    With one member, returns [obj]."""
+    """Every member's picklable ``obj``, in group order ([obj] with one member); metadata only, never
+    tensors a step computes with. Records "all_gather_object", nbytes = the pickled size."""
     n = group_size(group)
     if n == 1:
         return [obj]

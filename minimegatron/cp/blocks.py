@@ -1,43 +1,23 @@
 """The attention core every context-parallel variant calls: one block at a time, with its
 log-sum-exp, so partial results can be merged exactly.
 
-Shape legend as in model/attention.py: q [b, a, sq, d] (a query heads), k and v [b, g, sk, d]
-(g key/value heads; query head i uses key/value head i // (a / g)). lse [b, a, sq] is the
-log-sum-exp of a query row's scaled scores over the keys of the block:
+q [b, a, sq, d], k, v [b, g, sk, d] (query head i uses key/value head i // (a / g)); lse
+[b, a, sq] the log-sum-exp of a query row's scaled scores over the block's keys:
 
     lse_i = log sum_j exp(q_i . k_j / sqrt(d))        out_i = sum_j exp(q_i . k_j / sqrt(d) - lse_i) v_j
 
-Why lse. Attention of one query over keys split into two blocks A and B is the softmax over
-A u B. Each block alone gives (out_A, lse_A) and (out_B, lse_B); the softmax over the union
-weighs block A by exp(lse_A) / (exp(lse_A) + exp(lse_B)), so
-
-    lse = log(exp(lse_A) + exp(lse_B))          out = out_A exp(lse_A - lse) + out_B exp(lse_B - lse)
-
-(`merge_attention`): the online-softmax rule of flash attention, and what lets ring attention
-see the keys one block at a time. The backward needs no per-block softmax: with the final out
-and lse of a query row, the probabilities of block B are P = exp(S_B - lse), and with
-D = rowsum(dout * out) the gradients are
+Two blocks merge exactly (`merge_attention`):
+lse = log(exp(lse_A) + exp(lse_B)), out = out_A exp(lse_A - lse) + out_B exp(lse_B - lse).
+Backward per block from the FINAL out and lse, P = exp(S_B - lse), D = rowsum(dout * out):
 
     dV_B = P^T dout      dS = P * (dout V_B^T - D)      dQ += dS K_B / sqrt(d)      dK_B = dS^T Q / sqrt(d)
 
-exactly the single-device gradients restricted to block B, so summing them over blocks gives
-the single-device dQ, dK, dV (`attention_block_backward`).
+summed over blocks, the single-device gradients (`attention_block_backward`).
 
-Backends, one interface:
-  "naive": written out; the scores [b, a, sq, sk] are stored (the lesson, the test oracle).
-  "sdpa":  PyTorch's flash-attention kernel for the CPU (aten._scaled_dot_product_flash_attention
-           _for_cpu and its backward), which returns and takes lse and never stores the scores;
-           on other devices, or a torch without it, the naive path (same numbers).
-`causal` means the top-left triangle of a square block: query row i sees key columns j <= i,
-which is the mask of a block whose queries and keys are the same chunk of positions.
-
-Packed documents (chapter 07): `same_document` [b, sq, sk] (True where the query and the key
-belong to one document) masks the rest, on the naive path (the CPU flash kernel takes no mask).
-A masked score is OUTSIDE_DOCUMENT, finite, not -inf: a block can hold no key of a row's
-document at all, and its lse is then about -1e30 where -inf would give nan (exp(-inf + inf));
-merged with any block that holds one, its weight exp(-1e30 - lse) is exactly 0, and every row
-meets its own position in the diagonal block.
-"""
+Backends: "naive" (scores stored; the oracle) and "sdpa" (PyTorch's CPU flash kernel with lse;
+elsewhere the naive path). `causal`: query row i sees key columns j <= i of a square block.
+`same_document` [b, sq, sk] masks packed documents (naive path) with OUTSIDE_DOCUMENT, finite
+so that a block without any of a row's keys gives lse ~ -1e30 (merge weight 0), not nan."""
 
 from __future__ import annotations
 
@@ -78,10 +58,9 @@ def _scores(q, k, causal, same_document=None):
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                             backend: str = "sdpa", same_document: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over one block of keys: (out [b, a, sq, d] in q's dtype, lse [b, a, sq]
-    in float32 for 16-bit inputs, else in q's dtype); same_document [b, sq, sk]: packed
-    documents' mask (the naive path). No autograd: the callers write the backward
-    (attention_block_backward)."""
+    """Attention of q over one block of keys: (out [b, a, sq, d] in q's dtype, lse [b, a, sq] float32
+    for 16-bit inputs, else q's dtype); same_document [b, sq, sk] masks packed documents. No
+    autograd (the callers use attention_block_backward)."""
     with torch.no_grad():
         if backend == "sdpa" and flash_kernel_available(q) and same_document is None:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
@@ -97,9 +76,8 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              out: torch.Tensor, lse: torch.Tensor, causal: bool, backend: str = "sdpa",
                              same_document: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of the gradients (dq [b, a, sq, d], dk and dv [b, g, sk, d]), given
-    the FINAL out and lse of the query rows (merged over every block they attend to), as
-    derived in the module docstring. dk, dv of grouped heads are summed over their group."""
+    """This block's share (dq [b, a, sq, d], dk, dv [b, g, sk, d]) given the FINAL out and lse of the
+    query rows (module docstring); grouped heads' dk, dv summed over their group."""
     with torch.no_grad():
         if backend == "sdpa" and flash_kernel_available(q) and same_document is None:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -1,44 +1,22 @@
 """Ring attention (cp_comm_type "p2p"): the keys and values travel, the queries stay.
 
-Shape legend as in cp/blocks.py; n = the ring's size, c = one chunk's length (s / (2 cp) under
-plain context parallelism, as in cp/layout.py and chapter 04). Each ring rank holds the queries, keys and values of its own tokens, a few
-chunks of c positions each (two under the zig-zag layout, cp/layout.py). In n steps every rank sees every rank's K and V:
+Shapes as in cp/blocks.py; n the ring's size, c one chunk's length (s / (2 cp) under zig-zag,
+cp/layout.py). Step t on ring rank r: start sending the K/V block it holds to r + 1 and
+receiving from r - 1, attend its queries to the block it holds (from r - t), merge into the
+running (out, lse), wait. Query chunk i against key chunk j: full when i > j, causal when
+i == j, skipped when i < j (under zig-zag, Transformer Engine's three cases, equal work per
+rank and step).
 
-    step t on ring rank r:  start sending the K/V block it holds to rank r + 1 and receiving the
-                            next one from rank r - 1 (both asynchronous), attend its queries to
-                            the block it holds (it came from rank r - t), merge into the running
-                            (out, lse), then wait for the transfer.
+Backward: the ring the other way, starting from the block the forward held last, passing each
+block with its running dK, dV to r - 1; after n - 1 hops they are home. dQ stays local.
 
-Which pairs of chunks to compute is decided by their chunk indices alone (positions grow with
-the index): query chunk i against key chunk j is full attention when i > j, the causal
-triangle when i == j, and skipped when i < j (every score masked). Under the zig-zag layout
-this yields Transformer Engine's three cases: step 0, the rank's own block, with the diagonal
-masks; a block from a lower ring rank, every query against the block's first chunk; a block
-from a higher ring rank, the rank's second query chunk against the whole block. Every rank
-then computes the same number of scores at every step (the point of zig-zag).
-
-The backward runs the ring again, the other way round, so that each block ends at its owner.
-It starts from the block the forward held last (rank r + 1's, kept for this) and at each step
-passes the block it holds, together with the running sums of that block's dK and dV, to rank
-r - 1; each rank adds the share its queries contribute (blocks.attention_block_backward, with
-the final out and lse saved by the forward). Block j is visited by ranks j - 1, j - 2, ...,
-and last by j itself: after n - 1 hops its dK and dV are home and complete. dQ stays on its
-rank. (Transformer Engine's AttnFuncWithCPAndKVP2P also keeps the last block and sends n - 1
-dK/dV messages.)
-
-Communication per attention call and rank, with K and V of [b, g, s/cp, d] = kv bytes each
-(one message per hop, K and V stacked; a hop is one communication step, a send and a
-receive):
+Per attention call and rank, kv = bytes of K (or V) [b, g, s/cp, d]; one message per hop,
+via comm.batch_isend_irecv (tags "fwd", "bwd"):
     forward   n - 1 sends (and receives) of 2 kv        (K, V)
     backward  n - 1 sends (and receives) of 4 kv        (K, V, dK, dV)
-All through comm.batch_isend_irecv (ledger tags "fwd" and "bwd"). Memory: the forward keeps
-the rank's own q, k, v, out, lse and one extra block (2 kv) for the backward.
-
-With n = 1 (no group) this is blockwise attention over chunks on one rank: the all-gather and
-all-to-all variants (cp/attention.py) call it that way, with other chunk lists for the keys.
-Megatron-LM / Transformer Engine: AttnFuncWithCPAndKVP2P in transformer_engine/pytorch/
-attention/dot_product_attention/context_parallel.py (GPU kernels, the same three cases).
-"""
+Memory: own q, k, v, out, lse and one extra block (2 kv). With n = 1 it is blockwise attention
+on one rank (how the all-gather and all-to-all variants call it).
+Megatron-LM / TE: AttnFuncWithCPAndKVP2P (transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -158,12 +136,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, q_i
                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the keys of every rank of the ring `group`.
 
-    q [b, a, sq, d], k and v [b, g, sk, d]: this rank's tokens, the chunks `q_ids` (and the
-    same chunks for its k, v) concatenated along the sequence; kv_ids_per_rank[r]: the chunks
-    ring rank r's k, v hold (a list per rank of `group`; with group None or of one rank, the
-    one list of the local k, v). Returns out [b, a, sq, d], equal to the rows q_ids of
-    single-device causal attention over the whole sequence. document_ids [b, s] (the whole
-    sequence's; packed documents, chapter 07): each query attends to its own document only.
-    Differentiable (the ring backward above); communication as in the module docstring."""
+    q [b, a, sq, d], k, v [b, g, sk, d]: this rank's chunks `q_ids` concatenated;
+    kv_ids_per_rank[r]: the chunks ring rank r's k, v hold (group None or of one: the one local
+    list). Returns out [b, a, sq, d], rows q_ids of single-device causal attention. document_ids
+    [b, s] (the whole sequence's): attention within documents. Differentiable; communication as
+    in the module docstring."""
     return _RingAttention.apply(q, k, v, group, list(q_ids), [list(x) for x in kv_ids_per_rank], backend,
                                 document_ids)

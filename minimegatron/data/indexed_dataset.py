@@ -1,14 +1,8 @@
 """The indexed dataset: token ids on disk as a ``.bin``/``.idx`` pair, memory-mapped for reading.
 
-Training reads random windows of a corpus far larger than memory. Megatron-LM solves this with
-two files per dataset (a "prefix" names the pair: ``out/corpus`` -> ``out/corpus.bin`` +
-``out/corpus.idx``):
-
-``PREFIX.bin``: every document's token ids, back to back, no separators, in one numpy dtype
-(uint16 when the vocabulary has fewer than 65500 ids, else int32; see ``best_dtype``).
-
-``PREFIX.idx``: where each document starts. All integers little-endian, byte-compatible with
-Megatron-LM (``megatron/core/datasets/indexed_dataset.py``, ``_IndexWriter``):
+``PREFIX.bin``: every document's token ids back to back, one numpy dtype (``best_dtype``).
+``PREFIX.idx``, little-endian, byte-compatible with Megatron-LM's _IndexWriter
+(megatron/core/datasets/indexed_dataset.py):
 
     offset  size     field
     0       9        magic b"MMIDIDX\\x00\\x00"
@@ -20,18 +14,10 @@ Megatron-LM (``megatron/core/datasets/indexed_dataset.py``, ``_IndexWriter``):
     34+4S   8*S      sequence_pointers, int64: byte offset of sequence i in .bin
     34+12S  8*D      document_indices, int64: document j = sequences [di[j], di[j+1])
 
-Megatron can split a document into several sequences (sentences). minimegatron always stores
-one sequence per document, so ``document_indices == [0, 1, ..., S]`` and D == S + 1. The reader
-insists on that, and on every other invariant: a file that breaks one raises ``DataError``
-naming the file, instead of producing garbage tokens later.
-
-Reading costs nothing up front: ``np.memmap`` maps the files and the operating system pages in
-only the bytes a window touches, so ``IndexedDataset("huge")[i]`` is O(len(document i)).
-
-Writing: ``IndexedDatasetBuilder`` streams documents into temporary files and ``finalize()``
-renames them into place, ``.bin`` first, then ``.idx``. A crash leaves either the old pair or
-stray temporaries, never a half-written file under the final name.
-"""
+Invariant: one sequence per document, ``document_indices == [0, 1, ..., S]``, D == S + 1; a
+file breaking any invariant raises ``DataError`` naming it. ``IndexedDataset(...)[i]`` reads
+only document i's pages (np.memmap). ``IndexedDatasetBuilder.finalize()`` renames the
+temporaries into place, .bin first: a crash never leaves a half-written file under the final name."""
 
 from __future__ import annotations
 
@@ -74,17 +60,14 @@ def idx_path(prefix: str | os.PathLike) -> Path:
 
 
 class IndexedDatasetBuilder:
-    """Write documents of token ids to ``PREFIX.bin`` / ``PREFIX.idx``.
-
-    Usage::
+    """Write documents of token ids to ``PREFIX.bin`` / ``PREFIX.idx``::
 
         with IndexedDatasetBuilder("out/corpus", best_dtype(tok.vocab_size)) as builder:
             for text in texts:
                 builder.add_document(tok.encode(text) + [tok.eod])
         # leaving the block finalizes; an exception inside it removes the temporaries instead
 
-    dtype: an integer numpy dtype from DTYPE_CODES (uint16 or int32 in practice).
-    """
+    dtype: an integer numpy dtype from DTYPE_CODES."""
 
     def __init__(self, prefix: str | os.PathLike, dtype=np.uint16):
         self.prefix = os.fspath(prefix)
@@ -160,20 +143,11 @@ class IndexedDatasetBuilder:
 class IndexedDataset:
     """Read-only, memory-mapped view of a ``PREFIX.bin`` / ``PREFIX.idx`` pair.
 
-    len(ds)                -> number of documents
-    ds[i]                  -> np.ndarray[len_i] of ``ds.dtype``, document i (a read-only view)
-    ds.get(i, offset, n)   -> tokens [offset, offset + n) of document i
-    ds.sequence_lengths    -> np.ndarray[int32] of document lengths
-    ds.dtype               -> numpy dtype of the token ids
-    ds.num_tokens          -> total number of tokens
-
-    Raises DataError (naming the file) when either file is missing, the magic or version is
-    wrong, the dtype code is unknown, or the sizes of the files disagree with the index.
-
-    vocab_size: if given, every token id must lie in [0, vocab_size) (a model's embedding
-    has vocab_size rows); otherwise DataError names the file, the offending id, its document
-    and the vocabulary. This reads every token once (a pass over the memory map).
-    """
+    len(ds) documents; ds[i] np.ndarray[len_i] of ds.dtype (a read-only view); ds.get(i, offset, n);
+    ds.sequence_lengths (int32); ds.dtype; ds.num_tokens.
+    DataError (naming the file) for a missing file, wrong magic or version, unknown dtype code, or
+    sizes that disagree with the index; with vocab_size, for a token id outside [0, vocab_size)
+    (naming the id, its document and the vocabulary; one pass over the tokens)."""
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int | None = None):
         self.prefix = os.fspath(prefix)

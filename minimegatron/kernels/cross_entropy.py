@@ -3,30 +3,18 @@
 
     losses = linear_cross_entropy(x, weight, labels, chunk=1024)    x [T, h], weight [V, h] -> [T]
 
-Unfused, the output layer writes logits [T, V] and the loss keeps its log-softmax [T, V] for the
-backward: at T = 8 x 4096 tokens and Llama-3's V = 128,256 that is 16.8 GB in float32, more than
-the rest of a layer's activations. Here each chunk of `chunk` tokens computes its logits
-x_c W^T [chunk, V], turns them into its losses and one log-sum-exp per token, and drops them: the
-forward keeps x, W, the labels and lse [T]. The backward walks the chunks again, computes each
-chunk's logits once more and its gradient
+Each chunk of `chunk` tokens computes its logits x_c W^T [chunk, V], its losses and one
+log-sum-exp per token, and drops them: the forward keeps x, W, the labels and lse [T]. The
+backward recomputes each chunk's logits and
 
     dlogits = g (softmax(logits) - onehot(label)),   softmax = exp(logits - lse)
 
-(g the incoming gradient of each token's loss), then dx_c = dlogits W and dW += dlogits^T x_c
-(exercise 7.5 writes dlogits). Memory: [chunk, V] at a time instead of [T, V]; compute: the
-logits twice (Liger-Kernel's fused linear cross-entropy computes the gradients already in the
-forward, which assumes the loss is a plain mean; here the per-token gradient g may carry a loss
-mask).
-
-Each chunk's row-wise work (the log-sum-exp over V in blocks, then the gradient in place) is a
-Triton program, `_cross_entropy_rows`; the matmuls are PyTorch's. On a CPU it runs in Triton's
-interpreter, like the other kernels (float32; 16-bit inputs are upcast).
-
-Megatron-LM computes the loss in `megatron/core/tensor_parallel/cross_entropy.py`
-(VocabParallelCrossEntropy, on logits it does materialise) and has a fused variant in
-`megatron/core/fusions/fused_cross_entropy.py`; Liger-Kernel's FusedLinearCrossEntropy is the
-chunked idea this follows.
-"""
+(g each token's incoming gradient, which may carry a loss mask; exercise 7.5), then
+dx_c = dlogits W and dW += dlogits^T x_c. Memory [chunk, V] instead of [T, V]; the logits
+computed twice. The row-wise work is a Triton program (`_cross_entropy_rows`, float32), the
+matmuls PyTorch's.
+Megatron-LM: megatron/core/fusions/fused_cross_entropy.py; the chunking follows Liger-Kernel's
+FusedLinearCrossEntropy."""
 
 from __future__ import annotations
 
@@ -61,9 +49,8 @@ def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Te
 
 @triton.jit
 def _cross_entropy_rows(LOGITS, LABELS, LSE, TARGET, vocab, BLOCK_V: tl.constexpr):
-    """One program per row of logits [rows, vocab]: the row's log-sum-exp over the vocabulary
-    in blocks (a running max and sum, the online softmax), and the logit of the row's label,
-    or 0 when the label is not one of these columns (another rank's, under TP)."""
+    """One program per row of logits [rows, vocab]: the row's log-sum-exp over blocks (online
+    softmax) and its label's logit (0 when the label is another rank's)."""
     row = tl.program_id(0)
     m = float("-inf")
     total = 0.0
@@ -91,8 +78,8 @@ def _chunk_rows(logits: torch.Tensor, local_labels: torch.Tensor) -> tuple[torch
 
 
 def _columns(weight: torch.Tensor, group, vocab_size: int | None) -> tuple[int, int]:
-    """(start, n_real): this rank's first vocabulary id and how many of its rows are real ids
-    (the rest is the padding of tp.pad_vocab_size: zero probability, zero gradient)."""
+    """(start, n_real): this rank's first vocabulary id and how many of its rows are real (the rest is
+    tp.pad_vocab_size's padding)."""
     per_rank = weight.shape[0]
     start = group_rank(group) * per_rank
     vocab = per_rank * group_size(group) if vocab_size is None else vocab_size
@@ -165,21 +152,15 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          group=ALONE, vocab_size: int | None = None, sequence_parallel: bool = False) -> torch.Tensor:
     """Per-token cross-entropy of the logits x W^T without holding them.
 
-    One device (group ALONE, the default): x [T, h] (or [b, s, h]), weight [V, h], labels of x's leading shape -> losses
-    of that shape, equal to F.cross_entropy(x @ W^T, labels, reduction="none") up to summation
-    order, and its gradients to x and W.
-    Vocabulary-parallel (``group`` of tp ranks): weight [Vp/tp, h] is this rank's rows (ids
-    [r Vp/tp, (r+1) Vp/tp)), vocab_size the real V <= Vp (ids past it are padding: no
-    probability, zero gradient); x [b, s, h] the same on every rank, or with sequence_parallel
-    this rank's [b, s/tp, h]; labels [b, s] global ids. Losses [b, s], the same on every rank.
-    The output layer and the loss in one op: the same result and the same messages as the
-    ColumnParallelLinear output layer followed by tp/cross_entropy.py's loss.
-    Communication (group of tp > 1): forward (sequence_parallel: one all-gather of x along s,
-    tag "fwd") three all-reduces of [T] numbers (max, sum, sum; "fwd"); backward
-    (sequence_parallel: the all-gather again, "regather") the input gradient's all-reduce
-    ("bwd"), or its reduce-scatter along s under sequence_parallel.
-    dtypes: computed in float32 for 16-bit inputs (else their own dtype); losses in it.
-    """
+    One device (group ALONE): x [T, h] or [b, s, h], weight [V, h], labels of x's leading shape ->
+    losses of that shape, F.cross_entropy(x @ W^T, labels, reduction="none") up to summation order.
+    Vocabulary-parallel (``group`` of tp): weight [Vp/tp, h] this rank's rows, vocab_size V <= Vp
+    (padding ids get zero probability); x [b, s, h] on every rank, or [b, s/tp, h] with
+    sequence_parallel; labels [b, s] global ids; losses [b, s] on every rank. The same result and
+    messages as a ColumnParallelLinear output layer + tp/cross_entropy.py: forward (SP: all-gather
+    of x, "fwd") three all-reduces of [T] (max, sum, sum; "fwd"); backward (SP: all-gather again,
+    "regather") dx all-reduced ("bwd"), or reduce-scattered along s under SP.
+    Computed in float32 for 16-bit inputs (else their dtype); losses in it."""
     if group_size(group) == 1 and not sequence_parallel and vocab_size is None:
         vocab_size = weight.shape[0]
     return LinearCrossEntropy.apply(x, weight, labels, group, vocab_size, sequence_parallel, chunk)
