@@ -4,30 +4,14 @@
                        amax_compute_algo="max")
     recipe.format_of("grad_output")         # "e5m2" (hybrid: the backward's gradients)
 
-`Fp8Recipe.scaling` is one of Megatron's --fp8-recipe choices, with "current" for its
-"tensorwise" (Transformer Engine's Float8CurrentScaling; `from_megatron` maps the flags). The
-delayed-scaling fields are Megatron's --fp8-margin, --fp8-amax-history-len and
---fp8-amax-compute-algo, with its defaults (0, 1, "most_recent": megatron/core/transformer/
-transformer_config.py, main d98e8a6, re-checked 2026-12-07; Transformer Engine's own DelayedScaling
-defaults to a history of 1024 and "max").
+`scaling` is Megatron's --fp8-recipe ("current" for its "tensorwise"; `from_megatron` maps
+the flags); the delayed fields are --fp8-margin, --fp8-amax-history-len,
+--fp8-amax-compute-algo with Megatron's defaults (0, 1, "most_recent").
 
-Delayed scaling (Transformer Engine's DelayedScaling) keeps, per tensor ROLE of a layer (its
-input, its weight, its output gradient), an amax history of `amax_history_len` entries and a
-scale that starts at 1. A cast multiplies by the CURRENT scale, so it never waits for its own
-amax (no extra pass over the tensor before the cast, the point of the recipe on a GPU), and
-records its amax. Before the role's next recorded cast the history is read:
-
-    amax  = max(history)              ("max")   or the latest entry ("most_recent")
-    scale = fp8_max / amax / 2^margin           kept as it was when amax is 0 or not finite
-    history rolls by one, the newest entry moving to the end; slot 0 is cleared for the next
-
-So the scale a cast uses always comes from earlier casts' amaxes; a tensor whose amax jumped
-since then saturates (clamps at fp8_max) once, and the next cast has caught up.
-
-The update runs just before the role's next cast (TE runs it at the end of each forward and
-backward: the same scales). A backward re-casts the forward's input and weight with the scales
-that forward used, which fp8/linear.py keeps per micro-batch (TE keeps the FP8 copies).
-"""
+Delayed scaling keeps per tensor ROLE of a layer (input, weight, output gradient) an amax
+history and a scale starting at 1. A cast uses the CURRENT scale and records its amax; before
+the role's next cast `update_delayed_scale` turns the history into the next scale and rolls it.
+Megatron / TE: transformer_engine's DelayedScaling (via megatron/core/fp8_utils.py)."""
 
 from __future__ import annotations
 

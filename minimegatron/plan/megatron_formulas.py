@@ -1,8 +1,5 @@
 """Megatron-LM's own estimates, re-derived in the book's names: the FLOPs its training log
-reports, and the memory estimate its training log prints (report_theoretical_memory, on rank
-0 with the first log lines, always: there is no flag for it).
-
-Where they live in Megatron-LM (main, commit d98e8a6, checked 2026-11-27):
+reports and the memory estimate it prints on rank 0 with the first log lines.
 
   megatron/training/training.py                num_floating_point_operations(args, batch_size)
   megatron/training/theoretical_memory_usage.py compute_weight_and_optimizer_memory(args),
@@ -10,24 +7,13 @@ Where they live in Megatron-LM (main, commit d98e8a6, checked 2026-11-27):
                                                compute_activation_memory_without_sp(...),
                                                report_theoretical_memory(args, num_microbatches)
 
-Shape legend (model/gpt.py's): B sequences in the global batch, b micro-batch, s sequence
-length, h hidden size, a query heads, g key/value groups, d head size, f the dense MLP's
-width, f_e an expert's, f_s the shared expert's, E experts, k top-k, L layers (L_moe of them
-with experts, L_dense = L - L_moe), Vp the vocabulary padded to a multiple of
-make_vocab_size_divisible_by x tp (Megatron's padded_vocab_size), t tp, p pp, v virtual stages
-per rank, m micro-batches per step. F = 3 with SwiGLU (fc1 of 2f, fc2 of f), else 2.
-
-What is included, and what is not: dense GPT/LLaMA layers (MHA or GQA, GELU or SwiGLU, LayerNorm
-or RMSNorm), MoE layers (routed experts, a shared expert, an integer or list layer pattern:
-`config.is_moe_layer`), untied or tied embeddings, padded vocabulary, the distributed
-optimizer. Omitted, because the book's ModelConfig cannot describe them: multi-latent
-attention (MLA), multi-token prediction (MTP), hybrid Mamba / gated-delta-net layers, latent
-MoE, the attention output gate, shared-expert gates, and the packed-sequence (THD) sums
-(the formulas here are Megatron's BSHD defaults: every sequence s tokens long).
-
-Each function is written from the formula, not from Megatron's code: the tests compare them
-with numbers worked by hand (Llama-3 8B, Mixtral 8x7B) and with the book's `analysis`.
-"""
+B sequences in the global batch, b micro-batch, s sequence, h hidden, a query heads, g key/value
+groups, d head size, f / f_e / f_s the dense, expert and shared-expert widths, E experts, k
+top-k, L layers (L_moe with experts), Vp the padded vocabulary, t tp, p pp, v virtual stages,
+m micro-batches. F = 3 with SwiGLU, else 2. Covers what ModelConfig describes (dense and MoE
+layers, tied or untied embeddings, the distributed optimizer); BSHD only (no MLA, MTP, THD).
+Written from the formulas; tests/test_plan.py checks them against hand-worked Llama-3 8B and
+Mixtral 8x7B numbers and the book's `analysis`."""
 
 from __future__ import annotations
 
@@ -95,11 +81,9 @@ def megatron_flops(config: ModelConfig, batch: int, seq: int, tp: int = 1) -> di
 
 
 def _parameter_groups(config: ModelConfig, tp: int) -> dict[str, float]:
-    """Megatron's split of the parameters by how a rank holds them (elements, the whole
-    model): "tp_sharded" (attention, dense MLPs, shared experts: cut tp ways), "replicated"
-    (norms, routers, the final norm), "experts" (routed experts: cut ep x etp ways) and
-    "embedding" (Vp h, one matrix). Biases are not in Megatron's count (it assumes none but the
-    router's)."""
+    """Megatron's split of the whole model's parameter elements: "tp_sharded" (attention, dense MLPs,
+    shared experts), "replicated" (norms, routers), "experts" (cut ep x etp ways), "embedding"
+    (Vp h). No biases (Megatron assumes none but the router's)."""
     h, a, g, d = config.hidden_size, config.num_attention_heads, config.query_groups, config.kv_channels
     gated = 1.5 if config.activation == "swiglu" else 1.0
     norm = 1 if config.normalization == "RMSNorm" else 2                  # RMSNorm has no bias
@@ -120,25 +104,17 @@ def _parameter_groups(config: ModelConfig, tp: int) -> dict[str, float]:
 
 
 def megatron_weight_and_optimizer_bytes(config: ModelConfig, cfg: TrainConfig, world: int) -> float:
-    """Megatron's `compute_weight_and_optimizer_memory`: bytes of parameters, gradients and
-    optimizer state on the MOST loaded rank (the first pipeline stage: 1/p of the layers plus
-    the embedding), for bf16 training with fp32 main gradients, main parameters and Adam:
+    """Megatron's compute_weight_and_optimizer_memory: bytes of parameters, gradients and optimizer
+    state on the first pipeline stage (the most loaded), bf16 with fp32 main grads, params and Adam:
 
-        18 bytes per parameter                      without the distributed optimizer
-        6 + 12 / dp bytes                           with it (cfg.zero_stage >= 1), dp = world / (t p cp)
-        6 + 12 / dp_e for the routed experts, dp_e = world / (etp ep p)
-
+        18 bytes per parameter; with the distributed optimizer (zero_stage >= 1) 6 + 12 / dp,
+        dp = world / (t p cp), and 6 + 12 / dp_e for routed experts, dp_e = world / (etp ep p)
       dense on the rank   (tp_sharded / p + Vp h) / t + replicated / p  (+ Vp h / t when untied and p = 1)
       experts on the rank experts / (p etp ep)
 
-    How it differs from the book's count (`analysis.rank_parameters` x the bytes of
-    `analysis.adam_bytes_per_parameter(bf16, master, fp32 grads)`, which is 2 + 4 + 12 = 18 too):
-    Megatron divides the layers evenly (p may not divide L: fractions) and the final norm too
-    (h / p of it on every stage; the book's last stage holds it), leaves out biases and
-    the copy of a tied embedding the last stage keeps, and divides the optimizer state by dp
-    without cp, although its distributed optimizer shards over dp x cp (as the book's ZeRO
-    does); ZeRO-2 and ZeRO-3 (here zero_stage 2, 3) are not in its formula: every zero_stage
-    >= 1 is read as the distributed optimizer."""
+    Differs from the book's (analysis.rank_parameters x 18): layers and the final norm divided
+    evenly over p, no biases, no tied copy on the last stage, optimizer divided by dp without cp,
+    every zero_stage >= 1 read as the distributed optimizer."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     groups = _parameter_groups(config, tp)
     dense = (groups["tp_sharded"] / pp + groups["embedding"]) / tp + groups["replicated"] / pp
@@ -155,34 +131,25 @@ def megatron_weight_and_optimizer_bytes(config: ModelConfig, cfg: TrainConfig, w
 
 
 def megatron_activation_bytes(config: ModelConfig, cfg: TrainConfig) -> float:
-    """Megatron's activation estimate for the first pipeline stage, in bytes; which formula
-    depends, as in `report_theoretical_memory`, on sequence parallelism AND selective
-    recompute:
+    """Megatron's activation estimate for the first pipeline stage, in bytes.
 
-    SP and recompute_granularity "selective" (`compute_activation_memory`, Korthikanti et al.
-    2022 Table 2 with the attention scores recomputed):
+    SP and recompute_granularity "selective" (compute_activation_memory):
 
         s b h (18 + 4 f / h) L                       the layers (34 s b h for f = 4h)
       + 8 s b p + s b h p                            embedding input and its dropout, p in flight
-      x (1 + (p - 1) / (p v))                        interleaved (v > 1) schedule's extra in flight
-      x min(1, m / p)                                1F1B (v = 1, p > 1) with fewer micro-batches than p
+      x (1 + (p - 1) / (p v))                        interleaved (v > 1)
+      x min(1, m / p)                                1F1B (v = 1, p > 1), m < p
       + 4 s b h (1 + Vp / h)                         p = 1 only: output layer input and the loss
       all / t
 
-    anything else (`compute_activation_memory_without_sp`):
+    anything else (compute_activation_memory_without_sp):
 
         s b h (10 + 24 / t) L + 8 s b p + s b h p    then the same two pipeline factors
       + 2 (s b Vp / t + s b h)                       p = 1 only: logits and final norm output
-      x 1.05                                         optimizer and other temporaries
+      x 1.05
 
-    (The second formula ignores recompute altogether, and neither has a context-parallel term:
-    Megatron's estimate does not divide by cp. Neither counts an MoE layer's routed tokens:
-    f is the dense ffn_hidden_size.)
-
-    The book's count of the same thing is `analysis.activation_memory` (what OUR model saves,
-    op by op, measured): fp32 norm inputs, SwiGLU's 3 b s f e, the fused attention's
-    log-sum-exp, no dropout masks at dropout 0; the planner uses that one.
-    """
+    Neither divides by cp or counts routed tokens (f is the dense width); the second ignores
+    recompute. The planner uses analysis.activation_memory instead."""
     s, b, h = cfg.seq_length, cfg.micro_batch_size, config.hidden_size
     tp, pp, m = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.grad_accum_steps
     v = cfg.num_virtual_stages_per_pipeline_rank

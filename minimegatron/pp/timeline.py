@@ -1,32 +1,15 @@
-"""The pipeline bubble: simulated from a schedule with unit costs, and by formula (plot_timeline
-in chapters/03_pp/make_figures.py draws the intervals).
+"""The pipeline bubble: simulated from a schedule with unit costs, and by formula.
 
-A pipeline of p stages runs m micro-batches; on each stage a forward costs t_f and a backward
-t_b (with v chunks per rank, each chunk's F costs t_f / v and B t_b / v: the rank's layers are
-cut into v pieces). `simulate` plays the schedules of every rank with those costs, each op
-starting as soon as its rank is free AND its input exists (the forward of the previous virtual
-stage, the backward of the next one), communication taking no time. It returns the intervals,
-from which
+p stages, m micro-batches, a forward t_f and a backward t_b per stage (t_f / v and t_b / v per
+chunk with v chunks). `simulate` plays every rank's schedule, each op starting when its rank is
+free AND its input exists, communication free:
 
-    idle fraction of a rank = 1 - busy / makespan,        busy = m (t_f + t_b)
+    idle fraction = 1 - busy / makespan,          busy = m (t_f + t_b)
+    GPipe, 1F1B:  makespan = (m + p - 1)(t_f + t_b),        idle = (p - 1) / (m + p - 1)
+    interleaved:  makespan = (m + (p - 1) / v)(t_f + t_b),  idle = (p - 1) / (v m + p - 1)
 
-For GPipe and 1F1B every stage waits p - 1 forward slots before its first F and p - 1 backward
-slots after its last B (the fill and the drain), so
-
-    makespan = (m + p - 1)(t_f + t_b)        idle fraction = (p - 1) / (m + p - 1)
-
-whatever t_f and t_b are; 1F1B does not shrink the bubble, it bounds the activations alive
-(see peak_in_flight). With v chunks per rank the fill and drain are made of chunk-sized pieces:
-
-    makespan = (m + (p - 1) / v)(t_f + t_b)  idle fraction = (p - 1) / (v m + p - 1)
-
-Narayanan et al. 2021 (Megatron-LM, "Efficient Large-Scale Language Model Training on GPU
-Clusters", Section 2.2) state the same as bubble time over ideal time: (p - 1) / m, and
-(p - 1) / (v m) interleaved; bubble_fraction returns that ratio too.
-
-StepRecord is the measured side: what one real step on one rank took, op by op
-(executor.run_pipeline_step fills it); plot_timeline in chapters/03_pp/make_figures.py draws both.
-"""
+Narayanan et al. 2021 state it as bubble over ideal time, (p - 1) / (v m). StepRecord is the
+measured side (executor.run_pipeline_step fills it); chapters/03_pp/make_figures.py draws both."""
 
 from __future__ import annotations
 
@@ -124,13 +107,10 @@ def peak_in_flight(ops: list[tuple[str, int, int]]) -> int:
 
 
 class StepRecord:
-    """What one pipeline step measured on this rank (run_pipeline_step fills it; the executor
-    calls its span / saving / in_flight and holds no clock): losses (per micro-batch, last
-    stage only), intervals (list[Interval]: "F", "B", "recv wait" (blocked until an input
-    arrived), "send" (handing an output to the asynchronous send), in seconds from t0), t0
-    (the step's start, time.perf_counter(): one clock for every process of the machine, so
-    ranks' runs can be drawn on one axis), activation bytes saved by each (microbatch, chunk)
-    forward (saved_tensors_hooks; parameters, whose storages are `params`, excluded), and the
+    """What one pipeline step measured on this rank (run_pipeline_step fills it): losses (per
+    micro-batch, last stage), intervals (list[Interval] in seconds from t0: "F", "B", "recv wait",
+    "send"), t0 (time.perf_counter(), one clock for the machine's processes), the activation
+    bytes each (microbatch, chunk) forward saved (parameters' storages `params` excluded), and the
     peak count and bytes of micro-batches alive at once."""
 
     def __init__(self, rank: int = 0, params: set[int] = frozenset()):
