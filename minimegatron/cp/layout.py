@@ -1,25 +1,16 @@
 """Which tokens a context-parallel rank holds: the contiguous split and the zig-zag split.
 
-Shape legend as in model/gpt.py, plus cp (the context-parallel size) and c = s / (2 cp), the
-length of one chunk (a rank holds two chunks, 2 c = s / cp tokens). Context parallelism cuts every sequence of a micro-batch into cp parts;
-each rank of the "cp" group runs the whole model on its part (tokens, labels and positions),
-and only attention looks at the other parts (cp/attention.py).
-
-A causal mask makes the plain cut unfair. Cut s into cp contiguous parts: rank r's queries see
-the keys of ranks 0..r, so rank cp-1 computes about 2 cp - 1 times as many unmasked scores as
-rank 0, and in a ring every step waits for the busiest rank. The zig-zag cut (Megatron-LM's
-`get_batch_on_this_cp_rank`, Transformer Engine's ring attention) pairs a cheap chunk with an
-expensive one: the sequence is cut into 2 cp chunks of c tokens and rank r keeps chunk r and
-chunk 2 cp - 1 - r, so every rank does the same work (`causal_work_per_rank` counts it).
+Context parallelism cuts every sequence into 2 cp chunks of c = s / (2 cp) tokens; each rank
+of the "cp" group holds two (s / cp tokens) and runs the whole model on them, only attention
+looking further (cp/attention.py). Under a causal mask the contiguous cut leaves rank cp-1
+about 2 cp - 1 times rank 0's work; the zig-zag cut pairs chunk r with chunk 2 cp - 1 - r so
+every rank does the same (`causal_work_per_rank`):
 
     s = 16, cp = 2, chunks of c = 4:   [ 0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 ]
     contiguous:  rank 0 -> chunks 0, 1     rank 1 -> chunks 2, 3
     zig-zag:     rank 0 -> chunks 0, 3     rank 1 -> chunks 1, 2
 
-Both layouts are described by the two chunk indices a rank holds (`cp_chunk_ids`); the ring
-(cp/ring.py) decides from chunk indices alone which block pairs it computes, so it runs
-either layout unchanged.
-"""
+A rank's layout is its two chunk indices (`cp_chunk_ids`); the ring works from them alone."""
 
 from __future__ import annotations
 
@@ -30,8 +21,7 @@ __all__ = ["cp_chunk_ids", "zigzag_positions", "contiguous_positions", "position
 
 
 def check_context_parallel_seq_length(seq_length: int, cp_size: int) -> None:
-    """ValueError naming the numbers unless the sequence cuts into 2 cp equal chunks (both
-    layouts use chunks of s / (2 cp) tokens, so every block of the ring has the same shape)."""
+    """ValueError naming the numbers unless the sequence cuts into 2 cp equal chunks."""
     if cp_size < 1:
         raise ValueError(f"cp_size={cp_size} must be at least 1")
     if seq_length % (2 * cp_size):
@@ -80,17 +70,12 @@ def contiguous_positions(seq_len: int, cp_size: int, cp_rank: int) -> list[int]:
 
 def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_rank: int,
                               load_balance: bool = True) -> dict[str, torch.Tensor]:
-    """This rank's part of a micro-batch {"tokens": [b, s], "labels": [b, s]}: both cut along
-    the sequence to [b, s/cp], plus "position_ids" [s/cp] (the positions kept, so that the
-    position embedding or RoPE sees each token's true position). The identity at cp = 1
-    (position_ids added). A micro-batch's other [b, s] tensors (chapter 07's packed documents:
-    given position_ids [b, s], the loss mask) are cut the same way, but for document_ids, which
-    stay whole: a rank's attention masks the keys of every rank by their documents
-    (ContextParallelAttention); with a loss_mask, "loss_tokens" is added: the tokens the mask
-    keeps in the whole micro-batch over cp_size, model.mean_loss's denominator (each rank keeps
-    a different number, and the average over the cp ranks must be the micro-batch's mean). Megatron-LM: megatron/core/utils.py get_batch_on_this_cp_rank
-    (its THD format cuts packed sequences with cu_seqlens instead, through Transformer Engine).
-    """
+    """This rank's part of a micro-batch {"tokens", "labels": [b, s]} -> [b, s/cp] each, plus
+    "position_ids" [s/cp] (the positions kept); the identity at cp = 1 (position_ids added).
+    Other [b, s] tensors (given position_ids, loss_mask) are cut alike; document_ids stay whole
+    (attention masks every rank's keys by them). With a loss_mask, "loss_tokens": the whole
+    micro-batch's kept tokens over cp, model.mean_loss's denominator.
+    Megatron-LM: megatron/core/utils.py, get_batch_on_this_cp_rank."""
     s = batch["tokens"].shape[1]
     kept = range(s) if cp_size == 1 else positions_on_rank(s, cp_size, cp_rank, load_balance)   # cp 1: any s
     positions = torch.tensor(kept, dtype=torch.long, device=batch["tokens"].device)          # [s/cp]
@@ -103,7 +88,6 @@ def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_r
 
 
 def causal_work_per_rank(seq_len: int, cp_size: int, load_balance: bool) -> list[int]:
-    """Unmasked (query, key) score entries each rank computes for one head and one sequence
-    under a causal mask: query at position i sees keys 0..i, so i + 1 entries. The sum over
-    ranks is s (s + 1) / 2 for either layout; the maximum is what a step waits for."""
+    """Unmasked (query, key) scores each rank computes for one head and sequence (query i sees i + 1
+    keys); they sum to s (s + 1) / 2 for either layout; the maximum is what a step waits for."""
     return [sum(p + 1 for p in positions_on_rank(seq_len, cp_size, r, load_balance)) for r in range(cp_size)]

@@ -1,23 +1,13 @@
 """The small building blocks: the two seams every precision and kernel plugs into, a linear
 layer with Megatron's weight layout, and the norms.
 
-The seams (chapters 06 and 07 swap what they return; tp/, moe/ and the model stay as they are):
+  compute_dtype(x)   the dtype norms, softmaxes and losses compute in: float32 for 16-bit
+                     inputs, else the input's
+  Gemm               a linear layer's three products, fprop, dgrad, wgrad; every weight matmul
+                     of the book goes through a layer's `gemm` (chapter 06's FP8 gives a layer
+                     its own; `GEMM` is the plain, shared one)
 
-  compute_dtype(x)   the dtype a norm, a softmax or a loss computes in: float32 for 16-bit
-                     inputs, the input's own otherwise (Megatron's --attention-softmax-in-fp32
-                     and fp32 residual arithmetic, in one place)
-  Gemm               the three matrix products of a linear layer y = x W^T + b: the forward
-                     (fprop), the input's gradient (dgrad) and the weight's (wgrad). Every
-                     weight matmul of the book goes through a layer's `gemm`: this Linear, the
-                     tensor-parallel layers' hand-written backwards (tp/layers.py) and the
-                     experts' batched form (model/moe.py). `GEMM` is the plain one; an FP8
-                     transformation gives a layer one of its own (Transformer Engine calls the
-                     three fprop, dgrad and wgrad, as in its recipes' fp8_gemm_fprop/dgrad/wgrad;
-                     torchao output, grad_input and grad_weight).
-
-Parameters are created empty here; their values are set by `minimegatron.model.init`,
-which derives each one from (seed, parameter name) only.
-"""
+Parameters are created empty; `minimegatron.model.init` sets each from (seed, name)."""
 
 from __future__ import annotations
 
@@ -32,23 +22,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class Gemm:
-    """The matrix products of a linear layer, W: [out, in] (shape legend of model/gpt.py).
+    """The matrix products of a linear layer, W: [out, in].
 
-    fprop(x, w, b)  x [.., in] -> x W^T + b [.., out]   (inside a hand-written forward)
-    dgrad(dy, w)    dy [.., out] -> dy W [.., in]        (the input's gradient)
-    wgrad(dy, x)    dy^T x [out, in], the leading dimensions of dy [.., out] and x [.., in]
-                    flattened into one (the weight's gradient)
-    linear(x, w, b) fprop as an autograd op (a module's forward; w may be a stack [E, out, in]
-                    of the experts' weights with x [E, .., in]); here torch's own backward,
-                    whose products are dgrad and wgrad's
-    gather_input(x, group, dim, tag)  the sequence-parallel all-gather of a column-parallel
-                    layer's input before fprop (comm.all_gather; an FP8 GEMM gathers its FP8
-                    bytes instead, chapter 06)
-    set_recompute(phase)  chapter 07's recompute tells the layer which forward runs: "checkpointed"
-                    (the first, whose activations are dropped), "recomputing" (the same forward
-                    again, in the backward), None (an ordinary one); a GEMM with state (FP8's
-                    scales) makes the recompute compute what the first forward did
-    The default products are torch's; they hold no state, so every layer shares `GEMM`."""
+    fprop(x, w, b)  x [.., in] -> x W^T + b [.., out]
+    dgrad(dy, w)    dy [.., out] -> dy W [.., in]
+    wgrad(dy, x)    dy^T x [out, in] (leading dimensions flattened)
+    linear(x, w, b) fprop as an autograd op (w may be a stack [E, out, in] with x [E, .., in])
+    gather_input(x, group, dim, tag)  the sequence-parallel all-gather before fprop (comm.all_gather)
+    set_recompute(phase)  "checkpointed", "recomputing" or None (chapter 07), for stateful GEMMs
+    Transformer Engine names them fprop, dgrad, wgrad too."""
 
     def set_recompute(self, phase: str | None) -> None:
         pass
@@ -77,12 +59,9 @@ GEMM = Gemm()
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W: [out_features, in_features] (the layout Megatron stores).
-
-    skip_weight_param_allocation: hold no weight of its own; forward is then given one (a
-    tied output layer reads the word embedding, as Megatron's ColumnParallelLinear does).
-    gemm: its matrix products (the seam above).
-    """
+    """y = x W^T + b with W: [out_features, in_features] (Megatron's layout).
+    skip_weight_param_allocation: no weight of its own; forward is given one (a tied output layer).
+    gemm: its matrix products."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  skip_weight_param_allocation: bool = False):

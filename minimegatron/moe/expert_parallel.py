@@ -1,52 +1,21 @@
 """Expert parallelism as a transformation of the one model: `apply_expert_parallel`.
 
-Shape legend as in model/moe.py, plus ep, etp, E_l = E / ep, f_e the expert's inner width.
-`apply_expert_parallel(model, layout, dispatcher)` takes a GPTModel (or a pipeline stage) whose
-MoE layers hold all E experts with their single-device weights, and in place:
+Shapes as in model/moe.py, plus ep, etp, E_l = E / ep, f_e the expert's inner width.
+`apply_expert_parallel(model, layout, dispatcher)` takes a GPTModel (or stage) whose MoE
+layers hold all E experts with their single-device weights, and in place sets:
 
-  experts.local_experts      keeps experts ep_rank E_l .. (ep_rank+1) E_l - 1 (keys stay the global
-                             index, so names read like the single-device ones; Megatron's
-                             modules count 0 .. E_l - 1 on every rank and use the global index
-                             only in distributed-checkpoint keys, model/moe.py)
-    linear_fc1 [f1, h]       with etp > 1: this etp rank's f_e / etp rows (SwiGLU: of the gate and
-                             of the up half, stride 2), like a column-parallel linear
-    linear_fc2 [h, f_e]      with etp > 1: its f_e / etp columns, like a row-parallel linear; the
-                             etp ranks' partial outputs are summed by the dispatcher
-    every expert parameter   marked `allreduce = False` (Megatron's attribute): its gradient is
-                             summed over the expert-data-parallel group, not averaged over dp x cp
+  experts.local_experts      experts ep_rank E_l .. (ep_rank+1) E_l - 1 (global keys)
+    linear_fc1 [f1, h]       etp > 1: this etp rank's f_e / etp rows (SwiGLU: stride 2), column-parallel
+    linear_fc2 [h, f_e]      etp > 1: its f_e / etp columns, row-parallel (the dispatcher sums)
+    every expert parameter   `allreduce = False`: gradient summed over expert-dp, not dp x cp
   token_dispatcher           AllToAllDispatcher(ep, etp) or AllGatherDispatcher(etp x ep)
-  aux_group, aux_grad_scale  the tp x cp group and cp (model/moe.py: the auxiliary losses'
-                             token set is the micro-batch's, spread over those ranks)
+  aux_group, aux_grad_scale  the tp x cp group and cp (model/moe.py)
+  grad_finalizers            "expert-bias" given the tp x dp x cp group
 
-The router and the shared expert are not touched: the router is replicated like a norm (under
-sequence parallelism tp.apply_tensor_parallel marks it `sequence_parallel`), the shared expert
-is a dense MLP (tensor-parallel over tp like the MLP of a dense layer).
-
-Why expert gradients take another group. A dense weight is replicated over the dp x cp ranks,
-each saw its own tokens, so the gradients are averaged there. An expert lives on the ranks of
-one expert-data-parallel group (the ranks with the same ep and etp coordinates), and every
-token routed to it, from any rank, reached one of them. So its single-device gradient is the
-SUM over that group, divided by dp x cp like every gradient (each rank's loss is a mean over
-its own tokens): Megatron's DDP scales expert buckets by the same 1/dp and all-reduces them over
-the expert-dp group (dp/ddp.py: expert_group).
-
-Megatron-LM (checked 2026-11-24, main at d98e8a6): megatron/core/transformer/moe/experts.py
-(SequentialMLP, TEGroupedMLP, the etp split), moe_layer.py (MoELayer), megatron/core/
-parallel_state.py (the expert groups), megatron/core/distributed/distributed_data_parallel.py
-(the expert buffers and their scaling), finalize_model_grads.py (the expert-bias update after
-each step). Megatron's linear layers mark an expert's parameters allreduce=False only when
-its expert process groups differ from the dense ones: ep > 1, or etp != tp, or the expert
-GTP size != the dense GTP size (expert_gtp_weight_remat_size != gtp_weight_remat_size, its
-weight-rematerialising generalized tensor parallelism; tensor_parallel/layers.py, checked on
-main d98e8a6, 2026-11-27). Otherwise the expert-dp group is the dense one; the book marks
-them in every multi-rank layout, which reduces them over the same ranks in that case. Limits
-of the book, refused by name in check_expert_parallel_config: experts train with the bucketed
-DDP or ZeRO-1 (dp/zero.py: expert buckets sharded over the expert-dp group, as Megatron's
-distributed optimizer keeps them apart), not ZeRO-2/3 or the naive DDP (Megatron shards
-experts' gradients and parameters too, with Megatron-FSDP: --use-megatron-fsdp
---data-parallel-sharding-strategy optim_grads or optim_grads_params); etp > 1 needs
-bias-free experts.
-"""
+The router and shared expert are tensor parallelism's (MoELayer.tensor_parallel_plan).
+check_expert_parallel_config refuses ZeRO-2/3 and the naive DDP with experts, and etp > 1
+with expert biases.
+Megatron-LM: megatron/core/transformer/moe/experts.py, moe_layer.py, parallel_state.py."""
 
 from __future__ import annotations
 
@@ -98,9 +67,8 @@ def check_expert_parallel_config(model_cfg: ModelConfig, cfg: TrainConfig, world
 
 
 def _keep_slice(linear: nn.Module, dim: int, group, stride: int) -> None:
-    """Replace linear.weight by this etp rank's part of it along `dim` (stride blocks each cut
-    alike: SwiGLU's [gate; up]), its record split over the etp group like a tensor-parallel shard
-    (so it can be gathered back)."""
+    """Replace linear.weight by this etp rank's part along `dim` (stride blocks cut alike), recorded
+    as split over the etp group (so it can be gathered back)."""
     size, rank = group_size(group), group_rank(group)
     with torch.no_grad():
         blocks = linear.weight.chunk(stride, dim)

@@ -5,33 +5,21 @@ estimated (memory per rank, FLOPs, bytes, bubble, step time, MFU), the valid one
     result.plans[0]          # the fastest estimated layout that fits
     result.rejected          # Counter{reason pattern: layouts}; result.examples[pattern]: one of them
 
-What is enumerated (a Layout): tp, cp, pp and the virtual stages per rank v, ep and etp (MoE
-models), ZeRO stage 0-3, recompute none / selective (core_attn) / full (uniform, one layer
-per unit), micro-batch size; dp = gpus / (tp cp pp) and the micro-batches per step m = global
-batch / (dp b) follow. Precision is bf16 mixed precision (float32 main gradients and copies);
-sequence parallelism is on whenever tp > 1; context parallelism uses the ring (cp_comm_type
-"p2p"), experts the all-to-all dispatcher. Pruned before anything is checked: sizes whose
-product cannot divide the GPUs (tp cp pp, and etp ep pp, must divide them), tp beyond twice a
-node, cp unless each rank keeps at least MIN_TOKENS_PER_CP_RANK tokens, v in (1, 2, 4), micro-
-batch sizes in (1, 2, 4). Any size can be pinned (search's keyword arguments, the CLI's flags).
+A Layout: tp, cp, pp, v, ep, etp (MoE), ZeRO 0-3, recompute none / selective (core_attn) /
+full (uniform, one layer per unit), micro-batch size; dp and m follow. bf16 mixed precision,
+SP whenever tp > 1, cp_comm_type "p2p", the all-to-all dispatcher. Pruned first: sizes that
+cannot divide the GPUs, tp beyond twice a node, cp ranks with fewer than
+MIN_TOKENS_PER_CP_RANK tokens; v and micro-batch sizes in (1, 2, 4). Any size can be pinned.
 
-Each layout is rejected by the first check it fails, in this order:
+Rejected by the first failing check, in order:
 
-  1. node       tp within one node (tp <= GPUs per node, and a divisor of it): tensor
-                parallelism's collectives run in every layer and need NVLink (Megatron's advice);
-                cp, ep, dp and pp may cross nodes, their bytes are then timed at the network's
-                bandwidth
-  2. batch      the global batch is a whole number of micro-batches per data-parallel rank
-  3. layers     pp x v divides the layers (pp.stage_layers, the check validate_layout makes)
+  1. node       tp within one node (tp <= GPUs per node, a divisor of it)
+  2. batch      the global batch is a whole number of micro-batches per dp rank
+  3. layers     pp x v divides the layers (pp.stage_layers)
   4. weights    parameters, gradients and optimizer state alone exceed the usable memory
-  5. layout     parallelize.validate_layout(model, train config, gpus): the book can run it
-  6. memory     with the activations, the first or the last stage exceeds the usable memory:
-                USABLE_MEMORY of each GPU (the CUDA context, the communication library's
-                buffers, the allocator's fragmentation and temporaries take the rest)
-
-Checks 3 and 4 only come early because they are cheap; validate_layout makes check 3 itself.
-Rejections are counted by the pattern of their message (numbers replaced by #).
-"""
+  5. layout     parallelize.validate_layout(model, train config, gpus)
+  6. memory     with the activations, the first or last stage exceeds USABLE_MEMORY of a GPU
+Rejections are counted by message pattern (numbers replaced by #)."""
 
 from __future__ import annotations
 
@@ -156,9 +144,8 @@ def _layouts(model_cfg: ModelConfig, cluster: Cluster, gpus: int, seq: int, gbs:
 
 
 class _Checker:
-    """The checks of the module docstring for one search, remembering what many layouts share:
-    a stage's parameter counts (the same for every ZeRO stage, recompute and micro-batch size)
-    and a micro-batch's activations per layer."""
+    """The module docstring's checks for one search, caching what layouts share (a stage's parameter
+    counts, a micro-batch's activations per layer)."""
 
     def __init__(self, model_cfg: ModelConfig, cluster: Cluster, gpus: int, seq: int, gbs: int, usable: int):
         self.model_cfg, self.cluster, self.gpus, self.seq, self.gbs, self.usable = (model_cfg, cluster, gpus, seq,
@@ -220,13 +207,11 @@ class _Checker:
 
 def search(model_cfg: ModelConfig, cluster: Cluster, gpus: int, seq_length: int, global_batch_size: int, *,
            keep: int | None = None, progress: bool | None = None, **pins) -> SearchResult:
-    """Enumerate, check and rank (see the module docstring). `pins` fix a dimension: tp, cp, pp,
-    vp, ep, etp, zero, recompute ("none" | "selective" | "full"), mbs. ConfigError (naming the
-    value) for inputs no layout could satisfy. `keep`: only the fastest `keep` need exact
-    estimates; a layout that fits but whose compute and bubble alone (step_time.compute_bound)
-    are slower than the keep-th estimate so far is counted in `unranked` and not estimated
-    (None: every layout that fits is estimated and ranked). `progress`: a bar on stderr once the search has
-    taken more than two seconds (default: when stderr is a terminal)."""
+    """Enumerate, check and rank (module docstring). `pins` fix tp, cp, pp, vp, ep, etp, zero,
+    recompute ("none" | "selective" | "full"), mbs; ConfigError for inputs no layout satisfies.
+    `keep`: layouts whose compute and bubble alone (step_time.compute_bound) are slower than the
+    keep-th estimate are counted in `unranked`, not estimated (None: estimate all). `progress`: a
+    bar on stderr after two seconds (default: when stderr is a terminal)."""
     model_cfg.validate()
     cluster.validate()
     cluster.check_gpus(gpus)

@@ -1,34 +1,16 @@
 """Point-to-point communication between pipeline stages: activations forward, gradients back.
 
-Shape legend as in model/gpt.py. Between two consecutive virtual stages (see stages.py) only
-one kind of tensor ever travels: the hidden states [b, s, h] of a micro-batch, forward, and
-their gradient [b, s, h], backward. Its shape and dtype are agreed in advance (every stage
-knows b, s, h and the dtype), so no shape is sent; Megatron does the same unless sequence
-lengths vary (variable_seq_lengths).
+Between consecutive virtual stages travel only a micro-batch's hidden states [b, s, h]
+(forward) and their gradient (backward), shape and dtype agreed in advance (no shape sent).
+Sends are asynchronous (comm.isend, waited in `wait_sends` at the step's end); receives block,
+so any schedule whose dependencies can be met runs without deadlock. With overlap_p2p_comm
+(chapter 07) `post_recv_ahead` posts the next op's receive before the current op computes:
+same messages, earlier posting. Each (direction, micro-batch, receiving virtual stage) has
+its own p2p tag, so messages between the same two ranks never mix.
 
-Sends are asynchronous (comm.isend): a stage hands its output over and goes on computing;
-the handles are waited for at the end of the step (`wait_sends`), which also keeps the sent
-tensors alive until then. Receives block (comm.irecv + wait): a stage cannot run an op before
-its input has arrived, and that waiting is the pipeline bubble made visible. Because only
-receives block, any schedule whose dependencies can be met runs without deadlock, whatever
-order two stages post their messages in.
-
-Receives posted ahead (chapter 07, TrainConfig.overlap_p2p_comm, Megatron's overlap_p2p_comm):
-`post_recv_ahead` posts the receive a schedule op will need without waiting; the executor posts
-the next op's receive before it computes the current op, so the message travels while this
-stage computes, and `recv_forward` / `recv_backward` then only wait for a receive already in
-flight. The same messages, bytes and tags; only when each receive is posted changes.
-
-Messages are matched by tag: each (direction, micro-batch, receiving virtual stage) has its
-own, so a forward activation and a backward gradient travelling between the same two ranks
-(with interleaving, rank pp-1 sends chunk c's output to rank 0's chunk c+1 while rank 0 sends
-gradients back to it) can never be mistaken for each other. Megatron, on NCCL, instead posts
-each pair of stages' sends and receives in exactly matching order (send_forward_recv_backward
-and friends in megatron/core/pipeline_parallel/p2p_communication.py, via batch_isend_irecv).
-
-Ledger: every send and receive is recorded, tag "pp-fwd" (activations) or "pp-bwd"
-(gradients), b * s * h * e bytes each.
-"""
+Ledger: every send and receive, tag "pp-fwd" (activations) or "pp-bwd" (gradients),
+b * s * h * e bytes each.
+Megatron-LM: megatron/core/pipeline_parallel/p2p_communication.py."""
 
 from __future__ import annotations
 
@@ -41,14 +23,9 @@ __all__ = ["PipelineComm"]
 
 
 class PipelineComm:
-    """The p2p endpoints of one rank of a pipeline.
-
-    ranks: the global ranks of this pipeline group, in stage order (ranks[i] = stage i).
-    pp_rank: this rank's stage. num_chunks: model chunks per rank (v). shape, dtype: of the
-    hidden states every message carries ([b, s, h], the model's dtype); device: where the
-    received buffers live (the model's device). overlap_p2p_comm: the executor posts each
-    receive one op ahead (see the module docstring).
-    """
+    """The p2p endpoints of one pipeline rank. ranks: the pipeline group's global ranks in stage
+    order; pp_rank: this stage; num_chunks: v; shape, dtype: every message's ([b, s, h], the
+    model's dtype); device: of the received buffers; overlap_p2p_comm: post receives one op ahead."""
 
     def __init__(self, ranks: list[int], pp_rank: int, num_chunks: int, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device | str = "cpu", overlap_p2p_comm: bool = False):
