@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from minimegatron.launch import spawn
+from booktools.demo import import_chapter
+
+ch03 = import_chapter("03")
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "chapters/03_pp/demo.py"
 
@@ -31,6 +35,17 @@ def test_spawned_1f1b_matches_and_reports_the_bubble(tmp_path):
     assert re.search(r"simulated, t_b=2t_f:\s+0\.200\s+0\.200", out), out
     assert "stage 0: 2 (schedule: 2)" in out and "stage 1: 1 (schedule: 1)" in out   # in flight: pp - rank
     assert figure.stat().st_size > 10_000
+
+
+def test_a_p2p_ledger_that_differs_from_the_formula_is_a_mismatch():
+    run = ch03.make_run(ch03.tiny_model(), pp=2, micro_batches=2)
+    per_rank = spawn(ch03.train_run, 2, run, timeout=180)
+    assert ch03.check_run(run, per_rank).ok
+    sends = [i for i, (op, _, tag) in enumerate(per_rank[0]["ledger"][0]) if (op, tag) == ("send", "pp-fwd")]
+    del per_rank[0]["ledger"][0][sends[0]]                     # stage 0, step 0: an activation never sent
+    report = ch03.check_run(run, per_rank)
+    assert not report.ok and any(p.startswith("p2p ledger, rank 0, step 0") for p in report.problems)
+    assert ch03.summary_line([report]).startswith("MISMATCH")
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None,

@@ -37,7 +37,7 @@ under torchrun), against independent references:
   [3/4] activations held at once: the peak number of micro-batch-chunks in flight on each
         stage, measured, against pp.timeline.peak_in_flight of the schedule, and the bytes
         saved for backward at the peak;
-  [4/4] the p2p ledger of a step against the formula: per boundary between virtual stages,
+  [4/4] the p2p ledger of a step against analysis.pipeline_messages: per boundary between virtual stages,
         one activation forward and one gradient backward per micro-batch, b s h e bytes each;
 
 draws the last step's timeline next to the simulated one (--figure, default
@@ -55,6 +55,7 @@ import torch
 
 import minimegatron.pp as pipeline
 from minimegatron import comm
+from minimegatron.analysis.communication import pipeline_messages
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.dp import apply_data_parallel, local_tensors, unwrap
 from minimegatron.optim import learning_rate, param_is_not_shared
@@ -221,20 +222,11 @@ def train_runs(runs: list[PPRun]) -> list[dict]:
 # the formulas and the verdict
 # ---------------------------------------------------------------------------------------
 def expected_p2p_ledger(run: PPRun, pp_rank: int) -> list[tuple[str, int, str]]:
-    """The p2p calls of one step on stage `pp_rank`, as (op, bytes, tag): for each of its
-    virtual stages k and each micro-batch, a receive of the activation (k > 0) and a send of
-    it (k < last), forward ("pp-fwd"); a receive of the gradient (k < last) and a send of it
-    (k > 0), backward ("pp-bwd"); b s h e bytes each."""
-    t, cfg = run.train, run.model
-    nbytes = t.micro_batch_size * t.seq_length * cfg.hidden_size * torch.empty((), dtype=cfg.dtype).element_size()
-    last = run.pp * run.num_chunks - 1
-    calls = []
-    for c in range(run.num_chunks):
-        k = c * run.pp + pp_rank
-        per_mb = ([("recv", nbytes, "pp-fwd"), ("send", nbytes, "pp-bwd")] if k > 0 else []) + \
-                 ([("send", nbytes, "pp-fwd"), ("recv", nbytes, "pp-bwd")] if k < last else [])
-        calls += per_mb * run.micro_batches
-    return calls
+    """The p2p calls of one step on stage `pp_rank`, as (op, bytes, tag):
+    analysis.pipeline_messages (per virtual stage and micro-batch, the activation received
+    and sent, "pp-fwd", its gradient received and sent, "pp-bwd"; b s h e bytes each)."""
+    return [(op, n, tag) for (op, tag, n), c in pipeline_messages(run.model, run.train, pp_rank).items()
+            for _ in range(c)]
 
 
 def measured_timeline(per_rank: list[dict]) -> list[Interval]:

@@ -240,8 +240,7 @@ def context_parallel_messages(model_cfg: ModelConfig, cfg: TrainConfig) -> Count
     def ring(n: int) -> Counter:
         return Counter({("send", "fwd", 2 * kv): n - 1, ("recv", "fwd", 2 * kv): n - 1,
                         ("send", "bwd", 4 * kv): n - 1, ("recv", "bwd", 4 * kv): n - 1})
-    a2a = Counter({("all_to_all", "fwd", q): 2, ("all_to_all", "fwd", kv): 2,
-                   ("all_to_all", "bwd", q): 2, ("all_to_all", "bwd", kv): 2})
+    a2a = Counter(("all_to_all", tag, size) for tag in ("fwd", "bwd") for size in (q, kv, kv, q))   # q == kv: 4
     if cfg.cp_comm_type == "p2p":
         return ring(cp)
     if cfg.cp_comm_type == "all_gather":
