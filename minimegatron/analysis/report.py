@@ -1,17 +1,8 @@
-"""Putting the numbers together: a memory table and real model sizes (plot_memory_breakdown in
-chapters/00_single_device/make_figures.py draws the table as a bar chart).
+"""Putting the numbers together: a memory table and real model sizes (chapter 00).
 
-`memory_report` adds the four things one training step keeps in memory on one device:
-
-    parameters + gradients + optimizer state      (memory.py: independent of the batch)
-  + activations                                   (activations.py: grows with b and s)
-
-and `does_it_fit` applies it to a real model to answer chapter 00's closing question: why
-does one device stop being enough? For GPT-3 175B, 16 bytes per parameter are 2.8 TB (2602 GiB)
-before a single activation: more than 32 GPUs of 80 GB. The following chapters cut each of the four terms:
-ZeRO (01) divides the first three by dp, tensor and pipeline parallelism (02, 03) divide the
-model, sequence and context parallelism (04) and recomputation (06) the activations.
-"""
+`memory_report` adds what one training step keeps on one device, parameters + gradients +
+optimizer state (memory.py) + activations (activations.py); `does_it_fit` applies it to a
+published model (GPT-3 175B: 2602 GiB of states alone)."""
 
 from __future__ import annotations
 
@@ -43,12 +34,8 @@ REAL_MODELS: dict[str, dict] = {
 
 
 def real_model_config(name: str) -> tuple[ModelConfig, int]:
-    """(ModelConfig, training sequence length) of a published model in REAL_MODELS.
-
-    Only a description: nothing is allocated (a 175B model would not fit a laptop either).
-    GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1
-    (L = 96, h = 12288, a = 96, d = 128, s = 2048; GPT-2's BPE vocabulary of 50257).
-    """
+    """(ModelConfig, training sequence length) of a published model in REAL_MODELS; only a
+    description, nothing allocated (GPT-3: Brown et al. 2020, Table 2.1)."""
     if name not in REAL_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(REAL_MODELS)}")
     spec = dict(REAL_MODELS[name])
@@ -61,17 +48,12 @@ def memory_report(config: ModelConfig, batch: int, seq: int, *,
                   dtype: torch.dtype | str | None = None, master_weights: bool | None = None,
                   grad_dtype: torch.dtype | str | None = None, optimizer: str = "adam",
                   zero_stage: int = 0, dp: int = 1, dropout_mask_itemsize: int | None = None) -> dict:
-    """Bytes one device holds to train `config` on [batch, seq] micro-batches.
-
-        total = params + grads + optimizer (`training_memory`) + activations (`activation_memory`)
-
-    dtype: the model's dtype (default config.params_dtype). master_weights: default True for
-    16-bit models (mixed precision), False for fp32/fp64. zero_stage and dp shard the first
-    three terms as ZeRO does; activations are per micro-batch and are not sharded by ZeRO.
-
-    Returns {"params", "grads", "optimizer", "activations", "total"} in bytes, plus
-    "num_parameters", "bytes_per_parameter", "activation_detail" and the settings used.
-    """
+    """Bytes one device holds to train `config` on [batch, seq] micro-batches: params + grads +
+    optimizer (`training_memory`) + activations (`activation_memory`, per micro-batch, never
+    sharded). dtype: default config.params_dtype; master_weights: default True for 16-bit models;
+    zero_stage and dp shard the first three as ZeRO does. Returns {"params", "grads", "optimizer",
+    "activations", "total"} in bytes, plus "num_parameters", "bytes_per_parameter",
+    "activation_detail" and the settings used."""
     dtype = config.dtype if dtype is None else as_dtype(dtype)
     if master_weights is None:
         master_weights = bytes_per_element(dtype) == 2
@@ -124,18 +106,10 @@ def format_memory_report(report: dict, title: str | None = None) -> str:
 
 def does_it_fit(name: str = "gpt3-175b", *, device_memory_gib: float = 80, batch: int = 1,
                 seq: int | None = None, dtype: str = "bfloat16", master_weights: bool = True) -> dict:
-    """Does training the published model `name` fit ONE device? (No, for anything large.)
-
-    Mixed-precision Adam on one device: 16 bytes per parameter (ZeRO's 2 + 2 + 12) plus the
-    activations of one micro-batch (our implementation's count with the config's attention
-    backend: the fused "sdpa" by default, which saves no s x s matrix). For GPT-3
-    175B (Brown et al. 2020): 174.6e9 parameters x 16 B = 2.79e12 B = 2602 GiB of states
-    alone, 32.5 times an 80 GiB A100/H100, before one activation.
-
-    Returns the `memory_report` plus "device_bytes", "fits", "devices_needed" (the states and
-    activations divided by one device's memory, rounded up: a lower bound, since no real
-    split is perfect) and "table" (the printed form).
-    """
+    """Does training the published model `name` fit ONE device? Mixed-precision Adam, 16 bytes per
+    parameter plus one micro-batch's activations (the config's attention backend, "sdpa" by
+    default). Returns the `memory_report` plus "device_bytes", "fits", "devices_needed" (states and
+    activations over one device, rounded up: a lower bound) and "table" (the printed form)."""
     config, default_seq = real_model_config(name)
     seq = default_seq if seq is None else seq
     report = memory_report(config, batch, seq, dtype=dtype, master_weights=master_weights)

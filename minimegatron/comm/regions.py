@@ -161,17 +161,14 @@ class _ReduceScatterUneven(torch.autograd.Function):
 
 
 def copy_to_tensor_model_parallel_region(x, group):
-    """The copy operator (the paper's f): forward identity; backward all-reduce (sum) of the gradient.
-
-    Enters a region where each member uses the same ``x`` for a different part of the work
-    (a column-parallel linear): ``x``'s gradient is the sum of every member's contribution.
-    """
+    """The copy operator (the paper's f): forward identity; backward all-reduce (sum). Enters a
+    region where every member uses the same ``x`` (a column-parallel linear)."""
     return _CopyToTensorModelParallelRegion.apply(x, group)
 
 
 def reduce_from_tensor_model_parallel_region(x, group):
-    """The reduce operator (the paper's g): forward all-reduce (sum) of the members' partial results; backward
-    identity. Leaves a region whose members each hold a partial sum (a row-parallel linear)."""
+    """The reduce operator (the paper's g): forward all-reduce (sum) of partial results; backward
+    identity. Leaves a row-parallel linear."""
     return _ReduceFromTensorModelParallelRegion.apply(x, group)
 
 
@@ -182,16 +179,13 @@ def scatter_to_tensor_model_parallel_region(x, group, dim=-1):
 
 
 def gather_from_tensor_model_parallel_region(x, group, dim=-1):
-    """Forward: all-gather along ``dim``; backward: keep this member's chunk of the gradient.
-    For an output every member then uses identically (each holds the full gradient)."""
+    """Forward: all-gather along ``dim``; backward: keep this member's chunk of the gradient."""
     return _AlongDim.apply(x, group, dim, all_gather, _split)
 
 
 def scatter_to_sequence_parallel_region(x, group, dim=0):
-    """Sequence parallelism, entering a sequence-split region from a replicated tensor (the
-    embedding's output): forward keep this member's chunk along ``dim`` (no communication);
-    backward all-gather. The same operator as scatter_to_tensor_model_parallel_region, cut
-    along the sequence instead of the features."""
+    """Sequence parallelism, entering a sequence-split region from a replicated tensor: forward keep
+    this member's chunk along ``dim``; backward all-gather."""
     return _AlongDim.apply(x, group, dim, _split, all_gather)
 
 
@@ -202,16 +196,14 @@ def reduce_scatter_to_sequence_parallel_region(x, group, dim=0):
 
 
 def gather_from_sequence_parallel_region(x, group, dim=0):
-    """Sequence parallelism, entering a tensor-parallel region: forward all-gather along
-    ``dim``; backward reduce-scatter, because each member's gradient for the full tensor
-    is only a partial sum (each member computed with its own shard of the weights)."""
+    """Sequence parallelism, entering a tensor-parallel region: forward all-gather along ``dim``;
+    backward reduce-scatter (each member's gradient is a partial sum)."""
     return _AlongDim.apply(x, group, dim, all_gather, reduce_scatter)
 
 
 def all_to_all_region(x, group, scatter_dim, gather_dim):
-    """Forward :func:`all_to_all` (scatter ``scatter_dim``, gather ``gather_dim``); backward
-    the inverse all-to-all (scatter ``gather_dim``, gather ``scatter_dim``). Ulysses swaps
-    sequence shards for head shards this way; MoE sends tokens to their experts."""
+    """Forward :func:`all_to_all` (scatter ``scatter_dim``, gather ``gather_dim``); backward the
+    inverse (Ulysses' head/sequence swap; MoE's dispatch)."""
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 

@@ -1,27 +1,13 @@
 """The embedded default corpus: the book trains on its own text, frozen.
 
-Nothing may be downloaded at run time, and every byte of training data must be text this
-repository wrote itself. So the default corpus is the book: every ``*.md`` under ``chapters/``,
-the top-level ``README.md`` and the package's own ``.py`` files, as they were on the day the
-snapshot ``book_corpus.jsonl.gz`` (beside this file, about 1 MB of mixed prose and code) was
-taken with ``freeze_corpus()``. Frozen, because the book quotes losses measured on it: were the
-corpus the live files, fixing a typo in a chapter would move every recorded loss
-(booktools/measured.py). Re-freezing is a deliberate act, followed by `make numbers`.
+The default corpus is every ``*.md`` under ``chapters/``, the top-level ``README.md`` and the
+package's ``.py`` files as frozen in ``book_corpus.jsonl.gz`` (``freeze_corpus()``): frozen,
+because the book quotes losses measured on it. Each file (sorted by relative path) is cut into
+paragraphs at blank lines, one document each.
 
-Each source file is cut into paragraphs at blank lines; each paragraph is one document. Files
-are taken in sorted order of their path relative to the repository root, so the corpus, and
-every seeded sample drawn from it, is the same on every machine.
-
-``build_default_corpus(cache_dir)`` writes, inside ``cache_dir``:
-
-    default.jsonl    the documents, one {"text": ..., "source": relative path} per line
-    default.bin/.idx the byte-tokenized indexed dataset, <eod> after every document
-    default.sha256   a hash of the snapshot the pair was built from
-
-and returns the prefix ``cache_dir/default``. When ``default.sha256`` matches the snapshot it
-returns at once without writing anything. The hash is written last, after the pair has been
-renamed into place, so an interrupted build is simply redone.
-"""
+``build_default_corpus(cache_dir)`` writes ``default.jsonl`` ({"text", "source"} per line),
+``default.bin/.idx`` (byte-tokenized, <eod> after each document) and, last, ``default.sha256``
+of the snapshot; it returns ``cache_dir/default`` at once when that hash matches."""
 
 from __future__ import annotations
 
@@ -43,11 +29,7 @@ FROZEN = Path(__file__).resolve().parent / "book_corpus.jsonl.gz"
 
 
 def corpus_sources(root: str | os.PathLike | None = None) -> list[Path]:
-    """The source files of the corpus, sorted by their path relative to ``root``.
-
-    root: the repository root (default: the parent of the installed package). The package
-    folder is ``root/minimegatron``.
-    """
+    """The corpus's source files under ``root`` (default: the package's parent), sorted by relative path."""
     root = REPO_ROOT if root is None else Path(root)
     files = list((root / "chapters").rglob("*.md")) + list((root / "minimegatron").rglob("*.py"))
     if (root / "README.md").is_file():
@@ -57,11 +39,8 @@ def corpus_sources(root: str | os.PathLike | None = None) -> list[Path]:
 
 
 def split_paragraphs(text: str) -> list[str]:
-    """Paragraphs of ``text``: runs of lines separated by blank (whitespace-only) lines.
-
-    Surrounding blank lines are dropped; a paragraph keeps its inner newlines and indentation
-    (code stays readable), minus trailing whitespace.
-    """
+    """Paragraphs of ``text`` (runs of lines between blank lines), inner newlines and indentation
+    kept, trailing whitespace removed."""
     parts = re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n"))
     return [p.strip("\n").rstrip() for p in parts if p.strip()]
 
@@ -102,11 +81,8 @@ def freeze_corpus(root: str | os.PathLike | None = None, path: str | os.PathLike
 
 def build_default_corpus(cache_dir: str | os.PathLike = "build/corpus", *,
                          frozen: str | os.PathLike = FROZEN) -> str:
-    """Build (or reuse) the default corpus from the snapshot; return its prefix ``cache_dir/default``.
-
-    cache_dir: where the files go; a relative path is relative to the current directory.
-    frozen: the snapshot (default: the book's, ``book_corpus.jsonl.gz``).
-    """
+    """Build (or reuse) the default corpus from `frozen` (default the book's snapshot) in
+    `cache_dir` (relative to the current directory); returns ``cache_dir/default``."""
     cache_dir = Path(cache_dir)
     prefix = cache_dir / NAME
     hash_file = cache_dir / f"{NAME}.sha256"

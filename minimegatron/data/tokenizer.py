@@ -1,31 +1,16 @@
-"""Tokenizers: text <-> token ids.
-
-Two tokenizers share one small interface, the part of Megatron-LM's ``MegatronTokenizer`` that
-training needs:
+"""Tokenizers: text <-> token ids, the part of Megatron-LM's ``MegatronTokenizer`` training needs:
 
     encode(text: str) -> list[int]     ids in [0, vocab_size)
     decode(ids: list[int]) -> str      invalid UTF-8 becomes U+FFFD (errors="replace")
     eod -> int                         the end-of-document id appended after each document
     vocab_size -> int                  number of ids; the model's embedding table has this many rows
 
-``ByteTokenizer`` needs no training and no file: ids 0..255 are the UTF-8 bytes of the text and
-id 256 is ``<eod>`` (vocab_size 257). Every string round-trips exactly. It is the default: it
-makes sequences long (one token per byte) but keeps the book free of any downloaded vocabulary.
-
-``BPETokenizer`` is a byte-level BPE (the GPT-2 scheme) trained locally with the HuggingFace
-``tokenizers`` library and saved as one JSON file. Byte-level means the base alphabet is the 256
-bytes, so it too round-trips every string; merges only make sequences shorter.
-
-``<eod>`` is special in both: it is produced only by appending ``tokenizer.eod``, never by
-encoding the five characters "<eod>" that happen to appear in a text (this very docstring is
-part of the default corpus). Decoding renders the id as the text "<eod>" so that document
-boundaries stay visible in generated samples.
-
-``build_tokenizer("byte")`` returns a ByteTokenizer; any other spec is a path to a BPE JSON.
-
-Where this lives in Megatron-LM: ``megatron/core/tokenizers/`` (``MegatronTokenizer``) and
-``megatron/core/tokenizers/utils/build_tokenizer.py`` (``build_tokenizer``; checked 2026-11-24).
-"""
+``ByteTokenizer`` (the default): ids 0..255 are UTF-8 bytes, 256 is ``<eod>`` (vocab_size 257).
+``BPETokenizer``: a byte-level BPE (GPT-2's scheme) trained locally with HuggingFace
+``tokenizers``, one JSON file. Both round-trip every string; ``<eod>`` comes only from
+appending ``tokenizer.eod`` (never from encoding the text "<eod>") and decodes to "<eod>".
+``build_tokenizer("byte")`` returns a ByteTokenizer; any other spec is a BPE JSON's path.
+Megatron-LM: megatron/core/tokenizers/ (MegatronTokenizer, utils/build_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -72,11 +57,8 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A byte-level BPE tokenizer stored as a HuggingFace ``tokenizers`` JSON file.
-
-    Build one with ``BPETokenizer.train(texts, vocab_size, path)`` or open a saved one with
-    ``BPETokenizer.load(path)``. ``<eod>`` is a special token (id 0 after training).
-    """
+    """A byte-level BPE tokenizer in a HuggingFace ``tokenizers`` JSON file: ``BPETokenizer.train(texts,
+    vocab_size, path)`` or ``BPETokenizer.load(path)``. ``<eod>`` is special (id 0 after training)."""
 
     def __init__(self, hf_tokenizer, path: str | os.PathLike | None = None):
         self._tok = hf_tokenizer
@@ -95,11 +77,8 @@ class BPETokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int,
               path: str | os.PathLike) -> "BPETokenizer":
-        """Train a byte-level BPE on ``texts`` and save it as JSON at ``path``.
-
-        vocab_size: the target size including the 256 byte symbols and ``<eod>`` (so >= 257).
-        A small corpus may stop early with fewer merges: read ``.vocab_size`` afterwards.
-        """
+        """Train a byte-level BPE on ``texts``, save it as JSON at ``path``. vocab_size counts the 256
+        bytes and ``<eod>`` (>= 257); a small corpus may stop early: read ``.vocab_size`` afterwards."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if vocab_size < 257:

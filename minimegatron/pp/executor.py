@@ -1,30 +1,17 @@
 """Running a pipeline schedule on real ranks: forwards, backwards, p2p, and the gradient syncs.
 
-Shape legend as in model/gpt.py. `run_pipeline_step` executes one rank's op list (from
-schedules.schedule) for one global batch of M micro-batches:
+`run_pipeline_step` executes one rank's op list (schedules.schedule) over M micro-batches:
 
-  F(mb, c)  input: the micro-batch's tokens (virtual stage 0) or the previous stage's hidden
-            states [b, s, h] (p2p.recv_forward); run chunk c; on the last virtual stage the
-            loss of the micro-batch, losses.mean() / M (the scaling of
-            train.forward_backward_no_pipelining), else send the output [b, s, h] on (p2p.send_forward). Keep what the backward needs.
-  B(mb, c)  the output's gradient: from the loss (last stage) or received (p2p.recv_backward);
-            backpropagate through chunk c; send the input's gradient back (unless stage 0).
+  F(mb, c)  input: tokens (virtual stage 0) or the previous stage's [b, s, h] (recv_forward);
+            run chunk c; last virtual stage: losses.mean() / M, else send_forward [b, s, h]
+  B(mb, c)  output gradient from the loss (last stage) or recv_backward; backpropagate
+            through chunk c; send_backward the input's gradient (unless stage 0)
 
-Gradients accumulate in p.grad over the micro-batches. With data parallelism each chunk is
-wrapped in a chapter-01 wrapper and every backward but the chunk's LAST one runs inside
-no_sync(): the data-parallel all-reduce happens once per step, during (bucketed DDP) or after
-(finish_grad_sync) the last backward, as Megatron does. Then finalize_model_grads
-(model/finalize.py) makes the tied embedding's two copies agree (stages.py's
-allreduce_tied_embedding_grads, the "tied-embedding" gradient hook build_stage registers): the first stage's word
-embedding and the last stage's output layer are one parameter of the single-device model, so their gradients are all-reduced over
-the embedding group (first and last stage of the pipeline; Megatron's
-_allreduce_word_embedding_grads in megatron/core/distributed/finalize_model_grads.py).
-
-Measured on the way (for the chapter's figures and checks), by timeline.StepRecord, which the
-loop calls around each op (the clock and the saved-tensor hooks live there): the intervals of
-every op and of every wait for a receive, and the activation bytes each forward saves for
-its backward, from which the peak number and bytes of micro-batches held at once follow.
-"""
+Gradients accumulate over the micro-batches; a data-parallel wrapper syncs with the chunk's
+LAST backward (the others under no_sync). The tied embedding's copies are made to agree
+afterwards by model.finalize_model_grads. timeline.StepRecord measures each op's interval and
+the activation bytes each forward saves.
+Megatron-LM: megatron/core/pipeline_parallel/schedules.py."""
 
 from __future__ import annotations
 
@@ -45,14 +32,10 @@ __all__ = ["run_pipeline_step", "forward_backward_pipelining", "evaluate_pipelin
 
 def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]], microbatches: list[dict],
                       p2p: PipelineComm, rank: int = 0, loss_scale: float = 1.0) -> StepRecord:
-    """Run `ops` (this rank's schedule) over `microbatches` (M dicts {"tokens", "labels"}, the
-    same on every stage of the pipeline). engines[c] is chunk c: a GPTModel stage or a
-    data-parallel wrapper of one (then its gradient sync runs with the last backward of the
-    chunk; call model.finalize_model_grads after). The last stage's backward starts from its
-    loss times `loss_scale` (the optimizer's loss scaler; 1 without one). With
-    p2p.overlap_p2p_comm (chapter 07) the receive of op i+1 is posted before op i computes, so it
-    travels meanwhile; each receive is still waited for just before its op. Returns the
-    StepRecord; gradients are left accumulated in the parameters (DP-synced where wrapped)."""
+    """Run `ops` over `microbatches` (M dicts {"tokens", "labels"}, the same on every stage).
+    engines[c]: chunk c, a GPTModel stage or its data-parallel wrapper. The last stage's backward
+    starts from loss x `loss_scale`. With overlap_p2p_comm each receive is posted one op ahead.
+    Returns the StepRecord; gradients are left accumulated (DP-synced where wrapped)."""
     M = len(microbatches)
     rec = StepRecord(rank, params={p.untyped_storage().data_ptr() for e in engines for p in e.parameters()})
     last_backward = {c: max(i for i, (op, _, ch) in enumerate(ops) if op == "B" and ch == c)
@@ -105,13 +88,10 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
 
 def forward_backward_pipelining(chunks: list[nn.Module], microbatches: list[dict], p2p: PipelineComm,
                                 kind: str, pp_group, loss_scale: float = 1.0) -> tuple[float, StepRecord]:
-    """One step's forwards and backwards on this rank's model chunks (chunks[c] = chunk c,
-    each a GPTModel stage or a data-parallel wrapper of one), in the order of
-    schedules.schedule(kind, ...) over the M micro-batches; then waits for its sends.
-    Returns (the mean loss of this pipeline's micro-batches, the same on every stage: the
-    last stage's, all-reduced over `pp_group`, tag "loss"; the StepRecord). Gradients are
-    left accumulated, DP-synced where wrapped; the tied embedding's are finished by
-    model.finalize_model_grads."""
+    """One step's forwards and backwards on this rank's chunks in schedules.schedule(kind, ...) order,
+    then wait for the sends. Returns (the pipeline's mean micro-batch loss, all-reduced over
+    `pp_group`, tag "loss", the same on every stage; the StepRecord). Gradients left accumulated;
+    the tied embedding's are finished by model.finalize_model_grads."""
     ops = schedule(kind, p2p.pp_size, p2p.pp_rank, len(microbatches), len(chunks))
     rec = run_pipeline_step(chunks, ops, microbatches, p2p, p2p.pp_rank, loss_scale)
     p2p.wait_sends()
