@@ -160,7 +160,8 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
     interleaving), each the one GPTModel transformed in the book's order. Every chunk starts
     from exactly the single-device weights of its layers (model/init.py), or from `load`
     (a resume: each chunk's saved state dict, loaded before the data-parallel wrapper
-    takes the parameters)."""
+    takes the parameters). What each step installs is said at its line (docs/ARCHITECTURE.md,
+    section 2); model.grad_finalizers(chunks) lists the gradient hooks they registered."""
     validate_layout(model_cfg, cfg, layout.world)
     if dist.is_initialized() and dist.get_world_size() != layout.world and not layout.is_alone:
         raise ValueError(f"layout.world={layout.world} but torch.distributed has {dist.get_world_size()} ranks: "
@@ -169,32 +170,46 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
     chunks = []
     for c in range(v):
         # 1. pipeline (chapter 03): this chunk's layers; the embedding on virtual stage 0,
-        #    the final norm, output layer and loss on the last one
+        #    the final norm, output layer and loss on the last one.
+        #    Installs (pp > 1): grad_finalizers["tied-embedding"]; a tied copy's placement
         model = build_stage(model_cfg, layout, c, v, device=layout_device(cfg))
         # 2. tensor parallel (chapter 02): every matrix cut over the TP group; with sequence
-        #    parallelism (chapter 04) the regions between them cut along the sequence
+        #    parallelism (chapter 04) the regions between them cut along the sequence.
+        #    Installs: the plan's linears, embedding, output layer, loss replaced (each keeps its
+        #    `gemm`), the placement splits, the `dropout_rng` seams; with SP the
+        #    `sequence_parallel` marks and grad_finalizers["sequence-parallel"]
         model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=cfg.sequence_parallel,
                                       overlap_sp_backward=cfg.overlap_sp_backward)
-        # 3. context parallel (chapter 04): attention over the sequence cut over the CP group
+        # 3. context parallel (chapter 04): attention over the sequence cut over the CP group.
+        #    Installs: each SelfAttention.core_attention (a ContextParallelAttention)
         model = apply_context_parallel(model, layout.cp_group, cfg.cp_comm_type,
                                        a2a_group=layout.cp_a2a_group, p2p_group=layout.cp_p2p_group)
         # 4. expert parallel (chapter 05): each MoE layer's experts spread over the EP group, cut
-        #    over the ETP group, reached through the token dispatcher
+        #    over the ETP group, reached through the token dispatcher.
+        #    Installs: the other ranks' experts deleted, the etp slices, the `allreduce=False`
+        #    marks, MoELayer.token_dispatcher / aux_group / aux_grad_scale,
+        #    grad_finalizers["expert-bias"] given its group
         model = apply_expert_parallel(model, layout, cfg.moe_token_dispatcher_type)
         # 5. FP8 (chapter 06): the transformer layers' GEMMs in FP8, the amaxes of one-scale
-        #    recipes reduced over the ranks that share a micro-batch (tp x cp; the experts' etp)
+        #    recipes reduced over the ranks that share a micro-batch (tp x cp; the experts' etp).
+        #    Installs: each layer linear's `gemm` (an Fp8Gemm) and a forward pre-hook
         model = apply_fp8(model, fp8_recipe_of(cfg), layout.tp_cp_group, layout.etp_group)
         # 6. kernels (chapter 07): the norms, the attention core, SwiGLU and the loss as Triton
-        #    programs, or each layer through torch.compile
+        #    programs, or each layer through torch.compile.
+        #    Installs: the norms' `forward`, SelfAttention.core_attention, MLP.activation,
+        #    GPTModel.output_and_loss; or each layer's compiled `forward`
         model = apply_kernels(model, cfg.kernels)
         # 7. activation recompute (chapter 07): whole layers in units, or the named parts of each,
-        #    computed again in the backward instead of kept
+        #    computed again in the backward instead of kept.
+        #    Installs: TransformerBlock.forward (full), or the named parts' methods (selective)
         model = apply_recompute(model, cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers,
                                 cfg.recompute_modules)
         if load is not None:
             model.load_state_dict(load[c])
         # 8. data parallel (chapter 01): gradients averaged over dp x cp, or sharded with ZeRO;
-        #    the experts' summed over the expert-data-parallel group
+        #    the experts' summed over the expert-data-parallel group.
+        #    Installs: the wrapper around the chunk (its buffers and gradient hooks) and its
+        #    grad_finalizers["data-parallel"]
         model = apply_data_parallel(model, cfg, layout.dp_group, layout.expert_dp_group)
         chunks.append(model)
     return chunks

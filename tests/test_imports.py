@@ -252,6 +252,19 @@ def test_the_formulas_never_import_the_model_builder_or_the_training_loop():
     assert not bad, bad
 
 
+def test_chapters_01_to_04_never_import_chapter_05s_layer():
+    """The model layer holds chapter 05's MoELayer (model/moe.py) beside chapter 00's model, so
+    the layer table alone lets dp, tp, pp and cp import it. They must not: what an MoE layer
+    needs of an earlier chapter it says itself (MoELayer.tensor_parallel_plan, read by
+    tp.apply_tensor_parallel), so the dependency points from chapter 05 to the earlier ones."""
+    graph = import_graph()
+    bad = [_edge(src, dst, graph) for src, targets in sorted(graph.items()) for dst in sorted(targets)
+           if unit_of(src) in ("dp", "tp", "pp", "cp")
+           and (dst == f"{PACKAGE}.model.moe" or dst.startswith(f"{PACKAGE}.model.moe.") or unit_of(dst) == "moe")]
+    print("\n".join(bad))
+    assert not bad, bad
+
+
 def test_one_model_class():
     classes = []
     for module, path in package_modules().items():

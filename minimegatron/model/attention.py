@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +85,25 @@ def document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                                           enable_gqa=key.shape[1] != query.shape[1])
 
 
+def single_device_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa",
+                            document_ids: torch.Tensor | None = None, dropout_p: float = 0.0,
+                            training: bool = False) -> torch.Tensor:
+    """The attention core on one device: q [b, a, s, d], k and v [b, g, s, d] -> [b, a, s, d].
+    With document_ids [b, s] (packed documents, chapter 07) `document_attention`, either
+    backend; else backend "sdpa" (the default) `sdpa_attention` on the g shared heads, or
+    "naive" (the lesson, exercise 0.1, the test oracle) k and v copied to a heads and
+    `causal_attention`. All equal to rounding (tests/test_model.py checks it in float64)."""
+    if document_ids is not None:                                      # the block-diagonal mask
+        return document_attention(q, k, v, document_ids, dropout_p, training)
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, dropout_p, training)
+    heads_per_group = q.shape[1] // k.shape[1]
+    if heads_per_group > 1:                                           # GQA: copy k, v to every head
+        k = k.repeat_interleave(heads_per_group, dim=1)               # [b, a, s, d]
+        v = v.repeat_interleave(heads_per_group, dim=1)               # [b, a, s, d]
+    return causal_attention(q, k, v, dropout_p, training)
+
+
 class SelfAttention(nn.Module):
     """Pre-normalised input [b, s, h] -> attention output [b, s, h] (before the residual add).
 
@@ -97,19 +115,15 @@ class SelfAttention(nn.Module):
     rows hold whole groups of (a/g + 2) d rows, so a tensor-parallel linear_qkv holding
     [(a + 2g) d / tp, h] makes this module run g/tp groups, a/tp query heads (chapter 02).
 
-    attention_backend (config): "sdpa" (default) runs `sdpa_attention` on k, v of g heads;
-    "naive" copies k and v to a heads (`repeat_interleave`) and runs `causal_attention`. Both
-    compute the same function (equal to rounding; tests/test_model.py checks it in float64).
-
-    dropout_rng: a context-manager factory the attention dropout draws inside (None: torch's
-    default generator). Tensor parallelism sets it to the per-rank stream, because the
-    probabilities of this rank's heads are a shard of the full [b, a, s, s] (tp/random.py).
-
-    core_attention: None (attention over the s tokens this module is given, the backends
-    above), or a callable (q [b, a, s, d], k [b, g, s, d], v [b, g, s, d], dropout_p,
-    training) -> [b, a, s, d] that replaces it: context parallelism sets it to attention over
-    the whole sequence, of which this rank holds s tokens (cp/attention.py). q and k arrive
-    with RoPE applied at the tokens' own positions.
+    The seams later chapters set (None on one device):
+      dropout_rng     a context-manager factory the attention dropout draws inside (None: torch's
+                      default generator); tensor parallelism sets the per-rank stream, since this
+                      rank's heads are a shard of the full [b, a, s, s] (tp/random.py)
+      core_attention  a callable (q [b, a, s, d], k [b, g, s, d], v [b, g, s, d], dropout_p,
+                      training[, document_ids]) -> [b, a, s, d] in place of
+                      `single_device_attention` (config.attention_backend): context parallelism's
+                      attention over the whole sequence (cp/attention.py), the Triton kernel
+                      (kernels/), the KV cache (generate.py). q and k arrive with RoPE applied.
     """
 
     def __init__(self, config: ModelConfig):
@@ -137,28 +151,14 @@ class SelfAttention(nn.Module):
         backend). The part chapter 07's selective recompute ("core_attn") recomputes in the
         backward instead of keeping its [b, a, s, s] probabilities (Megatron:
         Attention._checkpointed_attention_forward)."""
-        if document_ids is not None:                # packed documents: the block-diagonal mask
-            if self.core_attention is None:
-                attend = partial(document_attention, document_ids=document_ids)
-            elif getattr(self.core_attention, "takes_document_ids", False):   # context parallelism's
-                attend = partial(self.core_attention, document_ids=document_ids)
-            else:
-                raise ValueError("packed documents (document_ids) with the attention replaced by one that takes no "
-                                 "document mask (the Triton kernel) are not in this book")
-        elif self.core_attention is not None:       # context parallel: the keys of every rank
-            attend = self.core_attention
-        elif self.config.attention_backend == "sdpa":   # the default: the fused kernel shares k, v per group
-            attend = sdpa_attention
-        else:                                       # "naive": the lesson (exercise 0.1), the test oracle
-            attend = causal_attention
-            heads_per_group = q.shape[1] // k.shape[1]
-            if heads_per_group > 1:                                       # GQA: copy k, v to every head
-                k = k.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
-                v = v.repeat_interleave(heads_per_group, dim=1)           # [b, a, s, d]
         p = self.config.attention_dropout
         rng = self.dropout_rng() if self.dropout_rng is not None and self.training and p > 0 else nullcontext()
         with rng:
-            return attend(q, k, v, dropout_p=p, training=self.training)   # [b, a, s, d]
+            if self.core_attention is None:                               # one device
+                return single_device_attention(q, k, v, self.config.attention_backend, document_ids, p,
+                                               self.training)             # [b, a, s, d]
+            docs = {} if document_ids is None else {"document_ids": document_ids}
+            return self.core_attention(q, k, v, dropout_p=p, training=self.training, **docs)   # [b, a, s, d]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:

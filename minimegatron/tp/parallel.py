@@ -21,10 +21,8 @@ parallel form, keeping this rank's slice of the weights it already holds:
 
 Nothing else changes: SelfAttention reads its head count from linear_qkv (a/tp heads), the MLP
 chunks its [gate; up] shard the same way, and every module keeps its name, so a state dict of
-a rank reads like the single-device one with smaller tensors. Like Megatron's
-_initialize_affine_weight_cpu, each shard is cut from the full initial value; so any tp starts
-from exactly the single-device weights (and, for a model too big to build whole, one would
-build it on the meta device instead: not needed at this book's sizes).
+a rank reads like the single-device one with smaller tensors. Each shard is cut from the full
+initial value, so any tp starts from exactly the single-device weights.
 
 Communication of one forward (all through minimegatron.comm, in the TP group, tag "fwd"):
   embedding       1 all-reduce of [b, s, h]   (each rank looks up only the ids it owns)
@@ -35,15 +33,10 @@ and of one backward (tag "bwd"): 2 all-reduces of [b, s, h] per layer (before li
 before linear_fc1) plus 1 for the output layer's input; the embedding and the loss need none.
 That is Megatron's "two all-reduces per layer forward, two backward".
 
-Why the replicated parameters need no all-reduce of their gradients: a norm or the position
-embedding sees the same input on every rank (the hidden states after a row-parallel layer are
-identical) and receives the same output gradient, so each rank computes the same gradient;
-their AdamW steps are then identical too.
-
-Dropout (tp/random.py): the embedding's and the residual branches' dropout act on replicated
-tensors and draw from torch's default generator, which every rank of the group seeds alike, so
-their masks are the single-device model's. The attention dropout acts on this rank's heads
-only: apply_tensor_parallel points SelfAttention.dropout_rng at the per-rank tracker stream.
+The replicated parameters (norms, position embedding) get identical gradients on every rank
+and need no all-reduce (chapter 02, section 2.4). Dropout (tp/random.py): replicated tensors
+draw from the default generator, seeded alike; the attention dropout acts on this rank's
+heads only, so SelfAttention.dropout_rng is the per-rank tracker stream.
 
 Sequence parallelism (chapter 04, `sequence_parallel=True`): the same cut, and the regions
 TP leaves replicated (the norms, the dropouts, the residual adds: [b, s, h] on every rank) are
@@ -58,15 +51,11 @@ cut along the sequence instead, [b, s/tp, h] per rank (Korthikanti et al. 2022):
                                          all-reduces them over TP (allreduce_sequence_parallel_grads)
   dropout in the split regions           the per-rank tracker stream (each rank's tokens differ)
 
-A reduce-scatter plus an all-gather move the bytes of one all-reduce, so SP replaces TP's
-all-reduces at the same cost; on top, each column-parallel layer all-gathers its saved input
-shard again in the backward (tag "regather"), the price of keeping only 1/tp of it. What SP
-saves is activation memory (chapter 04).
+Each column-parallel layer also all-gathers its saved input shard again in the backward (tag
+"regather").
 
-Megatron-LM: megatron/core/transformer/attention.py (SelfAttention), transformer/mlp.py (MLP),
-models/gpt/gpt_model.py (GPTModel, output_layer, compute_language_model_loss); there the
-parallel layers are chosen by a layer spec when the model is built, here they are swapped in
-afterwards, so the reader sees the single-device model first and the cut second.
+Megatron-LM: megatron/core/models/gpt/gpt_layer_specs.py (the parallel layers chosen by a spec
+when the model is built; here swapped in afterwards).
 """
 
 from __future__ import annotations
@@ -80,7 +69,6 @@ from ..comm import all_reduce, group_size, scatter_to_sequence_parallel_region
 from ..config import ConfigError, ModelConfig
 from ..dp import grad_of
 from ..model.finalize import register_grad_finalizer
-from ..model.moe import MoELayer
 from ..placement import name_placements, placement_of, set_placement
 from .cross_entropy import VocabParallelCrossEntropy
 from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
@@ -91,7 +79,9 @@ __all__ = ["TENSOR_PARALLEL_PLAN", "apply_tensor_parallel", "check_tensor_parall
 
 # Inside every transformer layer: which linear is cut by its output rows ("column") and which
 # by its input columns ("row"). A column-parallel layer followed by a row-parallel one needs
-# one all-reduce forward and one backward, and nothing is gathered in between.
+# one all-reduce forward and one backward, and nothing is gathered in between. An MLP of
+# another kind brings its own plan for the "mlp." entries (MoELayer.tensor_parallel_plan,
+# chapter 05), where "replicated" marks a module that sees this rank's s/tp tokens under SP.
 TENSOR_PARALLEL_PLAN = {
     "self_attention.linear_qkv": "column",
     "self_attention.linear_proj": "row",
@@ -172,6 +162,10 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
             model.embedding.dropout_rng = per_rank_rng
     for layer in model.decoder.layers.values():
         for path, style in _plan_of(layer).items():
+            if style == "replicated":                                    # e.g. an MoE router
+                if sp:
+                    _mark_sequence_parallel(layer.get_submodule(path))
+                continue
             parent, name = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             stride = 2 if name == "linear_fc1" and cfg.activation == "swiglu" else 1   # [gate; up]
             setattr(parent, name, _parallel_linear(getattr(parent, name), style, tp_group, stride, sp))
@@ -179,8 +173,6 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
         if sp:
             layer.dropout_rng = per_rank_rng                             # this rank's tokens only
             _mark_sequence_parallel(layer.input_layernorm, layer.pre_mlp_layernorm)
-            if isinstance(layer.mlp, MoELayer):                          # replicated, routes its own tokens
-                _mark_sequence_parallel(layer.mlp.router)
     if model.post_process:
         if sp:
             _mark_sequence_parallel(model.decoder.final_layernorm)
@@ -205,15 +197,13 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
 
 
 def _plan_of(layer: nn.Module) -> dict[str, str]:
-    """TENSOR_PARALLEL_PLAN for this layer: in an MoE layer (chapter 05) the routed experts are
-    left to moe.apply_expert_parallel (their own etp group) and the shared expert, a dense MLP,
-    is cut like the MLP of a dense layer."""
-    if not isinstance(layer.mlp, MoELayer):
+    """TENSOR_PARALLEL_PLAN for this layer, its "mlp." entries replaced by the MLP's own
+    `tensor_parallel_plan` when it has one (chapter 05's MoELayer)."""
+    mlp_plan = getattr(layer.mlp, "tensor_parallel_plan", None)
+    if mlp_plan is None:
         return TENSOR_PARALLEL_PLAN
     plan = {k: v for k, v in TENSOR_PARALLEL_PLAN.items() if not k.startswith("mlp.")}
-    if layer.mlp.shared_experts is not None:
-        plan.update({"mlp.shared_experts.linear_fc1": "column", "mlp.shared_experts.linear_fc2": "row"})
-    return plan
+    return plan | {f"mlp.{path}": style for path, style in mlp_plan.items()}
 
 
 def _mark_sequence_parallel(*norms: nn.Module) -> None:
