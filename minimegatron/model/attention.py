@@ -50,20 +50,10 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
-    """The same function as `causal_attention`, through PyTorch's fused kernel (the default).
-
-    query: [b, n, s, d]; key, value: [b, n_kv, s, d] with n a multiple of n_kv. Query head i
-    attends with key/value head i // (n / n_kv), the grouping `repeat_interleave` produces,
-    but the kernel reads the shared k and v in place (enable_gqa=True) instead of copying
-    them to n heads. n_kv = n is ordinary multi-head attention.
-    Returns [b, n, s, d] in the dtype of `query`; dropout only when `training`.
-
-    F.scaled_dot_product_attention(is_causal=True) computes the same softmax exactly (not an
-    approximation), blockwise, without storing the [b, n, s, s] scores: on CPU, torch 2.13
-    runs its flash-attention kernel, for grouped-query attention too; with dropout it falls
-    back to the written-out math (which draws its mask from torch's default generator, like
-    `causal_attention`).
-    """
+    """`causal_attention` through PyTorch's fused kernel (the default backend): query [b, n, s, d];
+    key, value [b, n_kv, s, d], n a multiple of n_kv, query head i using key/value head
+    i // (n / n_kv), read in place (enable_gqa) instead of copied. Returns [b, n, s, d] in the
+    dtype of `query`; dropout only when `training` (mask from torch's default generator)."""
     return F.scaled_dot_product_attention(query, key, value, is_causal=True,
                                           dropout_p=dropout_p if training else 0.0,
                                           enable_gqa=key.shape[1] != query.shape[1])
