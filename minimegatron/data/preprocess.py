@@ -1,17 +1,10 @@
 """Turn a JSONL corpus into an indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``).
 
-Input: one JSON object per line with a string field "text" (other fields are ignored; blank
-lines are skipped). Each line becomes one document; with ``--append-eod`` (the usual choice for
-GPT training) the ``<eod>`` id is appended to every document so the model sees where one text
-ends and the next begins. Output: the pair described in ``indexed_dataset.py``, with uint16
-tokens when the vocabulary is smaller than 65500, else int32.
-
-From Python: ``preprocess_jsonl(input, output_prefix, tokenizer, append_eod=True)``; from the
-shell: ``python tools/preprocess_data.py --help`` (where Megatron-LM keeps its own).
-
-Errors: a line that is not valid JSON, not an object, or lacks a string "text" raises
-``DataError`` naming the file and the 1-based line number; nothing is written in that case.
-"""
+One JSON object per line with a string "text" (other fields ignored, blank lines skipped) ->
+one document each, ``<eod>`` appended with ``--append-eod``; uint16 tokens below 65500 ids,
+else int32. ``preprocess_jsonl(input, output_prefix, tokenizer, append_eod=True)``, or
+``python tools/preprocess_data.py --help``. A line that is not a JSON object with a string
+"text" raises ``DataError`` naming the file and 1-based line; nothing is written then."""
 
 from __future__ import annotations
 
@@ -28,10 +21,7 @@ from .tokenizer import build_tokenizer
 
 
 def iter_jsonl_texts(path: str | os.PathLike, progress: bool = False) -> Iterator[str]:
-    """Yield the "text" of every non-blank line of a JSONL file, validating as it goes.
-
-    progress: show a tqdm bar measured in bytes of the input file.
-    """
+    """Yield the "text" of every non-blank line of a JSONL file, validating; progress: a tqdm bar in bytes."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: input file not found")
@@ -67,11 +57,8 @@ def iter_jsonl_texts(path: str | os.PathLike, progress: bool = False) -> Iterato
 def preprocess_jsonl(input: str | os.PathLike, output_prefix: str | os.PathLike,
                      tokenizer, append_eod: bool = True, progress: bool = False) -> str:
     """Tokenize every document of ``input`` into ``output_prefix``.{bin,idx}; return the prefix.
-
-    tokenizer: a tokenizer object (``encode``, ``eod``, ``vocab_size``) or a spec for
-    ``build_tokenizer`` ("byte" or a BPE JSON path).
-    Document i of the result is the i-th non-blank line, followed by ``<eod>`` if append_eod.
-    """
+    tokenizer: an object (``encode``, ``eod``, ``vocab_size``) or a ``build_tokenizer`` spec.
+    Document i is the i-th non-blank line (+ ``<eod>`` with append_eod)."""
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = build_tokenizer(tokenizer)
     # The builder finalizes only if the whole file was read: a bad line aborts it, so no

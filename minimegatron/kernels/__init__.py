@@ -1,15 +1,10 @@
 """Kernels written in Triton (chapter 07): FlashAttention-2, RMSNorm, LayerNorm and SwiGLU, forward
-and backward, each beside the book's PyTorch function it replaces and checked against it, and the
-output layer fused with the cross-entropy, chunked over tokens (cross_entropy.py; standalone).
+and backward, each beside the PyTorch function it replaces, and the output layer fused with the
+cross-entropy, chunked over tokens (cross_entropy.py).
 
-Triton compiles them for a GPU. On a CPU (no CUDA device) they run in Triton's interpreter:
-importing `minimegatron` sets TRITON_INTERPRET=1 there (minimegatron/triton_mode.py), which
-Triton reads when it is first imported, so `minimegatron` must come before any `import triton`
-of the process, or torch module that imports it (or set the variable yourself). The
-interpreter is exact in float32 and hundreds of times slower than PyTorch: it is for reading and
-testing the programs, not for speed. Without the `triton` package the kernels cannot be
-imported (`available()` says why).
-"""
+On a CPU they run in Triton's interpreter (exact in float32, slow): importing `minimegatron`
+sets TRITON_INTERPRET=1 (triton_mode.py), so `minimegatron` must be imported before triton
+(or any torch module that imports it). `available()` says why they cannot run, if so."""
 
 from __future__ import annotations
 
@@ -34,14 +29,11 @@ def available() -> str | None:
 
 
 def apply_kernels(model, kernels: str):
-    """Run `model`'s transformer layers through the Triton kernels (kernels "triton"), through
-    torch.compile ("compile", _compile_layers), or leave it as it is ("torch"). Triton: each RMSNorm (the final one too) through rmsnorm.rms_norm, each
-    LayerNorm likewise through layernorm.layer_norm, the
-    attention core through flash_attention.flash_attention (the SelfAttention.core_attention
-    seam), and a SwiGLU MLP's activation, the experts' too, through swiglu.swiglu (MLP.activation).
-    GELU stays PyTorch's. parallelize.validate_layout has refused what the kernels
-    cannot run (attention dropout, context parallelism, a head size that is not a power of 2).
-    Returns the model."""
+    """Run `model`'s transformer layers through the Triton kernels ("triton"), torch.compile
+    ("compile", _compile_layers), or unchanged ("torch"). Triton: RMSNorm and LayerNorm (the
+    final one too) through rms_norm / layer_norm, the attention core through flash_attention
+    (SelfAttention.core_attention), a SwiGLU activation (experts' too) through swiglu; GELU stays.
+    validate_layout has refused what they cannot run. Returns the model."""
     if kernels == "torch":
         return model
     from functools import partial
@@ -67,13 +59,9 @@ def apply_kernels(model, kernels: str):
 
 
 def _compile_layers(model):
-    """kernels "compile": each transformer layer's forward through torch.compile (Inductor; on a
-    CPU it writes C++ that fuses the elementwise work: the norms, RoPE, the activation, the
-    residual adds). The collectives run eagerly between the compiled pieces
-    (comm.compile_barriers: each collective a graph break), so the ledger and the process groups work as without it. SwiGLU goes
-    back to autograd's plain form (silu(gate) * up): the book's hand-written backward
-    (model/mlp.py) writes into views, which the compiler cannot trace, and Inductor fuses the
-    plain one anyway. Compiled on the first forward (seconds per distinct layer shape)."""
+    """"compile": each transformer layer's forward through torch.compile (Inductor), compiled on the
+    first forward; collectives run eagerly between the pieces (comm.compile_barriers). SwiGLU goes
+    back to plain silu(gate) * up (the hand-written backward writes into views)."""
     import torch.nn.functional as F
 
     from ..comm import compile_barriers
@@ -93,13 +81,10 @@ def _compile_layers(model):
 
 
 def compile_cache_for_this_capability() -> None:
-    """Give Inductor a cache folder of its own for each ATEN_CPU_CAPABILITY a process sets.
-    Inductor picks its vector ISA from that variable ("default": none) but its cache key leaves the
-    choice out (torch 2.13), so code generated for AVX-512 is fetched from the shared cache and
-    compiled without AVX-512's headers (`'at::vec' has not been declared`). Call before the first
-    compilation; the folder is the default one with "-aten_<capability>" added, set in the
-    environment so spawned ranks share it. An unset variable, or a TORCHINDUCTOR_CACHE_DIR of your
-    own, is left as it is."""
+    """Give Inductor a cache folder per ATEN_CPU_CAPABILITY ("-aten_<capability>" added to the
+    default, set in the environment for spawned ranks): torch 2.13's cache key leaves the ISA out.
+    Call before the first compilation; an unset variable or your own TORCHINDUCTOR_CACHE_DIR is
+    left alone."""
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -110,10 +95,8 @@ def compile_cache_for_this_capability() -> None:
 
 
 def _fused_output_and_loss(model, unfused, x, labels):
-    """GPTModel.output_and_loss through cross_entropy.linear_cross_entropy: the output layer
-    and the loss in one op, vocabulary-parallel under TP (the group, the real vocabulary and
-    sequence parallelism read from the tensor-parallel output layer and loss); logits
-    (labels None) as before."""
+    """GPTModel.output_and_loss through cross_entropy.linear_cross_entropy (vocabulary-parallel under
+    TP, read from the output layer and loss); logits when labels is None."""
     from ..comm import ALONE
     from .cross_entropy import linear_cross_entropy
     if labels is None:

@@ -1,16 +1,10 @@
-"""Layout-independent initialisation: each parameter is a function of (seed, name) only.
+"""Layout-independent initialisation: each parameter is a function of (seed, name) only, so a
+parallel layer asks for the full value with `initial_value` and keeps its slice: every layout
+starts from the single-device weights.
 
-This is the rule that makes every equivalence test in the book possible. A parameter called
-"decoder.layers.1.mlp.linear_fc1.weight" gets the same full initial value whether the model
-lives on one CPU or is cut into tensor-parallel shards and pipeline stages: a parallel layer
-asks for the *full* value with `initial_value` and keeps its slice.
-
-Megatron-LM's rules for the distributions (init_method_normal / scaled_init_method_normal):
-  - weights ~ N(0, std), std = init_method_std (0.02);
-  - the two projections that write into the residual stream (attention linear_proj, MLP
-    linear_fc2) use std / sqrt(2 L), so the residual's variance does not grow with depth;
-  - biases 0; norm weights 1 (LayerNorm bias 0).
-"""
+Megatron-LM's rules (init_method_normal / scaled_init_method_normal): weights ~ N(0, std),
+std = init_method_std (0.02); linear_proj and linear_fc2 use std / sqrt(2 L); biases 0; norm
+weights 1."""
 
 from __future__ import annotations
 
@@ -30,11 +24,8 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 def initial_value(name: str, shape: tuple[int, ...], config: ModelConfig) -> torch.Tensor:
-    """The full initial value of parameter `name` (global, single-device name), in config.dtype.
-
-    The random numbers are drawn in float32 from a generator seeded by (config.seed, name),
-    then cast, so float32/float64/bfloat16 models start from the same weights up to rounding.
-    """
+    """The full initial value of parameter `name` (its single-device name) in config.dtype, drawn in
+    float32 from a generator seeded by (config.seed, name), then cast."""
     if "layernorm" in name:                        # input_layernorm, pre_mlp_layernorm, final_layernorm
         value = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
     elif name.endswith("bias"):
@@ -49,11 +40,8 @@ def initial_value(name: str, shape: tuple[int, ...], config: ModelConfig) -> tor
 
 
 def init_name(name: str, config: ModelConfig) -> str:
-    """The name whose initial value a parameter takes.
-
-    With tied embeddings a pipeline's last stage holds its own copy of the word embedding
-    as `output_layer.weight`; it must start equal to the first stage's embedding.
-    """
+    """The name whose initial value a parameter takes (a pipeline's last-stage tied
+    `output_layer.weight` takes the word embedding's)."""
     if name == "output_layer.weight" and not config.untie_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
     return name

@@ -17,21 +17,11 @@ from .linear import Linear
 class SwiGLU(torch.autograd.Function):
     """silu(gate) * up on y = [gate; up] [..., 2f] -> [..., f], with a hand-written backward.
 
-    The same function and gradients (the same kernels, in the same order) as autograd's
-    `gate, up = y.chunk(2, -1); F.silu(gate) * up`, whose backward computes d gate and d up
-    separately and then concatenates them into d y, one more pass over fc1's output, the
-    largest activation of the layer. Here both halves are written straight into one
-    [..., 2f] tensor:
+    Values and gradients as autograd's `gate, up = y.chunk(2, -1); F.silu(gate) * up`, but both
+    halves of dy are written straight into one [..., 2f] tensor (no concatenation pass):
         d up   = d out * silu(gate)
         d gate = d out * up * silu'(gate)           silu'(x) = sig(x) (1 + x (1 - sig(x)))
-    Saved for backward: y and silu(gate), what autograd's version keeps too.
-
-    Megatron-LM (megatron/core/fusions/fused_bias_swiglu.py, SwiGLUFunction; on by default
-    with --swiglu, off with --no-bias-swiglu-fusion) saves only y, recomputes the sigmoid in
-    its backward and returns torch.cat of the two halves, all inside one compiled function
-    (torch.compile), which fuses the elementwise work into one kernel on the GPU. Eager CPU
-    PyTorch fuses nothing, so here the saving comes from not concatenating.
-    """
+    Saves y and silu(gate). Megatron-LM: megatron/core/fusions/fused_bias_swiglu.py (SwiGLUFunction)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor) -> torch.Tensor:

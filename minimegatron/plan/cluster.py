@@ -5,16 +5,10 @@ two bandwidths, inside a node and between nodes.
     cluster.group_bandwidth(stride=1, size=8)      # a tp group of 8: inside one node, NVLink
     cluster.group_bandwidth(stride=8, size=128)    # a dp group across nodes: InfiniBand
 
-Where a group's ranks sit follows the rank order of parallel_state.rank_groups (Megatron's
-"tp-cp-ep-dp-pp", tp fastest): a group of `size` ranks `stride` apart (tp: stride 1; cp:
-stride tp; the dense data-parallel group dp x cp: stride tp; ep: stride etp; pp: stride
-world / pp) covers `stride * size` consecutive ranks, so it lies inside one node when that
-block does: stride * size <= gpus_per_node and the block does not straddle two nodes.
-tests/test_plan.py checks this rule against rank_groups' own lists.
-
-Bandwidths are per GPU and per direction, in bytes per second; a collective that leaves the
-node runs at the inter-node bandwidth (each GPU of these machines has its own network port).
-"""
+Ranks follow parallel_state.rank_groups' order ("tp-cp-ep-dp-pp", tp fastest): a group of
+`size` ranks `stride` apart lies inside one node when stride * size <= gpus_per_node (and its
+block does not straddle nodes); tests/test_plan.py checks the rule against rank_groups.
+Bandwidths are per GPU and direction, bytes/s; leaving the node means inter-node bandwidth."""
 
 from __future__ import annotations
 

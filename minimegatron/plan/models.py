@@ -2,23 +2,12 @@
 
     config, note = planner_model("llama3-70b")     # ModelConfig (bf16), and what is approximate
 
-Every shape below is copied from its paper or released config (cited next to it); the book's
-presets come from minimegatron.arguments.PRESETS (LLaMA style), the GPT-2/3 and Llama-2 shapes
-from analysis.REAL_MODELS. Real models pad their vocabulary as Megatron does by default
-(make_vocab_size_divisible_by 128, times tp); the book's presets keep theirs (1).
-
-The book's ModelConfig describes GQA attention and an integer MoE layer frequency. Two things
-of DeepSeek-V3 it cannot say, and how they are described here:
-  - its first 3 layers are dense and the other 58 MoE: Megatron's list form of
-    --moe-layer-freq, ([0]*3+[1]*58); PatternedMoEConfig below carries such a list;
-  - multi-latent attention (MLA: queries and keys/values through low-rank projections,
-    q_lora_rank 1536, kv_lora_rank 512, heads of 128 + 64 rotary dims): NOT modelled. It is
-    approximated by plain multi-head attention with a = 128 heads of d = h / a = 56: 4 h^2 =
-    205.5M attention weights per layer against MLA's ~187M, and a d = 7168 per token pair in
-    the core attention against MLA's 128 x 192 (scores) and 128 x 128 (values), so its
-    attention FLOPs are underestimated. Its multi-token-prediction module (MTP, 14B
-    parameters) is left out. The planner prints this note above its table.
-"""
+Shapes from each model's paper or released config (cited beside it), the book's presets from
+arguments.PRESETS, GPT-2/3 and Llama-2 from analysis.REAL_MODELS. Real models pad their
+vocabulary as Megatron does (128 x tp). DeepSeek-V3's dense first 3 layers are a
+PatternedMoEConfig; its multi-latent attention is approximated by multi-head attention with
+a = 128, d = h / a (attention FLOPs underestimated) and its MTP module left out: the note
+printed above the planner's table says so."""
 
 from __future__ import annotations
 
@@ -34,9 +23,8 @@ __all__ = ["PatternedMoEConfig", "MODELS", "planner_model", "model_names"]
 
 @dataclass
 class PatternedMoEConfig(ModelConfig):
-    """A ModelConfig whose MoE layers are listed, as Megatron's --moe-layer-freq accepts a list:
-    moe_layer_pattern[i] = 1 when layer i holds experts. A description for the planner's
-    formulas (count_parameters, rank_parameters, step_communication and training_flops all ask
+    """A ModelConfig whose MoE layers are listed (Megatron's list form of --moe-layer-freq):
+    moe_layer_pattern[i] = 1 when layer i holds experts. For the planner's formulas (they ask
     `is_moe_layer`); the book's model is not built from it."""
 
     moe_layer_pattern: tuple[int, ...] | None = None
