@@ -66,6 +66,17 @@ def test_an_odd_context_parallel_size():
     _check(runs, spawn(ch04.train_runs, 3, runs, timeout=300))
 
 
+def test_a_ledger_that_differs_from_the_formula_is_a_mismatch():
+    run = ch04.make_run(LLAMA, cp=2, micro_batches=1, steps=1)
+    per_rank = spawn(ch04.train_run, 2, run, timeout=180)
+    assert ch04.check_run(run, per_rank).ok
+    ring = per_rank[1]["ledger"].index(("send", "fwd", 2 * 2 * 16 * 2 * 8 * 8))   # 2 kv: b s/cp g d e
+    del per_rank[1]["ledger"][ring]                                            # cp rank 1: a ring step lost
+    report = ch04.check_run(run, per_rank)
+    assert not report.ok and any(p.startswith("stage 0 cp rank 1: ledger differs") for p in report.problems)
+    assert ch04.summary_line([report]).startswith("MISMATCH")
+
+
 def test_sequence_parallelism_moves_the_bytes_of_tensor_parallelism():
     """From the formulas (no ranks): per step, the reduce-scatters and all-gathers of SP put on
     the wire what TP's all-reduces put there; the backward's re-gathers come on top."""

@@ -26,9 +26,9 @@ cp.get_batch_on_this_cp_rank, zig-zag). `check_run` judges it against independen
 
   [1/4] equivalence: losses, first-step gradients and final parameters (full, single-device
         names) against testing.single_device_run on the same global batches;
-  [2/4] communication of one step, from the ledger, against `expected_ledger`: the formulas of
-        tensor (or sequence) parallelism and of the cp_comm_type, message by message (op, tag,
-        bytes), and the bytes on the wire of SP against TP's all-reduces;
+  [2/4] communication of one step, from the ledger, against `expected_ledger`: analysis's
+        formulas of tensor (or sequence) parallelism and of the cp_comm_type, message by message
+        (op, tag, bytes), and the bytes on the wire of SP against TP's all-reduces;
   [3/4] activation memory per rank: the bytes autograd saves for one micro-batch
         (analysis.measure_saved_activation_bytes) on a first-stage rank, against the same
         stage on one device (its ratio near tp x cp with SP), with and without SP, and the
@@ -51,13 +51,13 @@ import torch
 import torch.distributed as dist
 
 from minimegatron import comm, parallel_state
+from minimegatron.analysis import step_communication
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
 from booktools.demo import (Run, add_training_flags, check_at_least_one, check_sequence_length, demo_parser, run_demo,
                            verdict_line)
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.cp import (CP_COMM_TYPES, ContextParallelAttention, apply_context_parallel, causal_work_per_rank,
                              cp_chunk_ids, get_batch_on_this_cp_rank, positions_on_rank)
-from minimegatron.cp.attention import hierarchical_sizes
 from minimegatron.model import GPTModel
 from minimegatron.model.linear import RMSNorm
 from minimegatron.parallelize import build_model, unwrap, validate_layout
@@ -162,78 +162,11 @@ def train_runs(runs: list[SeqRun]) -> list[dict]:
 # ---------------------------------------------------------------------------------------
 def expected_ledger(run: SeqRun, pp_rank: int = 0) -> Counter:
     """The messages of one step on a rank of stage `pp_rank` with tags COMM_TAGS, as a Counter
-    of (op, tag, bytes), from the formulas (ledger convention, comm/__init__.py: all_gather
-    counts the shard sent, reduce_scatter the full input, send/recv the tensor). Per
-    micro-batch, with e the element size, s_r = s / cp, x = b s_r h e, kv = b (g/tp) s_r d e,
-    q = b (a/tp) s_r d e:
-
-      tensor parallel, per layer     fwd 2 all_reduce x; bwd 2 all_reduce x
-      sequence parallel, per layer   fwd 2 all_gather x/tp + 2 reduce_scatter x; bwd 2
-                                     reduce_scatter x + 2 all_gather x/tp, and the column
-                                     layers' 2 "regather" all_gather x/tp
-      embedding                      fwd all_reduce x (SP: reduce_scatter x, or with learned
-                                     positions all_reduce x); SP bwd all_gather x/tp
-      output layer                   bwd all_reduce x (SP: fwd all_gather x/tp, bwd
-                                     reduce_scatter x and "regather" all_gather x/tp)
-      loss                           fwd 3 all_reduce of b s_r numbers (tp/cross_entropy.py)
-      cp p2p, per layer              fwd (cp-1) send + recv of 2kv; bwd (cp-1) of 4kv
-      cp all_gather                  fwd 2 all_gather kv; bwd 2 "regather" all_gather kv and
-                                     2 reduce_scatter cp kv
-      cp a2a                         fwd 4 all_to_all (q, k, v, out: 2q + 2kv); bwd the same
-      cp a2a+p2p (A x P)             the a2a's four, then p2p's ring with P ranks
-    and once per step, under SP: 1 all_reduce "sp-grads" of every norm weight (and bias)."""
-    cfg, t = run.model, run.train
-    e = torch.empty((), dtype=cfg.dtype).element_size()
-    tp, cp, b, M = run.tp, run.cp, t.micro_batch_size, t.grad_accum_steps
-    s_r = t.seq_length // cp
-    x = b * s_r * cfg.hidden_size * e
-    kv = b * (cfg.query_groups // tp) * s_r * cfg.kv_channels * e
-    q = b * (cfg.num_attention_heads // tp) * s_r * cfg.kv_channels * e
-    layers = len(stage_layers(cfg.num_layers, run.pp, pp_rank))
-    first, last = pp_rank == 0, pp_rank == run.pp - 1
-    calls: list[tuple[str, str, int]] = []
-    if tp > 1 and not run.sp:
-        calls += [("all_reduce", "fwd", x)] * 2 * layers + [("all_reduce", "bwd", x)] * 2 * layers
-        calls += [("all_reduce", "fwd", x)] * first + [("all_reduce", "bwd", x)] * last
-    if tp > 1 and run.sp:
-        per_layer = [("all_gather", "fwd", x // tp), ("reduce_scatter", "fwd", x),
-                     ("reduce_scatter", "bwd", x), ("all_gather", "bwd", x // tp), ("all_gather", "regather", x // tp)]
-        calls += per_layer * 2 * layers
-        if first:
-            learned = cfg.position_embedding_type == "learned_absolute"
-            calls += [("all_reduce" if learned else "reduce_scatter", "fwd", x), ("all_gather", "bwd", x // tp)]
-        if last:
-            calls += [("all_gather", "fwd", x // tp), ("reduce_scatter", "bwd", x), ("all_gather", "regather", x // tp)]
-    if tp > 1 and last:
-        logits_e = max(e, 4)                                  # the loss runs in fp32 for 16-bit logits
-        calls += [("all_reduce", "fwd", b * s_r * logits_e)] * 3
-    calls = calls * M
-    if cp > 1:
-        calls += cp_layer_calls(run.comm_type, cp, kv, q, t.hierarchical_context_parallel_sizes) * layers * M
-    if tp > 1 and run.sp:
-        norms = (2 * layers + last) * cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
-        row_biases = 2 * layers * cfg.hidden_size if cfg.add_bias_linear else 0
-        calls.append(("all_reduce", "sp-grads", (norms + row_biases) * e))
-    return Counter(calls)
-
-
-def cp_layer_calls(comm_type: str, cp: int, kv: int, q: int, given) -> list[tuple[str, str, int]]:
-    """One attention layer's context-parallel messages for one micro-batch (see expected_ledger)."""
-    def ring(n):
-        if n == 1:
-            return []
-        return ([("send", "fwd", 2 * kv), ("recv", "fwd", 2 * kv)] * (n - 1)
-                + [("send", "bwd", 4 * kv), ("recv", "bwd", 4 * kv)] * (n - 1))
-    a2a = [(("all_to_all", tag, size)) for tag in ("fwd", "bwd") for size in (q, kv, kv, q)]
-    if comm_type == "p2p":
-        return ring(cp)
-    if comm_type == "all_gather":
-        return ([("all_gather", "fwd", kv)] * 2 + [("all_gather", "regather", kv)] * 2
-                + [("reduce_scatter", "bwd", cp * kv)] * 2)
-    if comm_type == "a2a":
-        return a2a
-    _, p2p = hierarchical_sizes(cp, comm_type, given)
-    return a2a + ring(p2p)
+    of (op, tag, bytes): analysis.step_communication's "tp" and "cp" records (per micro-batch
+    tensor_parallel_messages, per attention layer and micro-batch context_parallel_messages,
+    under SP once per step the "sp-grads" all_reduce of every norm weight and row bias)."""
+    dims = step_communication(run.model, run.train, run.world, pp_rank)
+    return Counter({key: n for dim in ("tp", "cp") for key, n in dims.get(dim, Counter()).items() if key[1] in COMM_TAGS})
 
 
 def wire_bytes(calls: Counter, group_size: int, tags=("fwd", "bwd")) -> float:

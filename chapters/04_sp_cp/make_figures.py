@@ -51,6 +51,7 @@ from booktools.demo import import_chapter
 from booktools.measured import RoundOff, claim, grab, parse_number
 from minimegatron import comm
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
+from minimegatron.analysis.communication import context_parallel_messages
 from minimegatron.config import ConfigError, ModelConfig
 from minimegatron.cp import (block_pairs, causal_work_per_rank, cp_chunk_ids, get_batch_on_this_cp_rank,
                              merge_attention)
@@ -119,27 +120,27 @@ def cp_layer_traffic(comm_type: str, cp: int, seq: int = 64) -> dict:
     """Bytes one rank sends per attention layer and micro-batch (ring algorithms for the
     collectives, comm.ring_traffic), forward and backward, and the number of communication
     steps (a collective call, or a ring hop: its send, the recv being the other end), from the
-    demo's list of messages (ch04.cp_layer_calls, the list expected_ledger uses)."""
+    formula the demo checks (analysis.context_parallel_messages, which expected_ledger uses)."""
     run = ch04.make_run(comm_model(), cp=cp, cp_comm_type=comm_type, seq=seq, micro_batch_size=1, micro_batches=1)
     cfg, e = run.model, 4
     local = seq // cp                       # the rank's s/cp tokens, two chunks
     kv = local * cfg.query_groups * cfg.kv_channels * e
     q = local * cfg.num_attention_heads * cfg.kv_channels * e
-    calls = ch04.cp_layer_calls(comm_type, cp, kv, q, None)
+    calls = context_parallel_messages(cfg, run.train)
     a2a = hierarchical_sizes(cp, comm_type)[0] if comm_type == "a2a+p2p" else cp
     out = {"fwd": 0.0, "bwd": 0.0, "steps": 0, "kv": kv, "q": q, "x": seq * cfg.hidden_size * e}
-    for op, tag, nbytes in calls:
+    for (op, tag, nbytes), count in calls.items():
         if op == "recv":
             continue                        # a recv is the other end of a send: one step per hop
         n = a2a if op == "all_to_all" else cp
-        out["fwd" if tag == "fwd" else "bwd"] += comm.ring_traffic(comm.CommRecord(op, tuple(range(n)), nbytes,
-                                                                                      None, ()))
-        out["steps"] += 1
+        out["fwd" if tag == "fwd" else "bwd"] += count * comm.ring_traffic(
+            comm.CommRecord(op, tuple(range(n)), nbytes, None, ()))
+        out["steps"] += count
     # the expected_ledger of the whole run holds exactly these messages per layer and micro-batch
     ledger = ch04.expected_ledger(run)
     per_layer = {k: v // cfg.num_layers for k, v in ledger.items()}
-    if Counter(calls) != Counter(per_layer):
-        fail(f"{comm_type} cp={cp}: cp_layer_calls {Counter(calls)} is not expected_ledger / layers {per_layer}")
+    if calls != Counter(per_layer):
+        fail(f"{comm_type} cp={cp}: context_parallel_messages {calls} is not expected_ledger / layers {per_layer}")
     return out
 
 
