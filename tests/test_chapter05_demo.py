@@ -79,6 +79,18 @@ def test_the_dispatch_formulas_and_the_two_dispatchers_volumes():
     assert ch05.expert_elements_per_rank(run) == 2 * 2 * (2 * 32 * 32 + 32 * 32)   # 2 layers x 2 experts
 
 
+def test_a_dispatch_that_differs_from_the_formula_is_a_mismatch():
+    run = ch05.make_run(MOE, ep=2, dp=2, micro_batches=1, steps=1)
+    per_rank = spawn(ch05.train_run, 2, run, timeout=180)
+    assert ch05.check_run(run, per_rank).ok
+    counts = per_rank[0]["ledger"].index(("all_to_all", "moe-counts", 8 * 4))    # E int64 counts
+    del per_rank[0]["ledger"][counts]                                         # rank 0: one exchange lost
+    report = ch05.check_run(run, per_rank)
+    assert not report.ok and any(p.startswith("stage 0, rank 0: messages differ") for p in report.problems)
+    assert "DIFFERENT from the formula" in str(report)
+    assert ch05.summary_line([report]).startswith("MISMATCH")
+
+
 def test_figure_5_1_shows_the_shares_of_the_layer_its_imbalance_curve_ends_on():
     """load_balance's "final" shares (Figure 5.1's middle panel) are those of "final_layer", the
     layer whose max / mean is the largest after the last step: the value the imbalance curve

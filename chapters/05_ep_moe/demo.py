@@ -27,8 +27,8 @@ their own over the expert-dp group) and runs train.train_step on its micro-batch
         (the router's included) and final parameters against testing.single_device_run, whose
         micro-batches are the ranks' own (each data replica's micro-batch is one token set of
         the load-balancing loss, as in Megatron: the counts are summed over tp x cp only);
-  [2/4] communication of one step, from the ledger: the dispatcher's messages against the
-        formulas (all-to-all: this rank's routed rows T k h bytes, the combine's rows summed over
+  [2/4] communication of one step, from the ledger: the dispatcher's messages against
+        analysis's formulas (all-to-all: this rank's routed rows T k h bytes, the combine's rows summed over
         the ep group equal to the dispatched ones; all-gather: every message from T, h, E), and
         the two dispatchers' volumes for every ep the experts allow (the divisors of E);
   [3/4] accounting: total and active parameters, FLOPs per token (training_flops against
@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minimegatron.analysis import count_parameters, megatron_mlp_flops, training_flops
+from minimegatron.analysis.communication import dispatcher_step_messages
 from booktools.demo import (Run, check_at_least, check_at_least_one, check_sequence_length, demo_parser, run_demo,
                            verdict_line)
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
@@ -164,38 +165,11 @@ def tokens_per_rank(run: MoERun) -> int:
 
 def expected_dispatch(run: MoERun, pp_rank: int = 0) -> Counter:
     """The dispatcher's messages of one step on a rank of stage `pp_rank` that do not depend on
-    the routing, as a Counter of (op, tag, bytes) (ledger convention: all_to_all and
-    reduce_scatter count their whole input, all_gather the shard sent). Per MoE layer and
-    micro-batch, e the element size, T = tokens_per_rank, E experts, n = etp ep:
-
-      alltoall   1 all_to_all "moe-counts" of E int64 (8 E bytes) over ep; with etp > 1, an
-                 all_gather "moe-counts" of ep E/ep int64; 1 all_to_all "moe-dispatch" of this
-                 rank's T k routed rows, T k h e bytes (no capacity: every token reaches k
-                 experts) and, backward, 1 "moe-combine-bwd" of the same rows. (The combine and
-                 the dispatch's backward move the rows this rank's experts received: their sum
-                 over the ep group equals the sum of the dispatched rows; check_run checks it.)
-      allgather  all_gather "moe-allgather" of the tokens (T h e), the weights (T E e) and the
-                 routing map (T E bytes, uint8), 1 reduce_scatter of the n T output rows (n T h e);
-                 backward (tag "moe-allgather-bwd") the reduce_scatters of the tokens' and the
-                 weights' gradients (n T h e, n T E e) and the all_gather of the output's (T h e)."""
-    cfg, t = run.model, run.train
-    e = torch.empty((), dtype=cfg.dtype).element_size()
-    T, h, E, k = tokens_per_rank(run), cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk
-    layers = [i for i in stage_layers(cfg.num_layers, run.pp, pp_rank) if cfg.is_moe_layer(i)]
-    per_mb: list[tuple[str, str, int]] = []
-    if run.dispatcher == "alltoall":
-        per_mb += [("all_to_all", "moe-counts", 8 * E)] * (run.ep > 1)
-        per_mb += [("all_gather", "moe-counts", 8 * E)] * (run.etp > 1)
-        per_mb += [("all_to_all", "moe-dispatch", T * k * h * e), ("all_to_all", "moe-combine-bwd", T * k * h * e)
-                   ] * (run.ep > 1)
-    else:
-        n = run.ep * run.etp
-        per_mb += [("all_gather", "moe-allgather", T * h * e), ("all_gather", "moe-allgather", T * E * e),
-                   ("all_gather", "moe-allgather", T * E), ("reduce_scatter", "moe-allgather", n * T * h * e),
-                   ("reduce_scatter", "moe-allgather-bwd", n * T * h * e),
-                   ("reduce_scatter", "moe-allgather-bwd", n * T * E * e),
-                   ("all_gather", "moe-allgather-bwd", T * h * e)]
-    return Counter(per_mb * len(layers) * t.grad_accum_steps)
+    the routing, as a Counter of (op, tag, bytes): analysis.dispatcher_step_messages (per MoE
+    layer and micro-batch, T = tokens_per_rank: alltoall's counts over ep and etp, its T k h e
+    dispatch and combine-bwd; allgather's seven messages). The combine and the dispatch's
+    backward move the rows this rank's experts received: check_run checks their sums."""
+    return dispatcher_step_messages(run.model, run.train, pp_rank)
 
 
 def dispatcher_volumes(tokens: int, hidden: int, experts: int, topk: int, ep: int, element_size: int = 2) -> dict:

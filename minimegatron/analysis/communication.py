@@ -1,6 +1,8 @@
 """What one rank holds and what one training step must hand to the collectives, per dimension of
 the 5D grid: the formulas the training entry's report (run_report.py, `make demo`) sets beside
-the parameters a rank really holds and comm's ledger of a real step.
+the parameters a rank really holds and comm's ledger of a real step, and the one source of the
+ledgers chapters 01-05's demos expect (per micro-batch, layer or phase: tensor_parallel_messages,
+context_parallel_messages, dispatcher_messages, pipeline_messages, data_parallel_phases).
 
 Legend (model/gpt.py's, with the grid's): b micro-batch size, s sequence length, h hidden size,
 a query heads, g key/value groups, d head size, V vocabulary (Vp padded to a multiple of
