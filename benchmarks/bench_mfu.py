@@ -92,7 +92,7 @@ from minimegatron.kernels import compile_cache_for_this_capability  # noqa: E402
 from minimegatron.parallel_state import Layout  # noqa: E402
 from minimegatron.parallelize import build_model, build_optimizer  # noqa: E402
 from minimegatron.testing import make_batches  # noqa: E402
-from minimegatron.train import train_step  # noqa: E402
+from minimegatron.train import before_optimizer_step, train_step  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,7 @@ def reference_optimizer(ref: nn.Module, cfg: TrainConfig, fused: bool) -> torch.
 def reference_step(ref: PlainLlama, optimizer: torch.optim.Optimizer, batch: dict, clip: float,
                    autocast: torch.dtype | None, on_grads=None):
     """One training step of the reference; returns the loss (a 0-dim tensor: no host sync).
-    on_grads(), if given, runs between the backward and the clipping (as train_step's)."""
+    on_grads(), if given, runs between the backward and the clipping (as train.before_optimizer_step's)."""
     device_type = batch["tokens"].device.type
     with torch.autocast(device_type, dtype=autocast) if autocast else torch.autocast(device_type, enabled=False):
         loss = ref.token_losses(batch["tokens"], batch["labels"]).mean()
@@ -382,7 +382,8 @@ def check_same_network(shape: Shape, device: str, reference_class=PlainLlama, st
         theirs_grads.update({n: t.clone() for n, t in as_book_tensors(ref, cfg, grads=True).items()})
     step_diff = 0.0
     for i, b in enumerate(data):
-        ours_loss = train_step(chunks, optimizer, [b], Layout(), tcfg.lr, on_grads=keep_ours if i == 0 else None)[0]
+        with before_optimizer_step(optimizer, keep_ours if i == 0 else lambda: None):
+            ours_loss = train_step(chunks, optimizer, [b], Layout(), tcfg.lr)[0]
         theirs_loss = reference_step(ref, ref_opt, b, tcfg.clip_grad, autocast=None,
                                      on_grads=keep_theirs if i == 0 else None).item()
         step_diff = max(step_diff, abs(ours_loss - theirs_loss))

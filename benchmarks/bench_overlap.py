@@ -86,7 +86,7 @@ def bench_rank(args: dict) -> dict:
 
     def step(name: str, records: list | None = None) -> None:
         chunks, optimizer, layout, p2p, mbs = runners[name]
-        train_step(chunks, optimizer, mbs, layout, 1e-4, p2p, "1f1b", pipeline_records=records)
+        train_step(chunks, optimizer, mbs, layout, 1e-4, p2p, "1f1b", records=records)
 
     for name in VARIANTS:
         for _ in range(args["warmup"]):

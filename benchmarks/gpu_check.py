@@ -307,12 +307,13 @@ def run_steps(model_cfg, cfg, batches):
     from minimegatron.parallel_state import Layout
     from minimegatron.parallelize import full_model_tensors
     from minimegatron.testing import RunRecord
-    from minimegatron.train import train_step
+    from minimegatron.train import before_optimizer_step, train_step
     (chunks, optimizer), losses, grads = build(model_cfg, cfg), [], {}
     keep = lambda: grads or grads.update(full_model_tensors(chunks, Layout(), grads=True))   # noqa: E731
     for step, batch in enumerate(batches):
         batch = {k: v.to(cfg.device) for k, v in batch.items()}
-        losses.append(train_step(chunks, optimizer, [batch], Layout(), learning_rate(step, cfg), on_grads=keep)[0])
+        with before_optimizer_step(optimizer, keep):
+            losses.append(train_step(chunks, optimizer, [batch], Layout(), learning_rate(step, cfg))[0])
     return RunRecord(losses, {n: g.cpu() for n, g in grads.items()},
                      {n: p.detach().cpu() for n, p in full_model_tensors(chunks, Layout()).items()})
 

@@ -76,6 +76,7 @@ from torch import nn
 from . import comm
 from .config import ConfigError
 from .dp import unwrap
+from .resume import load_model
 
 __all__ = ["KVCache", "CachedAttention", "cached_attention", "kv_cache_bytes", "check_sampling", "next_token",
            "generate", "load_model", "main"]
@@ -319,39 +320,6 @@ def _stage_forward(model: nn.Module, pipeline: tuple[list[int], int] | None, tok
 # ---------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------
-def load_model(load: str, tensor_parallel: int = 1, pipeline_parallel: int = 1):
-    """(model on this rank, its config, the tokenizer spec, the layout) from the torch_dist
-    checkpoint `load` (any layout saved it), cut over `tensor_parallel` x `pipeline_parallel`
-    ranks (each data-parallel replica of the world generates the same tokens). Collective
-    when the world has more than one rank (the layout's groups)."""
-    from pathlib import Path
-
-    from .checkpoint import CheckpointError, latest_checkpoint
-    from .config import ModelConfig, TrainConfig
-    from .dist_checkpoint import is_distributed_checkpoint, load_distributed, read_common
-    from .parallelize import build_model
-    from .train import initialize_layout
-    path = Path(load)
-    if not is_distributed_checkpoint(path):
-        found = latest_checkpoint(path, warn=False) if path.is_dir() else None
-        if found is None or not is_distributed_checkpoint(found):
-            why = ("does not exist" if not path.exists() else "is a file, not a checkpoint directory"
-                   if not path.is_dir() else "is a Hugging Face folder, not a checkpoint (python -m "
-                   "minimegatron.convert --from-hf DIR --save CKPT makes one of it)" if (path / "config.json").is_file()
-                   else "holds no --ckpt-format torch_dist checkpoint")
-            raise CheckpointError(f"--load {load} {why}")
-        path = found
-    common = read_common(path)
-    model_cfg = ModelConfig(**common["model_config"]).validate()
-    cfg = TrainConfig(tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
-                      seq_length=model_cfg.max_position_embeddings, micro_batch_size=1, progress=False,
-                      eval_interval=0)
-    layout = initialize_layout(cfg)
-    model = build_model(model_cfg, cfg, layout)[0]
-    load_distributed(path, [model], None, layout, model_config=common["model_config"])
-    return model, model_cfg, common.get("train_config", {}).get("tokenizer", "byte"), layout
-
-
 def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .data import build_tokenizer

@@ -266,7 +266,8 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     from .optim import learning_rate
     from .parallelize import build_model, build_optimizer, full_model_tensors
     from .pp import PipelineComm
-    from .train import initialize_layout, train_step
+    from .resume import initialize_layout
+    from .train import before_optimizer_step, train_step
     import torch.distributed as dist
 
     split_batch = split_batch or get_batch_on_this_cp_rank
@@ -295,9 +296,9 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
         def keep_grads():          # the loss's gradients: a loss scaler's factor divided out (exact: a power of 2)
             if not out["grads"]:
                 out["grads"] = {n: g / optimizer.loss_scale for n, g in full_model_tensors(chunks, layout, grads=True).items()}
-        with comm.record_communication() as ledger:
+        with comm.record_communication() as ledger, before_optimizer_step(optimizer, keep_grads):
             loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, t), p2p,
-                                 t.pipeline_schedule, on_grads=keep_grads)
+                                 t.pipeline_schedule)
         if step == 0:
             out["ledger"] = [(r.op, r.tag, r.nbytes) for r in ledger if r.tag in tags]
             out["records"] = [r for r in ledger if r.tag not in ("full", "inspect")]    # the step's own
@@ -315,8 +316,8 @@ def saved_activation_bytes_per_rank(cases: list[tuple]) -> list[int]:
     (analysis.measure_saved_activation_bytes). Collective: every rank passes the same cases."""
     from .analysis import measure_saved_activation_bytes
     from .parallelize import build_model
+    from .resume import initialize_layout
     from .tp import model_parallel_manual_seed
-    from .train import initialize_layout
     out = []
     for model_cfg, train_cfg, b, s in cases:
         layout = initialize_layout(train_cfg)
@@ -358,7 +359,7 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
     from .dp import unwrap
     from .optim import Optimizer, learning_rate
     from .parallel_state import Layout
-    from .train import train_step
+    from .train import before_optimizer_step, train_step
 
     cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
     if (cfg.bf16 or cfg.fp16 or cfg.fp8_format is not None or cfg.recompute_granularity is not None
@@ -378,8 +379,9 @@ def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tens
             first_grads.update({n: g / optimizer.loss_scale for n, g in grads().items()})
 
     for step, batch in enumerate(batches):
-        loss, _ = train_step([model], optimizer, split_microbatches(batch, grad_accum_steps), Layout(),
-                             learning_rate(step, cfg), on_grads=keep_first_grads)
+        with before_optimizer_step(optimizer, keep_first_grads):
+            loss, _ = train_step([model], optimizer, split_microbatches(batch, grad_accum_steps), Layout(),
+                                 learning_rate(step, cfg))
         losses.append(loss)
     params = {n: t.detach().clone() for n, t in unwrap(model).state_dict().items()}   # with saved buffers (expert bias)
     return RunRecord(losses, first_grads, params)

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import minimegatron.train as train_module
-from minimegatron import lifeline
+from minimegatron import lifeline, nonfinite
 from minimegatron.checkpoint import CheckpointError, load_checkpoint
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.dist_checkpoint import load_full_state
 from minimegatron.parallel_state import Layout
+from minimegatron.nonfinite import NonFiniteError, check_finite_parameters
 from minimegatron.parallelize import build_model, build_optimizer
-from minimegatron.train import NonFiniteError, check_finite_parameters, main
+from minimegatron.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_TO_100 = str(2.0 ** 100)            # a power of 2 (1.27e30) at which every fp16 gradient overflows
@@ -169,7 +169,7 @@ def test_a_run_that_skips_every_step_of_a_window_stops_naming_the_scale(argv, so
     """A scale that cannot go lower and overflows on every batch used to skip every step, say
     nothing and exit 0. A window of 3 steps here (10 in a run) stops a 6-step run at 3; a run
     shorter than the window stops at its end."""
-    monkeypatch.setattr(train_module, "SKIPPED_STEPS_WINDOW", 3)
+    monkeypatch.setattr(nonfinite, "SKIPPED_STEPS_WINDOW", 3)
     assert main(_run(tmp_path, "--train-iters", "6", "--fp16", *argv)) == 1
     err = _error(capsys)
     assert err.startswith("error: iterations 1-3: the loss scaler skipped every step: the gradients, scaled by "

@@ -46,7 +46,7 @@ LAYERS: list[list[str]] = [
     ["arguments"],                                  # the loop's command line
     ["dist_checkpoint"],                            # chapter 08's checkpoints that reshard (the loop saves them)
     ["plan", "convert"],                            # chapter 08's planner and Hugging Face conversion; nothing imports them
-    ["profiling", "resume", "train"],               # --profile; what a resume checks and loads; the loop
+    ["profiling", "nonfinite", "resume", "train"],  # --profile; inf/nan stops; checkpoints saved, resumed; the loop
     ["generate"],                                   # chapter 08's decoding (loads a checkpoint with the loop's layout)
     ["testing"],                                    # the harness (it runs train_step)
     ["run_report"],                                 # make demo's entry: the loop, its report and its check
@@ -261,6 +261,20 @@ def test_chapters_01_to_04_never_import_chapter_05s_layer():
     bad = [_edge(src, dst, graph) for src, targets in sorted(graph.items()) for dst in sorted(targets)
            if unit_of(src) in ("dp", "tp", "pp", "cp")
            and (dst == f"{PACKAGE}.model.moe" or dst.startswith(f"{PACKAGE}.model.moe.") or unit_of(dst) == "moe")]
+    print("\n".join(bad))
+    assert not bad, bad
+
+
+# what runs training may import the loop: make demo's entry, and the harness that runs train_step
+RUNS_TRAINING = {"run_report", "testing"}
+
+
+def test_only_what_runs_training_imports_the_loop():
+    """The loop is a leaf: checkpoint loading (resume), decoding (generate), the formulas read
+    what they need from the layers below it, never from train.py."""
+    graph = import_graph()
+    bad = [_edge(src, dst, graph) for src, targets in sorted(graph.items()) for dst in sorted(targets)
+           if unit_of(dst) == "train" and unit_of(src) not in RUNS_TRAINING | {"train", ROOT_MODULE}]
     print("\n".join(bad))
     assert not bad, bad
 

@@ -24,9 +24,10 @@ import torch
 from minimegatron.checkpoint import (CheckpointError, load_checkpoint, load_rank_state, lock_save_dir, rank_path,
                                      save_checkpoint)
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig, to_dict
+from minimegatron.nonfinite import NonFiniteError
 from minimegatron.parallel_state import Layout
-from minimegatron.resume import load_for_resume
-from minimegatron.train import NonFiniteError, main, train
+from minimegatron.resume import open_checkpoint
+from minimegatron.train import main, train
 from minimegatron.watchdog import STALE_AFTER, did_not_arrive
 from workers import reliability as worker  # tests/workers/reliability.py
 
@@ -251,7 +252,7 @@ def test_the_layout_refusal_counts_data_parallel_ranks_as_the_banner(tmp_path):
                                   "pp_size": 1, "cp_size": 2, "dp_size": 4})
     this_run = Layout(world=4, dp=4, cp=4)                 # cp 4: one replica of 4 ranks
     with pytest.raises(CheckpointError) as info:
-        load_for_resume(TINY, cfg, this_run)
+        open_checkpoint(TINY, cfg, this_run)
     message = str(info.value)
     assert "written by 4 ranks: tp_size=1 x cp_size=2 x pp_size=1 x data-parallel size 2;" in message, message
     assert "this run has 4 ranks: tp_size=1 x cp_size=4 x pp_size=1 x data-parallel size 1" in message, message

@@ -29,7 +29,7 @@ from minimegatron.testing import RunRecord, assert_equivalent, make_batches, sin
 from workers.checks import rank_failures, run_named_checks
 from minimegatron.tp import apply_tensor_parallel, pad_vocab_size
 from minimegatron.tp.random import model_parallel_manual_seed
-from minimegatron.train import train_step
+from minimegatron.train import before_optimizer_step, train_step
 
 WORLD = 4
 CHECKS = []
@@ -92,7 +92,8 @@ def tp_run(cfg, group, batches, train_cfg):
                     assert torch.equal(other, p.grad), f"{name}: gradient differs across TP ranks"
 
     for step, batch in enumerate(batches):
-        loss, _ = train_step([model], optimizer, [batch], layout, learning_rate(step, train_cfg), on_grads=on_grads)
+        with before_optimizer_step(optimizer, on_grads):
+            loss, _ = train_step([model], optimizer, [batch], layout, learning_rate(step, train_cfg))
         losses.append(loss)
     return RunRecord(losses, first_grads, full_model_tensors([model], layout))
 

@@ -70,13 +70,13 @@ from minimegatron.analysis import (activation_memory, count_parameters, does_it_
                                    measure_saved_activation_bytes, training_flops, training_memory)
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.launch import finish_torchrun, init_from_torchrun
-from minimegatron.model import GPTModel, apply_rotary_pos_emb, rope_cos_sin
+from minimegatron.model import GPTModel, apply_rotary_pos_emb, finalize_model_grads, rope_cos_sin
 from minimegatron.model.init import init_name
 from minimegatron.optim import Optimizer, learning_rate
 from minimegatron.parallel_state import Layout
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, make_batches, single_device_run,
                                   split_microbatches)
-from minimegatron.train import train, train_step
+from minimegatron.train import before_optimizer_step, optimizer_step, train, train_step
 
 __all__ = [
     "tiny_gpt2", "tiny_llama", "parameter_table", "future_leak", "rope_scores",
@@ -263,9 +263,9 @@ def accumulate_gradients(model: torch.nn.Module, microbatches: list[dict[str, to
 def accumulation_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tensor]], micro_batches: int,
                      train_cfg: TrainConfig, scale_loss: bool = True) -> RunRecord:
     """Train with each global batch cut into `micro_batches` pieces, one optimizer step per
-    global batch: the training loop's step (`train.train_step`: the gradient hooks, then the
-    optimizer: clip the global gradient norm, AdamW; zero the gradients) with its forward and
-    backward replaced by `accumulate_gradients`.
+    global batch: `accumulate_gradients`, then the rest of the training loop's step
+    (`train.train_step`: the gradient hooks, then `train.optimizer_step`: clip the global
+    gradient norm, AdamW; zero the gradients).
     Returns the `RunRecord` (losses, first-step gradients, final parameters) that
     `testing.compare_runs` compares."""
     model = GPTModel(model_cfg)
@@ -277,9 +277,10 @@ def accumulation_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tenso
             first_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
 
     for step, batch in enumerate(batches):
-        loss, _ = train_step([model], optimizer, split_microbatches(batch, micro_batches), Layout(),
-                             learning_rate(step, train_cfg), on_grads=keep_first_grads,
-                             forward_backward=lambda chunks, mbs: accumulate_gradients(chunks[0], mbs, scale_loss))
+        loss = accumulate_gradients(model, split_microbatches(batch, micro_batches), scale_loss)
+        finalize_model_grads([model])
+        keep_first_grads()
+        optimizer_step(optimizer, learning_rate(step, train_cfg))
         losses.append(loss)
     return RunRecord(losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()})
 
@@ -395,8 +396,8 @@ def measure_budget(config: ModelConfig, batch: int, seq: int, seed: int = 0) -> 
     with FlopCounterMode(display=False) as counter:
         counted(tokens, labels=labels).mean().backward()
     optimizer, grads = Optimizer([model], TrainConfig()), []             # one step of the training loop
-    train_step([model], optimizer, [{"tokens": tokens, "labels": labels}], Layout(), TrainConfig().lr,
-               on_grads=lambda: grads.extend(p.grad for p in params))
+    with before_optimizer_step(optimizer, lambda: grads.extend(p.grad for p in params)):
+        train_step([model], optimizer, [{"tokens": tokens, "labels": labels}], Layout(), TrainConfig().lr)
     state = [optimizer.state[p] for p in params]
 
     def nbytes(ts) -> int:

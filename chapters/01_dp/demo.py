@@ -38,8 +38,8 @@ run (`check_variant`) against three things computed independently of the run, an
         `analysis.training_memory(config, zero_stage=, dp=)`; the difference is the padding.
 
 Every step is the training loop's own `train.train_step`, with its forward and backward
-written out here per micro-batch (its `forward_backward` argument) so that the ledger of each
-micro-batch can be shown; the reference is the same step on one device
+written out here per micro-batch (then its finalize_model_grads and `train.optimizer_step`) so
+that the ledger of each micro-batch can be shown; the reference is the same step on one device
 (`testing.single_device_run`).
 
 The last line starts with MATCH (exit status 0) or MISMATCH (exit status 1); under torchrun
@@ -67,12 +67,11 @@ from booktools.demo import (add_training_flags, check_at_least_one, demo_parser,
 from minimegatron.dp import (DistributedDataParallel, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel,
                              finish_grad_sync, local_tensors, no_sync, unwrap)
 from minimegatron.dp.zero import storage_bytes
-from minimegatron.model import GPTModel
+from minimegatron.model import GPTModel, finalize_model_grads
 from minimegatron.optim import NormGroup, Optimizer, learning_rate
-from minimegatron.parallel_state import Layout
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, global_batches, local_microbatch,
                                   single_device_run, wait_until)
-from minimegatron.train import train_step
+from minimegatron.train import optimizer_step
 
 ch00 = import_chapter("00")       # the tiny models and the fingerprint of a tensor
 
@@ -245,10 +244,10 @@ def train_variant(v: Variant, group) -> dict:
     """Train `v` on this rank over the data-parallel `group`; return what `check_variant` needs.
 
     Every step is the training loop's `train.train_step`, with its forward and backward written
-    out here per micro-batch (the `forward_backward` it accepts) so that each micro-batch's
+    out here per micro-batch (then train_step's own second half) so that each micro-batch's
     communication can be shown: micro-batches 0..M-2 inside no_sync(), the last one outside;
-    then train_step's finalize_model_grads (finish_grad_sync), the optimizer step (the global
-    norm clipped, the learning rate, AdamW) and zero_grad. The ledger is split per phase
+    then finalize_model_grads (finish_grad_sync) and train.optimizer_step (the learning rate,
+    the global norm clipped, AdamW, zero_grad). The ledger is split per phase
     (`phase_names`). Returns {"dp", "rank", "losses" (this rank's local loss per step),
     "ledger" [step][phase] -> [(op, bytes, tag)], "fingerprints" {name: int} of the final full
     parameters, "memory" {"params", "grads", "exp_avg", "exp_avg_sq", "optimizer"} bytes
@@ -282,7 +281,7 @@ def train_variant(v: Variant, group) -> dict:
                 if sync and m < M - 1:
                     finish_grad_sync(wrapper)     # the mistake: a sync per micro-batch
                 total += local.item()
-            return total                          # the last sync: train_step's finalize_model_grads
+            return total                          # the last sync: finalize_model_grads
 
         def on_grads(step=step):
             marks.append(len(ledger))             # the sync is done; the optimizer step comes next
@@ -299,8 +298,10 @@ def train_variant(v: Variant, group) -> dict:
         microbatches = [v.local_microbatch(batch, m, dp, rank) for m in range(M)]
         with wrapper.memory_profile(settle=wait_until) if profiling else nullcontext() as events:
             with comm.record_communication() as ledger:
-                loss, _ = train_step([wrapper], optimizer, microbatches, Layout(), learning_rate(step, v.train),
-                                     on_grads=on_grads, forward_backward=forward_backward)
+                loss = forward_backward([wrapper], microbatches)
+                finalize_model_grads([wrapper])
+                on_grads()
+                optimizer_step(optimizer, learning_rate(step, v.train))
         if profiling:
             out["profile"] = [(e.label, e.sharded, e.gathered) for e in events]
         bounds = marks + [len(ledger)]

@@ -55,7 +55,7 @@ from minimegatron.parallelize import build_model, build_optimizer, full_model_te
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, local_microbatch, single_device_run)
 from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
                             run_demo, verdict_line)
-from minimegatron.train import initialize_layout, train_step
+from minimegatron.train import before_optimizer_step, initialize_layout, train_step
 
 ch00 = import_chapter("00")         # fingerprint: bit-identical replicas
 
@@ -129,8 +129,8 @@ def train_run(run: TPRun) -> dict:
     norm sums over the TP group, and over the DP group under ZeRO) and train.train_step
     (micro-batches 0..M-2 inside no_sync(), the last one outside, finalize_model_grads, clip,
     AdamW). Every step runs inside one ledger, cut into phases where each micro-batch's
-    forward starts (a forward pre-hook) and where the gradients are final (train_step's
-    on_grads).
+    forward starts (a forward pre-hook) and where the gradients are final
+    (train.before_optimizer_step).
 
     Returns {"tp_rank", "dp_rank", "losses" (this DP rank's loss per step), "ledger"
     [step][phase] -> [(op, "tp"|"dp", bytes, tag)], "param_elements" (elements of this rank's
@@ -166,10 +166,9 @@ def train_run(run: TPRun) -> dict:
                 out["grads"] = full_model_tensors(chunks, layout, grads=True)
             final.append(len(ledger.records))
 
-        with comm.record_communication() as ledger:
+        with comm.record_communication() as ledger, before_optimizer_step(optimizer, on_grads):
             hook = model.register_forward_pre_hook(lambda module, args: starts.append(len(ledger.records)))
-            loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, run.train),
-                                 on_grads=on_grads)
+            loss, _ = train_step(chunks, optimizer, microbatches, layout, learning_rate(step, run.train))
             hook.remove()
         bounds = [0] + starts[1:] + [final[0]]
         phases = [calls(ledger.records[a:b]) for a, b in zip(bounds, bounds[1:])]

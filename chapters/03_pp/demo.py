@@ -66,7 +66,7 @@ from minimegatron.pp import (KINDS, Interval, PipelineComm, bubble_fraction, che
                              peak_in_flight, simulate)
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, local_microbatch, single_device_run)
 from minimegatron.tp import apply_tensor_parallel
-from minimegatron.train import initialize_layout, train_step
+from minimegatron.train import before_optimizer_step, initialize_layout, train_step
 from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
                             run_demo, verdict_line)
 
@@ -161,9 +161,9 @@ def train_run(run: PPRun) -> dict:
     "tied_copy" (the last stage's output layer, when tied)}.
 
     Every step is train.train_step, its forward and backward the schedule's
-    (pp.forward_backward_pipelining) called here to keep its StepRecord (the timings and the
-    saved bytes); the gradients are read between finalize_model_grads and the optimizer
-    (on_grads), their gathers left out of the ledger."""
+    (pp.forward_backward_pipelining), its StepRecord kept (`records`: the timings and the saved
+    bytes); the gradients are read between finalize_model_grads and the optimizer
+    (train.before_optimizer_step), their gathers left out of the ledger."""
     import torch.distributed as dist
 
     if dist.get_world_size() != run.world:
@@ -184,19 +184,14 @@ def train_run(run: PPRun) -> dict:
     for step, batch in enumerate(run.global_batches()):
         records = []
 
-        def forward_backward(chunks, microbatches):
-            loss, rec = pipeline.forward_backward_pipelining(chunks, microbatches, p2p, run.kind, layout.pp_group)
-            records.append(rec)
-            return loss
-
         def on_grads(step=step):
             if step == 0:
                 out["grads"] = full_model_tensors(chunks, layout, grads=True)     # (tag "full": left out)
 
-        with comm.record_communication() as ledger:     # the schedule, the DP and embedding syncs, the norm
+        # the ledger: the schedule, the DP and embedding syncs, the norm
+        with comm.record_communication() as ledger, before_optimizer_step(optimizer, on_grads):
             loss, _ = train_step(chunks, optimizer, run.local_microbatches(batch, layout.dp_rank), layout,
-                                 learning_rate(step, t), p2p, run.kind, on_grads=on_grads,
-                                 forward_backward=forward_backward)
+                                 learning_rate(step, t), p2p, run.kind, records=records)
         rec = records[0]
         if step == 0:
             out["saved_bytes"] = dict(rec.saved_bytes)

@@ -28,8 +28,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from ..config import ModelConfig, dtype_from_name
+from ..dp import DataParallel, storage_bytes
+from ..optim import Optimizer, is_expert_parameter
 from .params import count_parameters
 
 _DTYPE_ALIASES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
@@ -147,4 +150,36 @@ def training_memory(config: ModelConfig, *, param_dtype: torch.dtype | str | Non
     return result
 
 
-__all__ = ["as_dtype", "bytes_per_element", "adam_bytes_per_parameter", "training_memory"]
+# ---------------------------------------------------------------------------------------
+# measured: what a rank holds (train.py records it after the last step; run_report.py sets
+# it beside training_memory and rank_parameters)
+# ---------------------------------------------------------------------------------------
+def held_parameters(chunks: list[nn.Module]) -> list[nn.Parameter]:
+    """This rank's parameters over its chunks, each once (a tied weight is one parameter)."""
+    return list({id(p): p for c in chunks for p in c.parameters()}.values())
+
+
+def local_parameter_counts(chunks: list[nn.Module]) -> dict[str, int]:
+    """{"dense", "experts"}: the parameter elements this rank holds (rank_parameters is their formula)."""
+    held = held_parameters(chunks)
+    return {"dense": sum(p.numel() for p in held if not is_expert_parameter(p)),
+            "experts": sum(p.numel() for p in held if is_expert_parameter(p))}
+
+
+def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str, int]:
+    """The bytes this rank keeps from step to step: "parameters" (a tied weight once),
+    "gradients" (what the data-parallel wrappers hold, their memory_tensors(): DDP's buffers,
+    ZeRO-2's and ZeRO-3's shards; with none, the .grad backward gives each parameter, as many
+    bytes as the parameter), "main_parameters" (mixed precision: the optimizer's float32
+    copies) and "optimizer" (AdamW's two moments; its step counters left out)."""
+    params = held_parameters(chunks)
+    grads = [t for c in chunks if isinstance(c, DataParallel) for t in c.memory_tensors()["grads"]]
+    moments = [t for state in optimizer.state.values() for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
+    copies = [m for m, seg in zip(optimizer.main_params, optimizer.segments) if m is not seg.param]
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)     # noqa: E731
+    return {"parameters": size(params), "gradients": storage_bytes(grads) if grads else size(params),
+            "main_parameters": size(copies), "optimizer": size(moments)}
+
+
+__all__ = ["as_dtype", "bytes_per_element", "adam_bytes_per_parameter", "training_memory", "held_parameters",
+           "local_parameter_counts", "held_state_bytes"]

@@ -235,6 +235,11 @@ class DistributedDataParallel(DataParallel):
         """The gradient of `param` as this wrapper holds it: its view of the buffer."""
         return self.main_grad[param]
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The module's parameters; the gradients: the buckets' buffers."""
+        return {"params": list(self.module.parameters()),
+                "grads": [b.grad_data for b in self.buckets if b.grad_data is not None]}
+
     def optimizer_segments(self) -> list[Segment]:
         return [parameter_segment(p, lambda p=p: self.main_grad[p]) for p in self.module.parameters()
                 if p in self.main_grad]

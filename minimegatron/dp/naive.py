@@ -73,6 +73,13 @@ class DataParallel(nn.Module, GradientSource):
     def optimizer_segments(self) -> list[Segment]:
         return [parameter_segment(p, lambda p=p: self.grad_of(p)) for p in self.module.parameters() if p.requires_grad]
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """{"params", "grads"}: the tensors that hold this rank's parameters and gradients (each
+        wrapper says what it holds; analysis.held_state_bytes, zero.measure_memory). Here the
+        module's parameters and the .grad backward gave them."""
+        params = list(self.module.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None]}
+
     def local_tensors(self, grads: bool = False) -> dict[str, tuple[Placement, torch.Tensor]]:
         """{single-device name: (record, tensor)} of this rank's parameters, or of their
         gradients after finish_grad_sync (grad_of; zeros where there is none)."""

@@ -32,7 +32,7 @@ from minimegatron.model import GPTModel
 from minimegatron.optim import NormGroup, Optimizer, learning_rate
 from minimegatron.parallel_state import Layout
 from minimegatron.testing import local_microbatch, make_batches
-from minimegatron.train import train_step
+from minimegatron.train import before_optimizer_step, train_step
 from minimegatron.testing import wait_until
 
 SEQ = 16
@@ -110,8 +110,8 @@ def _train(case: dict, batches, start: int = 0, stop: int | None = None, state: 
         microbatches = [local_microbatch(batches[step], tcfg, m, layout.dp_rank, layout.dp) for m in range(case["M"])]
         profile_ctx = (wrapper.memory_profile(settle=wait_until) if case["stage"] == 3 and step == start
                        else nullcontext())
-        with record_communication() as ledger, profile_ctx as events:
-            loss, norm = train_step([wrapper], opt, microbatches, layout, learning_rate(step, tcfg), on_grads=on_grads)
+        with record_communication() as ledger, profile_ctx as events, before_optimizer_step(opt, on_grads):
+            loss, norm = train_step([wrapper], opt, microbatches, layout, learning_rate(step, tcfg))
         if events is not None:
             out["profile"] = [(e.label, e.sharded, e.gathered) for e in events]
         out["losses"].append(loss)

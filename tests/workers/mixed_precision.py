@@ -107,7 +107,7 @@ def found_inf_run() -> dict:
     each step, the scaler's updates, the returned norms, AdamW's step counts and the ledger's
     found-inf calls."""
     from minimegatron.parallel_state import Layout
-    from minimegatron.train import train_step
+    from minimegatron.train import before_optimizer_step, train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = GPTModel(ModelConfig.llama(hidden_size=32, num_layers=2, num_attention_heads=4,
@@ -121,8 +121,8 @@ def found_inf_run() -> dict:
             if poison:
                 next(model.parameters()).grad.view(-1)[0] = float("inf")
 
-        with comm.record_communication() as ledger:
-            _, norm = train_step([model], optimizer, [microbatch(0, step)], Layout(), 1e-2, on_grads=on_grads)
+        with comm.record_communication() as ledger, before_optimizer_step(optimizer, on_grads):
+            _, norm = train_step([model], optimizer, [microbatch(0, step)], Layout(), 1e-2)
         found += [r.op for r in ledger if r.tag == "found-inf"]
         norms.append(norm)
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})

@@ -9,6 +9,7 @@ from collections import Counter
 
 from minimegatron import comm
 from minimegatron.analysis import rank_parameters
+from minimegatron.analysis.memory import local_parameter_counts
 from minimegatron.parallel_state import get_group_ranks
 from minimegatron.run_report import KEYS_OF_THIS_RANK, records_by_dimension
 from minimegatron.testing import make_batches, train_layout
@@ -36,7 +37,7 @@ def measure_layouts(layouts: list[tuple]) -> list[dict]:
             train_module.train_step = real_step
         groups = {k: get_group_ranks(k) for k in KEYS_OF_THIS_RANK}
         out.append({"name": name, "pp_rank": layout.pp_rank, "ep_group": groups["ep"], "pp_group": groups["pp"],
-                    "params": train_module.local_parameter_counts(chunks),
+                    "params": local_parameter_counts(chunks),
                     "formula_params": rank_parameters(model, cfg, layout.pp_rank),
                     "records": {d: Counter(c) for d, c in records_by_dimension(records, groups).items()}})
     return out
