@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from minimegatron import comm, parallel_state
 from minimegatron.analysis import step_communication
+from minimegatron.analysis.communication import context_parallel_step_messages
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
 from booktools.demo import (Run, add_training_flags, check_at_least_one, check_sequence_length, demo_parser, run_demo,
                            verdict_line)
@@ -162,11 +163,13 @@ def train_runs(runs: list[SeqRun]) -> list[dict]:
 # ---------------------------------------------------------------------------------------
 def expected_ledger(run: SeqRun, pp_rank: int = 0) -> Counter:
     """The messages of one step on a rank of stage `pp_rank` with tags COMM_TAGS, as a Counter
-    of (op, tag, bytes): analysis.step_communication's "tp" and "cp" records (per micro-batch
-    tensor_parallel_messages, per attention layer and micro-batch context_parallel_messages,
-    under SP once per step the "sp-grads" all_reduce of every norm weight and row bias)."""
-    dims = step_communication(run.model, run.train, run.world, pp_rank)
-    return Counter({key: n for dim in ("tp", "cp") for key, n in dims.get(dim, Counter()).items() if key[1] in COMM_TAGS})
+    of (op, tag, bytes): analysis.step_communication's "tp" records (per micro-batch
+    tensor_parallel_messages, under SP once per step the "sp-grads" all_reduce of every norm
+    weight and row bias) and context_parallel_step_messages (per attention layer and
+    micro-batch context_parallel_messages)."""
+    records = (step_communication(run.model, run.train, run.world, pp_rank).get("tp", Counter())
+               + context_parallel_step_messages(run.model, run.train, pp_rank))
+    return Counter({key: n for key, n in records.items() if key[1] in COMM_TAGS})
 
 
 def wire_bytes(calls: Counter, group_size: int, tags=("fwd", "bwd")) -> float:

@@ -76,7 +76,7 @@ from ..pp import stage_layers
 from .params import count_parameters
 
 __all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT", "gradient_element_size",
-           "fp8_amax_reductions", "tensor_parallel_messages", "context_parallel_messages", "dispatcher_messages",
+           "fp8_amax_reductions", "tensor_parallel_messages", "context_parallel_messages", "context_parallel_step_messages", "dispatcher_messages",
            "dispatcher_step_messages", "pipeline_messages", "grad_norm_messages", "zero_bucket_numels", "zero3_unit_numels",
            "data_parallel_messages", "data_parallel_phases"]
 
@@ -253,6 +253,18 @@ def context_parallel_messages(model_cfg: ModelConfig, cfg: TrainConfig) -> Count
     return +(a2a + ring(hierarchical_sizes(cp, cfg.cp_comm_type, cfg.hierarchical_context_parallel_sizes)[1]))
 
 
+def context_parallel_step_messages(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> Counter:
+    """context_parallel_messages times the layers of stage pp_rank and the M micro-batches, and
+    the forward's messages again for each attention core recompute runs again."""
+    per_layer, M = context_parallel_messages(model_cfg, cfg), cfg.grad_accum_steps
+    again = recomputed_parts(model_cfg, cfg, pp_rank)
+    cores_again = again["attention"] + again["core_attn"]
+    out = Counter({k: c * len(_stage(model_cfg, cfg, pp_rank)[0]) * M for k, c in per_layer.items()})
+    out.update({(op, "recompute fwd", nbytes): c * cores_again * M
+                for (op, tag, nbytes), c in per_layer.items() if tag == "fwd" and cores_again})
+    return out
+
+
 def dispatcher_messages(model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, Counter]:
     """{"ep", "etp"}: Counter{(op, tag, bytes): calls} of the token dispatcher's messages of ONE
     MoE layer and micro-batch that do not depend on the routing (the "ep" and "etp" lines of the
@@ -306,8 +318,8 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
     """{dimension: Counter{(op, tag, bytes): calls}}: the records one optimizer step must make
     on a rank of stage pp_rank of a world of `world` ranks, for every dimension above 1, but the dispatcher's
     ROUTING_DEPENDENT messages, the gradient reductions (their bytes: rank_parameters) and the
-    loss and norm all-reduces. None for ep with a capacity factor (not computed here). See the
-    module docstring for each line."""
+    loss and norm all-reduces. None for cp under "a2a+p2p" and ep with a capacity factor (not
+    computed here). See the module docstring for each line."""
     m = model_cfg
     tp, cp, pp = cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.pipeline_model_parallel_size
     ep, etp, M = cfg.expert_model_parallel_size, cfg.etp, cfg.grad_accum_steps
@@ -330,13 +342,8 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
                           + (counts["final_norm"] if last else 0))
             out["tp"][("all_reduce", "sp-grads", replicated * gradient_element_size(m, cfg))] += 1
 
-    if cp > 1:
-        per_layer = context_parallel_messages(m, cfg)
-        out["cp"] = Counter({k: c * n * M for k, c in per_layer.items()})
-        cores_again = again["attention"] + again["core_attn"]
-        if cores_again:                                             # the forward's messages once more
-            out["cp"].update({(op, "recompute fwd", nbytes): c * cores_again * M
-                              for (op, tag, nbytes), c in per_layer.items() if tag == "fwd"})
+    if cp > 1:                      # a2a+p2p's records go to two sub-groups, not the cp group run_report sorts by
+        out["cp"] = None if cfg.cp_comm_type == "a2a+p2p" else context_parallel_step_messages(m, cfg, pp_rank)
 
     if moe_layers and m.moe_expert_capacity_factor is None:
         E = m.num_experts
