@@ -5,7 +5,7 @@ verify_checksums around torch.save / torch.load of a training checkpoint's state
     .venv/bin/python benchmarks/bench_checksum.py --mib 1024      # other sizes
     .venv/bin/python benchmarks/bench_checksum.py --smoke         # 1 MiB, one window: checks that it runs
 
-The state is what a one-process save writes (train._save): the parameters, AdamW's two
+The state is what a one-process save writes (resume.save_state): the parameters, AdamW's two
 moments (so 3 float32 tensors per parameter), a loss history and the configs, with the
 tensors shaped as a LLaMA-style model's (per layer: qkv, proj, fc1, fc2, two norms). Each
 row times, best of --repeats windows, interleaved so that a busy moment of the machine hits

@@ -6,7 +6,7 @@ ahead (--overlap-p2p-communication).
     python benchmarks/bench_overlap.py --smoke           # tiny sizes, one short window (~20 s)
 
 One step is `minimegatron.train.train_step` on the layout the training command builds
-(train.initialize_layout, parallelize.build_model / build_optimizer, a pp.PipelineComm for
+(resume.initialize_layout, parallelize.build_model / build_optimizer, a pp.PipelineComm for
 the pipeline), the same as `python -m minimegatron.train` with these flags on 2 ranks:
 
   sp            --tensor-model-parallel-size 2 --sequence-parallel
@@ -49,7 +49,8 @@ from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.launch import spawn
 from minimegatron.parallelize import build_model, build_optimizer
 from minimegatron.pp import PipelineComm
-from minimegatron.train import initialize_layout, train_step
+from minimegatron.resume import initialize_layout
+from minimegatron.train import train_step
 from machine import cpu_model, load_average  # benchmarks/machine.py
 
 VARIANTS = {"sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),

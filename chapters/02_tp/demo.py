@@ -55,7 +55,8 @@ from minimegatron.parallelize import build_model, build_optimizer, full_model_te
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, local_microbatch, single_device_run)
 from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
                             run_demo, verdict_line)
-from minimegatron.train import before_optimizer_step, initialize_layout, train_step
+from minimegatron.resume import initialize_layout
+from minimegatron.train import before_optimizer_step, train_step
 
 ch00 = import_chapter("00")         # fingerprint: bit-identical replicas
 
@@ -123,7 +124,7 @@ def phase_names(micro_batches: int) -> list[str]:
 def train_run(run: TPRun) -> dict:
     """Spawn (or torchrun) target, on every rank of a world of run.tp * run.dp ranks.
 
-    The training loop's own pieces: train.initialize_layout (the tp x dp groups),
+    The training loop's own pieces: resume.initialize_layout (the tp x dp groups),
     parallelize.build_model (GPTModel -> tp.apply_tensor_parallel over the TP group -> chapter
     01's data-parallel wrapper over the DP group), parallelize.build_optimizer (its gradient
     norm sums over the TP group, and over the DP group under ZeRO) and train.train_step

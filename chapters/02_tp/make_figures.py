@@ -19,7 +19,7 @@ models, float32, V = 257 (divisible by neither 2 nor 4). It prints
     tp.apply_tensor_parallel at tp=2 (groups [0, 1], [2, 3]) and tp=4 (the world), next to
     the chapter's formula; it stops with an error if they differ on any rank;
   * every collective of one training step of TP=2 x DP=2 (the training loop's own pieces:
-    train.initialize_layout, parallelize.build_model and build_optimizer, train.train_step:
+    resume.initialize_layout, parallelize.build_model and build_optimizer, train.train_step:
     bucketed DDP over the DP group, the global norm's one all-reduce over the TP group);
   * each rank's parameter count (split and replicated) next to the formula, and the
     activation bytes autograd saves per rank at tp = 1, 2, 4 (saved-tensor hooks);
@@ -60,7 +60,8 @@ from minimegatron.parallelize import build_model, build_optimizer, unwrap  # noq
 from minimegatron.placement import placement_of  # noqa: E402
 from minimegatron.testing import make_batches  # noqa: E402
 from minimegatron.tp import apply_tensor_parallel, pad_vocab_size, vocab_range  # noqa: E402
-from minimegatron.train import initialize_layout, train_step  # noqa: E402
+from minimegatron.resume import initialize_layout  # noqa: E402
+from minimegatron.train import train_step  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "figures"
 

@@ -66,7 +66,8 @@ from minimegatron.pp import (KINDS, Interval, PipelineComm, bubble_fraction, che
                              peak_in_flight, simulate)
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, local_microbatch, single_device_run)
 from minimegatron.tp import apply_tensor_parallel
-from minimegatron.train import before_optimizer_step, initialize_layout, train_step
+from minimegatron.resume import initialize_layout
+from minimegatron.train import before_optimizer_step, train_step
 from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
                             run_demo, verdict_line)
 

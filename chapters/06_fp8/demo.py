@@ -18,7 +18,7 @@ parameters, fp16's loss scaler), and runs train.train_step (testing.train_layout
         casts see the same numbers), or, where a layout's casts may use other scales (README
         §5), within fp8_layout_tolerance (testing.cast_layout_tolerance's derivation);
   [2/4] memory: the bytes each rank keeps from step to step (parameters, the gradient buffer,
-        the float32 main parameters, AdamW's moments; train.held_state_bytes) against
+        the float32 main parameters, AdamW's moments; analysis.memory.held_state_bytes) against
         rank_parameters x the bytes per parameter of the precision (18 for bf16 with float32
         main gradients: Megatron's theoretical_memory_usage);
   [3/4] communication of one step from the ledger, every dimension against
@@ -147,11 +147,11 @@ def make_run(model: ModelConfig, precision: str, tp: int = 1, cp: int = 1, pp: i
 def train_run(run: PrecisionRun) -> dict:
     """Spawn (or torchrun) target: testing.train_layout's record, plus what run_report reads of a
     rank ("pp_rank", "ep_group", "records" by dimension), the parameters it holds
-    ("held_parameters": dense, experts), the bytes it keeps ("held": train.held_state_bytes) and
+    ("held_parameters": dense, experts), the bytes it keeps ("held": analysis.memory.held_state_bytes) and
     the loss scale it ended with."""
     from minimegatron.dp import unwrap
     from minimegatron.parallel_state import get_group_ranks
-    from minimegatron.train import held_state_bytes, local_parameter_counts
+    from minimegatron.analysis.memory import held_state_bytes, local_parameter_counts
 
     out, chunks, layout, optimizer = train_layout(run.model, run.train, run.dp, run.global_batches())
     groups = {k: get_group_ranks(k) for k in KEYS_OF_THIS_RANK} if layout.world > 1 else {}

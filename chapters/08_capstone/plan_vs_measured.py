@@ -22,7 +22,7 @@ knows none of that; it gets the model and the layout, as on a real cluster:
            norm's scalars it leaves out;
   memory   plan.rank_memory for the rank's stage: the state (parameters, gradients, the
            float32 main copy, AdamW's moments) and the activations at the peak, each within 10%
-           of what the rank held (train.held_state_bytes: the tensors' own sizes; the saved-
+           of what the rank held (analysis.memory.held_state_bytes: the tensors' own sizes; the saved-
            tensor hooks of pp.timeline.StepRecord).
 
 It ends with a line starting AGREE (exit 0) or DISAGREE (exit 1).

@@ -15,7 +15,7 @@ from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.model.linear import GEMM, Gemm
 from minimegatron.parallelize import build_model
 from minimegatron.placement import placement_of
-from minimegatron.train import initialize_layout
+from minimegatron.resume import initialize_layout
 
 
 class _NoWeightGrad(torch.autograd.Function):
