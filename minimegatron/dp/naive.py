@@ -75,7 +75,7 @@ class DataParallel(nn.Module, GradientSource):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """{"params", "grads"}: the tensors that hold this rank's parameters and gradients (each
-        wrapper says what it holds; analysis.held_state_bytes, zero.measure_memory). Here the
+        wrapper says what it holds: analysis.memory.held_state_bytes, zero.measure_memory). Here the
         module's parameters and the .grad backward gave them."""
         params = list(self.module.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None]}
