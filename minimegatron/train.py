@@ -14,13 +14,11 @@
 
     train_step       forward and backward of the micro-batches, finalize_model_grads, optimizer_step
     train            the layout, the checkpoint (resume.py), the model, the loop, the checkpoints
-    main             the command line; what stops a run, on every rank together, and its exit status
+    main             the command line; what stops a run (every rank together) and its exit status
 
 The data order, the learning rate and the dropout RNG are functions of the step number and of
 state saved in the checkpoint, so a run resumed at step k repeats the uninterrupted run's losses
-bit for bit. What stops a run: a configuration that cannot run, a checkpoint that cannot be
-resumed or saved, a loss, gradient norm or parameter that is not finite, a loss scale that
-overflows on every step of a window, a collective that times out (watchdog.py).
+bit for bit.
 """
 
 from __future__ import annotations
@@ -132,7 +130,12 @@ def before_optimizer_step(optimizer: Optimizer, fn: Callable[[], object]) -> Ite
     there (finalize_model_grads ran) and not yet read, where a test or a demo looks at them, or
     breaks one. torch.optim.Optimizer.register_step_pre_hook, for one block."""
     step = optimizer.step
-    optimizer.step = lambda: (fn(), step())[1]
+
+    def fn_then_step() -> float | None:
+        fn()
+        return step()
+
+    optimizer.step = fn_then_step
     try:
         yield
     finally:
@@ -209,10 +212,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     (Megatron's order, tp fastest; a GPT-MoE's experts their own etp x ep x expert-dp x pp):
     the model split over tp (02, SP: 04), each sequence over cp (04), the layers over pp stages
     (03), dp = n / (tp cp pp) replicas each taking its slice of every global batch (01).
-    Resuming: each rank opens the checkpoint, then all agree (resume.py); rank 0 prints what
-    was loaded and holds cfg.save_dir's lock for the whole run. On every rank together: a
-    non-finite loss or gradient norm raises NonFiniteError naming the iteration; a collective
-    that times out raises watchdog.CollectiveTimeoutError naming the ranks that did not arrive."""
+    Each rank opens the checkpoint, then all agree (resume.py); rank 0 holds cfg.save_dir's lock.
+    Every rank together raises NonFiniteError (nonfinite.py) or, when a collective times out,
+    watchdog.CollectiveTimeoutError naming the ranks that did not arrive."""
     validate_layout(model_cfg, cfg, dist.get_world_size() if dist.is_initialized() else 1)
     layout = initialize_layout(cfg)
     try:
@@ -255,8 +257,7 @@ def _run(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, train_ds: GPT
          checkpoint: Checkpoint | None) -> TrainResult:
     """Build the model and the optimizer (restored from `checkpoint`, if any), then the loop."""
     chunks = build_model(model_cfg, cfg, layout, load=checkpoint.model_states if checkpoint else None)
-    # dropout masks, seeded once the model is built (building draws from the default generator):
-    # one stream per TP group, one per TP rank (tp/random.py), each pipeline stage its own
+    # dropout masks, seeded once built (building draws): per TP group, TP rank and stage (tp/random.py)
     model_parallel_manual_seed(cfg.data_seed, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
     optimizer = build_optimizer(chunks, cfg, layout)
     device = layout_device(cfg)
