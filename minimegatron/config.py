@@ -633,7 +633,7 @@ def adamw_step_bound(cfg: TrainConfig, dtype: torch.dtype) -> None:
     lr / (1 - adam_beta1^t), largest at t = 1, must not exceed the largest number of the dtype the
     update computes in (float32 for float32 and bfloat16 parameters, float64 for float64), or
     torch raises "value cannot be converted to type float without overflow" (torch 2.13). A huge
-    lr below the bound trains to a non-finite loss, which train.check_finite_step stops."""
+    lr below the bound trains to a non-finite loss, which nonfinite.check_finite_step stops."""
     compute = torch.promote_types(dtype, torch.float32)
     name, biggest = str(compute).replace("torch.", ""), torch.finfo(compute).max
     first_step = cfg.lr / (1.0 - cfg.adam_beta1)

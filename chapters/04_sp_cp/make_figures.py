@@ -61,7 +61,7 @@ from minimegatron.model import GPTModel
 from minimegatron.parallel_state import rank_groups
 from minimegatron.parallelize import build_model, unwrap
 from minimegatron.pp import stage_layers
-from minimegatron.train import initialize_layout
+from minimegatron.resume import initialize_layout
 from minimegatron.viz import colour, finish_figure, new_figure
 
 ch04 = import_chapter("04")        # chapters/04_sp_cp/demo.py: the runs and their formulas
