@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -60,6 +60,12 @@ def need(cond: bool, msg: str) -> None:
     """ConfigError(msg) unless cond."""
     if not cond:
         raise ConfigError(msg)
+
+
+def need_each(cfg: Any, names: Sequence[str], ok: Callable[[Any], bool], rule: str) -> None:
+    """ConfigError "name=value rule" for the first of the fields `names` whose value fails `ok`."""
+    for name in names:
+        need(ok(getattr(cfg, name)), f"{name}={getattr(cfg, name)} {rule}")
 
 
 def need_one_of(cfg: Any, name: str, *choices: str) -> None:
@@ -163,17 +169,13 @@ class ModelConfig:
     # ---- presets -------------------------------------------------------------------
     @classmethod
     def gpt2(cls, **overrides: Any) -> "ModelConfig":
-        base = dict(normalization="LayerNorm", activation="gelu",
-                    position_embedding_type="learned_absolute", add_bias_linear=True,
-                    untie_embeddings_and_output_weights=False)
-        return cls(**{**base, **overrides})
+        return cls(**overrides)           # the defaults are GPT-2's
 
     @classmethod
     def llama(cls, **overrides: Any) -> "ModelConfig":
-        base = dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
-                    add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                    num_query_groups=2)
-        return cls(**{**base, **overrides})
+        llama = dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope", num_query_groups=2,
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True)
+        return cls(**llama | overrides)
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -213,18 +215,15 @@ class ModelConfig:
     # ---- validation ----------------------------------------------------------------
     def validate(self) -> "ModelConfig":
         check_finite(self)
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                     "max_position_embeddings", "make_vocab_size_divisible_by"):
-            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        need_each(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings",
+                         "make_vocab_size_divisible_by"), lambda v: v > 0, "must be positive")
         need(self.num_query_groups is None or self.num_query_groups > 0,
-             f"num_query_groups={self.num_query_groups} must be positive (leave it unset for "
-             f"multi-head attention, num_query_groups = num_attention_heads)")
+             f"num_query_groups={self.num_query_groups} must be positive (leave it unset for multi-head attention, "
+             f"num_query_groups = num_attention_heads)")
         need(self.hidden_size % self.num_attention_heads == 0,
-             f"hidden_size={self.hidden_size} is not divisible by "
-             f"num_attention_heads={self.num_attention_heads}")
+             f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
         need(self.query_groups > 0 and self.num_attention_heads % self.query_groups == 0,
-             f"num_attention_heads={self.num_attention_heads} is not divisible by "
-             f"num_query_groups={self.query_groups}")
+             f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups={self.query_groups}")
         need_one_of(self, "normalization", "LayerNorm", "RMSNorm")
         need_one_of(self, "activation", "gelu", "swiglu")
         need_one_of(self, "position_embedding_type", "learned_absolute", "rope")
@@ -235,25 +234,20 @@ class ModelConfig:
         # positive and finite: with a negative epsilon the variance plus epsilon can reach 0
         # or below, a rotary base of 0 makes the frequencies infinite (both train to NaN),
         # and a negative std is no standard deviation (it used to be taken silently)
-        for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
-            value = getattr(self, name)
-            need(value > 0, f"{name}={value} must be positive")
-        for name in ("hidden_dropout", "attention_dropout"):
-            need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
+        need_each(self, ("layernorm_epsilon", "rotary_base", "init_method_std"), lambda v: v > 0, "must be positive")
+        need_each(self, ("hidden_dropout", "attention_dropout"), lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
         need(self.ffn_size > 0, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
         if self.num_experts is not None:
             need(self.num_experts >= 1, f"num_experts={self.num_experts} must be at least 1")
             need(1 <= self.moe_router_topk <= self.num_experts,
                  f"moe_router_topk={self.moe_router_topk} must be in [1, num_experts={self.num_experts}]")
             need(self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq} must be at least 1")
-            for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor"):
-                value = getattr(self, name)
-                need(value is None or value > 0, f"{name}={value} must be positive")
+            need_each(self, ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                             "moe_expert_capacity_factor"), lambda v: v is None or v > 0, "must be positive")
             need_one_of(self, "moe_router_score_function", "softmax", "sigmoid")
             need(not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
                  "moe_router_pre_softmax applies to moe_router_score_function='softmax' only")
-            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-                need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
+            need_each(self, ("moe_aux_loss_coeff", "moe_z_loss_coeff"), lambda v: v >= 0, "must be >= 0")
             need_one_of(self, "moe_token_drop_policy", "probs", "position")
             need_one_of(self, "moe_router_load_balancing_type", "aux_loss", "seq_aux_loss")
             need(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
@@ -491,16 +485,13 @@ class TrainConfig:
         the `model`, also what depends on it (the sequence length, the largest learning rate
         AdamW can take in the model's dtype: adamw_step_bound)."""
         check_finite(self)
-        for name in ("seq_length", "micro_batch_size", "grad_accum_steps", "train_iters"):
-            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
-        need(self.lr > 0, f"lr={self.lr} must be positive")
+        need_each(self, ("seq_length", "micro_batch_size", "grad_accum_steps", "train_iters", "lr"), lambda v: v > 0,
+                  "must be positive")
         need(0 <= self.min_lr <= self.lr, f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         need(0 <= self.lr_warmup_iters <= self.train_iters,
              f"lr_warmup_iters={self.lr_warmup_iters} must be in [0, train_iters={self.train_iters}]")
-        need(self.clip_grad >= 0, f"clip_grad={self.clip_grad} must be >= 0")
-        need(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
-        for name in ("adam_beta1", "adam_beta2"):      # torch.optim.AdamW's own ranges
-            need(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
+        need_each(self, ("clip_grad", "weight_decay"), lambda v: v >= 0, "must be >= 0")
+        need_each(self, ("adam_beta1", "adam_beta2"), lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")   # AdamW's own
         need(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
         need_one_of(self, "adam_impl", "default", "foreach", "fused")
         need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no "
@@ -531,9 +522,9 @@ class TrainConfig:
         need_one_of(self, "moe_token_dispatcher_type", "alltoall", "allgather")
         need(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
              f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} must be >= 1")
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "expert_model_parallel_size", "num_virtual_stages_per_pipeline_rank"):
-            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        need_each(self, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                         "expert_model_parallel_size", "num_virtual_stages_per_pipeline_rank"), lambda v: v >= 1,
+                  "must be >= 1")
         need(not (self.bf16 and self.fp16), "bf16 and fp16 are both set: choose one")
         need(self.loss_scale is None or self.loss_scale > 0, f"loss_scale={self.loss_scale} must be positive")
         if self.loss_scale is not None:
@@ -546,8 +537,7 @@ class TrainConfig:
                  f"{2.0 ** math.floor(math.log2(self.loss_scale)):g} or {2.0 ** math.ceil(math.log2(self.loss_scale)):g}")
         need(0 < self.min_loss_scale <= self.initial_loss_scale,
              f"min_loss_scale={self.min_loss_scale} must be in (0, initial_loss_scale={self.initial_loss_scale}]")
-        for name in ("loss_scale_window", "hysteresis"):
-            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        need_each(self, ("loss_scale_window", "hysteresis"), lambda v: v >= 1, "must be >= 1")
         need(not self.grad_reduce_in_bf16 or self.bf16, "grad_reduce_in_bf16 needs bf16")
         need(self.fp8_format in (None, "hybrid", "e4m3"), f"fp8_format={self.fp8_format!r} is not 'hybrid' or 'e4m3'")
         need_one_of(self, "fp8_recipe", "tensorwise", "delayed", "blockwise", "mxfp8")
@@ -577,8 +567,7 @@ class TrainConfig:
                  f"{'bf16' if self.bf16 else 'fp16'} needs the model's params_dtype={wanted!r}, not "
                  f"{model.params_dtype!r} (--{'bf16' if self.bf16 else 'fp16'} sets both)")
             need(self.seq_length <= model.max_position_embeddings,
-                 f"seq_length={self.seq_length} is longer than "
-                 f"max_position_embeddings={model.max_position_embeddings}")
+                 f"seq_length={self.seq_length} is longer than max_position_embeddings={model.max_position_embeddings}")
             adamw_step_bound(self, model.dtype)
             need(not (self.kernels == "triton" and model.attention_backend == "naive"),
                  "kernels='triton' with attention_backend='naive': the Triton FlashAttention replaces the attention "
@@ -649,15 +638,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def from_dict(cls: type, values: dict[str, Any]) -> Any:
-    """Build a config from a dict, rejecting unknown keys by name."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
-    return cls(**values)
-
-
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "to_dict",
-           "from_dict", "dtype_from_name", "check_finite", "adamw_step_bound", "is_power_of_two", "DTYPES",
+           "dtype_from_name", "check_finite", "adamw_step_bound", "is_power_of_two", "DTYPES",
            "DEFAULT_RECOMPUTE_MODULES", "AMAX_HISTORY_LEN_TE"]
