@@ -308,11 +308,10 @@ class TrainConfig:
     out_dir: str = opt("runs/latest", "--out-dir", group="checkpointing", help=(
         "directory of the loss log and plot (the book's)"))
     # data parallelism (chapter 01); the data-parallel size is the number of ranks
-    zero_stage: int = opt(0, "--zero-stage", group="parallelism",
-                          help="ZeRO stage over data parallelism: 0 replicated, 1 optimizer state, 2 + gradients, 3 + "
-                               "parameters sharded (chapter 01; the book's)",
-                          switches=[("--use-distributed-optimizer", 1,
-                                     "Megatron's distributed optimizer: the book's --zero-stage 1")])
+    zero_stage: int = opt(0, "--zero-stage", group="parallelism", help=(
+        "ZeRO stage over data parallelism: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded "
+        "(chapter 01; the book's)"),
+        switches=[("--use-distributed-optimizer", 1, "Megatron's distributed optimizer: the book's --zero-stage 1")])
     ddp_impl: str = opt("bucketed", "--ddp-impl", group="parallelism", help=(
         "with --zero-stage 0: naive (an all-reduce per gradient) or bucketed (overlapped with backward) (the book's)"))
     ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size", group="parallelism", help=(
@@ -399,18 +398,17 @@ class TrainConfig:
         "run's train_iters x grad_accum_steps)"))
     fp8_amax_compute_algo: str = opt("most_recent", "--fp8-amax-compute-algo", group="mixed precision", help=(
         "delayed scaling: the scale from the latest amax (most_recent) or the history's max"))
-    kernels: str = opt("torch", "--kernels", group="training",
-                       help="torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton kernels "
-                            "(interpreted on a CPU: for reading, not speed); compile: each layer through "
-                            "torch.compile (chapter 07) (the book's)",
-                       switches=[("--compile", "compile", "each transformer layer through torch.compile, the same as "
-                                                          "--kernels compile (chapter 07) (the book's)")])
+    kernels: str = opt("torch", "--kernels", group="training", help=(
+        "torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton kernels (interpreted on a CPU: for "
+        "reading, not speed); compile: each layer through torch.compile (chapter 07) (the book's)"),
+        switches=[("--compile", "compile", "each transformer layer through torch.compile, the same as --kernels "
+                                           "compile (chapter 07) (the book's)")])
     # activation recompute (chapter 07, recompute.py), Megatron's flags
-    recompute_granularity: str | None = opt(None, "--recompute-granularity", group="training",
-                                            help="activation recompute (chapter 07): full (whole layers, in units) or "
-                                                 "selective (the parts --recompute-modules names); unset: none",
-                                            switches=[("--recompute-activations", "selective", "selective recompute "
-                                                       "of --recompute-modules (Megatron's older switch)")])
+    recompute_granularity: str | None = opt(None, "--recompute-granularity", group="training", help=(
+        "activation recompute (chapter 07): full (whole layers, in units) or selective (the parts --recompute-modules "
+        "names); unset: none"),
+        switches=[("--recompute-activations", "selective", "selective recompute of --recompute-modules (Megatron's "
+                                                           "older switch)")])
     recompute_method: str | None = opt(None, "--recompute-method", group="training", help=(
         "full recompute: uniform (every --recompute-num-layers layers one unit) or block (the first "
         "--recompute-num-layers layers of each chunk)"))
@@ -472,8 +470,7 @@ class TrainConfig:
         need_each(self, ("adam_beta1", "adam_beta2"), lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")   # AdamW's own
         need(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
         need_one_of(self, "adam_impl", "default", "foreach", "fused")
-        need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no "
-                                  f"negative seed)")
+        need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no negative seed)")
         need(self.save_interval >= 0, f"save_interval={self.save_interval} must be >= 0 (0: save at the end only)")
         need_one_of(self, "ckpt_format", "torch", "torch_dist")
         need(self.exit_interval is None or self.exit_interval > 0, f"exit_interval={self.exit_interval} must be > 0")
@@ -491,9 +488,9 @@ class TrainConfig:
         need(not self.overlap_param_gather or self.overlap_grad_reduce,
              "overlap_param_gather needs overlap_grad_reduce (Megatron's rule)")
         need(not (self.overlap_grad_reduce or self.overlap_param_gather) or self.zero_stage in (1, 2),
-             f"overlap_grad_reduce / overlap_param_gather with zero_stage={self.zero_stage}: they time ZeRO-1/2's "
-             f"reduce-scatters and all-gathers (the bucketed DDP always overlaps its all-reduces; ZeRO-3 gathers per "
-             f"unit)")
+             f"overlap_grad_reduce / overlap_param_gather with zero_stage={self.zero_stage}: they time "
+             f"ZeRO-1/2's reduce-scatters and all-gathers (the bucketed DDP always overlaps its all-reduces; ZeRO-3 "
+             f"gathers per unit)")
         need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
         need_one_of(self, "cp_comm_type", "p2p", "all_gather", "a2a", "a2a+p2p")
@@ -556,7 +553,6 @@ class TrainConfig:
                  f"experts to recompute (the dense MLP is 'mlp')")
         return self
 
-
     def _validate_recompute(self) -> None:
         """Megatron's rules (TransformerConfig.__post_init__, checked on main d98e8a6): full needs
         a method and a number of layers; selective takes neither, and its modules from the list."""
@@ -568,9 +564,8 @@ class TrainConfig:
                  f"recompute_granularity='full' needs recompute_method 'uniform' or 'block', got {method!r}")
             need(n is not None and n >= 1, f"recompute_granularity='full' needs recompute_num_layers >= 1, got {n}")
         else:
-            need(method is None and n is None,
-                 f"recompute_method={method!r} and recompute_num_layers={n} are for recompute_granularity='full' "
-                 f"(got {granularity!r})")
+            need(method is None and n is None, f"recompute_method={method!r} and recompute_num_layers={n} are for "
+                                               f"recompute_granularity='full' (got {granularity!r})")
         need(granularity == "selective" or tuple(self.recompute_modules) == DEFAULT_RECOMPUTE_MODULES,
              f"recompute_modules={list(self.recompute_modules)} with recompute_granularity={granularity!r}: the modules "
              f"are for recompute_granularity='selective', and would be ignored (--recompute-granularity selective)")
