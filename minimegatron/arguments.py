@@ -90,11 +90,14 @@ NOT_IN_BOOK: dict[str, str] = {
 }
 
 
+HINT = "(python -m minimegatron.train --help lists every flag)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors raised as ConfigError (main prints them and returns 2)."""
 
     def error(self, message: str):
-        raise ConfigError(f"{message} (python -m minimegatron.train --help lists every flag)")
+        raise ConfigError(f"{message} {HINT}")
 
 
 class _NotInBook(argparse.Action):
@@ -119,16 +122,12 @@ def _shown(value: Any) -> str:
 def _defaults(field_name: str) -> str:
     """'[default: X]' for `python -m minimegatron.train` (preset tiny, --style llama), plus the
     values the other preset or style give where they differ."""
-    configs = {(preset, style): (getattr(ModelConfig, style)(**PRESETS[preset][0]), TrainConfig(**PRESETS[preset][1]))
-               for preset in PRESETS for style in ("llama", "gpt2")}
-    def value(key):
-        model, train_cfg = configs[key]
+    def value(preset: str, style: str) -> Any:
+        model, train_cfg = getattr(ModelConfig, style)(**PRESETS[preset][0]), TrainConfig(**PRESETS[preset][1])
         return getattr(model if hasattr(model, field_name) else train_cfg, field_name)
-    base = value(("tiny", "llama"))
-    others = [f"--preset {p}: {_shown(value((p, 'llama')))}" for p in PRESETS if value((p, "llama")) != base]
-    if value(("tiny", "gpt2")) != base:
-        others.append(f"--style gpt2: {_shown(value(('tiny', 'gpt2')))}")
-    return f"[default: {_shown(base)}" + "".join(f"; {o}" for o in others) + "]"
+    base = value("tiny", "llama")
+    others = [(f"--preset {p}", value(p, "llama")) for p in PRESETS] + [("--style gpt2", value("tiny", "gpt2"))]
+    return f"[default: {_shown(base)}" + "".join(f"; {name}: {_shown(v)}" for name, v in others if v != base) + "]"
 
 
 def _value_type(f: dataclasses.Field) -> dict[str, Any]:
@@ -151,15 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Flags and switches are spelled as in Megatron-LM (checked 2026-11-24), except those "
                             "marked (the book's)\nand the second names --layernorm-epsilon, --save-dir, --load-dir. "
                             "A preset sets the sizes;\nany flag given overrides it.")
-    groups = {"presets": parser.add_argument_group("presets")}
+    groups = {title: parser.add_argument_group(title) for title in ("presets", *GROUPS)}
     groups["presets"].add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                                    help="model and run sizes that train in seconds (tiny) to minutes (demo); a "
                                         "preset's warm-up scales with --train-iters [default: tiny]")
     groups["presets"].add_argument("--style", choices=["llama", "gpt2"], default="llama",
                                    help="llama: RMSNorm, SwiGLU, RoPE, no biases, untied; gpt2: LayerNorm, GELU, "
                                         "learned positions, biases, tied [default: llama]")
-    for title in GROUPS:
-        groups[title] = parser.add_argument_group(title)
     for f in FIELDS.values():
         if "group" not in f.metadata:
             raise RuntimeError(f"config field {f.name} has no command line: declare it with config.opt")
@@ -213,22 +210,18 @@ def parse_command_line(argv: Iterable[str] | None = None,
     parser = build_parser()
     namespace, extra = parser.parse_known_args(argv)
     if extra:
-        raise ConfigError(_explain_leftovers(extra, argv, parser) + " (python -m minimegatron.train --help lists "
-                                                                     "every flag)")
+        raise ConfigError(f"{_explain_leftovers(extra, argv, parser)} {HINT}")
     args = vars(namespace)
-    cli = {name.lstrip("-").replace("-", "_"): args.pop(name.lstrip("-").replace("-", "_"))
-           for name in CLI_ONLY}
+    cli = {dest: args.pop(dest) for dest in (flag.lstrip("-").replace("-", "_") for flag in CLI_ONLY)}
     model_over, train_over = PRESETS[args.pop("preset")]
     train_over = dict(train_over)
     style = args.pop("style")
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
-    given = {k: v for k, v in args.items() if v is not None}
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}     # nargs gives lists
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None}   # nargs: lists
     _refuse_ignored_flags(given)
     if "train_iters" in given and "lr_warmup_iters" not in given and "lr_warmup_iters" in train_over:
         train_over["lr_warmup_iters"] = train_over["lr_warmup_iters"] * given["train_iters"] // train_over["train_iters"]
-    if cli["lr_warmup_fraction"] is not None:
-        fraction = cli["lr_warmup_fraction"]
+    if (fraction := cli["lr_warmup_fraction"]) is not None:
         if "lr_warmup_iters" in given:
             raise ConfigError(f"give --lr-warmup-fraction ({fraction}) or --lr-warmup-iters "
                               f"({given['lr_warmup_iters']}), not both")
