@@ -16,10 +16,11 @@ its group) and checked against analysis/communication.py's formulas (`communicat
 each rank's parameters against `rank_parameters` and the bytes it holds from step to step
 (parameters, gradients, AdamW's moments) against 4 x e x those; the activations one micro-batch
 saves against one process's, and the micro-batches each stage holds at its peak against its
-schedule (`activation_lines`); the pipeline bubble against (p-1)/(vm+p-1); the throughput; and summary.png. Then, with --check-steps K (default 2), the
-book's promise for this very layout: K steps in float64 on these ranks against one process,
-MATCH or MISMATCH (`check_against_one_device`). The exit status is 1 when a formula does not
-hold or the check says MISMATCH.
+schedule (`activation_lines`); the pipeline bubble against (p-1)/(vm+p-1); the throughput; and
+summary.png. Then, with --check-steps K (default 2), the book's promise for this very layout:
+K steps in float64 on these ranks against one process, MATCH or MISMATCH
+(`check_against_one_device`). The exit status is 1 when a formula does not hold or the check
+says MISMATCH.
 
 Bytes are comm's convention (comm/ledger.py): what a rank hands to the call (the shard of an
 all-gather, the full input of a reduce-scatter, the tensor of a send).
@@ -85,13 +86,12 @@ def layout_lines(model_cfg: ModelConfig, cfg: TrainConfig, world: int) -> list[s
     rows += [("pp", n["pp"], f"the {L} layers: {L // n['pp']} per stage" + (f" in {v} chunks" if v > 1 else "") +
               f"; {cfg.pipeline_schedule} over {M} micro-batches" if n["pp"] > 1 else "-", "03 §3")]
     width = max(len(r[0]) for r in rows)
-    lines = [f"layout: {world} rank{'s' * (world > 1)} = " + " x ".join(f"{k} {n[k]}" for k in ("tp", "cp", "dp", "pp")) +
-             (f"; experts: etp {n['etp']} x ep {n['ep']} x expert-dp {n['expert_dp']} x pp {n['pp']}"
-              if model_cfg.num_experts is not None else "") + f" (Megatron's order {ORDER}, tp fastest)",
-             f"  {'dim':<{width}} {'size':>4}  {'chapter':<13}what it cuts"]
-    for name, size, what, chapter in rows:
-        lines.append(f"  {name:<{width}} {size:>4}  {chapter:<13}{what}")
-    return lines
+    sizes = " x ".join(f"{k} {n[k]}" for k in ("tp", "cp", "dp", "pp"))
+    experts = (f"; experts: etp {n['etp']} x ep {n['ep']} x expert-dp {n['expert_dp']} x pp {n['pp']}"
+               if model_cfg.num_experts is not None else "")
+    return [f"layout: {world} rank{'s' * (world > 1)} = {sizes}{experts} (Megatron's order {ORDER}, tp fastest)",
+            f"  {'dim':<{width}} {'size':>4}  {'chapter':<13}what it cuts",
+            *(f"  {name:<{width}} {size:>4}  {chapter:<13}{what}" for name, size, what, chapter in rows)]
 
 
 def rank_grid_lines(cfg: TrainConfig, world: int) -> list[str]:
@@ -100,9 +100,8 @@ def rank_grid_lines(cfg: TrainConfig, world: int) -> list[str]:
     stage 0 (ranks that exchange tokens) when ep > 1."""
     n = _sizes(cfg, world)
     kw = dict(tp=n["tp"], pp=n["pp"], cp=n["cp"], ep=n["ep"], etp=n["etp"], order=ORDER)
-    coords = [rank_coordinates(r, world, **kw) for r in range(world)]
     cells: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-    for r, c in enumerate(coords):
+    for r, c in enumerate(rank_coordinates(r, world, **kw) for r in range(world)):
         cells[(c["pp_rank"], c["dp_rank"], c["cp_rank"])].append(r)
     cols = [(d, c) for d in range(n["dp"]) for c in range(n["cp"])]
     text = {key: "[" + " ".join(map(str, ranks)) + "]" for key, ranks in cells.items()}
@@ -114,7 +113,7 @@ def rank_grid_lines(cfg: TrainConfig, world: int) -> list[str]:
         lines.append((f"  stage {stage} " + " ".join(f"{text[(stage, d, c)]:<{width}}" for d, c in cols)).rstrip())
     if n["ep"] > 1:
         groups = rank_groups(world, **kw)
-        first = set(groups["pp"][i][0] for i in range(len(groups["pp"])))
+        first = {pipeline[0] for pipeline in groups["pp"]}
         ep_groups = [gr for gr in groups["ep"] if gr[0] in first]
         lines.append("  expert-parallel groups of stage 0 (the ranks that exchange tokens): "
                      + " ".join("[" + " ".join(map(str, gr)) + "]" for gr in ep_groups))
@@ -125,6 +124,12 @@ def rank_grid_lines(cfg: TrainConfig, world: int) -> list[str]:
 # communication per dimension
 # ---------------------------------------------------------------------------------------
 DIMENSION_ORDER = ("tp", "cp", "ep", "etp", "dp", "expert-dp", "pp", "embedding", "fp8", "loss and norm")
+# the tags that say their dimension: the reported loss and the gradient norm, one-scale FP8 casts
+# agreeing on their amax (fp8/linear.py), the gradient reductions (the experts' own buckets:
+# dp/ddp.py), a mixture's counts over its token set (tp x cp) or its stage
+DIMENSION_OF_TAG = {"loss": "loss and norm", "grad-norm": "loss and norm", "found-inf": "loss and norm",
+                    "fp8-amax": "fp8", "embedding-grads": "embedding", "expert-grads": "expert-dp", "grads": "dp",
+                    "params": "dp", "moe-aux": "ep", "moe-bias": "ep"}
 
 
 def dimension_of(record: CommRecord, groups: dict[str, list[int]]) -> str:
@@ -134,20 +139,10 @@ def dimension_of(record: CommRecord, groups: dict[str, list[int]]) -> str:
     group of each key of parallel_state, as global ranks)."""
     # a recomputed forward's messages (chapter 07) belong where the first forward's do
     tag, ranks = (record.tag or "").removeprefix("recompute "), list(record.group_ranks)
-    if tag in ("loss", "grad-norm", "found-inf"):
-        return "loss and norm"
-    if tag == "fp8-amax":                      # one-scale FP8 casts agree on their amax (fp8/linear.py)
-        return "fp8"
+    if tag in DIMENSION_OF_TAG:
+        return DIMENSION_OF_TAG[tag]
     if tag.startswith("pp-"):
         return "pp"
-    if tag == "embedding-grads":
-        return "embedding"
-    if tag == "expert-grads":                  # the experts' own buckets (dp/ddp.py)
-        return "expert-dp"
-    if tag in ("grads", "params"):
-        return "dp"
-    if tag in ("moe-aux", "moe-bias"):         # a mixture's counts over its token set (tp x cp) or its stage
-        return "ep"
     if tag.startswith("moe-"):
         return "etp" if tag.startswith("moe-etp") or ranks == groups.get("etp") != groups.get("ep") else "ep"
     for key, name in (("tp", "tp"), ("cp", "cp"), ("dp-cp", "dp"), ("pp", "pp")):
@@ -169,8 +164,10 @@ EXPLAINED = {"tp": "02 §4, 04 §2", "cp": "04 §4, §6", "ep": "05 §4", "etp":
              "expert-dp": "05 §6", "pp": "03 §2", "embedding": "03 §6", "fp8": "06 §5", "loss and norm": "02 §7"}
 
 
-def _bytes(counter: Counter, tags=None) -> int:
-    return sum(b * n for (op, tag, b), n in counter.items() if tags is None or tag in tags)
+def _bytes(records: dict[str, Counter], dim: str, tags=None, op=None) -> int:
+    """Bytes in one rank's `records` (records_by_dimension) on `dim`, of the `tags` and the `op` where given."""
+    return sum(b * n for (o, tag, b), n in records.get(dim, Counter()).items()
+               if (tags is None or tag in tags) and op in (None, o))
 
 
 def communication_checks(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict]) -> dict[str, list[str]]:
@@ -184,31 +181,26 @@ def communication_checks(model_cfg: ModelConfig, cfg: TrainConfig, gathered: lis
     for rank, r in enumerate(gathered):
         got, formula = r["records"], rank_parameters(model_cfg, cfg, r["pp_rank"])
         for dim, want in step_communication(model_cfg, cfg, len(gathered), r["pp_rank"]).items():
-            if want is None:
-                found[dim] += []
-                continue
             mine = Counter({k: c for k, c in got.get(dim, Counter()).items()
                             if k[1].removeprefix("recompute ") not in ROUTING_DEPENDENT
                             and k[1] not in ("grads", "expert-grads")})
-            found[dim] += [] if mine == want else [f"rank {rank}: unexpected {dict(mine - want)}, missing "
-                                                   f"{dict(want - mine)}"]
+            found[dim] += [] if want is None or mine == want else [f"rank {rank}: unexpected {dict(mine - want)}, "
+                                                                   f"missing {dict(want - mine)}"]
         if cfg.zero_stage == 0:
             for dim, tag, kind in (("dp", "grads", "dense"), ("expert-dp", "expert-grads", "experts")):
                 size = n["dp"] * n["cp"] if dim == "dp" else n["expert_dp"]
                 if size > 1 and formula[kind]:
-                    moved, want = _bytes(got.get(dim, Counter()), (tag,)), formula[kind] * g
+                    moved, want = _bytes(got, dim, (tag,)), formula[kind] * g
                     found[dim] += [] if moved == want else [f"rank {rank}: {moved:,} bytes, its gradients {want:,}"]
-        ep_records, etp_records = got.get("ep", Counter()), got.get("etp", Counter())
-        if _bytes(ep_records, ("moe-dispatch-bwd",)) != _bytes(ep_records, ("moe-combine",)):
+        if _bytes(got, "ep", ("moe-dispatch-bwd",)) != _bytes(got, "ep", ("moe-combine",)):
             found["ep"].append(f"rank {rank}: its dispatch's backward moved other bytes than its combine")
         for tag in ("moe-etp", "moe-etp-bwd"):
-            gathered_in = sum(b * c for (op, t, b), c in etp_records.items() if t == tag and op == "all_gather")
-            scattered = sum(b * c for (op, t, b), c in etp_records.items() if t == tag and op == "reduce_scatter")
+            gathered_in, scattered = (_bytes(got, "etp", (tag,), op) for op in ("all_gather", "reduce_scatter"))
             if scattered != n["etp"] * gathered_in:
                 found["etp"].append(f"rank {rank}: {tag} reduce-scatters {scattered:,} bytes, etp x all-gathered "
                                     f"{n['etp'] * gathered_in:,}")
     for group in {tuple(r["ep_group"]) for r in gathered if len(r["ep_group"]) > 1}:
-        sent, back = (sum(_bytes(gathered[m]["records"].get("ep", Counter()), (tag,)) for m in group)
+        sent, back = (sum(_bytes(gathered[m]["records"], "ep", (tag,)) for m in group)
                       for tag in ("moe-dispatch", "moe-combine"))
         if sent != back:
             found["ep"].append(f"ep group {list(group)}: {sent:,} bytes dispatched, {back:,} combined")
@@ -228,8 +220,7 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
     if not dims:
         lines.append("  none: one rank")
     for dim in dims:
-        rank = max(range(world), key=lambda i: _bytes(gathered[i]["records"].get(dim, Counter())))
-        records = gathered[rank]["records"].get(dim, Counter())
+        busiest = max((r["records"] for r in gathered), key=lambda records: _bytes(records, dim))
         if dim not in checks:
             verdict = "no formula: the reported loss and the gradient norm" if dim == "loss and norm" else "no formula"
         elif checks[dim]:
@@ -238,8 +229,8 @@ def report_lines(model_cfg: ModelConfig, cfg: TrainConfig, gathered: list[dict])
             verdict = "not computed for this comm type"
         else:
             verdict = f"= formula on all {world} ranks"
-        lines.append(f"  {dim:<14}{sum(records.values()):>5} calls {_bytes(records):>12,} bytes  {verdict}  "
-                     f"(chapter {EXPLAINED.get(dim, '-')})")
+        lines.append(f"  {dim:<14}{sum(busiest.get(dim, Counter()).values()):>5} calls {_bytes(busiest, dim):>12,} "
+                     f"bytes  {verdict}  (chapter {EXPLAINED.get(dim, '-')})")
     per_parameter = held_bytes_per_parameter(model_cfg, cfg)
     wrong = [i for i, r in enumerate(gathered) if not _holds_its_parameters(model_cfg, cfg, r, n)]
     failed += bool(wrong)
@@ -369,8 +360,7 @@ def held_bytes_per_parameter(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
     """Bytes a rank keeps per parameter it holds, without ZeRO (analysis.adam_bytes_per_parameter):
     4 x e in one precision; bf16 with float32 main parameters and gradients 2 + 4 + 4 + 8 = 18
     (Megatron's theoretical_memory_usage); fp16 2 + 2 + 4 + 8 = 16."""
-    mixed = cfg.bf16 or cfg.fp16
-    return adam_bytes_per_parameter(model_cfg.dtype, mixed, cfg.main_grads_dtype)["total"]
+    return adam_bytes_per_parameter(model_cfg.dtype, cfg.bf16 or cfg.fp16, cfg.main_grads_dtype)["total"]
 
 
 def expectation_lines(model_cfg: ModelConfig, cfg: TrainConfig) -> list[str]:
@@ -382,9 +372,8 @@ def expectation_lines(model_cfg: ModelConfig, cfg: TrainConfig) -> list[str]:
              f"chapter 02 §5, 05 §1):"]
     for stage in range(cfg.pipeline_model_parallel_size):
         held = rank_parameters(model_cfg, cfg, stage)
-        total = sum(held.values())
         each = f"{per_parameter}" if cfg.bf16 or cfg.fp16 else f"4 x {model_cfg.dtype.itemsize}"
-        memory = (f", {per_parameter * total:,} bytes held from step to step ({each} per parameter)"
+        memory = (f", {per_parameter * sum(held.values()):,} bytes held from step to step ({each} per parameter)"
                   if cfg.zero_stage == 0 else "")
         lines.append(f"  stage {stage}: {held['dense']:,} dense" +
                      (f" + {held['experts']:,} expert" if held["experts"] else "") + f" parameters{memory}")
@@ -469,7 +458,7 @@ def _after(model_cfg: ModelConfig, cfg: TrainConfig, result, check_steps: int) -
         tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * n["dp"] * len(result.losses)
         lines.append(f"throughput: {tokens / max(result.seconds, 1e-9):,.0f} tokens/s over {len(result.losses)} steps "
                      f"(this machine's wall clock; the ranks share its cores)")
-        busiest = {d: max(_bytes(r["records"].get(d, Counter())) for r in gathered)
+        busiest = {d: max(_bytes(r["records"], d) for r in gathered)
                    for d in DIMENSION_ORDER if any(d in r["records"] for r in gathered)}
         path = Path(cfg.out_dir) / "summary.png"
         path.parent.mkdir(parents=True, exist_ok=True)
