@@ -224,11 +224,8 @@ def make_batches(model_cfg: ModelConfig, steps: int, batch_size: int, seq_length
                  seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Random global batches {"tokens", "labels"} [batch_size, seq_length], one per step."""
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        x = torch.randint(0, model_cfg.vocab_size, (batch_size, seq_length + 1), generator=g)
-        out.append({"tokens": x[:, :-1], "labels": x[:, 1:]})
-    return out
+    rows = [torch.randint(0, model_cfg.vocab_size, (batch_size, seq_length + 1), generator=g) for _ in range(steps)]
+    return [{"tokens": x[:, :-1], "labels": x[:, 1:]} for x in rows]
 
 
 def global_batches(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int = 1,
