@@ -38,8 +38,7 @@ import torch.distributed as dist
 
 from . import watchdog
 
-__all__ = ["RankError", "spawn", "init_from_torchrun", "finish_torchrun", "print_once", "gloo_threads",
-           "free_port"]
+__all__ = ["RankError", "spawn", "init_from_torchrun", "finish_torchrun", "print_once", "gloo_threads"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -48,21 +47,10 @@ class RankError(RuntimeError):
     """A rank failed with an exception that cannot be rebuilt in the parent as its own class."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (another program may take it first; for
-    scripts that must write MASTER_PORT themselves)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 def _loopback_interface() -> str | None:
     """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
-    names = [name for _, name in socket.if_nameindex()]
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return None
+    names = {name for _, name in socket.if_nameindex()}
+    return next((candidate for candidate in ("lo", "lo0") if candidate in names), None)
 
 
 # --------------------------------------------------------------------------------------
@@ -73,14 +61,17 @@ class _DetachingPickler(pickle.Pickler):
     """A pickler that sends every tensor as a plain, detached CPU tensor."""
 
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor) and (
-            obj.requires_grad or obj.device.type != "cpu" or type(obj) is not torch.Tensor
-        ):
-            plain = obj.detach().cpu()
-            if type(plain) is not torch.Tensor:  # e.g. a Parameter: keep only the values
-                plain = plain.as_subclass(torch.Tensor)
-            return plain.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        if isinstance(obj, torch.Tensor):      # a Parameter too: keep only the values
+            return obj.detach().cpu().as_subclass(torch.Tensor).__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return NotImplemented
+
+
+def _exit_now(status: int) -> None:
+    """Flush what the user printed and leave at once, running no clean-up (a gloo peer or thread
+    may be stuck in it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _dumps(obj) -> bytes:
@@ -89,8 +80,7 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
-def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
-               conn, collective_timeout: float) -> None:
+def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes, conn, collective_timeout: float) -> None:
     """What every spawned process runs. Sends exactly one message on ``conn``: ``("ok", time,
     pickled_result)`` or ``("error", time, type_name, module, message, tb)``; the wall-clock time
     lets the parent tell the first failure from those it caused."""
@@ -105,8 +95,7 @@ def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
         fn, args, kwargs = pickle.loads(payload)  # imports fn's module: may fail, reported
         timeout = timedelta(seconds=collective_timeout)
         store = dist.TCPStore(LOOPBACK, store_port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         watchdog.start_heartbeat()
         result = fn(*args, **kwargs)
         conn.send(("ok", time.time(), _dumps(result)))
@@ -117,10 +106,8 @@ def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes,
             conn.send(message)
         finally:
             # The world is broken (a peer may wait forever for us): do not run the clean-up
-            # below, which talks to the peers. Flush what the user printed, then leave.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            # below, which talks to the peers.
+            _exit_now(1)
     # Success. Wait for the others before closing our sockets, so that no peer is still
     # reading from us when we go; then tear the process group down.
     try:
@@ -153,8 +140,7 @@ def _check_importable(fn: Callable) -> None:
     try:
         pickle.dumps(fn)
     except Exception as exc:
-        raise TypeError(f"cannot spawn {qualname!r}: it cannot be pickled ({exc}). {hint}") \
-            from None
+        raise TypeError(f"cannot spawn {qualname!r}: it cannot be pickled ({exc}). {hint}") from None
 
 
 @contextmanager
@@ -200,9 +186,8 @@ def _stop(processes) -> None:
             p.join()
 
 
-def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0,
-          collective_timeout: float = 60.0, env: dict[str, str] | None = None,
-          **kwargs) -> list[Any]:
+def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0, collective_timeout: float = 60.0,
+          env: dict[str, str] | None = None, **kwargs) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results in rank order.
 
     Each rank is a new "spawn" process (OMP_NUM_THREADS=1, RANK, WORLD_SIZE, LOCAL_RANK,
@@ -218,8 +203,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0,
     try:
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as exc:
-        raise TypeError(f"spawn: the arguments for {fn.__qualname__} cannot be pickled: "
-                        f"{exc}") from None
+        raise TypeError(f"spawn: the arguments for {fn.__qualname__} cannot be pickled: {exc}") from None
 
     # The rendezvous store, already bound to a free port (see the module docstring).
     store = dist.TCPStore(LOOPBACK, 0, None, is_master=True, wait_for_workers=False,
@@ -237,8 +221,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0,
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"minimegatron-rank{rank}",
-                            args=(rank, world_size, store.port, payload, writer,
-                                  collective_timeout))
+                            args=(rank, world_size, store.port, payload, writer, collective_timeout))
             with _environment({**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
                 p.start()
             writer.close()  # only the child writes; closed here so that we see EOF if it dies
@@ -261,12 +244,10 @@ def _collect(processes, readers, world_size: int, timeout: float) -> list[Any]:
     results: dict[int, Any] = {}
     pending = {readers[r]: r for r in range(world_size)}
     while pending:
-        remaining = deadline - time.monotonic()
-        ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, remaining))
+        ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            missing = sorted(pending.values())
-            raise TimeoutError(f"spawn: after {timeout:g} s, rank(s) {missing} of "
-                               f"{world_size} had not finished; all ranks were stopped")
+            raise TimeoutError(f"spawn: after {timeout:g} s, rank(s) {sorted(pending.values())} of {world_size} had "
+                               f"not finished; all ranks were stopped")
         errors, deaths = [], []
         for reader in ready:
             rank = pending.pop(reader)
@@ -335,15 +316,15 @@ def gloo_threads() -> int:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return -1
-    count = 0
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                name = f.read().strip()
-        except OSError:                                  # the thread ended meanwhile
-            continue
-        count += name.startswith(("gloo", "pt_gloo"))
-    return count
+    return sum(_thread_name(task).startswith(("gloo", "pt_gloo")) for task in tasks)
+
+
+def _thread_name(task: str) -> str:
+    try:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read()
+    except OSError:                                      # the thread ended meanwhile
+        return ""
 
 
 def finish_torchrun(status: int = 0, *, world_broken: bool = False) -> int:
@@ -360,9 +341,7 @@ def finish_torchrun(status: int = 0, *, world_broken: bool = False) -> int:
 
     watchdog.stop_heartbeat()                           # its thread too must end before shutdown
     if world_broken:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        _exit_now(status)
     parallel_state.destroy_model_parallel()
     had_group = dist.is_initialized()
     if had_group:
@@ -377,9 +356,7 @@ def finish_torchrun(status: int = 0, *, world_broken: bool = False) -> int:
             dist.destroy_process_group()
     gc.collect()
     if had_group and gloo_threads() > 0:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        _exit_now(status)
     return status
 
 
@@ -389,16 +366,14 @@ def print_once(message: str, *, key: str | None = None, file=None) -> bool:
     to the store key minimegatron/print-once/<key> (default: a digest of the message) prints (not
     rank 0 always: torchrun may stop rank 0 first); works before the group exists and after a
     failed collective. No launcher: it prints; no store reachable: rank 0 prints."""
-    file = sys.stderr if file is None else file
     rank = os.environ.get("RANK")
     first = rank is None
     if not first:
-        store = watchdog.job_store()
         key = key or hashlib.sha1(message.encode()).hexdigest()
         try:
-            first = store.add(f"minimegatron/print-once/{key}", 1) == 1
+            first = watchdog.job_store().add(f"minimegatron/print-once/{key}", 1) == 1
         except Exception:                                # noqa: BLE001 - no store (None) or it failed
             first = rank == "0"
     if first:
-        print(message, file=file, flush=True)
+        print(message, file=file or sys.stderr, flush=True)
     return first

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minimegatron.launch import RankError, _rebuild_exception, free_port, init_from_torchrun, spawn
+from minimegatron.launch import RankError, _rebuild_exception, init_from_torchrun, spawn
 from workers import launch_workers as w  # tests/workers/launch_workers.py
 
 
@@ -151,12 +151,3 @@ def test_init_from_torchrun_without_torchrun_is_a_world_of_one(monkeypatch):
         assert t.item() == 3.0
     finally:
         dist.destroy_process_group()
-
-
-def test_free_port_is_bindable():
-    import socket
-
-    port = free_port()
-    assert 0 < port < 65536
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
