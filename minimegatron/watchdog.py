@@ -22,6 +22,7 @@ Megatron: nvidia-resiliency-ext (--enable-ft-package, megatron/training/ft_integ
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import linecache
 import os
@@ -30,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -55,9 +57,8 @@ def job_store(timeout: float = 5.0) -> dist.TCPStore | None:
     """A new client of the job's TCPStore (MASTER_ADDR:MASTER_PORT), or None where none can be
     reached before the process group exists (torchrun's agent hosts it; launch.spawn's parent)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if host is None or port is None:
-        return None
-    if not (dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+    if host is None or port is None or not (dist.is_initialized() or
+                                            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         return None
     try:
         return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
@@ -72,11 +73,6 @@ def _key(rank: int) -> str:
 # ---------------------------------------------------------------------------------------
 # the heartbeat
 # ---------------------------------------------------------------------------------------
-def _is_comm_file(filename: str) -> bool:
-    path = filename.replace(os.sep, "/")
-    return "/torch/distributed/" in path or "/minimegatron/comm/" in path
-
-
 def main_thread_location() -> tuple[str, bool]:
     """(where the main thread is, "file:line in function" of its innermost frame outside
     torch; whether it is communicating: its innermost frame is in torch.distributed or
@@ -84,9 +80,9 @@ def main_thread_location() -> tuple[str, bool]:
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return "unknown", False
-    innermost = frame
+    innermost, path = frame, frame.f_code.co_filename.replace(os.sep, "/")
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-    communicating = _is_comm_file(frame.f_code.co_filename) or ".wait(" in line
+    communicating = "/torch/distributed/" in path or "/minimegatron/comm/" in path or ".wait(" in line
     while frame is not None and "/torch/" in frame.f_code.co_filename.replace(os.sep, "/"):
         frame = frame.f_back
     frame = frame or innermost
@@ -111,7 +107,7 @@ class Heartbeat:
         self.store, self.rank, self.interval = store, rank, interval
         self.doing = "starting"
         self.parent = os.getppid()
-        self.counts: dict[tuple[int, ...], int] = {}
+        self.counts: Counter[tuple[int, ...]] = Counter()
         self._lock = threading.Lock()
         self._recording = record_communication()          # a ledger that stays open, drained below
         self._ledger = self._recording.__enter__()
@@ -127,9 +123,7 @@ class Heartbeat:
             records = self._ledger.records
             new = records[:]                                # a copy, then drop what was copied
             del records[:len(new)]
-            for record in new:
-                if record.op not in ("send", "recv"):
-                    self.counts[record.group_ranks] = self.counts.get(record.group_ranks, 0) + 1
+            self.counts.update(record.group_ranks for record in new if record.op not in ("send", "recv"))
             where, communicating = main_thread_location()
             return {"rank": self.rank, "time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
                     "doing": self.doing, "where": where, "communicating": communicating,
@@ -139,10 +133,8 @@ class Heartbeat:
         while True:
             if os.getppid() != self.parent:            # the launcher died (where prctl is missing)
                 os.kill(os.getpid(), signal.SIGKILL)
-            try:
+            with contextlib.suppress(Exception):       # the store is gone: the job is ending
                 self.store.set(_key(self.rank), json.dumps(self.beat()))
-            except Exception:                          # noqa: BLE001 - the store is gone: the job is ending
-                pass
             if self._stop.wait(self.interval):
                 return
 
@@ -235,19 +227,14 @@ def missing_ranks_report(exc: BaseException, store: dist.TCPStore | None = None)
         if r == me and _heartbeat is not None:                 # it waited: that is why we are here
             beats[r] = _heartbeat.beat() | {"communicating": True}
             continue
-        try:
+        with contextlib.suppress(Exception):                   # no heartbeat read: leave that rank out
             if store.check([_key(r)]):
                 beats[r] = json.loads(store.get(_key(r)))
-        except Exception:                                  # noqa: BLE001 - leave that rank out
-            pass
     now = time.time()
-    silent = [r for r in range(world) if r not in beats]
     named, why = did_not_arrive(beats, now)
-    named = sorted(set(named) | set(silent))
-    if named:
-        verdict = ", ".join(f"rank {r}" for r in named) + " did not arrive"
-    else:
-        verdict = "every rank that reports a heartbeat has arrived (the hang is in a call the book does not count)"
+    named = sorted(set(named) | {r for r in range(world) if r not in beats})      # and the silent ones
+    verdict = (", ".join(f"rank {r}" for r in named) + " did not arrive" if named else
+               "every rank that reports a heartbeat has arrived (the hang is in a call the book does not count)")
     lines = [f"{head}: {verdict}"]
     for r in named:
         for reason in why.get(r, ["sends no heartbeat (never started one, or gone)"]):
@@ -258,9 +245,7 @@ def missing_ranks_report(exc: BaseException, store: dist.TCPStore | None = None)
         if b is None:
             lines.append(f"  rank {r}: no heartbeat")
             continue
-        if r == me:
-            state = "waiting in the collective that timed out (this rank)"
-        else:
-            state = f"{'communicating' if b['communicating'] else 'not communicating'} at {b['where']}"
+        state = ("waiting in the collective that timed out (this rank)" if r == me else
+                 f"{'communicating' if b['communicating'] else 'not communicating'} at {b['where']}")
         lines.append(f"  rank {r}: {now - b['time']:.1f} s ago, {b['doing']}, {state} (pid {b['pid']} on {b['host']})")
     return "\n".join(lines)
