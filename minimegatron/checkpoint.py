@@ -155,6 +155,38 @@ def verify_checksums(state: dict[str, Any], path: str | os.PathLike) -> None:
                               f"edit): restore the file, or resume from an earlier checkpoint")
 
 
+def write_checked(path: Path, state: dict[str, Any]) -> None:
+    """torch.save `state` with its checksums to `path`, atomically."""
+    payload = with_checksums(state)
+    _atomic_write(path, lambda tmp: torch.save(payload, tmp))
+
+
+def read_checked(path: Path, expect: dict[str, Any], what: str, *, mmap: bool = False) -> dict[str, Any]:
+    """The dict torch.load(weights_only=True) reads from checkpoint file `path`, its checksums checked,
+    without them. FileNotFoundError when there is none (the caller says what that means);
+    CheckpointError when it cannot be read, when its values differ from `expect`'s ("{path} is
+    not {what}"), or when it is damaged (verify_checksums)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # a truncated or foreign file: say which, keep the cause
+        raise _unreadable(path, exc) from exc
+    if expect and (not isinstance(state, dict) or any(state.get(k) != v for k, v in expect.items())):
+        raise CheckpointError(f"{path} is not {what}")
+    verify_checksums(state, path)
+    return {k: v for k, v in state.items() if k != "checksums"}
+
+
+def check_same_model(stored: dict[str, Any], run: dict[str, Any], path, may_change: tuple[str, ...] = ()) -> None:
+    """CheckpointError listing every field of the run's model config that differs from the
+    checkpoint's ("hidden_size: checkpoint 64, run 128"), apart from those in `may_change`."""
+    diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}" for k, v in run.items()
+             if stored.get(k) != v and k not in may_change]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
+
+
 def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     """Delete the `*.tmp` files that killed saves left in `directory`; returns them. Safe only while
     nothing else writes there (train saves on rank 0 after the barrier that follows every rank's file)."""
@@ -171,8 +203,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, An
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(directory)
     path = directory / f"iter_{step:07d}.pt"
-    payload = with_checksums({"format": FORMAT, "step": step, **state})
-    _atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    write_checked(path, {"format": FORMAT, "step": step, **state})
     _atomic_write(directory / "latest", lambda tmp: tmp.write_text(path.name + "\n"))
     return path
 
@@ -212,20 +243,10 @@ def load_checkpoint(path: str | os.PathLike, *, model_config: dict[str, Any] | N
         path = found
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file: say which, keep the cause
-        raise _unreadable(path, exc) from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a {FORMAT} file")
-    verify_checksums(state, path)
+    state = read_checked(path, {"format": FORMAT}, f"a {FORMAT} file")
     if model_config is not None:
-        stored = state.get("model_config", {})
-        diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}"
-                 for k, v in model_config.items() if stored.get(k) != v]
-        if diffs:
-            raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
-    return {k: v for k, v in state.items() if k != "checksums"}
+        check_same_model(state.get("model_config", {}), model_config, path)
+    return state
 
 
 def rank_path(directory: str | os.PathLike, step: int, rank: int) -> Path:
@@ -237,8 +258,7 @@ def save_rank_state(directory: str | os.PathLike, step: int, rank: int, state: d
     """Write one rank's own state (atomically); rank 0 moves `latest` later, after a barrier."""
     path = rank_path(directory, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = with_checksums({"format": FORMAT, "step": step, "rank": rank, **state})
-    _atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    write_checked(path, {"format": FORMAT, "step": step, "rank": rank, **state})
     return path
 
 
@@ -248,14 +268,7 @@ def load_rank_state(directory: str | os.PathLike, step: int, rank: int) -> dict[
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: was the checkpoint written by as many ranks as "
                               f"this run has (rank {rank} is missing)?")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise _unreadable(path, exc) from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("rank") != rank:
-        raise CheckpointError(f"{path} is not rank {rank}'s {FORMAT} file")
-    verify_checksums(state, path)
-    return {k: v for k, v in state.items() if k != "checksums"}
+    return read_checked(path, {"format": FORMAT, "rank": rank}, f"rank {rank}'s {FORMAT} file")
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,9 +295,7 @@ def all_ranks_agree(error: BaseException | None, what: str) -> None:
         text = str(error) or "CheckpointError"
     else:
         text = f"{type(error).__name__}: {error}"
-    data = text.encode()[:AGREE_BYTES]
-    mine = torch.zeros(AGREE_BYTES, dtype=torch.uint8)
-    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    mine = torch.tensor(list(text.encode()[:AGREE_BYTES].ljust(AGREE_BYTES, b"\0")), dtype=torch.uint8)
     rows = comm.all_gather(mine, None, tag="agree").view(-1, AGREE_BYTES)
     failed = {r: bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for r, row in enumerate(rows)
               if bool(row.any())}
@@ -326,11 +337,6 @@ def _owner(text: str) -> dict | None:
         return {"pid": "?", "host": "?", "started": "?", "command": text.strip()[:200]}
 
 
-def _describe(owner: dict) -> str:
-    return (f"pid {owner.get('pid')} on host {owner.get('host')}, started {owner.get('started')} "
-            f"({owner.get('command')})")
-
-
 def lock_save_dir(directory: str | os.PathLike) -> SaveDirLock:
     """Take the lock of `directory` (created if needed) for this process, the one of its run that
     writes `latest`; CheckpointError naming the owner when another process holds it.
@@ -350,7 +356,8 @@ def lock_save_dir(directory: str | os.PathLike) -> SaveDirLock:
         file.seek(0)
         owner = _owner(file.read()) or {"pid": "?", "host": "?", "started": "?", "command": "?"}
         file.close()
-        raise CheckpointError(f"save_dir {directory} is being written by another run: {_describe(owner)}; two "
+        raise CheckpointError(f"save_dir {directory} is being written by another run: pid {owner.get('pid')} on "
+                              f"host {owner.get('host')}, started {owner.get('started')} ({owner.get('command')}); two "
                               f"runs saving into one directory would mix their checkpoints: wait for that run to "
                               f"end, stop it, or give another --save") from None
     file.seek(0)

@@ -47,14 +47,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, _atomic_write, latest_checkpoint
+from .checkpoint import CheckpointError, _atomic_write
 from .config import ConfigError, ModelConfig, to_dict
 from .data.errors import DataError
 from .data.tokenizer import EOD_TEXT
 
 __all__ = ["to_hf_state", "from_hf_state", "hf_config", "model_config_from_hf", "check_hf_weights", "read_hf_config",
-           "save_safetensors",
-           "load_safetensors", "byte_tokenizer_json", "export_hf", "import_hf", "main"]
+           "save_safetensors", "load_safetensors", "byte_tokenizer_json", "export_hf", "import_hf", "main"]
 
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.int64: "I64", torch.int32: "I32"}
@@ -76,13 +75,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, 
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)                        # the data starts 8-byte aligned
-
-    def write(tmp):
-        with open(tmp, "wb") as fh:
-            fh.write(struct.pack("<Q", len(text)) + text)
-            for data in blobs:
-                fh.write(data)
-    _atomic_write(Path(path), write)
+    _atomic_write(Path(path), lambda tmp: tmp.write_bytes(b"".join([struct.pack("<Q", len(text)), text, *blobs])))
 
 
 def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -135,6 +128,16 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------
 # the names and the config
 # ---------------------------------------------------------------------------------------
+# Mixtral: every layer a mixture, softmax over all experts then the top k renormalised (the same
+# weights as the book's softmax over the chosen k), no bias, no shared expert. {field: (refused, why)}
+_NOT_MIXTRAL = {"moe_layer_freq": (lambda v: v != 1, "Mixtral's every layer is a mixture"),
+                "moe_shared_expert_intermediate_size": (lambda v: v is not None, "Mixtral has no shared expert"),
+                "moe_router_score_function": (lambda v: v != "softmax", "Mixtral's router is a softmax"),
+                "moe_router_pre_softmax": (bool, "Mixtral renormalises the chosen k"),
+                "moe_router_enable_expert_bias": (bool, "Mixtral's router has no bias"),
+                "moe_expert_capacity_factor": (lambda v: v is not None, "Mixtral drops no token")}
+
+
 def _check_exportable(cfg: ModelConfig) -> None:
     """ConfigError naming every field that LlamaForCausalLM (dense) or MixtralForCausalLM (a
     mixture of experts) cannot express."""
@@ -146,20 +149,8 @@ def _check_exportable(cfg: ModelConfig) -> None:
     if cfg.add_bias_linear:
         why.append("add_bias_linear=True (the converter maps no biases: --disable-bias-linear)")
     if cfg.num_experts is not None:
-        # Mixtral: every layer a mixture, softmax over all experts then the top k renormalised
-        # (the same weights as the book's softmax over the chosen k), no bias, no shared expert
-        why += [f"{field}={value!r} ({reason})" for field, value, bad, reason in (
-            ("moe_layer_freq", cfg.moe_layer_freq, cfg.moe_layer_freq != 1, "Mixtral's every layer is a mixture"),
-            ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
-             cfg.moe_shared_expert_intermediate_size is not None, "Mixtral has no shared expert"),
-            ("moe_router_score_function", cfg.moe_router_score_function, cfg.moe_router_score_function != "softmax",
-             "Mixtral's router is a softmax"),
-            ("moe_router_pre_softmax", cfg.moe_router_pre_softmax, cfg.moe_router_pre_softmax,
-             "Mixtral renormalises the chosen k"),
-            ("moe_router_enable_expert_bias", cfg.moe_router_enable_expert_bias, cfg.moe_router_enable_expert_bias,
-             "Mixtral's router has no bias"),
-            ("moe_expert_capacity_factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
-             "Mixtral drops no token")) if bad]
+        why += [f"{field}={getattr(cfg, field)!r} ({reason})" for field, (refused, reason) in _NOT_MIXTRAL.items()
+                if refused(getattr(cfg, field))]
     if why:
         raise ConfigError(f"this model cannot be written as {arch}: " + "; ".join(why))
 
@@ -228,14 +219,10 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     if missing:
         raise ConfigError(f"config.json (model_type {kind!r}) lacks {', '.join(missing)}")
     ints = [name for name in required + ("num_key_value_heads", "head_dim") if name not in _NUMBERS]
-    for name in ints:
-        value = config.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigError(f"config.json: {name}={value!r} is not an integer")
-    for name in _NUMBERS:
-        value = config.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"config.json: {name}={value!r} is not a number")
+    for name in ints + list(_NUMBERS):
+        value, number = config.get(name), name in _NUMBERS
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float) if number else int)):
+            raise ConfigError(f"config.json: {name}={value!r} is not {'a number' if number else 'an integer'}")
     why = _inexpressible(config)
     if why:
         raise ConfigError("config.json has what the book's model cannot express: " + "; ".join(why))
@@ -432,16 +419,9 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: each byte a printable character (the printable bytes are
     themselves, the others shifted past 255), which `tokenizers`' ByteLevel pre-tokenizer uses."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
 
 
 def byte_tokenizer_json() -> dict:
@@ -485,28 +465,14 @@ def _check_target(path: str | os.PathLike, flag: str, force: bool) -> None:
                               f"to write into it anyway")
 
 
-def _why_no_checkpoint(path: Path) -> str:
-    if not path.exists():
-        return "does not exist"
-    if not path.is_dir():
-        return "is a file, not a checkpoint directory"
-    if (path / "config.json").is_file():
-        return "is a Hugging Face folder, not a checkpoint (--from-hf DIR --save CKPT makes one of it)"
-    return "holds no --ckpt-format torch_dist checkpoint (train with --ckpt-format torch_dist to write one)"
-
-
 def export_hf(load: str | os.PathLike, out: str | os.PathLike, *, force: bool = False) -> Path:
     """Write the model of the torch_dist checkpoint `load` (a directory with `latest`, or one
     iteration's) as a Hugging Face folder `out` (module docstring). Returns `out`.
     CheckpointError when `out` is a file, or holds anything and `force` is off."""
     from .data import build_tokenizer
-    from .dist_checkpoint import is_distributed_checkpoint, load_full_state, read_common
-    path = Path(load)
-    if not is_distributed_checkpoint(path):
-        found = latest_checkpoint(path, warn=False) if path.is_dir() else None
-        if found is None or not is_distributed_checkpoint(found):
-            raise CheckpointError(f"--load {load} {_why_no_checkpoint(path)}")
-        path = found
+    from .dist_checkpoint import find_distributed_checkpoint, load_full_state, read_common
+    path = find_distributed_checkpoint(load, "--from-hf DIR --save CKPT",
+                                       " (train with --ckpt-format torch_dist to write one)")
     _check_target(out, "--to-hf", force)
     common = read_common(path)
     cfg = ModelConfig(**common["model_config"]).validate()
@@ -607,11 +573,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"starts from it")
         else:
             parser.error("give --load CKPT --to-hf OUT, or --from-hf DIR --save CKPT")
-    except (CheckpointError, ConfigError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:                         # unreadable input, unwritable output (read-only, /proc, full)
-        print(f"error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
+    except (CheckpointError, ConfigError, DataError, OSError) as exc:   # OSError: unreadable input, unwritable output
+        print(f"error: {exc.strerror or exc}: {exc.filename}" if isinstance(exc, OSError) else f"error: {exc}",
+              file=sys.stderr)
         return 2
     return 0
 

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .checkpoint import (CheckpointError, _atomic_write, _unreadable, remove_stale_temporaries, verify_checksums,
-                         with_checksums)
+from .checkpoint import (CheckpointError, _atomic_write, check_same_model, latest_checkpoint, read_checked,
+                         remove_stale_temporaries, write_checked)
 from .dp import local_tensors, unwrap
 from .fp8 import delayed_scaling_states, load_delayed_scaling_states
 from .optim import Optimizer
@@ -47,26 +47,43 @@ from .parallel_state import Layout
 from .placement import Placement
 
 __all__ = ["FORMAT", "save_distributed", "load_distributed", "read_common", "is_distributed_checkpoint",
-           "boxes_of_local", "local_from_full", "segment_run", "checkpoint_pieces", "piece_identity",
-           "layout_signature",
-           "load_full_state", "save_release",
-           "MAY_CHANGE"]
+           "find_distributed_checkpoint", "boxes_of_local", "local_from_full", "segment_run", "checkpoint_pieces",
+           "piece_identity", "layout_signature", "load_full_state", "save_release", "MAY_CHANGE"]
 
 FORMAT = "minimegatron-torch_dist-v1"
 COMMON = "common.pt"
-KINDS = ("model", "main", "exp_avg", "exp_avg_sq", "buffer", "fp8")
 # model config fields a resume may change: the precision (the float32 main parameters, or the
 # parameters themselves, are cast to the new dtype)
 MAY_CHANGE = ("params_dtype",)
 
 
-def iteration_dir(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f"iter_{step:07d}"
+def _new_iteration_dir(directory: str | os.PathLike, step: int) -> Path:
+    """iter_{step:07d} of `directory`, created, without the `*.tmp` files of a killed save."""
+    out = Path(directory) / f"iter_{step:07d}"
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    return out
 
 
 def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
     """Is `path` (what `latest` names) a directory of this format?"""
     return (Path(path) / COMMON).is_file()
+
+
+def find_distributed_checkpoint(load: str | os.PathLike, convert: str, hint: str = "") -> Path:
+    """The torch_dist checkpoint `load` names: an iteration's directory, or the one `latest` names in
+    it. CheckpointError "--load {load} ..." saying why there is none; `convert` is the command that
+    makes one of a Hugging Face folder, `hint` ends the message for a folder without one."""
+    path = Path(load)
+    if is_distributed_checkpoint(path):
+        return path
+    found = latest_checkpoint(path, warn=False) if path.is_dir() else None
+    if found is not None and is_distributed_checkpoint(found):
+        return found
+    why = ("does not exist" if not path.exists() else "is a file, not a checkpoint directory" if not path.is_dir()
+           else f"is a Hugging Face folder, not a checkpoint ({convert} makes one of it)"
+           if (path / "config.json").is_file() else f"holds no --ckpt-format torch_dist checkpoint{hint}")
+    raise CheckpointError(f"--load {load} {why}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,37 +202,41 @@ def save_distributed(directory: str | os.PathLike, step: int, chunks: list[nn.Mo
     """Write this rank's pieces of iteration `step` and its `own` state (random states); then rank 0
     writes the index and `common` (step, configs, history, ...), then `latest`. Collective over the
     world: two comm.all_gather_object (tag "checkpoint") and one barrier. Returns the directory."""
-    out = iteration_dir(directory, step)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
+    out = _new_iteration_dir(directory, step)
     pieces = checkpoint_pieces(chunks, optimizer)
     listed = comm.all_gather_object([piece_identity(d) for d, _ in pieces], None, tag="checkpoint")
-    writer: dict[tuple, int] = {}
-    for rank, identities in enumerate(listed):
-        for identity in identities:
-            writer.setdefault(identity, rank)            # the lowest rank holding it
-    mine, written = {}, set()
+    written = {identity for identities in listed[:layout.rank] for identity in identities}
+    mine = {}
     for n, (desc, tensor) in enumerate(pieces):
-        identity = piece_identity(desc)
-        if writer[identity] == layout.rank and identity not in written:
-            written.add(identity)
+        if piece_identity(desc) not in written:           # the lowest rank holding a piece writes it, once
+            written.add(piece_identity(desc))
             mine[f"{desc['kind']}/{desc['name']}/{n}"] = (desc, tensor)
-    name = f"rank_{layout.rank:05d}.pt"
-    payload = with_checksums({"format": FORMAT, "step": step, "rank": layout.rank, "own": own,
-                              "tensors": {key: t.contiguous().clone() for key, (_, t) in mine.items()},
-                              "index": [dict(desc, key=key, file=name) for key, (desc, _) in mine.items()]})
-    _atomic_write(out / name, lambda tmp: torch.save(payload, tmp))
-    index = comm.all_gather_object(payload["index"], None, tag="checkpoint")    # also: every file is written
+    index = _write_rank_file(out, step, layout.rank, own, mine)
+    index = comm.all_gather_object(index, None, tag="checkpoint")    # also: every file is written
     if layout.rank == 0:
         steps = [int(state["step"]) for state in (optimizer.state.values() if optimizer else []) if "step" in state]
         scaler = None if optimizer is None or optimizer.grad_scaler is None else optimizer.grad_scaler.state_dict()
-        body = with_checksums({"format": FORMAT, "step": step, "layout": layout_signature(layout),
-                               "adam_steps": steps[0] if steps else 0, "grad_scaler": scaler,
-                               "index": [desc for part in index for desc in part], **common})
-        _atomic_write(out / COMMON, lambda tmp: torch.save(body, tmp))
-        _atomic_write(Path(directory) / "latest", lambda tmp: tmp.write_text(out.name + "\n"))
+        _write_common(out, {"format": FORMAT, "step": step, "layout": layout_signature(layout),
+                            "adam_steps": steps[0] if steps else 0, "grad_scaler": scaler,
+                            "index": [desc for part in index for desc in part], **common})
     comm.barrier(None, tag="checkpoint")                  # nobody runs ahead of `latest`
     return out
+
+
+def _write_rank_file(out: Path, step: int, rank: int, own: dict, mine: dict[str, tuple[dict, torch.Tensor]]) -> list:
+    """Write rank_{rank:05d}.pt of the pieces `mine` ({key: (descriptor, tensor)}); returns its index."""
+    name = f"rank_{rank:05d}.pt"
+    index = [dict(desc, key=key, file=name) for key, (desc, _) in mine.items()]
+    write_checked(out / name, {"format": FORMAT, "step": step, "rank": rank, "own": own,
+                               "tensors": {key: t.contiguous().clone() for key, (_, t) in mine.items()},
+                               "index": index})
+    return index
+
+
+def _write_common(out: Path, body: dict) -> None:
+    """Write the iteration directory `out`'s common.pt, then point `latest` at it."""
+    write_checked(out / COMMON, body)
+    _atomic_write(out.parent / "latest", lambda tmp: tmp.write_text(out.name + "\n"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -240,16 +261,8 @@ class _Reader:
         if name not in self.files:
             if not file.is_file():
                 raise CheckpointError(f"{file} does not exist: the checkpoint in {self.path} is incomplete")
-            try:
-                payload = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:                        # a truncated or foreign file: say which
-                raise _unreadable(file, exc) from exc
-            verify_checksums(payload, file)
-            self.files[name] = payload
+            self.files[name] = read_checked(file, {}, "", mmap=True)
         return self.files[name]
-
-    def _tensor(self, desc: dict) -> torch.Tensor:
-        return self.payload(desc["file"])["tensors"][desc["key"]]
 
     def full(self, kind: str, name: str) -> torch.Tensor:
         """The single-device tensor `name` of `kind`, assembled from its pieces; CheckpointError
@@ -262,7 +275,7 @@ class _Reader:
             by_local[(str(desc["boxes"]), tuple(desc["local_shape"]))].append(desc)
         for descs in by_local.values():
             local_shape = tuple(descs[0]["local_shape"])
-            data = [self._tensor(desc) for desc in descs]
+            data = [self.payload(desc["file"])["tensors"][desc["key"]] for desc in descs]
             local = data[0].new_zeros(local_shape).reshape(-1)
             have = torch.zeros(local.numel(), dtype=torch.bool)
             for desc, t in zip(descs, data):
@@ -282,24 +295,13 @@ class _Reader:
         return out
 
 
-def _source(record: Placement) -> str:
-    """The single-device tensor a parameter holds part of: its own name, or the original's for a
-    copy (the tied output layer on a pipeline's last stage: the word embedding)."""
-    return record.copy_of or record.name
-
-
 def read_common(path: str | os.PathLike) -> dict:
+    """The common part of the checkpoint directory `path` (index, step, configs, history), checked."""
     file = Path(path) / COMMON
     try:
-        common = torch.load(file, map_location="cpu", weights_only=True)
+        return read_checked(file, {"format": FORMAT}, f"a {FORMAT} file")
     except FileNotFoundError:
         raise CheckpointError(f"{file} does not exist: {path} is not a complete {FORMAT} checkpoint") from None
-    except Exception as exc:
-        raise _unreadable(file, exc) from exc
-    if not isinstance(common, dict) or common.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a {FORMAT} file")
-    verify_checksums(common, file)
-    return {k: v for k, v in common.items() if k != "checksums"}
 
 
 @torch.no_grad()
@@ -316,31 +318,16 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
     path = Path(path)
     common = read_common(path)
     if model_config is not None:
-        stored = common.get("model_config", {})
-        diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}" for k, v in model_config.items()
-                 if stored.get(k) != v and k not in MAY_CHANGE]
-        if diffs:
-            raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
+        check_same_model(common.get("model_config", {}), model_config, path, MAY_CHANGE)
     reader = _Reader(path, common)
-
-    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The float32-or-better value of parameter `name`: the main copy when saved, else the model's."""
-        kind = "main" if reader.has("main", name) else "model"
-        if not reader.has(kind, name):
-            raise CheckpointError(f"checkpoint {path} has no tensor {name!r} (another model, or one saved without it)")
-        full = reader.full(kind, name)
-        if tuple(full.shape) != tuple(shape):
-            raise CheckpointError(f"checkpoint {path} holds {name} with shape {list(full.shape)}, this model "
-                                  f"{list(shape)}")
-        return full
-
-    # what this rank holds, by single-device name: parameters, and the optimizer's runs of them
+    # what this rank holds, by single-device name (a tied copy's: the original's, the word
+    # embedding): parameters, and the optimizer's runs of them
     wanted: dict[str, list] = defaultdict(list)
     for chunk in chunks:
         model = unwrap(chunk)
         params = {name for name, _ in model.named_parameters()}
         for p in model.parameters():
-            wanted[_source(p.placement)].append(("param", p.placement, tuple(p.shape), p))
+            wanted[p.placement.copy_of or p.placement.name].append(("param", p.placement, tuple(p.shape), p))
         for name, buf in model.state_dict().items():
             if name not in params:
                 if not reader.has("buffer", name):
@@ -354,7 +341,7 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
     segments = [] if optimizer is None else list(zip(optimizer.main_params, optimizer.segments))
     for i, (_, seg) in enumerate(segments):
         for (record, lo, hi), (shape, inside) in zip(seg.owners, seg.locations):
-            wanted[_source(record)].append(("run", record, tuple(shape), (i, lo, hi, inside)))
+            wanted[record.copy_of or record.name].append(("run", record, tuple(shape), (i, lo, hi, inside)))
 
     moments = optimizer is not None and optimizer_state and all(reader.has("exp_avg", name) for name in wanted)
     if moments:                               # AdamW's state, as torch keeps it, filled below
@@ -363,7 +350,13 @@ def load_distributed(path: str | os.PathLike, chunks: list[nn.Module], optimizer
             optimizer.adam.state[main] = {"step": torch.tensor(float(common["adam_steps"])),
                                           "exp_avg": torch.zeros_like(main), "exp_avg_sq": torch.zeros_like(main)}
     for name, targets in wanted.items():
-        full = value(name, targets[0][1].shape)
+        kind = "main" if reader.has("main", name) else "model"       # float32 or better: the main copy when saved
+        if not reader.has(kind, name):
+            raise CheckpointError(f"checkpoint {path} has no tensor {name!r} (another model, or one saved without it)")
+        full = reader.full(kind, name)
+        if tuple(full.shape) != tuple(targets[0][1].shape):
+            raise CheckpointError(f"checkpoint {path} holds {name} with shape {list(full.shape)}, this model "
+                                  f"{list(targets[0][1].shape)}")
         fulls = {kind: reader.full(kind, name) for kind in ("exp_avg", "exp_avg_sq")} if moments else {}
         for what, record, shape, target in targets:
             if what == "param":
@@ -391,22 +384,13 @@ def save_release(directory: str | os.PathLike, state: dict[str, torch.Tensor], c
     """Write a single-device `state` ({name: tensor}) as the torch_dist checkpoint of iteration 0 in
     `directory`, marked a release (resumed as the model alone, as --finetune). One process, no
     group. `common`: at least "model_config". Returns the iteration's directory."""
-    out = iteration_dir(directory, 0)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
+    out = _new_iteration_dir(directory, 0)
     pieces = [_pieces_of_tensor("model", Placement(name, tuple(t.shape)), tuple(t.shape), t)
               for name, t in state.items()]
-    name = "rank_00000.pt"
-    keys = {f"model/{desc['name']}/{n}": (desc, t) for n, (desc, t) in enumerate(pieces)}
-    payload = with_checksums({"format": FORMAT, "step": 0, "rank": 0, "own": {},
-                              "tensors": {key: t.contiguous().clone() for key, (_, t) in keys.items()},
-                              "index": [dict(desc, key=key, file=name) for key, (desc, _) in keys.items()]})
-    _atomic_write(out / name, lambda tmp: torch.save(payload, tmp))
-    body = with_checksums({"format": FORMAT, "step": 0, "release": True, "layout": {}, "adam_steps": 0,
-                           "grad_scaler": None, "index": payload["index"],
-                           "history": {"losses": [], "eval_losses": []}, **common})
-    _atomic_write(out / COMMON, lambda tmp: torch.save(body, tmp))
-    _atomic_write(Path(directory) / "latest", lambda tmp: tmp.write_text(out.name + "\n"))
+    index = _write_rank_file(out, 0, 0, {}, {f"model/{name}/{n}": piece for n, (name, piece) in
+                                             enumerate(zip(state, pieces))})
+    _write_common(out, {"format": FORMAT, "step": 0, "release": True, "layout": {}, "adam_steps": 0,
+                        "grad_scaler": None, "index": index, "history": {"losses": [], "eval_losses": []}, **common})
     return out
 
 
@@ -422,5 +406,4 @@ def load_full_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def layout_signature(layout: Layout) -> dict[str, int]:
     """The sizes that decide which rank holds what: a checkpoint's random states are restored
     only under the same ones."""
-    return {"world": layout.world, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": layout.dp,
-            "ep": layout.ep, "etp": layout.etp}
+    return {k: getattr(layout, k) for k in ("world", "tp", "pp", "cp", "dp", "ep", "etp")}

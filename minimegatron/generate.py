@@ -145,10 +145,6 @@ class CachedAttention:
         return cached_attention(q, k, v, c.k[self.layer], c.v[self.layer], c.key_valid, c.filled)
 
 
-def _attention_layers(model: nn.Module) -> list:
-    return [layer.self_attention for layer in unwrap(model).decoder.layers.values()]
-
-
 # ---------------------------------------------------------------------------------------
 # sampling
 # ---------------------------------------------------------------------------------------
@@ -238,7 +234,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
         valid[i, P - len(p):] = True
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)            # [b, total], 0 at the first real token
     generator = torch.Generator().manual_seed(seed)
-    layers = _attention_layers(m)
+    layers = [layer.self_attention for layer in m.decoder.layers.values()]
     cache, saved = None, [a.core_attention for a in layers]
     if use_cache:
         heads = [a.local_heads()[1] for a in layers]
@@ -252,16 +248,14 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     try:
         for t in range(max_new_tokens):
             end = P + t
-            start = cache.filled if cache is not None else 0
-            if cache is None:                                          # the whole sequence again, pads masked
-                logits = _stage_forward(m, pipeline, tokens[:, :end], positions[:, :end],
-                                        document_ids=_pads_apart(valid[:, :end]))
-            else:
-                logits = _stage_forward(m, pipeline, tokens[:, start:end], positions[:, start:end])   # [b, s, V(/tp)]
+            start = 0 if cache is None else cache.filled               # no cache: the whole sequence again
+            documents = _pads_apart(valid[:, :end]) if cache is None else None                  # pads masked
+            logits = _stage_forward(m, pipeline, tokens[:, start:end], positions[:, start:end], documents)
+            if cache is not None:
                 cache.filled = end
             ran += end - start
             token = torch.zeros(b, dtype=torch.long, device=device)
-            if logits is not None:                                     # the last stage (or the only one)
+            if logits is not None:                      # [b, s, V(/tp)] on the last stage (or the only one)
                 last = logits[:, -1]                                                        # [b, V(/tp)]
                 if tp_group is not None and comm.group_size(tp_group) > 1:
                     last = comm.all_gather(last.contiguous(), tp_group, dim=-1, tag="logits")   # [b, Vp]
@@ -373,20 +367,17 @@ def main(argv: list[str] | None = None) -> int:
                              tp_group=layout.tp_group if world > 1 else None, vocab_size=model_cfg.vocab_size,
                              stop=tokenizer.eod, pp_group=layout.pp_group if pp > 1 else None)
         seconds = time.perf_counter() - start
-    except (CheckpointError, ConfigError, ValueError) as exc:
+    except (CheckpointError, ConfigError, ValueError, OSError) as exc:     # OSError: an unreadable checkpoint file
         if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return finish_torchrun(2)
-    except OSError as exc:                                  # an unreadable checkpoint file
-        if rank == 0:
-            print(f"error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
+            print(f"error: {exc.strerror or exc}: {exc.filename}" if isinstance(exc, OSError) else f"error: {exc}",
+                  file=sys.stderr)
         return finish_torchrun(2)
     if rank == 0:
         for prompt, tokens in zip(args.prompt, new):
             print(f"{prompt}{tokenizer.decode(tokens)}")
         count = sum(len(t) for t in new)
-        print(f"[{count} tokens in {seconds:.2f} s, {count / seconds:.1f} tokens/s; "
-              f"{'KV cache ' + format(info['kv_cache_bytes'], ',') + ' bytes on this rank' if not args.no_kv_cache else 'no KV cache'}; "
+        cache = "no KV cache" if args.no_kv_cache else f"KV cache {info['kv_cache_bytes']:,} bytes on this rank"
+        print(f"[{count} tokens in {seconds:.2f} s, {count / seconds:.1f} tokens/s; {cache}; "
               f"{info['positions']:,} positions run]")
     return finish_torchrun(0)
 

@@ -29,13 +29,13 @@ from torch import nn
 
 from . import parallel_state
 from .arguments import FLAGS
-from .checkpoint import (CheckpointError, all_ranks_agree, latest_checkpoint, load_checkpoint, load_rank_state,
-                         save_checkpoint, save_rank_state)
+from .checkpoint import (CheckpointError, all_ranks_agree, check_same_model, latest_checkpoint, load_checkpoint,
+                         load_rank_state, save_checkpoint, save_rank_state)
 from .comm import barrier
 from .config import ModelConfig, TrainConfig, to_dict
 from .cp.attention import hierarchical_sizes
-from .dist_checkpoint import (MAY_CHANGE, is_distributed_checkpoint, layout_signature, load_distributed, read_common,
-                              save_distributed)
+from .dist_checkpoint import (MAY_CHANGE, find_distributed_checkpoint, is_distributed_checkpoint, layout_signature,
+                              load_distributed, read_common, save_distributed)
 from .dp import local_tensors, unwrap
 from .fp8 import delayed_scaling_states, load_delayed_scaling_states
 from .optim import Optimizer, learning_rate
@@ -48,23 +48,19 @@ __all__ = ["RESUME_MUST_MATCH", "SCHEDULE_FIELDS", "LAYOUT_FIELDS", "check_resum
            "chunk_state", "load_model"]
 
 
+# The layout's fields (a torch_dist checkpoint may change them on resume, LAYOUT_FIELDS)
+_PARALLELISM = ("zero_stage", "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
+                "num_virtual_stages_per_pipeline_rank", "sequence_parallel", "context_parallel_size", "cp_comm_type",
+                "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type")
 # What decides the rest of a run besides the saved state: resuming with other values would
 # silently break the "bit-identical to the uninterrupted run" guarantee, so it is refused.
 # train_iters and lr_warmup_iters are not here: they may change (check_resume_config).
-RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size", "grad_accum_steps",
-                     "lr", "min_lr", "weight_decay", "adam_beta1",
-                     "adam_beta2", "adam_eps", "clip_grad", "data_seed", "zero_stage",
-                     "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
-                     "num_virtual_stages_per_pipeline_rank", "sequence_parallel", "context_parallel_size",
-                     "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
-                     "moe_token_dispatcher_type")
+RESUME_MUST_MATCH = ("data_path", "tokenizer", "seq_length", "micro_batch_size", "grad_accum_steps", "lr", "min_lr",
+                     "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "data_seed") + _PARALLELISM
 SCHEDULE_FIELDS = ("train_iters", "lr_warmup_iters")
 # What a torch_dist checkpoint (dist_checkpoint.py) may change on resume besides the schedule: the
 # layout. The global batch must stay (micro_batch_size x grad_accum_steps x data-parallel size).
-LAYOUT_FIELDS = ("zero_stage", "tensor_model_parallel_size", "pipeline_model_parallel_size", "pipeline_schedule",
-                 "num_virtual_stages_per_pipeline_rank", "sequence_parallel", "context_parallel_size", "cp_comm_type",
-                 "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
-                 "micro_batch_size", "grad_accum_steps")
+LAYOUT_FIELDS = _PARALLELISM + ("micro_batch_size", "grad_accum_steps")
 
 
 def check_resume_config(saved: dict, cfg: TrainConfig, where: str, step: int) -> str | None:
@@ -257,11 +253,7 @@ def _open_distributed(path: Path, model_cfg: ModelConfig, cfg: TrainConfig, layo
     """open_checkpoint of dist_checkpoint.py's format: any layout (check_reshard_config; a
     --finetune run, or a release, only needs the same model and starts from iteration 0)."""
     common = read_common(path)
-    stored = common.get("model_config", {})
-    diffs = [f"{k}: checkpoint {stored.get(k)!r}, run {v!r}" for k, v in to_dict(model_cfg).items()
-             if stored.get(k) != v and k not in MAY_CHANGE]
-    if diffs:
-        raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
+    check_same_model(common.get("model_config", {}), to_dict(model_cfg), path, MAY_CHANGE)
     if cfg.finetune or common.get("release"):
         what = "the released model" if common.get("release") else f"the model of iteration {common['step']}"
         return Checkpoint(path, f"loaded {what} of {path} to train from iteration 0 (--finetune)", distributed=True,
@@ -315,16 +307,7 @@ def load_model(load: str, tensor_parallel: int = 1,
     checkpoint `load` (any layout saved it), cut over `tensor_parallel` x `pipeline_parallel`
     ranks (each data-parallel replica of the world generates the same tokens). Collective
     when the world has more than one rank (the layout's groups)."""
-    path = Path(load)
-    if not is_distributed_checkpoint(path):
-        found = latest_checkpoint(path, warn=False) if path.is_dir() else None
-        if found is None or not is_distributed_checkpoint(found):
-            why = ("does not exist" if not path.exists() else "is a file, not a checkpoint directory"
-                   if not path.is_dir() else "is a Hugging Face folder, not a checkpoint (python -m "
-                   "minimegatron.convert --from-hf DIR --save CKPT makes one of it)" if (path / "config.json").is_file()
-                   else "holds no --ckpt-format torch_dist checkpoint")
-            raise CheckpointError(f"--load {load} {why}")
-        path = found
+    path = find_distributed_checkpoint(load, "python -m minimegatron.convert --from-hf DIR --save CKPT")
     common = read_common(path)
     model_cfg = ModelConfig(**common["model_config"]).validate()
     cfg = TrainConfig(tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
