@@ -199,6 +199,7 @@ class Optimizer:
         # 16-bit model parameters: AdamW steps float32 copies (Megatron's main params)
         self.main_params = [seg.param if dtype in (None, seg.param.dtype) else seg.param.detach().to(dtype)
                             for seg in self.segments]
+        self._copies = [(m, s.param) for m, s in zip(self.main_params, self.segments) if m is not s.param]
         groups = [{"params": [m for m, s in zip(self.main_params, self.segments) if s.decay == decay],
                    "weight_decay": cfg.weight_decay if decay else 0.0} for decay in (True, False)]
         impl = {"default": {}, "foreach": dict(foreach=True), "fused": dict(fused=True)}[cfg.adam_impl]
@@ -263,9 +264,8 @@ class Optimizer:
                 return None
         norm = clip_grad_norm(self, self.clip_grad)
         self.adam.step()
-        for main, seg in zip(self.main_params, self.segments):
-            if main is not seg.param:
-                seg.param.copy_(main)                      # the model's 16-bit copy, refreshed
+        for main, param in self._copies:
+            param.copy_(main)                              # the model's 16-bit copy, refreshed
         for source in self.sources:
             source.after_optimizer_step()
         return norm
@@ -280,8 +280,7 @@ class Optimizer:
         """This rank's optimizer state (a copy): AdamW's, the main parameters when they are
         copies, the loss scaler's, and the segments' layout (elements, decay), which a load checks."""
         return {"segments": [(s.param.numel(), s.decay) for s in self.segments],
-                "main_params": [m.detach().clone() for m, s in zip(self.main_params, self.segments)
-                                if m is not s.param],
+                "main_params": [main.detach().clone() for main, _ in self._copies],
                 "optimizer": copy.deepcopy(self.adam.state_dict()),
                 "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
 
@@ -293,8 +292,7 @@ class Optimizer:
                              f"{sum(n for n, _ in theirs)} elements, this rank has {len(mine)} of "
                              f"{sum(n for n, _ in mine)}")
         with torch.no_grad():
-            for main, saved in zip([m for m, s in zip(self.main_params, self.segments) if m is not s.param],
-                                   state["main_params"]):
+            for (main, _), saved in zip(self._copies, state["main_params"]):
                 main.copy_(saved)
         self.adam.load_state_dict(copy.deepcopy(state["optimizer"]))
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:

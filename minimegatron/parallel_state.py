@@ -207,27 +207,22 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     # would pair up the wrong ranks or hang.
     # Keys with identical groups (dp and dp-cp when cp == 1, tp and etp when etp == tp)
     # share one ProcessGroup: the same members, so one communicator is enough.
-    made: dict[tuple, object] = {}
-    for key in KEYS:
-        for ranks in layout[key]:
-            if tuple(ranks) not in made:
-                made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                state.ranks[key], state.groups[key] = ranks, made[tuple(ranks)]
+    keyed = [(key, layout[key]) for key in KEYS]
     if hierarchical_context_parallel_sizes is not None:
         a2a, p2p = hierarchical_context_parallel_sizes
         if a2a * p2p != context_parallel_size:
             raise ValueError(f"hierarchical_context_parallel_sizes={[a2a, p2p]}: the product must be "
                              f"context_parallel_size={context_parallel_size}")
         for cp_ranks in layout["cp"]:
-            subgroups = {"hcp-a2a": [cp_ranks[j * a2a:(j + 1) * a2a] for j in range(p2p)],
-                         "hcp-p2p": [[cp_ranks[j * a2a + i] for j in range(p2p)] for i in range(a2a)]}
-            for key, groups in subgroups.items():
-                for ranks in groups:
-                    if tuple(ranks) not in made:
-                        made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
-                    if rank in ranks:
-                        state.ranks[key], state.groups[key] = ranks, made[tuple(ranks)]
+            keyed += [("hcp-a2a", [cp_ranks[j * a2a:(j + 1) * a2a] for j in range(p2p)]),
+                      ("hcp-p2p", [[cp_ranks[j * a2a + i] for j in range(p2p)] for i in range(a2a)])]
+    made: dict[tuple, object] = {}
+    for key, groups in keyed:
+        for ranks in groups:
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                state.ranks[key], state.groups[key] = ranks, made[tuple(ranks)]
     _STATE = state
 
 
@@ -324,22 +319,6 @@ def is_pipeline_first_stage() -> bool:
 
 def is_pipeline_last_stage() -> bool:
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
-
-
-def get_pipeline_model_parallel_next_rank() -> int:
-    """Global rank of the next stage (wrapping around, as in Megatron)."""
-    ranks = _state().ranks["pp"]
-    return ranks[(_rank_in("pp") + 1) % len(ranks)]
-
-
-def get_pipeline_model_parallel_prev_rank() -> int:
-    """Global rank of the previous stage (wrapping around, as in Megatron)."""
-    ranks = _state().ranks["pp"]
-    return ranks[(_rank_in("pp") - 1) % len(ranks)]
-
-
-def is_rank_in_embedding_group() -> bool:
-    return "embedding" in _state().ranks
 
 
 def get_embedding_group():

@@ -72,13 +72,14 @@ from torch import nn
 from ..config import ModelConfig, TrainConfig
 from ..cp.attention import hierarchical_sizes
 from ..dp.ddp import assign_buckets, megatron_default_bucket_size
+from ..dp.fsdp import gpt_unit_plan
 from ..pp import stage_layers
 from .params import count_parameters
 
 __all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT", "gradient_element_size",
            "fp8_amax_reductions", "tensor_parallel_messages", "context_parallel_messages", "context_parallel_step_messages", "dispatcher_messages",
            "dispatcher_step_messages", "pipeline_messages", "grad_norm_messages", "zero_bucket_numels", "zero3_unit_numels",
-           "data_parallel_messages", "data_parallel_phases"]
+           "data_parallel_phases"]
 
 # the dispatcher's messages whose sizes depend on the routing: checked by their sums instead
 ROUTING_DEPENDENT = ("moe-combine", "moe-dispatch-bwd", "moe-etp", "moe-etp-bwd", "fp8-amax-experts")
@@ -165,18 +166,15 @@ def recomputed_parts(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> 
     m, out = model_cfg, {"attention": 0, "core_attn": 0, "mlp": 0, "moe": 0}
     pp, v, granularity = cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank, cfg.recompute_granularity
     chunks = [stage_layers(m.num_layers, pp, pp_rank, v, c) for c in range(v)]
+    if granularity == "full" and cfg.recompute_method != "uniform":
+        chunks = [chunk[:cfg.recompute_num_layers] for chunk in chunks]        # "block"
+    n = sum(len(chunk) for chunk in chunks)
+    moe = sum(m.is_moe_layer(i) for chunk in chunks for i in chunk)
     if granularity == "full":
-        layers = [i for chunk in chunks
-                  for i in (chunk if cfg.recompute_method == "uniform" else chunk[:cfg.recompute_num_layers])]
-        moe = [i for i in layers if m.is_moe_layer(i)]
-        out.update(attention=len(layers), moe=len(moe),
-                   mlp=len(layers) - len(moe) + (len(moe) if m.moe_shared_expert_intermediate_size else 0))
+        out.update(attention=n, moe=moe, mlp=n - moe + (moe if m.moe_shared_expert_intermediate_size else 0))
     elif granularity == "selective":
-        layers = [i for chunk in chunks for i in chunk]
-        moe = [i for i in layers if m.is_moe_layer(i)]
         mods = cfg.recompute_modules
-        out.update(core_attn=len(layers) * ("core_attn" in mods), mlp=(len(layers) - len(moe)) * ("mlp" in mods),
-                   moe=len(moe) * ("moe" in mods))
+        out.update(core_attn=n * ("core_attn" in mods), mlp=(n - moe) * ("mlp" in mods), moe=moe * ("moe" in mods))
     return out
 
 
@@ -397,33 +395,10 @@ def zero_bucket_numels(model: nn.Module, bucket_size: int | None) -> list[int]:
 
 
 def zero3_unit_numels(model: nn.Module) -> dict[str, int]:
-    """ZeRO-3's units (dp/fsdp.py), in forward order: the embedding, each layer, the head
-    (final norm and an untied output layer)."""
+    """ZeRO-3's units (dp/fsdp.py's gpt_unit_plan), in forward order: the embedding, each layer,
+    the head (final norm and an untied output layer)."""
     named = list(model.named_parameters())
-    prefixes = {"embedding": ("embedding.",)}
-    prefixes.update({f"decoder.layers.{i}": (f"decoder.layers.{i}.",) for i in range(model.config.num_layers)})
-    prefixes["head"] = ("decoder.final_layernorm.", "output_layer.")
-    return {u: sum(p.numel() for n, p in named if n.startswith(pre)) for u, pre in prefixes.items()}
-
-
-def data_parallel_messages(model: nn.Module, cfg: TrainConfig, dp: int,
-                           e: int) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
-    """ZeRO stage 0, 1 or 2 over dp > 1 ranks, for a rank holding `model` (any module: its
-    parameters are what the wrapper syncs): (op, bytes, tag) of (the last micro-batch, the
-    optimizer step). See data_parallel_phases."""
-    named = list(model.named_parameters())
-    stage = cfg.zero_stage
-    if stage == 0 and cfg.ddp_impl == "naive":
-        return [("all_reduce", p.numel() * e, "grads") for _, p in named], []
-    if stage == 0:
-        numels = [p.numel() for _, p in named[::-1]]
-        size = cfg.ddp_bucket_size or megatron_default_bucket_size(dp)
-        return [("all_reduce", sum(numels[i] for i in b) * e, "grads") for b in assign_buckets(numels, size)], []
-    if stage not in (1, 2):
-        raise ValueError(f"data_parallel_messages: zero_stage={stage} is not 0, 1 or 2")
-    shards = [math.ceil(n / dp) for n in zero_bucket_numels(model, cfg.ddp_bucket_size)]
-    return ([("reduce_scatter", dp * s * e, "grads") for s in shards],
-            [("all_reduce", e, "grad-norm")] + [("all_gather", s * e, "params") for s in shards])
+    return {u.name: sum(p.numel() for n, p in named if n.startswith(u.prefixes)) for u in gpt_unit_plan(model)}
 
 
 def data_parallel_phases(model: nn.Module, cfg: TrainConfig, dp: int, e: int) -> list[list[tuple[str, int, str]]]:
@@ -443,12 +418,21 @@ def data_parallel_phases(model: nn.Module, cfg: TrainConfig, dp: int, e: int) ->
               use ("grads"); a tied head is one more use of the embedding unit; optimizer
               step: the norm's all_reduce ("grad-norm")
     Nothing inside no_sync for stages 0-2. A group of one rank communicates nothing."""
-    M = cfg.grad_accum_steps
+    M, stage = cfg.grad_accum_steps, cfg.zero_stage
     phases: list[list[tuple[str, int, str]]] = [[] for _ in range(M + 1)]
     if dp == 1:
         return phases
-    if cfg.zero_stage < 3:
-        phases[M - 1], phases[M] = data_parallel_messages(model, cfg, dp, e)
+    if stage == 0 and cfg.ddp_impl == "naive":
+        phases[M - 1] = [("all_reduce", p.numel() * e, "grads") for p in model.parameters()]
+    elif stage == 0:
+        numels = [p.numel() for p in model.parameters()][::-1]
+        size = cfg.ddp_bucket_size or megatron_default_bucket_size(dp)
+        phases[M - 1] = [("all_reduce", sum(numels[i] for i in b) * e, "grads") for b in assign_buckets(numels, size)]
+    elif stage in (1, 2):
+        shards = [math.ceil(n / dp) for n in zero_bucket_numels(model, cfg.ddp_bucket_size)]
+        phases[M - 1] = [("reduce_scatter", dp * s * e, "grads") for s in shards]
+        phases[M] = [("all_reduce", e, "grad-norm")] + [("all_gather", s * e, "params") for s in shards]
+    if stage < 3:
         return phases
     shard = {u: math.ceil(n / dp) for u, n in zero3_unit_numels(model).items()}
     uses = list(shard) + (["embedding"] if model.output_layer is None else [])

@@ -20,12 +20,14 @@ Megatron: megatron/core/distributed/param_and_grad_buffer.py (_ParamAndGradBuffe
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ..comm import all_gather_into_tensor
 from ..placement import Placement, placement_of
 
 __all__ = ["shard_range", "Bucket", "make_bucket"]
@@ -96,6 +98,13 @@ class Bucket:
         """Parameter i's elements of a flat [padded_numel] tensor, in its shape."""
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
 
+    def gathered(self, shard: torch.Tensor, group) -> dict[str, tuple[Placement, torch.Tensor]]:
+        """{single-device name: (record, tensor)}: every rank's `shard` [shard_numel] of this bucket
+        all-gathered over `group` (one all-gather, tag "inspect"), cut into its parameters (copies)."""
+        full = shard.new_empty(self.padded_numel)
+        all_gather_into_tensor(full, shard.detach(), group, tag="inspect")
+        return {r.name: (r, self.view(full, i).clone()) for i, r in enumerate(self.records)}
+
     def shard_owners(self, lo: int = 0, hi: int | None = None) -> list[tuple[Placement, int, int]]:
         """(record, a, b) for every parameter overlapping this rank's shard elements [lo, hi)
         (default: all of it): elements [a, b) of that stretch are its (padding belongs to none)."""
@@ -123,10 +132,8 @@ def make_bucket(index: int, params: list[nn.Parameter], group, dp: int = 1, rank
     one `rank`) when dp > 1, padded to dp * S. grad_data: the gradient buffer to use (a slice of a
     larger one), else a new zero one in grad_dtype (default: the parameters') if hold_grads.
     hold_params: the parameters become views of a new param_data (their values copied in)."""
-    offsets, numel = [], 0
-    for p in params:
-        offsets.append(numel)
-        numel += p.numel()
+    offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
+    numel = offsets.pop()                              # [0, n0, n0 + n1, ...]: the last is the total
     start, end = shard_range(numel, dp, rank) if dp > 1 else (0, numel)
     padded = dp * (end - start) if dp > 1 else numel
     first = params[0]

@@ -208,28 +208,36 @@ class DistributedDataParallel(DataParallel):
         bucket.grad_data.mul_(1.0 / self.dp_size)
         tag = "expert-grads" if bucket.experts else "grads"
         bucket.work = comm.all_reduce(bucket.grad_data, bucket.group, op="sum", tag=tag, async_op=True)
-        self.recorder.launched(bucket.index, bucket.work, bucket.grad_data.numel(),
-                               bucket.grad_data.numel() * bucket.grad_data.element_size())
+        self.recorder.launched(bucket.index, bucket.work, bucket.grad_data)
 
     # ------------------------------------------------------------------ the interface
     def finish_grad_sync(self) -> None:
         """Launch the buckets not launched yet (bucket order), wait for all, and point every p.grad at
         its buffer view (when the dtypes agree): the DP-averaged gradient."""
         self.check_can_sync()
+        self._sync_buckets(self.buckets)
+        self._synced = True
+
+    def _sync_buckets(self, buckets: list[Bucket]) -> None:
+        """Launch the buckets not launched yet (in order), wait for each, time it into self.timeline,
+        and point p.grad at its view."""
         self.recorder.sync_started()
-        for bucket in self.buckets:
+        for bucket in buckets:
             if bucket.work is None:         # overlap=False, or a bucket that never completed
                 self._start_grad_sync(bucket)
-        for bucket in self.buckets:
+        for bucket in buckets:
             with self.recorder.waiting(bucket.index):
                 bucket.work.wait()
             bucket.work = None
             bucket.ready.clear()
+        self.timeline = self.recorder.finish()
+        self._point_grads()
+
+    def _point_grads(self) -> None:
+        """Every p.grad becomes its view of the buffer, where the dtypes agree (else read grad_of)."""
         for p, view in self.main_grad.items():
             if view.dtype == p.dtype:
                 p.grad = view
-        self._synced = True
-        self.timeline = self.recorder.finish()
 
     def grad_of(self, param: nn.Parameter) -> torch.Tensor:
         """The gradient of `param` as this wrapper holds it: its view of the buffer."""

@@ -136,13 +136,12 @@ def free_unit_parameters(unit: Unit) -> None:
         module.__dict__.pop(attr, None)
 
 
+@dataclass(eq=False)
 class _UnitUse:
     """One gathering of a unit in one forward, alive until that use's backward has run."""
-
-    def __init__(self, unit: Unit):
-        self.unit = unit
-        self.fwd: list[torch.Tensor] | None = None   # the forward's gathered views
-        self.bwd: list[torch.Tensor] | None = None   # gathered again for backward (on demand)
+    unit: Unit
+    fwd: list[torch.Tensor] | None = None   # the forward's gathered views
+    bwd: list[torch.Tensor] | None = None   # gathered again for backward (on demand)
 
 
 @dataclass(frozen=True)
@@ -216,6 +215,9 @@ class FullyShardedDataParallel(DataParallel):
             members = [(n, q) for n, q in named if n.startswith(p.prefixes)]
             if members:
                 self.units[p.name] = _build_unit(p.name, members, module, group, grad_dtype)
+                p.trigger.register_forward_pre_hook(lambda m, a, p=p: self._gather_for(p))
+                if not p.free_at_end:
+                    p.trigger.register_forward_hook(lambda m, a, o, p=p: self._free_for(p.name))
         missing = sorted({n for n, _ in named} - {n for u in self.units.values() for n in u.names})
         if missing:
             raise ValueError(f"FullyShardedDataParallel: parameters in no unit: {missing[:5]}")
@@ -226,11 +228,6 @@ class FullyShardedDataParallel(DataParallel):
         self._in_backward: list[_UnitUse] = []           # uses gathered again for backward
         self.profile: list[MemoryEvent] | None = None   # recording (memory_profile)
         self._settle = None
-        for p in plan:
-            if p.name in self.units:
-                p.trigger.register_forward_pre_hook(lambda m, a, p=p: self._gather_for(p))
-                if not p.free_at_end:
-                    p.trigger.register_forward_hook(lambda m, a, o, p=p: self._free_for(p.name))
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -339,18 +336,8 @@ class FullyShardedDataParallel(DataParallel):
         every rank's shard (one all-gather per unit, tag "inspect")."""
         out = {}
         for u in self.units.values():
-            full = u.main_grad.new_empty(u.padded_numel) if grads else u.shard.new_empty(u.padded_numel)
-            all_gather_into_tensor(full, (u.main_grad if grads else u.shard).detach(), self.group, tag="inspect")
-            out.update({r.name: (r, u.view(full, i).clone()) for i, r in enumerate(u.records)})
+            out.update(u.gathered(u.main_grad if grads else u.shard, self.group))
         return out
-
-    def gather_parameters(self) -> dict[str, torch.Tensor]:
-        """The full parameters by single-device name (e.g. for a single-device checkpoint)."""
-        return {name: t for name, (_, t) in self.local_tensors().items()}
-
-    def gather_gradients(self) -> dict[str, torch.Tensor]:
-        """The full averaged gradients by name (after finish_grad_sync)."""
-        return {name: t for name, (_, t) in self.local_tensors(grads=True).items()}
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         gathered = [r() for r in self._gathered if r() is not None]
@@ -373,8 +360,7 @@ class FullyShardedDataParallel(DataParallel):
 
     def _track(self, tensors) -> None:
         self._gathered = [r for r in self._gathered if r() is not None]
-        for t in tensors:
-            self._gathered.append(weakref.ref(t._base if t._base is not None else t))
+        self._gathered += [weakref.ref(t._base if t._base is not None else t) for t in tensors]
 
     def _held(self) -> set[int]:
         """Storage addresses of the gathered buffers this wrapper still uses."""
@@ -384,14 +370,8 @@ class FullyShardedDataParallel(DataParallel):
 
     def _alive(self) -> dict[int, int]:
         """Storage address -> bytes of every gathered buffer still referenced anywhere."""
-        self._gathered = [r for r in self._gathered if r() is not None]
-        live = {}
-        for r in self._gathered:
-            t = r()
-            if t is not None:                  # (it may die between the two lines)
-                s = t.untyped_storage()
-                live[s.data_ptr()] = s.nbytes()
-        return live
+        storages = [t.untyped_storage() for t in (r() for r in self._gathered) if t is not None]
+        return {s.data_ptr(): s.nbytes() for s in storages}
 
     def released(self) -> bool:
         """True when every gathered buffer still alive is one this wrapper still uses."""
@@ -402,9 +382,8 @@ class FullyShardedDataParallel(DataParallel):
             return
         if self._settle is not None:
             self._settle(self.released)
-        live = self._alive()
         sharded = sum(u.shard.untyped_storage().nbytes() for u in self.units.values())
-        self.profile.append(MemoryEvent(label, sharded, sum(live.values())))
+        self.profile.append(MemoryEvent(label, sharded, sum(self._alive().values())))
 
 
 __all__ = ["Unit", "UnitPlan", "gpt_unit_plan", "gather_unit_parameters", "install_unit_parameters",

@@ -85,6 +85,14 @@ class DataParallel(nn.Module, GradientSource):
         gradients after finish_grad_sync (grad_of; zeros where there is none)."""
         return placement_local_tensors(self.module, grads, self.grad_of)
 
+    def gather_parameters(self) -> dict[str, torch.Tensor]:
+        """The full parameters by single-device name (local_tensors; sharded wrappers gather them)."""
+        return {name: t for name, (_, t) in self.local_tensors().items()}
+
+    def gather_gradients(self) -> dict[str, torch.Tensor]:
+        """The full averaged gradients by single-device name (after finish_grad_sync)."""
+        return {name: t for name, (_, t) in self.local_tensors(grads=True).items()}
+
 
 def no_sync(model: nn.Module):
     """model.no_sync() for a data-parallel wrapper; nothing to hold back for a bare model."""

@@ -22,6 +22,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class BucketEvent:
@@ -47,10 +49,6 @@ class BucketTimeline:
     def launched_during_backward(self) -> list[int]:
         """Indices of the buckets whose all-reduce started before backward ended."""
         return [e.bucket for e in self.buckets if e.launched < self.backward_end]
-
-    def exposed_seconds(self) -> float:
-        """Time finish_grad_sync spent waiting: the communication not hidden by backward."""
-        return sum(e.waited for e in self.buckets)
 
     def table(self) -> str:
         """A text table: one row per bucket, times in milliseconds."""
@@ -85,9 +83,10 @@ class TimelineRecorder:
     def grad_arrived(self) -> None:
         self._last_grad = time.perf_counter()
 
-    def launched(self, bucket: int, work, numel: int, nbytes: int) -> None:
-        """A bucket's asynchronous all-reduce `work` was just handed to the backend."""
-        event = self._events[bucket] = BucketEvent(bucket, numel, nbytes, time.perf_counter())
+    def launched(self, bucket: int, work, data: torch.Tensor) -> None:
+        """A bucket's asynchronous collective `work` of `data` was just handed to the backend."""
+        event = self._events[bucket] = BucketEvent(bucket, data.numel(), data.numel() * data.element_size(),
+                                                   time.perf_counter())
         if hasattr(work, "get_future"):
             def completed(future):                     # runs in gloo's thread when it is done
                 event.completed = time.perf_counter()

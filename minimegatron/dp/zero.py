@@ -125,14 +125,11 @@ class ZeroDataParallel(DistributedDataParallel):
         self.overlap_param_gather = overlap_param_gather
         self._gathers: dict[int, object] = {}    # bucket index -> its parameter all-gather in flight
         if overlap_param_gather:
-            owners = {}                           # module -> the buckets holding its own parameters
             for module_ in self.module.modules():
                 mine = {id(p) for p in module_.parameters(recurse=False)}
                 held = [b for b in self.buckets + self.expert_buckets if mine & {id(p) for p in b.params}]
-                if held:
-                    owners[module_] = held
-            for module_, held in owners.items():
-                module_.register_forward_pre_hook(lambda _m, _args, held=held: self._wait_for_params(held))
+                if held:                          # the buckets holding this module's own parameters
+                    module_.register_forward_pre_hook(lambda _m, _args, held=held: self._wait_for_params(held))
 
     def _make_buckets(self, params, group, bucket_numel, experts=False) -> None:
         """build_buckets over `group`, appended to self.buckets (DDP's constructor calls it)."""
@@ -183,8 +180,7 @@ class ZeroDataParallel(DistributedDataParallel):
             bucket.grad_data.mul_(self.expert_dp / self.dp)
         bucket.work = reduce_scatter_tensor(bucket.main_grad, bucket.grad_data, bucket.group, op="avg",
                                             tag="grads", async_op=True)
-        self.recorder.launched(bucket.index, bucket.work, bucket.grad_data.numel(),
-                               bucket.grad_data.numel() * bucket.grad_data.element_size())
+        self.recorder.launched(bucket.index, bucket.work, bucket.grad_data)
 
     def finish_grad_sync(self) -> None:
         """After the last micro-batch's backward: every bucket's main_grad holds this rank's
@@ -192,19 +188,7 @@ class ZeroDataParallel(DistributedDataParallel):
         per bucket now; stage 2: the buckets the backward did not complete are reduced now)."""
         self.check_can_sync()
         if self.stage == 1 and self.overlap:
-            self.recorder.sync_started()
-            for b in self.buckets + self.expert_buckets:
-                if b.work is None:                 # a bucket the backward did not complete
-                    self._start_grad_sync(b)
-            for b in self.buckets + self.expert_buckets:
-                with self.recorder.waiting(b.index):
-                    b.work.wait()
-                b.work = None
-                b.ready.clear()
-            self.timeline = self.recorder.finish()
-            for p, view in self.main_grad.items():
-                if view.dtype == p.dtype:
-                    p.grad = view
+            self._sync_buckets(self.buckets + self.expert_buckets)      # DDP's, with _start_grad_sync's scatter
         elif self.stage == 1:
             reduce_scatter_gradients(self.buckets, self.group)     # exercise 1.3
             # experts: the SUM over expert_group divided by the dense dp (ddp.py's rule), as an
@@ -213,9 +197,7 @@ class ZeroDataParallel(DistributedDataParallel):
             for b in self.expert_buckets:
                 b.grad_data.mul_(self.expert_dp / self.dp)
             reduce_scatter_gradients(self.expert_buckets, self.expert_group)
-            for p, view in self.main_grad.items():
-                if view.dtype == p.dtype:
-                    p.grad = view                  # (only its shard's elements are reduced)
+            self._point_grads()                    # (only its shard's elements are reduced)
         else:
             for b in self.buckets:
                 if b.index not in self._reduced:
@@ -289,14 +271,8 @@ class ZeroDataParallel(DistributedDataParallel):
         out = {}
         for buckets, group in self._bucket_groups():
             for b in buckets:
-                full = b.main_grad.new_empty(b.padded_numel)
-                all_gather_into_tensor(full, b.main_grad, group, tag="inspect")
-                out.update({r.name: (r, b.view(full, i).clone()) for i, r in enumerate(b.records)})
+                out.update(b.gathered(b.main_grad, group))
         return out
-
-    def gather_gradients(self) -> dict[str, torch.Tensor]:
-        """The full averaged gradient of every parameter (after finish_grad_sync), by name."""
-        return {name: t for name, (_, t) in self.local_tensors(grads=True).items()}
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors that hold this rank's parameters and gradients (for measure_memory)."""
