@@ -84,8 +84,8 @@ check-commands: $(STAMP)
 # The book against other CPUs, simulated on this one (issue 32): tests/test_measured.py (each
 # chapter's text against its record, and a fresh rerun) and tests/test_compile.py under each
 # variable that sends PyTorch's or MKL's kernels down another code path. OMP_NUM_THREADS=2 reaches
-# the test process only: ranks pin themselves to 1 thread (minimegatron/launch.py). About 25 minutes
-# on 2 cores. The whole suite under one of them: `ATEN_CPU_CAPABILITY=default make test`.
+# the test process only: ranks pin themselves to 1 thread (minimegatron/launch.py). About 10 minutes
+# on 2 cores (2 a variable). The whole suite under one of them: `ATEN_CPU_CAPABILITY=default make test`.
 CPU_VARIANTS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE \
 	MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=2
 .PHONY: test-other-cpus
