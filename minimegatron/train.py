@@ -126,9 +126,9 @@ def optimizer_step(optimizer: Optimizer, lr: float) -> float | None:
 
 @contextmanager
 def before_optimizer_step(optimizer: Optimizer, fn: Callable[[], object]) -> Iterator[None]:
-    """Inside the block each optimizer.step() first calls fn(): the step's gradients are final
-    there (finalize_model_grads ran) and not yet read, where a test or a demo looks at them, or
-    breaks one. torch.optim.Optimizer.register_step_pre_hook, for one block."""
+    """Inside the block each optimizer.step() first calls fn(), where the gradients are final and
+    not yet read: a test or demo looks at them, or breaks one. torch.optim's register_step_pre_hook
+    for one block (optim.Optimizer is the book's own, not a torch.optim.Optimizer)."""
     step = optimizer.step
 
     def fn_then_step() -> float | None:
