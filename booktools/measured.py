@@ -6,8 +6,10 @@ figure captions) lives in one record per chapter, `chapters/NN_*/measured.json`,
     make numbers CH=04          # python -m booktools.measured record 04; then rewrite 04
 
 which runs the chapter's recorded commands (the `RUNS` of its make_figures.py: its demos, and
-make_figures.py itself, which redraws the figures), keeps their printouts, and asks the chapter's
-`measure(outputs)` for the values the prose quotes. The text points at the record in two ways,
+make_figures.py itself, which redraws the figures), keeps their printouts and the dataclass each
+run's main returns (booktools/capture.py), and asks the chapter's `measure(outputs, results)` for
+the values the prose quotes: read from the results, or computed by the package's functions; the
+printouts are what the text quotes as transcripts. The text points at the record in two ways,
 both invisible once rendered:
 
     the demo prints 1,400,864<!--m:one_device_bytes--> bytes     # the number just before the marker
@@ -72,11 +74,13 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from booktools.capture import RESULTS
 from booktools.demo import ROOT, import_chapter
 
 RECORD_NAME = "measured.json"
@@ -268,25 +272,37 @@ def save_record(chapter: str, record: dict) -> Path:
     return path
 
 
-def local_command(command: str) -> list[str]:
+def local_command(command: str, capture: bool = False) -> list[str]:
     """The argv that runs a command as the text writes it: `python` is this interpreter,
-    `torchrun --standalone` the torchrun beside it bound to 127.0.0.1 on a free port."""
+    `torchrun --standalone` the torchrun beside it bound to 127.0.0.1 on a free port. With
+    `capture`, the script or module runs through booktools.capture, which keeps the dataclass
+    its main returns (same printout, same exit status)."""
     argv = shlex.split(command)
+    wrap = ["-m", "booktools.capture"] if capture else []
     if argv[0] == "python":
-        return [sys.executable, *argv[1:]]
+        return [sys.executable, *wrap, *argv[1:]]
     if argv[0] == "torchrun":
         rest = [a for a in argv[1:] if a != "--standalone"]
+        if capture:                             # torchrun's own options, then the script or -m module
+            i = next(i for i, a in enumerate(rest) if not a.startswith("--") or a == "-m")
+            rest = [*rest[:i], "-m", "booktools.capture", *rest[i:]]
         return [str(Path(sys.executable).parent / "torchrun"), "--nnodes=1", "--rdzv-backend=c10d",
                 "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", *rest]
     raise ValueError(f"a recorded command starts with python or torchrun, not {argv[0]!r}: {command}")
 
 
 def run_command(command: str, timeout: float = 1800) -> dict:
-    """Run one recorded command from the repository root (OMP_NUM_THREADS=1); its printout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(local_command(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run one recorded command from the repository root (OMP_NUM_THREADS=1): its printout, its
+    exit status, and `results`, the dataclass its main returned (booktools.capture), as JSON
+    values (None for a main that returns only an exit status)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results_file = Path(tmp) / "results.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", RESULTS: str(results_file)}
+        proc = subprocess.run(local_command(command, capture=True), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        results = json.loads(results_file.read_text()) if results_file.exists() else None
     return {"command": command, "exit": proc.returncode, "output": proc.stdout.rstrip("\n").splitlines(),
-            "stderr_tail": proc.stderr[-2000:]}
+            "results": results, "stderr_tail": proc.stderr[-2000:]}
 
 
 def grab(output: list[str] | str, pattern: str, group: int = 1) -> float:
@@ -321,10 +337,17 @@ def claim(holds: bool, sentence: str) -> None:
         raise ValueError(f"the chapter says {sentence!r}, which the recorded runs no longer show")
 
 
+def measure_chapter(spec, runs: dict[str, dict]) -> dict:
+    """A chapter's measure(outputs, results): each run's printout (a list of lines) and the
+    values its main returned (booktools.capture; None for a run recorded without them)."""
+    return spec.measure({run_id: r["output"] for run_id, r in runs.items()},
+                        {run_id: r.get("results") for run_id, r in runs.items()})
+
+
 def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
     """Run the chapter's RUNS (all, or `only`: [] reruns none and recomputes the values from
     the recorded printouts), keep the rest of the old record, compute its values with
-    measure(outputs) and save. A run that exits unlike its record's expectation
+    measure(outputs, results) and save. A run that exits unlike its record's expectation
     (the spec's `EXPECTED_EXIT`, default 0) stops the recording with its stderr."""
     spec = import_chapter(chapter, "make_figures")
     runs: dict[str, str] = spec.RUNS
@@ -352,7 +375,7 @@ def record_chapter(chapter: str, only: list[str] | None = None) -> dict:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "runs": new_runs, "values": record.get("values", {}), "round_off": record.get("round_off", [])}
     save_record(chapter, record)            # the printouts first: a failing measure() loses no run
-    values = dict(sorted(spec.measure({run_id: r["output"] for run_id, r in new_runs.items()}).items()))
+    values = dict(sorted(measure_chapter(spec, new_runs).items()))
     record["values"] = {key: float(value) if isinstance(value, RoundOff) else value for key, value in values.items()}
     record["round_off"] = [key for key, value in values.items() if isinstance(value, RoundOff)]
     save_record(chapter, record)

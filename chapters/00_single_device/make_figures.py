@@ -185,7 +185,7 @@ RUNS = {"figures": "python chapters/00_single_device/make_figures.py"}
 MiB, GB, TB, YEAR = 2**20, 1e9, 1e12, 365.25 * 24 * 3600
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number of sections 3 and 5 that the code computes or measures, by marker key."""
     train = TrainConfig(**DEMO_TRAIN)
     v = {f"lr_step{step}": learning_rate(step, train) for step in (0, 29, (train.train_iters + train.lr_warmup_iters) // 2)}

@@ -362,7 +362,7 @@ def adamw_amplification(eps: float = 1e-8) -> dict:
     return worst
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number chapter 01's README and notebook markdown quote that the code measures or
     computes, by marker key: read off the figures run's printout, or computed here with the
     same functions. Raises if a claim the text makes in words ("the same on every rank",

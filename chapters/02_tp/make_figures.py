@@ -439,7 +439,7 @@ def _flops_per_byte(h: int, tp: int, e: int = 2) -> float:
     return (24 * h * h / tp) / (2 * 2 * (tp - 1) / tp * h * e)
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number the chapter's README and notebook markdown quote that the code measures or
     computes, by marker key: read off the figures run's printout, or computed with the same
     functions (the notebook's own cells included)."""

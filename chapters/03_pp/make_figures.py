@@ -487,7 +487,7 @@ def numbers_after(output: list[str], prefix: str) -> list[float]:
     return [parse_number(x) for x in numbers_of(line[line.index(prefix) + len(prefix):])]
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number of the README and the notebook's markdown that the code computes or the runs
     measure, by marker key."""
     values = {}

@@ -520,7 +520,7 @@ def measure_demo_runs(outputs: dict[str, list[str]]) -> dict[str, float]:
     return v
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number of the README and the notebook's markdown that the code computes or the
     runs measure, by marker key."""
     figures = outputs["figures"]

@@ -208,7 +208,7 @@ def dispatch_message_bytes(run) -> int:
     return sizes.pop()
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number of the README and the notebook's markdown that the runs measure or the code
     computes, by marker key; claim() checks the sentences that say in words what the runs show."""
     v = {}

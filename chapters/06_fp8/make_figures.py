@@ -193,7 +193,7 @@ def grab_text(output: list[str], pattern: str) -> str:
     return m.group(1)
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     v = {}
     for run_id in RUNS:
         if run_id != "figures":

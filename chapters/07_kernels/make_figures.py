@@ -215,7 +215,7 @@ RUNS = {
 MACHINE_DEPENDENT = ()
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     v = {}
     for run_id in RUNS:
         if run_id not in ("figures", "packing", "case-study", "vs-hf", "overlap", "overlap-tp-pp"):

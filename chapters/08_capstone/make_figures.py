@@ -50,7 +50,7 @@ MACHINE_DEPENDENT = ()
 EXPECTED_EXIT = {"plan-deepseek-published": 1}     # the planner exits 1 when no layout fits
 
 
-def measure(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     v = {}
     reshard = outputs["reshard"]
     claim(reshard[-1].startswith("MATCH"), "the reshard grid matches")
