@@ -10,7 +10,7 @@ with an `exit_code` field (the script's `__main__` block exits with it). This wr
 the script (a chapter's file under its importable name, chapters.NN_x.demo, so spawned ranks
 can import it again), calls its main with the rest of the command line, and, when
 $BOOK_RESULTS names a file, writes `dataclasses.asdict(result)` there as JSON (rank 0 alone
-under torchrun). The printout is the script's own, line for line. booktools/measured.py
+under torchrun; a torchrun entry, which may leave by os._exit, calls `keep(result)` first). The printout is the script's own, line for line. booktools/measured.py
 records both; a chapter's measure() reads numbers from the values, and quotes the printout.
 """
 
@@ -60,6 +60,14 @@ def write_results(result, path: str) -> None:
     os.replace(tmp, path)
 
 
+def keep(result) -> None:
+    """Write `result` where $BOOK_RESULTS says, on rank 0 (RANK unset or 0): for an entry that
+    may leave by os._exit (launch.finish_torchrun, when gloo threads outlive the job) and so
+    calls this before leaving. Nothing when the variable is unset."""
+    if os.environ.get(RESULTS) and os.environ.get("RANK", "0") == "0":
+        write_results(result, os.environ[RESULTS])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     as_module = bool(argv) and argv[0] == "-m"
@@ -73,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     result = load_main(target, as_module)(args)
     if result is None or isinstance(result, int):             # a main not yet returning its results
         return result or 0
-    if os.environ.get(RESULTS) and os.environ.get("RANK", "0") == "0":
-        write_results(result, os.environ[RESULTS])
+    keep(result)
     return result.exit_code
 
 

@@ -40,7 +40,7 @@ from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent                 # the repository: minimegatron/, chapters/
 
-__all__ = ["import_chapter", "Run", "DemoParser", "demo_parser", "add_training_flags", "check_at_least",
+__all__ = ["import_chapter", "Results", "Run", "DemoParser", "demo_parser", "add_training_flags", "check_at_least",
            "check_at_least_one", "check_sequence_length", "model_line", "largest_differences", "verdict_line",
            "data_parallel_size_under_torchrun", "refuse_under_torchrun", "verdict_under_torchrun", "run_demo",
            "communication_report"]
@@ -59,6 +59,17 @@ def import_chapter(number: str, module: str = "demo"):
     if not any(Path(p or ".").resolve() == ROOT for p in sys.path):
         sys.path.insert(0, str(ROOT))
     return importlib.import_module(f"chapters.{folders[0]}.{module}")
+
+
+@dataclass
+class Results:
+    """What a demo measured, returned by its main as well as printed (booktools/capture.py keeps
+    it beside the printout, and a chapter's measure() reads its numbers from it): `exit_code`,
+    0 for MATCH, 1 for MISMATCH, 2 for a configuration refused before any rank trained, and
+    `verdict`, the last line printed. A chapter's results (TPResults, ...) add the values its
+    report printed, as plain numbers, strings, lists and dicts (JSON)."""
+    exit_code: int = 0
+    verdict: str = ""
 
 
 @dataclass(frozen=True)
@@ -276,46 +287,51 @@ def _tell_torchrun(message: str) -> None:
         pass
 
 
-def verdict_under_torchrun(result, report: Callable[[list], int]) -> int:
+def verdict_under_torchrun(result, report: Callable[[list], Results]) -> Results:
     """The end of a chapter demo under torchrun, on every rank: gather every rank's `result`
     on rank 0 (torch.distributed.gather_object: plumbing for the report, in no ledger), call
-    `report(per_rank)` there (it prints, and returns the exit status; a report that raises
-    prints its traceback and counts as MISMATCH, 1), broadcast rank 0's status to every rank,
-    leave the job with launch.finish_torchrun (the one teardown of every torchrun entry: it
-    frees every process group and its gloo threads before Python shuts down) and return the
-    status: every rank exits with rank 0's verdict."""
+    `report(per_rank)` there (it prints, and returns the Results; a report that raises prints
+    its traceback and counts as MISMATCH, 1), broadcast rank 0's exit code to every rank, leave
+    the job with launch.finish_torchrun (the one teardown of every torchrun entry: it frees
+    every process group and its gloo threads before Python shuts down) and return the Results
+    (rank 0's; on the other ranks, the exit code alone): every rank exits with rank 0's verdict."""
     import torch.distributed as dist
 
+    from booktools.capture import keep
     from minimegatron import comm
     from minimegatron.launch import finish_torchrun
 
     rank = dist.get_rank()
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(result, gathered, dst=0)
-    code = 0
+    results = Results()
     if rank == 0:
         try:
-            code = report(gathered)
+            results = report(gathered)
         except Exception:                               # still tell the other ranks
             traceback.print_exc()
             print("MISMATCH: the report failed (traceback above)")
-            code = 1
-    verdict = torch.tensor([code])
+            results = Results(1, "MISMATCH: the report failed (traceback above)")
+    verdict = torch.tensor([results.exit_code])
     comm.broadcast(verdict, 0, None, tag="verdict")
-    return finish_torchrun(int(verdict.item()))
+    keep(results)                                       # finish_torchrun may leave by os._exit
+    results.exit_code = finish_torchrun(int(verdict.item()))
+    return results
 
 
 def run_demo(args: argparse.Namespace, chapter: str, build: Callable, train: Callable, report: Callable, *,
              model_parallel: Callable[[argparse.Namespace], dict[str, int]] = lambda args: {},
-             spawn_dp: Callable[[argparse.Namespace], int] = lambda args: args.dp or 1) -> int:
-    """The main of a chapter demo; returns the exit status.
+             spawn_dp: Callable[[argparse.Namespace], int] = lambda args: args.dp or 1) -> Results:
+    """The main of a chapter demo; returns its Results (`exit_code` is the exit status).
 
     build(args, dp) -> the run (with .world, its ranks, and .name()); a configuration that cannot
         run raises ConfigError or ValueError here, before any rank trains: printed once as
         "error: ...", exit 2 (under torchrun: refuse_under_torchrun). An error after build is
         not a configuration error and is raised as it is.
     train(run) -> this rank's record, on every rank (a top-level function: spawned ranks import it).
-    report(args, run, per_rank) -> the verdict line, after printing what it checked.
+    report(args, run, per_rank) -> the chapter's Results, after printing what it checked (its
+        `verdict`, the last line, starts with MATCH or MISMATCH; a bare verdict string is taken
+        as Results without values).
     Under torchrun (RANK set) dp = ranks / the product of model_parallel(args) (or args.dp when
     it fits); otherwise this process spawns run.world ranks with dp = spawn_dp(args)."""
     from minimegatron.launch import init_from_torchrun, spawn
@@ -326,7 +342,7 @@ def run_demo(args: argparse.Namespace, chapter: str, build: Callable, train: Cal
         try:
             run = build(args, data_parallel_size_under_torchrun(world, model_parallel(args), vars(args).get("dp")))
         except ValueError as exc:                      # ConfigError is one
-            return refuse_under_torchrun(f"error: {exc}")
+            return Results(refuse_under_torchrun(f"error: {exc}"), f"error: {exc}")
         start = time.perf_counter()
         return verdict_under_torchrun(train(run), lambda per_rank: _report(
             chapter, report, args, run, per_rank, "torchrun", time.perf_counter() - start))
@@ -334,16 +350,19 @@ def run_demo(args: argparse.Namespace, chapter: str, build: Callable, train: Cal
         run = build(args, spawn_dp(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return Results(2, f"error: {exc}")
     start = time.perf_counter()
     per_rank = spawn(train, run.world, run, timeout=600)
     return _report(chapter, report, args, run, per_rank, "spawned by this script; torchrun works too",
                    time.perf_counter() - start)
 
 
-def _report(chapter, report, args, run, per_rank, how: str, seconds: float) -> int:
+def _report(chapter, report, args, run, per_rank, how: str, seconds: float) -> Results:
     print(f"Chapter {chapter}: {run.name()} = {run.world} rank(s) ({how}), trained in {seconds:.1f} s")
-    line = report(args, run, per_rank)
+    results = report(args, run, per_rank)
+    if isinstance(results, str):
+        results = Results(verdict=results)
     print()
-    print(line)
-    return 0 if line.startswith("MATCH") else 1
+    print(results.verdict)
+    results.exit_code = 0 if results.verdict.startswith("MATCH") else 1
+    return results

@@ -150,7 +150,7 @@ def test_an_error_names_only_flags_of_the_demo_that_raised_it(chapter, argv, cap
     with pytest.raises(SystemExit):
         demo.parse_args(["--help"])
     flags = set(re.findall(r"--[a-z][a-z0-9-]*", capsys.readouterr().out)) | {"--nproc_per_node"}
-    assert demo.main(argv + ["--quick"]) == 2
+    assert demo.main(argv + ["--quick"]).exit_code == 2
     error = capsys.readouterr().err
     assert error.startswith("error: "), error
     named = set(re.findall(r"--[a-z][a-z0-9_-]*", error))

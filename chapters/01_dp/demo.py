@@ -644,4 +644,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
-    sys.exit(main())
+    sys.exit(main().exit_code)

@@ -540,4 +540,4 @@ def spawn_data_parallel_size(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
-    sys.exit(main())
+    sys.exit(main().exit_code)
