@@ -46,10 +46,22 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 # TrainingConfig, SchedulerConfig, CheckpointConfig, RNGConfig); more names are the book's.
 GROUPS = ("model", "moe", "training", "mixed precision", "parallelism", "data", "checkpointing", "logging")
 FIELDS = {f.name: f for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)}
+
+
+def command_line(f: dataclasses.Field) -> tuple[tuple[str, ...], tuple[tuple[str, Any, str], ...]]:
+    """(flags taking a value, switches) of a config field as config.opt declares it: its flags
+    are by default its name (--hidden-size); a bool's are switches setting it True."""
+    flags = f.metadata["flags"] or (f"--{f.name.replace('_', '-')}",)
+    if not isinstance(f.default, bool):
+        return flags, f.metadata["switches"]
+    own = tuple((flag, True, f.metadata["help"]) for flag in flags) if f.metadata["help"] else ()
+    return (), own + f.metadata["switches"]
+
+
 # field -> (group, flag names, help), for the fields that take a value
 FLAGS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    name: (f.metadata["group"], f.metadata["flags"], f.metadata["help"]) for name, f in FIELDS.items()
-    if f.metadata.get("flags")}
+    name: (f.metadata["group"], command_line(f)[0], f.metadata["help"]) for name, f in FIELDS.items()
+    if command_line(f)[0]}
 
 # Flags that exist only on the command line (not config fields): name -> (group, add_argument kwargs)
 CLI_ONLY: dict[str, tuple[str, dict[str, Any]]] = {
@@ -160,11 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     for f in FIELDS.values():
         if "group" not in f.metadata:
             raise RuntimeError(f"config field {f.name} has no command line: declare it with config.opt")
-        flags, group = f.metadata["flags"], groups[f.metadata["group"]]
+        (flags, switches), group = command_line(f), groups[f.metadata["group"]]
         if flags:
             group.add_argument(*flags, dest=f.name, default=None, metavar=f.name.upper(), **_value_type(f),
                                help=f"{f.metadata['help']} {_defaults(f.name)}".replace("%", "%%"))
-        for switch, value, text in f.metadata["switches"]:
+        for switch, value, text in switches:
             shown = f" {_defaults(f.name)}" if not flags and value is True else ""
             group.add_argument(switch, dest=f.name, action="store_const", const=value, default=None,
                                help=(text + shown).replace("%", "%%"))
@@ -190,7 +202,7 @@ def _explain_leftovers(extra: list[str], argv: list[str], parser: argparse.Argum
                   None)
     action = switches.get(before or "")
     if action is not None:
-        other = [s for s, _, _ in FIELDS[action.dest].metadata["switches"] if s != before]
+        other = [s for s, _, _ in command_line(FIELDS[action.dest])[1] if s != before] if action.dest in FIELDS else []
         return (f"{before} is a switch and takes no value, got {token!r}: give {before} alone" +
                 (f" (its opposite: {' or '.join(other)})" if other else ""))
     return f"unexpected argument {token!r}"

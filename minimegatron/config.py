@@ -36,14 +36,13 @@ def dtype_from_name(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def opt(default: Any, *flags: str, group: str, help: str = "", switches: Sequence[tuple[str, Any, str]] = ()) -> Any:
-    """A dataclass field with its command line (metadata for arguments.build_parser): `flags`
-    take a value, Megatron's spelling first, except a bool's, which are switches setting it
-    True (store_true); `switches` are (switch, value stored, help); `help` is one line with the
-    unit, and --help appends the default."""
-    if isinstance(default, bool):
-        flags, switches = (), [(flag, True, help) for flag in flags] + list(switches)
-    return dataclasses.field(default=default, metadata={"flags": flags, "group": group, "help": help,
+def opt(default: Any, group: str, help: str = "", *, flags: Sequence[str] = (),
+        switches: Sequence[tuple[str, Any, str]] = ()) -> Any:
+    """A dataclass field with its command line (arguments.command_line reads it): the --help
+    `group`; `help`, one line with the unit (--help appends the default); `flags` taking a value,
+    Megatron's spelling first, by default the field's name (--hidden-size); `switches`, more
+    (switch, value stored, help). A bool with a `help` is a switch setting it True."""
+    return dataclasses.field(default=default, metadata={"flags": tuple(flags), "group": group, "help": help,
                                                         "switches": tuple(switches)})
 
 
@@ -85,79 +84,66 @@ class ModelConfig:
     Use `ModelConfig.gpt2(...)` / `ModelConfig.llama(...)` for the presets.
     """
 
-    vocab_size: int = opt(257, "--vocab-size", group="model", help=(
-        "rows of the embedding table, in tokens (>= the tokenizer's size)"))
+    vocab_size: int = opt(257, "model", "rows of the embedding table, in tokens (>= the tokenizer's size)")
     # tensor parallelism pads the vocabulary to a multiple of this x tp (Megatron's
     # --make-vocab-size-divisible-by, default 128, pads on one device too; here the
     # single-device model keeps exactly vocab_size rows, and 1 pads only as much as tp needs)
-    make_vocab_size_divisible_by: int = opt(1, "--make-vocab-size-divisible-by", group="model", help=(
+    make_vocab_size_divisible_by: int = opt(1, "model", (
         "with TP, pad the vocabulary to a multiple of this x tp (Megatron: 128, padding on one device too)"))
-    hidden_size: int = opt(64, "--hidden-size", group="model", help="h, the width of the residual stream")
-    num_layers: int = opt(2, "--num-layers", group="model", help="L, transformer layers")
-    num_attention_heads: int = opt(4, "--num-attention-heads", group="model", help="a, query heads")
-    num_query_groups: int | None = opt(None, "--num-query-groups", group="model", help=(
-        "g, key/value heads (grouped-query attention); unset: g = a"))
-    ffn_hidden_size: int | None = opt(None, "--ffn-hidden-size", group="model", help=(
-        "f, the MLP's inner width; unset: 4h (GELU), about 8h/3 (SwiGLU)"))
-    max_position_embeddings: int = opt(64, "--max-position-embeddings", group="model", help=(
-        "longest sequence the model accepts, tokens"))
-    normalization: str = opt("LayerNorm", "--normalization", group="model", help="LayerNorm or RMSNorm")
-    activation: str = opt("gelu", "--activation", group="model",
-                          help="the MLP's activation, gelu or swiglu (the book's; Megatron: --swiglu)",
-                          switches=[("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")])
-    position_embedding_type: str = opt("learned_absolute", "--position-embedding-type", group="model", help=(
-        "learned_absolute or rope"))
-    rotary_base: float = opt(10000.0, "--rotary-base", group="model", help="RoPE's base theta, > 0")
-    untie_embeddings_and_output_weights: bool = opt(False, group="model", switches=[
+    hidden_size: int = opt(64, "model", "h, the width of the residual stream")
+    num_layers: int = opt(2, "model", "L, transformer layers")
+    num_attention_heads: int = opt(4, "model", "a, query heads")
+    num_query_groups: int | None = opt(None, "model", "g, key/value heads (grouped-query attention); unset: g = a")
+    ffn_hidden_size: int | None = opt(None, "model", "f, the MLP's inner width; unset: 4h (GELU), about 8h/3 (SwiGLU)")
+    max_position_embeddings: int = opt(64, "model", "longest sequence the model accepts, tokens")
+    normalization: str = opt("LayerNorm", "model", "LayerNorm or RMSNorm")
+    activation: str = opt("gelu", "model", (
+        "the MLP's activation, gelu or swiglu (the book's; Megatron: --swiglu)"),
+        switches=[("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")])
+    position_embedding_type: str = opt("learned_absolute", "model", "learned_absolute or rope")
+    rotary_base: float = opt(10000.0, "model", "RoPE's base theta, > 0")
+    untie_embeddings_and_output_weights: bool = opt(False, "model", switches=[
         ("--untie-embeddings-and-output-weights", True, "a separate output layer instead of the embedding's transpose"),
         ("--tie-embeddings-and-output-weights", False, "the output layer is the embedding's transpose (the book's)")])
-    add_bias_linear: bool = opt(True, group="model", switches=[
+    add_bias_linear: bool = opt(True, "model", switches=[
         ("--disable-bias-linear", False, "no biases in the linear layers"),
         ("--add-bias-linear", True, "biases in the linear layers (the book's)")])
-    layernorm_epsilon: float = opt(1e-5, "--norm-epsilon", "--layernorm-epsilon", group="model", help=(
-        "epsilon added to the variance in LayerNorm / RMSNorm, > 0"))
-    init_method_std: float = opt(0.02, "--init-method-std", group="model", help=(
-        "standard deviation of the normal initial weights, > 0"))
-    hidden_dropout: float = opt(0.0, "--hidden-dropout", group="model", help=(
-        "dropout probability on the residual branches, in [0, 1)"))
-    attention_dropout: float = opt(0.0, "--attention-dropout", group="model", help=(
-        "dropout probability on the attention probabilities, in [0, 1)"))
-    attention_backend: str = opt("sdpa", "--attention-backend", group="model", help=(
+    layernorm_epsilon: float = opt(1e-5, "model", (
+        "epsilon added to the variance in LayerNorm / RMSNorm, > 0"), flags=("--norm-epsilon", "--layernorm-epsilon"))
+    init_method_std: float = opt(0.02, "model", "standard deviation of the normal initial weights, > 0")
+    hidden_dropout: float = opt(0.0, "model", "dropout probability on the residual branches, in [0, 1)")
+    attention_dropout: float = opt(0.0, "model", "dropout probability on the attention probabilities, in [0, 1)")
+    attention_backend: str = opt("sdpa", "model", (
         "how attention is computed (the book's implementations, see minimegatron/model)"))
-    seed: int = opt(1234, "--seed", group="model", help=(
+    seed: int = opt(1234, "model", (
         "initial weights: each parameter is a function of (seed, its name); Megatron's --seed also seeds data and "
         "dropout, here --data-seed does"))
-    params_dtype: str = opt("float32", "--params-dtype", group="model", help=(
+    params_dtype: str = opt("float32", "model", (
         "dtype of parameters and activations: float32, float64, bfloat16 or float16, plain (no float32 main copies: "
         "--bf16 / --fp16 are mixed precision) (the book's)"))
     # mixture of experts (chapter 05); None: a dense MLP everywhere
-    num_experts: int | None = opt(None, "--num-experts", group="moe", help=(
+    num_experts: int | None = opt(None, "moe", (
         "E, experts in each MoE layer; unset: a dense MLP everywhere (chapter 05)"))
-    moe_router_topk: int = opt(2, "--moe-router-topk", group="moe", help="k, experts each token is routed to")
-    moe_ffn_hidden_size: int | None = opt(None, "--moe-ffn-hidden-size", group="moe", help=(
-        "an expert's inner width; unset: --ffn-hidden-size"))
-    moe_layer_freq: int = opt(1, "--moe-layer-freq", group="moe", help=(
-        "every n-th layer (layer i with i % n == 0) is an MoE layer"))
-    moe_shared_expert_intermediate_size: int | None = opt(
-        None, "--moe-shared-expert-intermediate-size", group="moe",
-        help="inner width of a shared expert every token also takes; unset: none")
-    moe_router_score_function: str = opt("softmax", "--moe-router-score-function", group="moe", help=(
-        "softmax or sigmoid"))
-    moe_router_pre_softmax: bool = opt(False, "--moe-router-pre-softmax", group="model", help=(
+    moe_router_topk: int = opt(2, "moe", "k, experts each token is routed to")
+    moe_ffn_hidden_size: int | None = opt(None, "moe", "an expert's inner width; unset: --ffn-hidden-size")
+    moe_layer_freq: int = opt(1, "moe", "every n-th layer (layer i with i % n == 0) is an MoE layer")
+    moe_shared_expert_intermediate_size: int | None = opt(None, "moe", (
+        "inner width of a shared expert every token also takes; unset: none"))
+    moe_router_score_function: str = opt("softmax", "moe", "softmax or sigmoid")
+    moe_router_pre_softmax: bool = opt(False, "model", (
         "softmax over all experts before the top-k (default: over the chosen k after it)"))
-    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff", group="moe", help=(
-        "weight of the load-balancing loss, >= 0"))
-    moe_z_loss_coeff: float = opt(0.0, "--moe-z-loss-coeff", group="moe", help="weight of the router z-loss, >= 0")
-    moe_expert_capacity_factor: float | None = opt(None, "--moe-expert-capacity-factor", group="moe", help=(
+    moe_aux_loss_coeff: float = opt(0.0, "moe", "weight of the load-balancing loss, >= 0")
+    moe_z_loss_coeff: float = opt(0.0, "moe", "weight of the router z-loss, >= 0")
+    moe_expert_capacity_factor: float | None = opt(None, "moe", (
         "slots per expert = ceil(tokens x k / E x factor), the rest dropped; unset: no capacity"))
-    moe_token_drop_policy: str = opt("probs", "--moe-token-drop-policy", group="moe", help=(
+    moe_token_drop_policy: str = opt("probs", "moe", (
         "which tokens a full expert keeps: probs (the largest weights) or position (the first)"))
-    moe_router_load_balancing_type: str = opt("aux_loss", "--moe-router-load-balancing-type", group="moe", help=(
+    moe_router_load_balancing_type: str = opt("aux_loss", "moe", (
         "aux_loss (over the micro-batch's tokens) or seq_aux_loss (per sequence, averaged)"))
-    moe_router_enable_expert_bias: bool = opt(False, "--moe-router-enable-expert-bias", group="model", help=(
+    moe_router_enable_expert_bias: bool = opt(False, "model", (
         "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias for the choice, updated after each step "
         "(needs sigmoid scores)"))
-    moe_router_bias_update_rate: float = opt(1e-3, "--moe-router-bias-update-rate", group="moe", help=(
+    moe_router_bias_update_rate: float = opt(1e-3, "moe", (
         "with --moe-router-enable-expert-bias: the bias's step per training step"))
 
     # ---- presets -------------------------------------------------------------------
@@ -262,182 +248,160 @@ class TrainConfig:
     command line, Megatron's --global-batch-size sets grad_accum_steps from the other two.)
     """
 
-    data_path: str | None = opt(None, "--data-path", group="data", help=(
+    data_path: str | None = opt(None, "data", (
         "prefix of a .bin/.idx pair (python tools/preprocess_data.py); unset: this repository's text, tokenized"))
-    tokenizer: str = opt("byte", "--tokenizer", group="data", help=(
-        "byte, or the path of a BPE tokenizer .json (the book's)"))
-    seq_length: int = opt(64, "--seq-length", group="data", help="s, tokens per sequence")
-    micro_batch_size: int = opt(4, "--micro-batch-size", group="training", help=(
-        "b, sequences per micro-batch on one data-parallel rank"))
-    grad_accum_steps: int = opt(1, "--grad-accum-steps", group="training", help=(
+    tokenizer: str = opt("byte", "data", "byte, or the path of a BPE tokenizer .json (the book's)")
+    seq_length: int = opt(64, "data", "s, tokens per sequence")
+    micro_batch_size: int = opt(4, "training", "b, sequences per micro-batch on one data-parallel rank")
+    grad_accum_steps: int = opt(1, "training", (
         "M, micro-batches per step on each data-parallel rank (the book's name; Megatron derives M from "
         "--global-batch-size)"))
-    train_iters: int = opt(200, "--train-iters", group="training", help="optimizer steps")
-    lr: float = opt(3e-3, "--lr", group="training", help="peak learning rate, reached at the end of warm-up")
-    min_lr: float = opt(3e-4, "--min-lr", group="training", help="learning rate at the end of the cosine decay")
-    lr_warmup_iters: int = opt(20, "--lr-warmup-iters", group="training", help="steps of linear warm-up to --lr")
-    weight_decay: float = opt(0.1, "--weight-decay", group="training", help=(
-        "AdamW's decoupled weight decay on matrices, >= 0"))
-    adam_beta1: float = opt(0.9, "--adam-beta1", group="training", help="Adam's first-moment decay, in [0, 1)")
-    adam_beta2: float = opt(0.95, "--adam-beta2", group="training", help="Adam's second-moment decay, in [0, 1)")
-    adam_eps: float = opt(1e-8, "--adam-eps", group="training", help="Adam's epsilon in the denominator, > 0")
-    adam_impl: str = opt("default", "--adam-impl", group="training", help=(
+    train_iters: int = opt(200, "training", "optimizer steps")
+    lr: float = opt(3e-3, "training", "peak learning rate, reached at the end of warm-up")
+    min_lr: float = opt(3e-4, "training", "learning rate at the end of the cosine decay")
+    lr_warmup_iters: int = opt(20, "training", "steps of linear warm-up to --lr")
+    weight_decay: float = opt(0.1, "training", "AdamW's decoupled weight decay on matrices, >= 0")
+    adam_beta1: float = opt(0.9, "training", "Adam's first-moment decay, in [0, 1)")
+    adam_beta2: float = opt(0.95, "training", "Adam's second-moment decay, in [0, 1)")
+    adam_eps: float = opt(1e-8, "training", "Adam's epsilon in the denominator, > 0")
+    adam_impl: str = opt("default", "training", (
         "torch's AdamW kernels: default (a loop over the tensors on a CPU), foreach (each op over all tensors at "
         "once) or fused (one kernel; Megatron uses Transformer Engine's or Apex's FusedAdam) (the book's)"))
-    clip_grad: float = opt(1.0, "--clip-grad", group="training", help=(
-        "clip the global gradient L2 norm to this; 0: no clipping"))
-    eval_interval: int = opt(50, "--eval-interval", group="training", help="steps between validation runs; 0: never")
-    eval_iters: int = opt(4, "--eval-iters", group="training", help="validation batches per validation run")
-    save_interval: int = opt(0, "--save-interval", group="checkpointing", help=(
-        "steps between checkpoints; 0: at the end only"))
-    save_dir: str | None = opt(None, "--save", "--save-dir", group="checkpointing", help=(
-        "directory to save checkpoints to; unset: no checkpoints"))
-    load_dir: str | None = opt(None, "--load", "--load-dir", group="checkpointing", help=(
-        "directory to resume from (its `latest`); without a checkpoint there: a warning, then a fresh start"))
-    ckpt_format: str = opt("torch", "--ckpt-format", group="checkpointing", help=(
+    clip_grad: float = opt(1.0, "training", "clip the global gradient L2 norm to this; 0: no clipping")
+    eval_interval: int = opt(50, "training", "steps between validation runs; 0: never")
+    eval_iters: int = opt(4, "training", "validation batches per validation run")
+    save_interval: int = opt(0, "checkpointing", "steps between checkpoints; 0: at the end only")
+    save_dir: str | None = opt(None, "checkpointing", (
+        "directory to save checkpoints to; unset: no checkpoints"), flags=("--save", "--save-dir"))
+    load_dir: str | None = opt(None, "checkpointing", (
+        "directory to resume from (its `latest`); without a checkpoint there: a "
+        "warning, then a fresh start"), flags=("--load", "--load-dir"))
+    ckpt_format: str = opt("torch", "checkpointing", (
         "torch: a file per rank, resumed under the same layout only (the book's default); torch_dist: each piece "
         "with its global offsets, resumed under any layout (Megatron's default; chapter 08)"))
-    exit_interval: int | None = opt(None, "--exit-interval", group="checkpointing", help=(
-        "stop after an iteration divisible by it, saving first"))
-    no_load_optim: bool = opt(False, "--no-load-optim", group="training", help=(
-        "torch_dist: load the model only; the optimizer starts fresh"))
-    no_load_rng: bool = opt(False, "--no-load-rng", group="training", help=(
-        "torch_dist: do not restore the random states; seed them afresh"))
-    finetune: bool = opt(False, "--finetune", group="training", help=(
+    exit_interval: int | None = opt(None, "checkpointing", "stop after an iteration divisible by it, saving first")
+    no_load_optim: bool = opt(False, "training", "torch_dist: load the model only; the optimizer starts fresh")
+    no_load_rng: bool = opt(False, "training", "torch_dist: do not restore the random states; seed them afresh")
+    finetune: bool = opt(False, "training", (
         "torch_dist: load the model only and start from iteration 0 (no optimizer, random states or history)"))
-    out_dir: str = opt("runs/latest", "--out-dir", group="checkpointing", help=(
-        "directory of the loss log and plot (the book's)"))
+    out_dir: str = opt("runs/latest", "checkpointing", "directory of the loss log and plot (the book's)")
     # data parallelism (chapter 01); the data-parallel size is the number of ranks
-    zero_stage: int = opt(0, "--zero-stage", group="parallelism", help=(
+    zero_stage: int = opt(0, "parallelism", (
         "ZeRO stage over data parallelism: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded "
         "(chapter 01; the book's)"),
         switches=[("--use-distributed-optimizer", 1, "Megatron's distributed optimizer: the book's --zero-stage 1")])
-    ddp_impl: str = opt("bucketed", "--ddp-impl", group="parallelism", help=(
+    ddp_impl: str = opt("bucketed", "parallelism", (
         "with --zero-stage 0: naive (an all-reduce per gradient) or bucketed (overlapped with backward) (the book's)"))
-    ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size", group="parallelism", help=(
+    ddp_bucket_size: int | None = opt(None, "parallelism", (
         "elements per gradient bucket; unset: Megatron's max(4e7, 1e6 x dp)"))
-    overlap_grad_reduce: bool = opt(False, "--overlap-grad-reduce", group="training", help=(
+    overlap_grad_reduce: bool = opt(False, "training", (
         "ZeRO-1/2: launch each bucket's reduce-scatter from the backward as soon as it is complete (the bucketed DDP "
         "always overlaps its all-reduces; chapter 07)"))
-    overlap_param_gather: bool = opt(False, "--overlap-param-gather", group="training", help=(
+    overlap_param_gather: bool = opt(False, "training", (
         "ZeRO-1/2: the parameter all-gathers launched after the step, waited module by module in the next forward "
         "(needs --overlap-grad-reduce; chapter 07)"))
     # tensor parallelism (chapter 02): the ranks form a grid, tp fastest; dp = world / tp
-    tensor_model_parallel_size: int = opt(1, "--tensor-model-parallel-size", group="parallelism", help=(
-        "tp, ranks each matrix is split over (chapter 02)"))
+    tensor_model_parallel_size: int = opt(1, "parallelism", "tp, ranks each matrix is split over (chapter 02)")
     # pipeline parallelism (chapter 03): pp stages, the slowest dimension; dp = world / (tp pp)
-    pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size", group="parallelism", help=(
+    pipeline_model_parallel_size: int = opt(1, "parallelism", (
         "pp, pipeline stages (chapter 03); dp = world size / (tp x pp)"))
-    pipeline_schedule: str = opt("1f1b", "--pipeline-schedule", group="parallelism", help=(
+    pipeline_schedule: str = opt("1f1b", "parallelism", (
         "gpipe, 1f1b or interleaved (the book's; Megatron runs 1F1B, interleaved with virtual stages)"))
-    num_virtual_stages_per_pipeline_rank: int = opt(1, "--num-virtual-stages-per-pipeline-rank", group="parallelism",
-                                                    help="model chunks per pipeline rank; > 1 with "
-                                                         "--pipeline-schedule interleaved")
-    overlap_p2p_comm: bool = opt(False, group="training", switches=[
+    num_virtual_stages_per_pipeline_rank: int = opt(1, "parallelism", (
+        "model chunks per pipeline rank; > 1 with --pipeline-schedule interleaved"))
+    overlap_p2p_comm: bool = opt(False, "training", switches=[
         ("--overlap-p2p-communication", True, "with pp > 1: each receive posted one op ahead, so it arrives while the "
                                               "stage computes (chapter 07) (the book's; Megatron has only "
                                               "--no-overlap-p2p-communication, overlapping by default)"),
         ("--no-overlap-p2p-communication", False, "receives posted when needed (the book's default; Megatron "
                                                   "overlaps by default with interleaving)")])
     # sequence and context parallelism (chapter 04); dp = world / (tp cp pp)
-    sequence_parallel: bool = opt(False, "--sequence-parallel", group="training", help=(
+    sequence_parallel: bool = opt(False, "training", (
         "with tp > 1: norms, dropout and residuals hold s/tp tokens per rank; all-gather / reduce-scatter replace "
         "the all-reduces (chapter 04)"))
-    overlap_sp_backward: bool = opt(False, "--overlap-sp-backward", group="training", help=(
+    overlap_sp_backward: bool = opt(False, "training", (
         "with --sequence-parallel: the column-parallel backward's all-gather and reduce-scatter run behind its "
         "GEMMs, as Megatron's layer always does, with no flag (chapter 07) (the book's)"))
-    context_parallel_size: int = opt(1, "--context-parallel-size", group="parallelism", help=(
+    context_parallel_size: int = opt(1, "parallelism", (
         "cp, ranks each sequence is split over (chapter 04); dp = world size / (tp x cp x pp)"))
-    cp_comm_type: str = opt("p2p", "--cp-comm-type", group="parallelism", help=(
+    cp_comm_type: str = opt("p2p", "parallelism", (
         "how attention reaches the other cp ranks' keys: p2p (ring), all_gather, a2a (Ulysses) or a2a+p2p "
         "(hierarchical) (chapter 04)"))
-    hierarchical_context_parallel_sizes: tuple[int, int] | None = opt(
-        None, "--hierarchical-context-parallel-sizes", group="parallelism",
-        help="with --cp-comm-type a2a+p2p: the all-to-all size and the ring size, product cp; unset: 2 and cp / 2")
+    hierarchical_context_parallel_sizes: tuple[int, int] | None = opt(None, "parallelism", (
+        "with --cp-comm-type a2a+p2p: the all-to-all size and the ring size, product cp; unset: 2 and cp / 2"))
     # expert parallelism (chapter 05): the experts' own grid over the same ranks, cp folded away;
     # expert_dp = world / (etp ep pp)
-    expert_model_parallel_size: int = opt(1, "--expert-model-parallel-size", group="parallelism", help=(
+    expert_model_parallel_size: int = opt(1, "parallelism", (
         "ep, ranks the experts of a layer are spread over (chapter 05); expert dp = world size / (etp x ep x pp)"))
-    expert_tensor_parallel_size: int | None = opt(None, "--expert-tensor-parallel-size", group="parallelism", help=(
+    expert_tensor_parallel_size: int | None = opt(None, "parallelism", (
         "etp, ranks each expert's matrices are cut over (chapter 05); unset: tp"))
-    moe_token_dispatcher_type: str = opt("alltoall", "--moe-token-dispatcher-type", group="moe", help=(
+    moe_token_dispatcher_type: str = opt("alltoall", "moe", (
         "how tokens reach the ranks of their experts: alltoall or allgather"))
     # mixed precision (chapter 06): 16-bit parameters and activations (the model's params_dtype
     # must say bfloat16 / float16; --bf16 and --fp16 set it), float32 main parameters in the optimizer
-    bf16: bool = opt(False, "--bf16", group="mixed precision", help=(
+    bf16: bool = opt(False, "mixed precision", (
         "bfloat16 mixed precision: bf16 parameters and activations, float32 main parameters and gradients in the "
         "optimizer (sets --params-dtype bfloat16; chapter 06)"))
-    fp16: bool = opt(False, "--fp16", group="mixed precision", help=(
+    fp16: bool = opt(False, "mixed precision", (
         "float16 mixed precision with loss scaling: fp16 parameters and activations, float32 main parameters (sets "
         "--params-dtype float16; chapter 06)"))
-    loss_scale: float | None = opt(None, "--loss-scale", group="mixed precision", help=(
+    loss_scale: float | None = opt(None, "mixed precision", (
         "a constant loss scale (a power of 2); unset: dynamic with --fp16, none with --bf16 (chapter 06)"))
-    initial_loss_scale: float = opt(2.0 ** 32, "--initial-loss-scale", group="mixed precision", help=(
-        "--fp16's dynamic loss scale to start from"))
-    min_loss_scale: float = opt(1.0, "--min-loss-scale", group="mixed precision", help=(
-        "the dynamic loss scale never drops below this"))
-    loss_scale_window: int = opt(1000, "--loss-scale-window", group="mixed precision", help=(
+    initial_loss_scale: float = opt(2.0 ** 32, "mixed precision", "--fp16's dynamic loss scale to start from")
+    min_loss_scale: float = opt(1.0, "mixed precision", "the dynamic loss scale never drops below this")
+    loss_scale_window: int = opt(1000, "mixed precision", (
         "clean steps in a row after which the dynamic loss scale doubles"))
-    hysteresis: int = opt(2, "--hysteresis", group="mixed precision", help=(
+    hysteresis: int = opt(2, "mixed precision", (
         "overflowing steps before the dynamic loss scale halves (refilled only when it grows)"))
-    accumulate_allreduce_grads_in_fp32: bool = opt(
-        False, "--accumulate-allreduce-grads-in-fp32", group="mixed precision",
-        help="accumulate and reduce the gradients in float32 (always with --bf16)")
-    grad_reduce_in_bf16: bool = opt(False, "--grad-reduce-in-bf16", group="mixed precision", help=(
+    accumulate_allreduce_grads_in_fp32: bool = opt(False, "mixed precision", (
+        "accumulate and reduce the gradients in float32 (always with --bf16)"))
+    grad_reduce_in_bf16: bool = opt(False, "mixed precision", (
         "with --bf16: accumulate and reduce the gradients in bfloat16 instead"))
     # FP8 (chapter 06): the transformer layers' GEMMs in FP8 (fp8/), Megatron's flags
-    fp8_format: str | None = opt(None, "--fp8-format", group="mixed precision", help=(
+    fp8_format: str | None = opt(None, "mixed precision", (
         "the transformer layers' GEMMs in FP8: hybrid (e4m3 forward, e5m2 output gradients) or e4m3; unset: no FP8 "
         "(chapter 06)"))
-    fp8_recipe: str = opt("delayed", "--fp8-recipe", group="mixed precision", help=(
+    fp8_recipe: str = opt("delayed", "mixed precision", (
         "how FP8 tensors are scaled: tensorwise, delayed, blockwise or mxfp8"))
-    fp8_margin: int = opt(0, "--fp8-margin", group="mixed precision", help=(
-        "delayed scaling: scale = fp8_max / amax / 2^margin"))
-    fp8_amax_history_len: int = opt(1, "--fp8-amax-history-len", group="mixed precision", help=(
+    fp8_margin: int = opt(0, "mixed precision", "delayed scaling: scale = fp8_max / amax / 2^margin")
+    fp8_amax_history_len: int = opt(1, "mixed precision", (
         "delayed scaling: amaxes remembered per tensor role (at most 1024, Transformer Engine's default, or the "
         "run's train_iters x grad_accum_steps)"))
-    fp8_amax_compute_algo: str = opt("most_recent", "--fp8-amax-compute-algo", group="mixed precision", help=(
+    fp8_amax_compute_algo: str = opt("most_recent", "mixed precision", (
         "delayed scaling: the scale from the latest amax (most_recent) or the history's max"))
-    kernels: str = opt("torch", "--kernels", group="training", help=(
-        "torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton kernels (interpreted on a CPU: for "
-        "reading, not speed); compile: each layer through torch.compile (chapter 07) (the book's)"),
+    kernels: str = opt("torch", "training", (
+        "torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton kernels (interpreted on a CPU: "
+        "for reading, not speed); compile: each layer through torch.compile (chapter 07) (the book's)"),
         switches=[("--compile", "compile", "each transformer layer through torch.compile, the same as --kernels "
                                            "compile (chapter 07) (the book's)")])
     # activation recompute (chapter 07, recompute.py), Megatron's flags
-    recompute_granularity: str | None = opt(None, "--recompute-granularity", group="training", help=(
-        "activation recompute (chapter 07): full (whole layers, in units) or selective (the parts --recompute-modules "
-        "names); unset: none"),
+    recompute_granularity: str | None = opt(None, "training", (
+        "activation recompute (chapter 07): full (whole layers, in units) or selective (the parts "
+        "--recompute-modules names); unset: none"),
         switches=[("--recompute-activations", "selective", "selective recompute of --recompute-modules (Megatron's "
                                                            "older switch)")])
-    recompute_method: str | None = opt(None, "--recompute-method", group="training", help=(
+    recompute_method: str | None = opt(None, "training", (
         "full recompute: uniform (every --recompute-num-layers layers one unit) or block (the first "
         "--recompute-num-layers layers of each chunk)"))
-    recompute_num_layers: int | None = opt(None, "--recompute-num-layers", group="training", help=(
+    recompute_num_layers: int | None = opt(None, "training", (
         "full recompute: layers per unit (uniform) or recomputed layers per chunk (block)"))
-    recompute_modules: tuple[str, ...] = opt(("core_attn",), "--recompute-modules", group="training", help=(
+    recompute_modules: tuple[str, ...] = opt(("core_attn",), "training", (
         "selective recompute: any of core_attn, mlp, moe, moe_act, layernorm"))
     # torch.profiler over steps [profile_step_start, profile_step_end) (chapter 07, profiling.py)
-    profile: bool = opt(False, "--profile", group="training", help=(
+    profile: bool = opt(False, "training", (
         "torch.profiler over --profile-step-start .. --profile-step-end: a Chrome trace per rank in "
         "<out-dir>/torch_profile/ and rank 0's top operators (chapter 07)"))
-    profile_step_start: int = opt(10, "--profile-step-start", group="logging", help=(
-        "with --profile: the first step recorded, counted from 0 (chapter 07)"))
-    profile_step_end: int = opt(12, "--profile-step-end", group="logging", help=(
-        "with --profile: the step the recording stops before"))
-    profile_ranks: tuple[int, ...] = opt((), "--profile-ranks", group="logging", help=(
-        "with --profile: the ranks that profile; unset: all"))
+    profile_step_start: int = opt(10, "logging", "with --profile: the first step recorded, counted from 0 (chapter 07)")
+    profile_step_end: int = opt(12, "logging", "with --profile: the step the recording stops before")
+    profile_ranks: tuple[int, ...] = opt((), "logging", "with --profile: the ranks that profile; unset: all")
     # documents inside a window (chapter 07, data/gpt_dataset.py document_masks), Megatron's switches
-    reset_position_ids: bool = opt(False, "--reset-position-ids", group="training", help=(
-        "positions count from 0 after each <eod> (chapter 07)"))
-    reset_attention_mask: bool = opt(False, "--reset-attention-mask", group="training", help=(
+    reset_position_ids: bool = opt(False, "training", "positions count from 0 after each <eod> (chapter 07)")
+    reset_attention_mask: bool = opt(False, "training", (
         "each token attends only to the tokens of its own document (chapter 07)"))
-    eod_mask_loss: bool = opt(False, "--eod-mask-loss", group="training", help=(
-        "no loss where the input token is <eod> (chapter 07)"))
-    data_seed: int = opt(1234, "--data-seed", group="data", help=(
-        "seeds the data order and the dropout masks, >= 0 (the book's)"))
-    device: str = opt("cpu", "--device", group="training", help=(
-        "cpu (gloo, the tested path) or cuda (NCCL, one GPU per rank) (the book's)"))
-    progress: bool = opt(True, group="training", switches=[
+    eod_mask_loss: bool = opt(False, "training", "no loss where the input token is <eod> (chapter 07)")
+    data_seed: int = opt(1234, "data", "seeds the data order and the dropout masks, >= 0 (the book's)")
+    device: str = opt("cpu", "training", "cpu (gloo, the tested path) or cuda (NCCL, one GPU per rank) (the book's)")
+    progress: bool = opt(True, "training", switches=[
         ("--no-progress", False, "no progress bar (the book's)"),
         ("--progress", True, "a progress bar on rank 0 (the book's)")])
 
