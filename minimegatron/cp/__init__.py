@@ -15,12 +15,12 @@ Sequence parallelism, the other half of chapter 04, is part of tensor parallelis
 """
 
 from .attention import CP_COMM_TYPES, ContextParallelAttention, apply_context_parallel, check_context_parallel_config
-from .blocks import attention_block_backward, attention_block_forward, flash_kernel_available, merge_attention
+from .blocks import attention_block_backward, attention_block_forward, merge_attention
 from .layout import (causal_work_per_rank, check_context_parallel_seq_length, contiguous_positions, cp_chunk_ids,
                      get_batch_on_this_cp_rank, positions_on_rank, zigzag_positions)
 from .ring import block_pairs, ring_attention
 
 __all__ = ["CP_COMM_TYPES", "ContextParallelAttention", "apply_context_parallel", "check_context_parallel_config",
-           "attention_block_forward", "attention_block_backward", "merge_attention", "flash_kernel_available",
+           "attention_block_forward", "attention_block_backward", "merge_attention",
            "zigzag_positions", "contiguous_positions", "positions_on_rank", "cp_chunk_ids", "get_batch_on_this_cp_rank",
            "causal_work_per_rank", "check_context_parallel_seq_length", "ring_attention", "block_pairs"]

@@ -23,20 +23,13 @@ Typical use::
 
 
 from .errors import DataError
-from .gpt_dataset import (GPTDataset, batch_for_step, document_masks, global_sample_indices, resolve_split,
-                          train_valid_split)
-from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
+from .gpt_dataset import GPTDataset, batch_for_step, document_masks, global_sample_indices, train_valid_split
+from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from .tokenizer import BPETokenizer, ByteTokenizer, build_tokenizer
 
-from .preprocess import iter_jsonl_texts, preprocess_jsonl
+from .preprocess import preprocess_jsonl
 from .corpus import build_default_corpus
 
-__all__ = [
-    "DataError",
-    "ByteTokenizer", "BPETokenizer", "build_tokenizer",
-    "IndexedDataset", "IndexedDatasetBuilder", "best_dtype",
-    "preprocess_jsonl", "iter_jsonl_texts",
-    "build_default_corpus",
-    "GPTDataset", "train_valid_split", "resolve_split", "global_sample_indices",
-    "batch_for_step", "document_masks",
-]
+__all__ = ["DataError", "ByteTokenizer", "BPETokenizer", "build_tokenizer", "IndexedDataset", "IndexedDatasetBuilder",
+           "preprocess_jsonl", "build_default_corpus", "GPTDataset", "train_valid_split", "global_sample_indices",
+           "batch_for_step", "document_masks"]

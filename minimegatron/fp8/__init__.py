@@ -11,10 +11,9 @@ delayed scaling's state (scaling.py), and the GEMMs of the one model in FP8 (lin
                 delayed scaling's state for a checkpoint (chapter 08)
 """
 
-from .linear import FP8_LAYERS, Fp8Gemm, apply_fp8, delayed_scaling_states, load_delayed_scaling_states
-from .quantize import (FORMATS, Quantized, cast_to_fp8, quantize_blockwise, quantize_mxfp8, quantize_tensorwise,
-                       tensorwise_scale)
-from .scaling import DelayedScaling, Fp8Recipe, ROLES, SCALINGS
+from .linear import Fp8Gemm, apply_fp8, delayed_scaling_states, load_delayed_scaling_states
+from .quantize import FORMATS, cast_to_fp8, quantize_blockwise, quantize_mxfp8, quantize_tensorwise, tensorwise_scale
+from .scaling import DelayedScaling, Fp8Recipe
 
 
 def fp8_recipe_of(cfg) -> Fp8Recipe | None:
@@ -25,6 +24,6 @@ def fp8_recipe_of(cfg) -> Fp8Recipe | None:
                                    cfg.fp8_amax_compute_algo)
 
 
-__all__ = ["FORMATS", "Quantized", "cast_to_fp8", "tensorwise_scale", "quantize_tensorwise", "quantize_blockwise",
-           "quantize_mxfp8", "Fp8Recipe", "DelayedScaling", "ROLES", "SCALINGS", "Fp8Gemm", "apply_fp8",
-           "FP8_LAYERS", "fp8_recipe_of", "delayed_scaling_states", "load_delayed_scaling_states"]
+__all__ = ["FORMATS", "cast_to_fp8", "tensorwise_scale", "quantize_tensorwise", "quantize_blockwise", "quantize_mxfp8",
+           "Fp8Recipe", "DelayedScaling", "Fp8Gemm", "apply_fp8", "fp8_recipe_of", "delayed_scaling_states",
+           "load_delayed_scaling_states"]

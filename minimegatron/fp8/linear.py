@@ -89,20 +89,23 @@ class Fp8Gemm(Gemm):
         """(x [.., K] cast to FP8 along K and dequantized, float32 (float64 for a float64 model); the
         scale(s) used). With `scale` no amax is taken; without, one-scale recipes all-reduce the amax
         over amax_group (tag "fp8-amax") and set the scale (current) or record it (delayed)."""
-        fmt, scaling = self.recipe.format_of(role), self.recipe.scaling
-        if scaling == "blockwise":
-            q = quantize_blockwise(x, fmt, two_d=role == "weight" and x.dim() == 2)
-        elif scaling == "mxfp8":
-            q = quantize_mxfp8(x, fmt)
-        elif scale is not None:
-            q = Quantized(cast_to_fp8(x, scale, fmt), scale)
-        else:
-            amax = tensor_amax(x, self.amax_group, self.amax_tag)
-            q = quantize_tensorwise(x, fmt, amax) if scaling == "current" else self.delayed[role].cast(x, amax)
+        q = self.quantize(x, role, scale)
         out = q.dequantize(torch.float64 if x.dtype == torch.float64 else torch.float32)
         if self.stats is not None and scale is None:
             _collect(self.stats, role, x, out, q)
         return out, q.scale
+
+    def quantize(self, x: torch.Tensor, role: str, scale: torch.Tensor | None = None) -> Quantized:
+        """x in FP8 as the recipe casts `role` (cast's rules for `scale`), not dequantized."""
+        fmt, scaling = self.recipe.format_of(role), self.recipe.scaling
+        if scaling == "blockwise":
+            return quantize_blockwise(x, fmt, two_d=role == "weight" and x.dim() == 2)
+        if scaling == "mxfp8":
+            return quantize_mxfp8(x, fmt)
+        if scale is not None:
+            return Quantized(cast_to_fp8(x, scale, fmt), scale)
+        amax = tensor_amax(x, self.amax_group, self.amax_tag)
+        return quantize_tensorwise(x, fmt, amax) if scaling == "current" else self.delayed[role].cast(x, amax)
 
     def gather_input(self, x: torch.Tensor, group, dim: int, tag: str) -> torch.Tensor:
         """The sequence-parallel all-gather in FP8 (one-scale recipes; blocked ones gather in the model's
@@ -111,13 +114,8 @@ class Fp8Gemm(Gemm):
         regather (tag "regather") stays in the model's dtype."""
         if not self.one_scale:
             return super().gather_input(x, group, dim, tag)
-        fmt, replayed = self.recipe.format_of("input"), self._replayed_scales()
-        if replayed is not None:
-            q = Quantized(cast_to_fp8(x, replayed[0], fmt), replayed[0])
-        else:
-            amax = tensor_amax(x, self.amax_group, self.amax_tag)
-            q = (quantize_tensorwise(x, fmt, amax) if self.recipe.scaling == "current"
-                 else self.delayed["input"].cast(x, amax))
+        replayed = self._replayed_scales()
+        q = self.quantize(x, "input", None if replayed is None else replayed[0])
         data = all_gather(q.data.view(torch.uint8), group, dim=dim, tag=tag).view(q.data.dtype)   # [b, s, in]
         total = Quantized(data, q.scale).dequantize(torch.float64 if x.dtype == torch.float64 else torch.float32)
         if self.stats is not None and replayed is None:

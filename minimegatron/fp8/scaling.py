@@ -112,8 +112,5 @@ class DelayedScaling:
         self.pending = True
         return out
 
-    def state_dict(self) -> dict:
-        return {"history": self.history.clone(), "scale": self.scale.clone(), "pending": self.pending}
-
     def load_state_dict(self, state: dict) -> None:
         self.history, self.scale, self.pending = state["history"].clone(), state["scale"].clone(), state["pending"]

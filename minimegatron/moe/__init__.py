@@ -13,15 +13,11 @@ ranks. Read in this order:
                        allreduce=False), the expert-bias update, the checks of a layout
 """
 
-from .dispatcher import (AllGatherDispatcher, AllToAllDispatcher, permute, sort_chunks_by_expert, unpermute,
-                         unsort_chunks_by_expert)
-from .expert_parallel import (apply_expert_parallel, check_expert_parallel_config,
-                              is_expert_parameter, moe_layers, update_expert_bias)
-from .router import (SCORE_FUNCTIONS, apply_token_dropping, aux_loss, expert_bias_update, expert_capacity,
-                     sequence_aux_loss, topk_routing, z_loss)
+from .dispatcher import permute, sort_chunks_by_expert, unpermute, unsort_chunks_by_expert
+from .expert_parallel import (apply_expert_parallel, check_expert_parallel_config, is_expert_parameter, moe_layers,
+                              update_expert_bias)
+from .router import apply_token_dropping, aux_loss, expert_bias_update, expert_capacity, topk_routing, z_loss
 
-__all__ = ["SCORE_FUNCTIONS", "topk_routing", "aux_loss", "sequence_aux_loss", "z_loss", "expert_capacity",
-           "apply_token_dropping", "expert_bias_update", "permute", "unpermute", "sort_chunks_by_expert",
-           "unsort_chunks_by_expert", "AllToAllDispatcher", "AllGatherDispatcher", "apply_expert_parallel",
-           "check_expert_parallel_config", "moe_layers", "update_expert_bias",
-           "is_expert_parameter"]
+__all__ = ["topk_routing", "aux_loss", "z_loss", "expert_capacity", "apply_token_dropping", "expert_bias_update",
+           "permute", "unpermute", "sort_chunks_by_expert", "unsort_chunks_by_expert", "apply_expert_parallel",
+           "check_expert_parallel_config", "moe_layers", "update_expert_bias", "is_expert_parameter"]

@@ -16,14 +16,12 @@ parallelize.build_model cuts the one model into this rank's chunks (build_stage)
 train.train_step runs forward_backward_pipelining when pp > 1.
 """
 
-from .executor import (evaluate_pipelining, forward_backward_pipelining,
-                       run_pipeline_step)
+from .executor import evaluate_pipelining, forward_backward_pipelining
 from .p2p import PipelineComm
 from .schedules import KINDS, check_schedule_args, interleaved_order, num_warmup_microbatches, schedule
-from .stages import allreduce_tied_embedding_grads, build_stage, stage_layers, virtual_stage
+from .stages import build_stage, stage_layers, virtual_stage
 from .timeline import Interval, bubble_fraction, idle_fraction, peak_in_flight, simulate
 
-__all__ = ["KINDS", "schedule", "check_schedule_args", "interleaved_order", "num_warmup_microbatches",
-           "stage_layers", "virtual_stage", "build_stage", "PipelineComm", "run_pipeline_step", "forward_backward_pipelining",
-           "evaluate_pipelining", "allreduce_tied_embedding_grads", "Interval", "simulate", "bubble_fraction",
-           "idle_fraction", "peak_in_flight"]
+__all__ = ["KINDS", "schedule", "check_schedule_args", "interleaved_order", "num_warmup_microbatches", "stage_layers",
+           "virtual_stage", "build_stage", "PipelineComm", "forward_backward_pipelining", "evaluate_pipelining",
+           "Interval", "simulate", "bubble_fraction", "idle_fraction", "peak_in_flight"]

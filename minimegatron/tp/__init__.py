@@ -17,16 +17,14 @@ minimegatron/comm/regions.py, with every call recorded in the ledger.
 """
 
 from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide, pad_vocab_size,
-                     set_tensor_model_parallel_attributes, shard_cols,
-                     shard_rows, vocab_range)
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
+                     set_tensor_model_parallel_attributes, shard_cols, shard_rows, vocab_range)
 from .parallel import (TENSOR_PARALLEL_PLAN, allreduce_sequence_parallel_grads, apply_tensor_parallel,
                        check_tensor_parallel_config)
-from .random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
+from .random import get_rng_tracker, model_parallel_manual_seed
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelCrossEntropy",
-           "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "divide", "pad_vocab_size", "vocab_range",
-           "set_tensor_model_parallel_attributes",
-           "RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "TENSOR_PARALLEL_PLAN",
-           "allreduce_sequence_parallel_grads",
-           "apply_tensor_parallel", "check_tensor_parallel_config"]
+           "vocab_parallel_cross_entropy", "shard_rows", "shard_cols", "pad_vocab_size", "vocab_range",
+           "set_tensor_model_parallel_attributes", "get_rng_tracker", "model_parallel_manual_seed",
+           "TENSOR_PARALLEL_PLAN", "allreduce_sequence_parallel_grads", "apply_tensor_parallel",
+           "check_tensor_parallel_config"]

@@ -89,6 +89,11 @@ def pad_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int =
     return -(-vocab_size // multiple) * multiple
 
 
+def pad_rows(full: torch.Tensor, padded: int) -> torch.Tensor:
+    """``full`` [V, ...] with zero rows appended: [padded, ...] (the vocabulary's padding rows)."""
+    return torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+
+
 def vocab_range(padded_vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
     """[start, end) of the vocabulary ids that rank ``rank`` of ``tp`` owns (Megatron's
     VocabUtility.vocab_range_from_global_vocab_size)."""
@@ -212,9 +217,11 @@ def set_tensor_model_parallel_attributes(param: nn.Parameter, partition_dim: int
 
 
 class _ParallelLinear(nn.Module):
-    """Zero parameters of this rank's shapes, set from full single-device tensors by ``load_full``."""
+    """Zero parameters of this rank's shapes, set from full single-device tensors by ``load_full``;
+    W split along ``partition_dim`` (0: rows, the bias too; 1: columns, the bias replicated)."""
 
-    def _create(self, weight_shape, bias_shape, params_dtype, skip_weight_param_allocation=False):
+    def _create(self, partition_dim, weight_shape, bias_shape, params_dtype, skip_weight_param_allocation=False):
+        self.partition_dim = partition_dim
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.zeros(weight_shape, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(bias_shape, dtype=dtype)) if bias_shape else None
@@ -224,11 +231,11 @@ class _ParallelLinear(nn.Module):
     def load_full(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
         """Set this rank's shard from the full single-device weight [out, in] (and bias [out])."""
         if self.weight is not None:
-            self.weight.copy_(self.shard_weight(weight))
+            self.weight.copy_(_shard(weight, self.partition_dim, self.group, self.stride))
         if self.bias is not None:
             if bias is None:
                 raise ValueError("this layer has a bias: pass the full bias too")
-            self.bias.copy_(self.shard_bias(bias))
+            self.bias.copy_(shard_rows(bias, self.group, self.stride) if self.partition_dim == 0 else bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -254,17 +261,11 @@ class ColumnParallelLinear(_ParallelLinear):
         divide(out_features, self.tp, "ColumnParallelLinear: out_features", stride)
         self.output_size_per_partition = out_features // self.tp
         self.gather_output = gather_output
-        self._create((self.output_size_per_partition, in_features),
+        self._create(0, (self.output_size_per_partition, in_features),
                      (self.output_size_per_partition,) if bias else None, params_dtype, skip_weight_param_allocation)
         for p in (self.weight, self.bias):
             if p is not None:
                 set_tensor_model_parallel_attributes(p, 0, group, stride, unpadded_size)
-
-    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
-        return shard_rows(full, self.group, self.stride)
-
-    def shard_bias(self, full: torch.Tensor) -> torch.Tensor:
-        return shard_rows(full, self.group, self.stride)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """weight: use this [out/tp, in] instead of self.weight (a tied output layer)."""
@@ -300,22 +301,15 @@ class RowParallelLinear(_ParallelLinear):
                  sequence_parallel: bool = False):
         super().__init__()
         self.group, self.tp = group, group_size(group)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.stride = in_features, out_features, 1
         self.sequence_parallel = sequence_parallel
-        self.input_size_per_partition = divide(in_features, self.tp,
-                                               "RowParallelLinear: in_features")
+        self.input_size_per_partition = divide(in_features, self.tp, "RowParallelLinear: in_features")
         self.input_is_parallel = input_is_parallel
-        self._create((out_features, self.input_size_per_partition),
+        self._create(1, (out_features, self.input_size_per_partition),
                      (out_features,) if bias else None, params_dtype)
         set_tensor_model_parallel_attributes(self.weight, 1, group)      # the bias is replicated
         if sequence_parallel and self.bias is not None:
             set_placement(self.bias, sequence_parallel=True)
-
-    def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
-        return shard_cols(full, self.group)
-
-    def shard_bias(self, full: torch.Tensor) -> torch.Tensor:
-        return full.clone()                              # replicated, not split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -354,18 +348,13 @@ class VocabParallelEmbedding(nn.Module):
                                                dtype=params_dtype or torch.get_default_dtype()))
         set_tensor_model_parallel_attributes(self.weight, 0, group, unpadded_size=num_embeddings)
 
-    def pad(self, full: torch.Tensor) -> torch.Tensor:
-        """The full table [V, h] with zero padding rows appended: [Vp, h]."""
-        padding = full.new_zeros(self.padded_vocab_size - full.shape[0], *full.shape[1:])
-        return torch.cat([full, padding])
-
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         """Set this rank's rows from the full single-device table [V, h]."""
         if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"expected the full table [{self.num_embeddings}, "
                              f"{self.embedding_dim}], got {list(weight.shape)}")
-        self.weight.copy_(shard_rows(self.pad(weight), self.group))
+        self.weight.copy_(shard_rows(pad_rows(weight, self.padded_vocab_size), self.group))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.num_embeddings):

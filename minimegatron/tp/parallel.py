@@ -71,7 +71,7 @@ from ..dp import grad_of
 from ..model.finalize import register_grad_finalizer
 from ..placement import name_placements, placement_of, set_placement
 from .cross_entropy import VocabParallelCrossEntropy
-from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_vocab_size
+from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_rows, pad_vocab_size
 from .random import get_rng_tracker
 
 __all__ = ["TENSOR_PARALLEL_PLAN", "apply_tensor_parallel", "check_tensor_parallel_config",
@@ -118,10 +118,6 @@ def _parallel_linear(full: nn.Module, style: str, tp_group, stride: int = 1,
     layer.load_full(full.weight, full.bias)
     layer.gemm = full.gemm                                # its matrix products go with it
     return layer
-
-
-def _pad_rows(full: torch.Tensor, padded: int) -> torch.Tensor:
-    return torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
 
 
 @torch.no_grad()
@@ -182,7 +178,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
                                             unpadded_size=cfg.vocab_size, sequence_parallel=sp,
                                             ).to(model.decoder.final_layernorm.weight.device)
         if full is not None:
-            output_layer.load_full(_pad_rows(full, Vp))
+            output_layer.load_full(pad_rows(full, Vp))
             set_placement(output_layer.weight, copy_of=placement_of(full).copy_of,     # a pipeline's
                           shared_embedding=placement_of(full).shared_embedding)     # tied copy
         model.output_layer = output_layer
