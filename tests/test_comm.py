@@ -435,7 +435,7 @@ def test_ledger_summaries_and_table():
     assert ledger.count() == 3 and ledger.count("all_reduce") == 2
     assert ledger.total_bytes() == 540 and ledger.total_bytes("all_gather") == 40
     assert ledger.total_bytes(group=(0, 1)) == 500 and ledger.total_bytes(tag="grads") == 500
-    assert ledger.by_op() == {"all_reduce": (2, 500, 500.0), "all_gather": (1, 40, 120.0)}
+    assert ledger.ring_bytes() == 400 + 100 + 3 * 40 and ledger.ring_bytes("all_gather") == 120
     table = ledger.table()
     assert "all_reduce" in table and "[0, 1]" in table and "grads" in table
     assert table.splitlines()[-1].split() == ["total", "3", "540", "620"]

@@ -48,7 +48,7 @@ from __future__ import annotations
 from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all,
                           all_to_all_single, barrier, batch_isend_irecv, broadcast, compile_barriers, irecv,
                           isend, recv, reduce_scatter, reduce_scatter_tensor, send)
-from .ledger import (ALONE, CommRecord, Ledger, OpSummary, group_rank, group_ranks, group_size,
+from .ledger import (ALONE, CommRecord, Ledger, group_rank, group_ranks, group_size,
                      record_communication, retagged, ring_traffic)
 from .regions import (all_to_all_region, all_to_all_uneven_region, gather_uneven_region, reduce_scatter_uneven_region,
                       copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
@@ -57,7 +57,7 @@ from .regions import (all_to_all_region, all_to_all_uneven_region, gather_uneven
                       scatter_to_tensor_model_parallel_region)
 
 
-__all__ = ["ALONE", "CommRecord", "Ledger", "OpSummary", "record_communication", "retagged", "ring_traffic",
+__all__ = ["ALONE", "CommRecord", "Ledger", "record_communication", "retagged", "ring_traffic",
            "group_ranks", "group_size", "group_rank",
            "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
            "reduce_scatter_tensor", "broadcast", "send", "recv", "isend", "irecv", "P2POp",

@@ -31,9 +31,6 @@ class _Done:
     def wait(self, timeout=None) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """The tensor gloo actually moves: fp8 reinterpreted as bytes (same storage)."""
@@ -102,10 +99,8 @@ def compile_barriers() -> None:
 
 
 def _record(op: str, group, t: torch.Tensor | None, tag: str | None, nbytes=None) -> None:
-    rec = CommRecord(op, group_ranks(group),
-                     nbytes if nbytes is not None else t.numel() * t.element_size(),
-                     None if t is None else t.dtype, () if t is None else tuple(t.shape), tag)
-    append_record(rec)
+    append_record(CommRecord(op, group_ranks(group), t.numel() * t.element_size() if nbytes is None else nbytes,
+                             None if t is None else t.dtype, () if t is None else tuple(t.shape), tag))
 
 
 # ======================================================================================

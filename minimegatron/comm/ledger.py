@@ -6,7 +6,7 @@ import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,12 +77,6 @@ def ring_traffic(record: CommRecord) -> float:
     return factor[record.op] * b
 
 
-class OpSummary(NamedTuple):
-    count: int
-    nbytes: int
-    ring_bytes: float
-
-
 class Ledger:
     """The records of one ``record_communication()`` block, in call order, with summaries.
 
@@ -114,14 +108,6 @@ class Ledger:
 
     def ring_bytes(self, op=None, group=None, tag=None) -> float:
         return sum(ring_traffic(r) for r in self.select(op, group, tag))
-
-    def by_op(self) -> dict[str, OpSummary]:
-        """``{op: OpSummary(count, nbytes, ring_bytes)}`` in order of first use."""
-        out: dict[str, OpSummary] = {}
-        for r in self.records:
-            c, b, rb = out.get(r.op, (0, 0, 0.0))
-            out[r.op] = OpSummary(c + 1, b + r.nbytes, rb + ring_traffic(r))
-        return out
 
     def table(self) -> str:
         """One row per (op, group, tag): calls, bytes handed in, ring bytes sent per rank."""

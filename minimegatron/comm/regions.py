@@ -52,57 +52,23 @@ def _split(x, group, dim, tag=None):
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-class _CopyToTensorModelParallelRegion(torch.autograd.Function):
-    """f: forward identity, backward all-reduce (sum)."""
+class _Region(torch.autograd.Function):
+    """Forward fwd(x), backward bwd(grad): one row of the tables above."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sum(grad, ctx.group, "bwd"), None
-
-
-class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
-    """g: forward all-reduce (sum), backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _sum(x, group, "fwd")
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return fwd(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.bwd(grad), None, None
 
 
-class _AlongDim(torch.autograd.Function):
-    """Forward fwd(x, group, dim), backward bwd(grad, group, dim): one row of the table above
-    (split, all_gather or reduce_scatter each way)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, fwd, bwd):
-        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
-        return fwd(x, group, dim, tag="fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.bwd(grad, ctx.group, ctx.dim, tag="bwd"), None, None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    """Forward all-to-all (scatter scatter_dim, gather gather_dim), backward the inverse."""
-
-    @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return all_to_all(x, group, scatter_dim, gather_dim, tag="fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return all_to_all(grad, ctx.group, gather_dim, scatter_dim, tag="bwd"), None, None, None
+def _along_dim(x, group, dim, fwd, bwd):
+    """fwd(x, group, dim, tag="fwd") forward, bwd(grad, group, dim, tag="bwd") backward (split,
+    all_gather or reduce_scatter each way)."""
+    return _Region.apply(x, lambda x: fwd(x, group, dim, tag="fwd"), lambda grad: bwd(grad, group, dim, tag="bwd"))
 
 
 def _reduce_scatter_rows(x, group, sizes, tag):
@@ -116,95 +82,58 @@ def _reduce_scatter_rows(x, group, sizes, tag):
     return reduce_scatter(padded, group, dim=0, tag=tag)[:sizes[rank]]
 
 
-class _AllToAllUneven(torch.autograd.Function):
-    """Forward all-to-all of rows with uneven splits; backward the same with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, group, in_splits, out_splits, tag):
-        ctx.group, ctx.splits, ctx.tag = group, (in_splits, out_splits), tag
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        return all_to_all_single(out, x, group, in_splits, out_splits, tag=tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        in_splits, out_splits = ctx.splits
-        dx = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        return all_to_all_single(dx, grad.contiguous(), ctx.group, out_splits, in_splits, tag=ctx.tag + "-bwd"), \
-            None, None, None, None
-
-
-class _GatherUneven(torch.autograd.Function):
-    """Forward all-gather of sizes[i] rows from member i; backward reduce-scatter of them."""
-
-    @staticmethod
-    def forward(ctx, x, group, sizes, tag):
-        ctx.group, ctx.sizes, ctx.tag = group, sizes, tag
-        return all_gather(x, group, dim=0, sizes=sizes, tag=tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.group, ctx.sizes, ctx.tag + "-bwd"), None, None, None
-
-
-class _ReduceScatterUneven(torch.autograd.Function):
-    """Forward reduce-scatter into sizes[i] rows for member i; backward all-gather of them."""
-
-    @staticmethod
-    def forward(ctx, x, group, sizes, tag):
-        ctx.group, ctx.sizes, ctx.tag = group, sizes, tag
-        return _reduce_scatter_rows(x, group, sizes, tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad.contiguous(), ctx.group, dim=0, sizes=ctx.sizes, tag=ctx.tag + "-bwd"), \
-            None, None, None
+def _all_to_all_rows(x, group, in_splits, out_splits, tag):
+    """x [sum(in_splits), ...] -> [sum(out_splits), ...]: all_to_all_single with these splits."""
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    return all_to_all_single(out, x, group, in_splits, out_splits, tag=tag)
 
 
 def copy_to_tensor_model_parallel_region(x, group):
     """The copy operator (the paper's f): forward identity; backward all-reduce (sum). Enters a
     region where every member uses the same ``x`` (a column-parallel linear)."""
-    return _CopyToTensorModelParallelRegion.apply(x, group)
+    return _Region.apply(x, lambda x: x, lambda grad: _sum(grad, group, "bwd"))
 
 
 def reduce_from_tensor_model_parallel_region(x, group):
     """The reduce operator (the paper's g): forward all-reduce (sum) of partial results; backward
     identity. Leaves a row-parallel linear."""
-    return _ReduceFromTensorModelParallelRegion.apply(x, group)
+    return _Region.apply(x, lambda x: _sum(x, group, "fwd"), lambda grad: grad)
 
 
 def scatter_to_tensor_model_parallel_region(x, group, dim=-1):
     """Forward: keep this member's chunk of ``x`` along ``dim`` (no communication);
     backward: all-gather the chunks' gradients along ``dim``."""
-    return _AlongDim.apply(x, group, dim, _split, all_gather)
+    return _along_dim(x, group, dim, _split, all_gather)
 
 
 def gather_from_tensor_model_parallel_region(x, group, dim=-1):
     """Forward: all-gather along ``dim``; backward: keep this member's chunk of the gradient."""
-    return _AlongDim.apply(x, group, dim, all_gather, _split)
+    return _along_dim(x, group, dim, all_gather, _split)
 
 
 def scatter_to_sequence_parallel_region(x, group, dim=0):
     """Sequence parallelism, entering a sequence-split region from a replicated tensor: forward keep
     this member's chunk along ``dim``; backward all-gather."""
-    return _AlongDim.apply(x, group, dim, _split, all_gather)
+    return _along_dim(x, group, dim, _split, all_gather)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group, dim=0):
     """Sequence parallelism, leaving a tensor-parallel region: forward reduce-scatter
     along ``dim`` (the sequence); backward all-gather of the gradient along ``dim``."""
-    return _AlongDim.apply(x, group, dim, reduce_scatter, all_gather)
+    return _along_dim(x, group, dim, reduce_scatter, all_gather)
 
 
 def gather_from_sequence_parallel_region(x, group, dim=0):
     """Sequence parallelism, entering a tensor-parallel region: forward all-gather along ``dim``;
     backward reduce-scatter (each member's gradient is a partial sum)."""
-    return _AlongDim.apply(x, group, dim, all_gather, reduce_scatter)
+    return _along_dim(x, group, dim, all_gather, reduce_scatter)
 
 
 def all_to_all_region(x, group, scatter_dim, gather_dim):
     """Forward :func:`all_to_all` (scatter ``scatter_dim``, gather ``gather_dim``); backward the
     inverse (Ulysses' head/sequence swap; MoE's dispatch)."""
-    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+    return _Region.apply(x, lambda x: all_to_all(x, group, scatter_dim, gather_dim, tag="fwd"),
+                         lambda grad: all_to_all(grad, group, gather_dim, scatter_dim, tag="bwd"))
 
 
 def all_to_all_uneven_region(x, group, in_splits: list[int], out_splits: list[int], tag: str):
@@ -213,7 +142,9 @@ def all_to_all_uneven_region(x, group, in_splits: list[int], out_splits: list[in
     splits swapped. (The counts must be known on both sides: exchange them first.)"""
     if group_size(group) == 1:
         return x
-    return _AllToAllUneven.apply(x, group, list(in_splits), list(out_splits), tag)
+    in_splits, out_splits = list(in_splits), list(out_splits)
+    return _Region.apply(x, lambda x: _all_to_all_rows(x, group, in_splits, out_splits, tag),
+                         lambda grad: _all_to_all_rows(grad, group, out_splits, in_splits, tag + "-bwd"))
 
 
 def gather_uneven_region(x, group, sizes: list[int], tag: str):
@@ -221,7 +152,9 @@ def gather_uneven_region(x, group, sizes: list[int], tag: str):
     reduce-scatter (each member's gradient of the gathered rows is a partial sum)."""
     if group_size(group) == 1:
         return x
-    return _GatherUneven.apply(x, group, list(sizes), tag)
+    sizes = list(sizes)
+    return _Region.apply(x, lambda x: all_gather(x, group, dim=0, sizes=sizes, tag=tag),
+                         lambda grad: _reduce_scatter_rows(grad, group, sizes, tag + "-bwd"))
 
 
 def reduce_scatter_uneven_region(x, group, sizes: list[int], tag: str):
@@ -229,4 +162,6 @@ def reduce_scatter_uneven_region(x, group, sizes: list[int], tag: str):
     sum; backward all-gather."""
     if group_size(group) == 1:
         return x
-    return _ReduceScatterUneven.apply(x, group, list(sizes), tag)
+    sizes = list(sizes)
+    return _Region.apply(x, lambda x: _reduce_scatter_rows(x, group, sizes, tag),
+                         lambda grad: all_gather(grad.contiguous(), group, dim=0, sizes=sizes, tag=tag + "-bwd"))
