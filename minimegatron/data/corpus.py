@@ -22,8 +22,7 @@ from pathlib import Path
 from .preprocess import preprocess_jsonl
 from .tokenizer import ByteTokenizer
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent      # .../minimegatron
-REPO_ROOT = PACKAGE_DIR.parent                             # the repository (parent of package)
+REPO_ROOT = Path(__file__).resolve().parents[2]           # the repository (parent of minimegatron/)
 NAME = "default"
 FROZEN = Path(__file__).resolve().parent / "book_corpus.jsonl.gz"
 
@@ -45,18 +44,10 @@ def split_paragraphs(text: str) -> list[str]:
     return [p.strip("\n").rstrip() for p in parts if p.strip()]
 
 
-def sources_hash(sources: list[tuple[str, bytes]]) -> str:
-    """sha256 over every (relative path, contents) pair, in order."""
-    h = hashlib.sha256()
-    for name, data in sources:
-        h.update(name.encode() + b"\0" + data + b"\0")
-    return h.hexdigest()
-
-
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, data: bytes) -> None:
     """Write to a unique temporary name, then rename: readers never see half a file."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
@@ -73,9 +64,7 @@ def freeze_corpus(root: str | os.PathLike | None = None, path: str | os.PathLike
     ``root``'s sources as gzipped JSON lines at ``path``. Every recorded loss moves with it."""
     lines = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in corpus_documents(root))
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(gzip.compress(lines.encode("utf-8"), compresslevel=9, mtime=0))
-    os.replace(tmp, path)
+    _write_atomically(path, gzip.compress(lines.encode("utf-8"), compresslevel=9, mtime=0))
     return path
 
 
@@ -87,7 +76,7 @@ def build_default_corpus(cache_dir: str | os.PathLike = "build/corpus", *,
     prefix = cache_dir / NAME
     hash_file = cache_dir / f"{NAME}.sha256"
     snapshot = Path(frozen).read_bytes()
-    digest = sources_hash([(Path(frozen).name, snapshot)])
+    digest = hashlib.sha256(Path(frozen).name.encode() + b"\0" + snapshot + b"\0").hexdigest()
     up_to_date = (hash_file.is_file() and hash_file.read_text().strip() == digest
                   and Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file())
     if up_to_date:
@@ -95,14 +84,14 @@ def build_default_corpus(cache_dir: str | os.PathLike = "build/corpus", *,
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     jsonl = cache_dir / f"{NAME}.jsonl"
-    _write_atomically(jsonl, gzip.decompress(snapshot).decode("utf-8"))
+    _write_atomically(jsonl, gzip.decompress(snapshot))
     preprocess_jsonl(jsonl, prefix, ByteTokenizer(), append_eod=True)
-    _write_atomically(hash_file, digest + "\n")
+    _write_atomically(hash_file, f"{digest}\n".encode())
     return str(prefix)
 
 
 __all__ = ["build_default_corpus", "freeze_corpus", "corpus_documents", "corpus_sources", "split_paragraphs",
-           "sources_hash", "REPO_ROOT", "PACKAGE_DIR", "FROZEN"]
+           "REPO_ROOT", "FROZEN"]
 
 
 if __name__ == "__main__":

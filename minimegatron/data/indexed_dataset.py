@@ -180,18 +180,13 @@ class IndexedDataset:
                             "bytes); the file is truncated or corrupt")
 
         # Three arrays laid end to end after the header, read as views of one mapping.
-        if n_seq + n_doc:
-            index = np.memmap(ipath, dtype=np.uint8, mode="r").view(np.ndarray)
-            off = HEADER.size
-            self.sequence_lengths = index[off:off + 4 * n_seq].view(np.int32)
-            off += 4 * n_seq
-            self.sequence_pointers = index[off:off + 8 * n_seq].view(np.int64)
-            off += 8 * n_seq
-            self.document_indices = index[off:off + 8 * n_doc].view(np.int64)
-        else:
-            self.sequence_lengths = np.zeros(0, np.int32)
-            self.sequence_pointers = np.zeros(0, np.int64)
-            self.document_indices = np.zeros(0, np.int64)
+        index = np.memmap(ipath, dtype=np.uint8, mode="r").view(np.ndarray)
+        off = HEADER.size
+        self.sequence_lengths = index[off:off + 4 * n_seq].view(np.int32)
+        off += 4 * n_seq
+        self.sequence_pointers = index[off:off + 8 * n_seq].view(np.int64)
+        off += 8 * n_seq
+        self.document_indices = index[off:off + 8 * n_doc].view(np.int64)
         self._check_index(ipath, n_seq, n_doc)
 
         self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
@@ -202,8 +197,7 @@ class IndexedDataset:
                             f"{self.num_tokens * self.dtype.itemsize} bytes; the pair is "
                             "truncated or does not belong together")
         # numpy cannot map an empty file; an empty dataset gets an empty array instead.
-        self._tokens = (np.memmap(bpath, dtype=self.dtype, mode="r").view(np.ndarray)
-                        if self.num_tokens
+        self._tokens = (np.memmap(bpath, dtype=self.dtype, mode="r").view(np.ndarray) if self.num_tokens
                         else np.zeros(0, self.dtype))
         if vocab_size is not None:
             self.check_vocab(vocab_size)
@@ -240,18 +234,15 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
-    def _check_doc(self, i: int) -> int:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"document {i} out of range for {self.prefix} ({n} documents)")
-        return i % n
-
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of document i (to its end when length is None)."""
-        i = self._check_doc(int(i))
+        i, n = int(i), len(self)
+        if not -n <= i < n:
+            raise IndexError(f"document {i} out of range for {self.prefix} ({n} documents)")
+        i %= n
         doc_len = int(self.sequence_lengths[i])
         if length is None:
             length = doc_len - offset

@@ -38,19 +38,15 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Bytes back to text; ``<eod>`` becomes the text "<eod>"; bad UTF-8 becomes U+FFFD."""
-        pieces: list[str] = []
-        run = bytearray()          # consecutive byte ids, decoded together (multi-byte chars)
-        for i in ids:
-            i = int(i)
-            if 0 <= i < 256:
-                run.append(i)
-            elif i == self.eod:
-                pieces.append(run.decode("utf-8", errors="replace") + EOD_TEXT)
-                run.clear()
-            else:
+        runs = [bytearray()]       # the byte ids between two <eod>s, decoded together (multi-byte chars)
+        for i in map(int, ids):
+            if not 0 <= i <= self.eod:
                 raise ValueError(f"token id {i} is outside the byte vocabulary [0, 257)")
-        pieces.append(run.decode("utf-8", errors="replace"))
-        return "".join(pieces)
+            if i == self.eod:
+                runs.append(bytearray())
+            else:
+                runs[-1].append(i)
+        return EOD_TEXT.join(run.decode("utf-8", errors="replace") for run in runs)
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=257)"
