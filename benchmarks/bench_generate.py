@@ -20,6 +20,7 @@ differently.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shlex
@@ -36,7 +37,17 @@ from minimegatron.model import GPTModel
 from machine import cpu_model, load_average  # benchmarks/machine.py
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclasses.dataclass
+class GenerateBench:
+    exit_code: int = 0
+    tokens_per_s: dict = dataclasses.field(default_factory=dict)   # "cached", "uncached": as printed (1 decimal)
+    positions: dict = dataclasses.field(default_factory=dict)      # "cached", "uncached": positions run
+    cache_bytes: int = 0
+    cache_formula: int = 0
+    speedup: float = 0.0                                           # with / without, as printed (1 decimal)
+
+
+def main(argv: list[str] | None = None) -> GenerateBench:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", type=int, default=16, help="P, prompt tokens (default 16)")
     p.add_argument("--new", type=int, default=256, help="N, new tokens (default 256)")
@@ -85,18 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a == b for x, y in zip(out[True][0], out[False][0]) for a, b in zip(x, y))
     if not cuda:
         assert out[True][0] == out[False][0], "the cache changed the tokens"
-    count = args.batch * args.new
+    count, got = args.batch * args.new, GenerateBench()
     for cached in (True, False):
         info = out[cached][1]
+        key = "cached" if cached else "uncached"
+        got.tokens_per_s[key], got.positions[key] = round(count / best[cached], 1), info["positions"]
         print(f"  {'with the KV cache' if cached else 'without a cache':<18} {count / best[cached]:9.1f} tokens/s "
               f"({best[cached]:.2f} s), {info['positions']:,} positions run")
-    formula = kv_cache_bytes(cfg.num_layers, args.batch, args.prompt + args.new, cfg.query_groups, cfg.kv_channels, 4)
-    print(f"the cache: {out[True][1]['kv_cache_bytes']:,} bytes = formula 2 L b (P + N) g d e = {formula:,}"
-          if out[True][1]["kv_cache_bytes"] == formula else "the cache's bytes differ from the formula")
+    got.cache_formula = kv_cache_bytes(cfg.num_layers, args.batch, args.prompt + args.new, cfg.query_groups,
+                                       cfg.kv_channels, 4)
+    got.cache_bytes = out[True][1]["kv_cache_bytes"]
+    print(f"the cache: {got.cache_bytes:,} bytes = formula 2 L b (P + N) g d e = {got.cache_formula:,}"
+          if got.cache_bytes == got.cache_formula else "the cache's bytes differ from the formula")
     agree = "the same tokens" if same == count else f"{same} of {count} tokens the same (near-ties, see the docstring)"
+    got.speedup = round(best[False] / best[True], 1)
     print(f"with / without: {best[False] / best[True]:.1f} x the tokens/s; {agree}")
-    return 0
+    return got
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)

@@ -335,7 +335,7 @@ def test_deepseek_v3_is_described_approximately_and_says_so():
 # ---------------------------------------------------------------------------------------
 def test_cli_prints_a_plan_and_exits_0(capsys):
     code = main(["--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "16", "--seq-length", "4096",
-                 "--global-batch-size", "64", "--top", "3"])
+                 "--global-batch-size", "64", "--top", "3"]).exit_code
     out = capsys.readouterr().out
     assert code == 0
     assert "top 3 by estimated step time" in out and "assumptions" in out and "rejected:" in out
@@ -360,7 +360,7 @@ def test_cli_prints_a_plan_and_exits_0(capsys):
     (["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--zero-stage", "4"], ["--zero-stage 4"]),
 ])
 def test_cli_bad_input_exits_2_naming_the_field(capsys, argv, words):
-    assert main(argv) == 2
+    assert main(argv).exit_code == 2
     err = capsys.readouterr().err
     for word in words:
         assert word in err, (word, err)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 
 from ..config import ConfigError
-from .cluster import CLUSTERS
+from .cluster import CLUSTERS, GiB
+from .megatron_formulas import megatron_flops
 from .models import model_names, planner_model
 from .search import search
 from .table import format_plan
@@ -52,7 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class PlanResults:              # what the printout says, as numbers rounded as printed
+    exit_code: int = 0
+    flops: float = 0.0
+    searched: int = 0
+    fit: int = 0
+    top: list[dict] = field(default_factory=list)   # tp cp pp v ep etp dp zero recompute mbs m, gib step_s mfu_pct
+
+
+def main(argv: list[str] | None = None) -> PlanResults:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -85,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return PlanResults(2)
     print(format_plan(result, args.model, model_cfg, cluster, note, args.top))
-    return 0 if result.plans else 1
+    flops = megatron_flops(model_cfg, args.global_batch_size, seq_length)["total"]
+    top = [{**{k: getattr(p.layout, k) for k in ("tp", "cp", "pp", "ep", "etp", "dp", "zero", "recompute", "mbs", "m")},
+            "v": p.layout.vp, "gib": round(p.memory["total"] / GiB, 1), "step_s": round(p.estimate["step_time"], 3),
+            "mfu_pct": round(100 * p.estimate["mfu"], 1)} for p in result.plans[:args.top]]
+    return PlanResults(0 if result.plans else 1, float(f"{flops:.3g}"), result.considered,
+                       len(result.plans) + result.unranked, top)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
