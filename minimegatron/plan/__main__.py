@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..config import ConfigError
 from .cluster import CLUSTERS, GiB
@@ -60,7 +60,7 @@ class PlanResults:              # what the printout says, as numbers rounded as 
     flops: float = 0.0
     searched: int = 0
     fit: int = 0
-    top: list[dict] = field(default_factory=list)   # tp cp pp v ep etp dp zero recompute mbs m, gib step_s mfu_pct
+    top: list[dict] = field(default_factory=list)   # the table's rows: search.Layout's fields, gib, step_s, mfu_pct
 
 
 def main(argv: list[str] | None = None) -> PlanResults:
@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> PlanResults:
         return PlanResults(2)
     print(format_plan(result, args.model, model_cfg, cluster, note, args.top))
     flops = megatron_flops(model_cfg, args.global_batch_size, seq_length)["total"]
-    top = [{**{k: getattr(p.layout, k) for k in ("tp", "cp", "pp", "ep", "etp", "dp", "zero", "recompute", "mbs", "m")},
-            "v": p.layout.vp, "gib": round(p.memory["total"] / GiB, 1), "step_s": round(p.estimate["step_time"], 3),
+    top = [{**asdict(p.layout), "gib": round(p.memory["total"] / GiB, 1), "step_s": round(p.estimate["step_time"], 3),
             "mfu_pct": round(100 * p.estimate["mfu"], 1)} for p in result.plans[:args.top]]
     return PlanResults(0 if result.plans else 1, float(f"{flops:.3g}"), result.considered,
                        len(result.plans) + result.unranked, top)
