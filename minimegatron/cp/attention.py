@@ -124,14 +124,13 @@ class ContextParallelAttention:
 
     def __call__(self, q, k, v, dropout_p: float = 0.0, training: bool = False, document_ids=None):
         ids, me = self.chunk_ids_per_rank, group_rank(self.cp_group)
+        every = [i for r in ids for i in r]                                                     # cp rank order
         if self.comm_type == "p2p":
             return ring_attention(q, k, v, self.cp_group, ids[me], ids, self.backend, document_ids)   # [b, a, s/cp, d]
         if self.comm_type == "all_gather":
-            every = [i for r in ids for i in r]                                                 # cp rank order
             return _AllGatherAttention.apply(q, k, v, self.cp_group, ids[me], every, self.backend,
                                              document_ids)                                      # [b, a, s/cp, d]
         if self.comm_type == "a2a":
-            every = [i for r in ids for i in r]
             return self._ulysses(q, k, v, self.cp_group, None, every, [every], document_ids)
         # "a2a+p2p": the all-to-all inside my sub-group, then a ring across sub-groups
         n_a2a, ring = group_size(self.a2a_group), group_size(self.p2p_group)

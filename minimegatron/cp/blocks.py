@@ -80,9 +80,8 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     query rows (module docstring); grouped heads' dk, dv summed over their group."""
     with torch.no_grad():
         if backend == "sdpa" and flash_kernel_available(q) and same_document is None:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout.contiguous(), q, k, v, out.contiguous(), lse.to(compute_dtype(q)).contiguous(), 0.0, causal)
-            return dq, dk, dv
         dtype = compute_dtype(q)
         heads, groups = q.shape[1], k.shape[1]
         probs = torch.exp(_scores(q, k, causal, same_document) - lse.unsqueeze(-1).to(dtype))  # [b, a, sq, sk]

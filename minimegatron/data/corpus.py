@@ -90,8 +90,7 @@ def build_default_corpus(cache_dir: str | os.PathLike = "build/corpus", *,
     return str(prefix)
 
 
-__all__ = ["build_default_corpus", "freeze_corpus", "corpus_documents", "corpus_sources", "split_paragraphs",
-           "REPO_ROOT", "FROZEN"]
+__all__ = ["build_default_corpus", "freeze_corpus", "corpus_documents", "corpus_sources", "FROZEN"]
 
 
 if __name__ == "__main__":

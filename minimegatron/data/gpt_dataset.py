@@ -201,5 +201,4 @@ def batch_for_step(dataset: GPTDataset, step: int, micro_batch_size: int,
     return {key: torch.stack([x[key] for x in samples]) for key in samples[0]}
 
 
-__all__ = ["GPTDataset", "train_valid_split", "resolve_split", "global_sample_indices",
-           "batch_for_step", "document_masks"]
+__all__ = ["GPTDataset", "train_valid_split", "global_sample_indices", "batch_for_step", "document_masks"]

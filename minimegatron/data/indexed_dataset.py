@@ -265,5 +265,4 @@ class IndexedDataset:
                 f"{self.num_tokens} tokens, {self.dtype})")
 
 
-__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "best_dtype", "bin_path", "idx_path",
-           "MAGIC", "VERSION", "DTYPE_CODES", "DataError"]
+__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "best_dtype", "DataError"]

@@ -84,13 +84,9 @@ class BPETokenizer:
         # add_prefix_space=False: no space is invented before the text, so decode(encode(s)) == s.
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=[EOD_TEXT],
-            # every byte is in the vocabulary even if the training text never uses it
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
+        # initial_alphabet: every byte is in the vocabulary even if the training text never uses it
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TEXT], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(texts, trainer)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -108,15 +108,13 @@ def quantize_blockwise(x: torch.Tensor, fmt: str, two_d: bool = False) -> Quanti
     x32 = _pad_to(x.detach().to(torch.float32), BLOCK, (0, 1) if two_d else (x.dim() - 1,))
     if two_d:
         rows, cols = x32.shape
-        tiles = x32.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-        amax = tiles.abs().amax(dim=(1, 3))                                        # [R/128, C/128]
-        scale = torch.where(amax > 0, _power_of_two_below(fp8_max / amax.clamp(min=EPS)), torch.ones_like(amax))
-        data = cast_to_fp8(tiles, scale[:, None, :, None], fmt).view(rows, cols)
-        return Quantized(data, scale, (BLOCK, BLOCK), tuple(x.shape))
-    tiles = x32.unflatten(-1, (-1, BLOCK))                                         # [.., K/128, 128]
-    amax = tiles.abs().amax(dim=-1)                                                # [.., K/128]
+        tiles, dims = x32.view(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK), (1, 3)   # [R/128, 128, C/128, 128]
+    else:
+        tiles, dims = x32.unflatten(-1, (-1, BLOCK)), (-1,)                         # [.., K/128, 128]
+    amax = tiles.abs().amax(dim=dims, keepdim=True)                                 # 1 per tile
     scale = torch.where(amax > 0, _power_of_two_below(fp8_max / amax.clamp(min=EPS)), torch.ones_like(amax))
-    return Quantized(cast_to_fp8(tiles, scale.unsqueeze(-1), fmt).flatten(-2), scale, BLOCK, tuple(x.shape))
+    data = cast_to_fp8(tiles, scale, fmt).view(x32.shape)
+    return Quantized(data, scale.squeeze(dims), (BLOCK, BLOCK) if two_d else BLOCK, tuple(x.shape))
 
 
 def quantize_mxfp8(x: torch.Tensor, fmt: str) -> Quantized:

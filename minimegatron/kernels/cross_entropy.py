@@ -71,8 +71,7 @@ def _chunk_rows(logits: torch.Tensor, local_labels: torch.Tensor) -> tuple[torch
     """(lse [c], target [c]) of logits [c, n] through the Triton rows; local_labels [c] index
     the n columns, or fall outside them (target 0)."""
     c, n = logits.shape
-    lse, target = torch.empty(c, dtype=logits.dtype, device=logits.device), torch.empty(c, dtype=logits.dtype,
-                                                                                        device=logits.device)
+    lse, target = logits.new_empty(c), logits.new_empty(c)
     _cross_entropy_rows[(c,)](logits, local_labels, lse, target, n, BLOCK_V=min(1024, triton.next_power_of_2(n)))
     return lse, target
 
@@ -122,10 +121,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, labels, lse = ctx.saved_tensors
         group, chunk = ctx.group, ctx.chunk
-        if ctx.sequence_parallel:                                   # only the shard was kept
-            total_x = all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather")   # [b, s, h]
-        else:
-            total_x = x
+        total_x = (all_gather(x.contiguous(), group, dim=SEQUENCE_DIM, tag="regather")   # [b, s, h]
+                   if ctx.sequence_parallel else x)                 # (only the shard was kept)
         dtype = lse.dtype
         start, n_real = _columns(weight, group, ctx.vocab_size)
         flat, w = total_x.reshape(-1, total_x.shape[-1]).to(dtype), weight[:n_real].to(dtype)

@@ -102,9 +102,8 @@ class Embedding(nn.Module):
         self.dropout_rng = None
         self.scatter_to_sequence_parallel = None
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = None
-        if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
+                                    if config.position_embedding_type == "learned_absolute" else None)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)                                   # [b, s, h] ([b, s/tp, h]: SP with RoPE)
@@ -175,14 +174,10 @@ class GPTModel(nn.Module):
                 raise ValueError(f"sequence length {s} > max_position_embeddings={cfg.max_position_embeddings}")
             position_ids = torch.arange(s, device=(tokens if tokens is not None else hidden_states).device)
 
-        if self.pre_process:
-            x = self.embedding(tokens, position_ids)                        # [b, s, h]
-        else:
-            x = hidden_states                                               # [b, s, h] from the previous stage
-
-        rope = None
-        if cfg.position_embedding_type == "rope":
-            rope = rope_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base, dtype=x.dtype)  # [s, d] x2
+        # [b, s, h]: embedded tokens on the first stage, else the previous stage's output
+        x = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
+        rope = (rope_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base, dtype=x.dtype)   # [s, d] x2
+                if cfg.position_embedding_type == "rope" else None)
 
         x = self.decoder(x, rope, document_ids)                             # [b, s, h]
         if not self.post_process:

@@ -28,6 +28,7 @@ from ..model.finalize import register_grad_finalizer
 from ..model.moe import moe_layers, update_expert_bias
 from ..optim import is_expert_parameter
 from ..placement import Split, set_placement
+from ..tp.layers import shard_cols, shard_rows
 from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
 
 __all__ = ["check_expert_parallel_config", "apply_expert_parallel", "moe_layers", "update_expert_bias",
@@ -69,12 +70,10 @@ def check_expert_parallel_config(model_cfg: ModelConfig, cfg: TrainConfig, world
 def _keep_slice(linear: nn.Module, dim: int, group, stride: int) -> None:
     """Replace linear.weight by this etp rank's part along `dim` (stride blocks cut alike), recorded
     as split over the etp group (so it can be gathered back)."""
-    size, rank = group_size(group), group_rank(group)
     with torch.no_grad():
-        blocks = linear.weight.chunk(stride, dim)
-        shard = torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim).clone()
+        shard = (shard_rows if dim == 0 else shard_cols)(linear.weight, group, stride)
     old, linear.weight = linear.weight, nn.Parameter(shard)
-    set_placement(linear.weight, like=old, split=Split(dim, group, size, rank, stride))
+    set_placement(linear.weight, like=old, split=Split(dim, group, group_size(group), group_rank(group), stride))
 
 
 def apply_expert_parallel(model: nn.Module, layout, dispatcher: str = "alltoall") -> nn.Module:

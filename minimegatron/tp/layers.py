@@ -220,11 +220,18 @@ class _ParallelLinear(nn.Module):
     """Zero parameters of this rank's shapes, set from full single-device tensors by ``load_full``;
     W split along ``partition_dim`` (0: rows, the bias too; 1: columns, the bias replicated)."""
 
-    def _create(self, partition_dim, weight_shape, bias_shape, params_dtype, skip_weight_param_allocation=False):
-        self.partition_dim = partition_dim
+    def __init__(self, in_features: int, out_features: int, group, partition_dim: int, bias: bool, stride: int,
+                 params_dtype: torch.dtype | None, sequence_parallel: bool, skip_weight_param_allocation: bool = False):
+        super().__init__()
+        self.group, self.tp, self.partition_dim = group, group_size(group), partition_dim
+        self.in_features, self.out_features, self.stride = in_features, out_features, stride
+        self.sequence_parallel = sequence_parallel
+        shape = [out_features, in_features]                   # [out/tp, in] or [out, in/tp]
+        what = ("ColumnParallelLinear: out_features", "RowParallelLinear: in_features")[partition_dim]
+        shape[partition_dim] = divide(shape[partition_dim], self.tp, what, stride) * stride
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.zeros(weight_shape, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(bias_shape, dtype=dtype)) if bias_shape else None
+        self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.zeros(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(shape[0], dtype=dtype)) if bias else None
         self.gemm = GEMM                                      # its matrix products (model/linear.py)
 
     @torch.no_grad()
@@ -253,16 +260,10 @@ class ColumnParallelLinear(_ParallelLinear):
                  gather_output: bool = False, stride: int = 1, params_dtype: torch.dtype | None = None,
                  skip_weight_param_allocation: bool = False, unpadded_size: int | None = None,
                  sequence_parallel: bool = False):
-        super().__init__()
-        self.group, self.tp = group, group_size(group)
-        self.in_features, self.out_features, self.stride = in_features, out_features, stride
-        self.sequence_parallel = sequence_parallel
+        super().__init__(in_features, out_features, group, 0, bias, stride, params_dtype, sequence_parallel,
+                         skip_weight_param_allocation)
         self.overlap_backward = False          # sequence_parallel: tp/overlap.py's backward instead
-        divide(out_features, self.tp, "ColumnParallelLinear: out_features", stride)
-        self.output_size_per_partition = out_features // self.tp
         self.gather_output = gather_output
-        self._create(0, (self.output_size_per_partition, in_features),
-                     (self.output_size_per_partition,) if bias else None, params_dtype, skip_weight_param_allocation)
         for p in (self.weight, self.bias):
             if p is not None:
                 set_tensor_model_parallel_attributes(p, 0, group, stride, unpadded_size)
@@ -299,14 +300,8 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
                  input_is_parallel: bool = True, params_dtype: torch.dtype | None = None,
                  sequence_parallel: bool = False):
-        super().__init__()
-        self.group, self.tp = group, group_size(group)
-        self.in_features, self.out_features, self.stride = in_features, out_features, 1
-        self.sequence_parallel = sequence_parallel
-        self.input_size_per_partition = divide(in_features, self.tp, "RowParallelLinear: in_features")
+        super().__init__(in_features, out_features, group, 1, bias, 1, params_dtype, sequence_parallel)
         self.input_is_parallel = input_is_parallel
-        self._create(1, (out_features, self.input_size_per_partition),
-                     (out_features,) if bias else None, params_dtype)
         set_tensor_model_parallel_attributes(self.weight, 1, group)      # the bias is replicated
         if sequence_parallel and self.bias is not None:
             set_placement(self.bias, sequence_parallel=True)

@@ -23,8 +23,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed",
-           "MODEL_PARALLEL_RNG", "TP_SEED_OFFSET", "PP_SEED_STRIDE"]
+__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_manual_seed", "MODEL_PARALLEL_RNG", "TP_SEED_OFFSET"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"  # Megatron's _MODEL_PARALLEL_RNG_TRACKER_NAME
 TP_SEED_OFFSET = 2718   # Megatron: "any POSITIVE value will work"; kept for the same numbers
@@ -49,9 +48,6 @@ class RNGStatesTracker:
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
         self._active = _DEFAULT  # which stream torch's default generator is drawing now
-
-    def is_initialized(self) -> bool:
-        return bool(self._states)
 
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
