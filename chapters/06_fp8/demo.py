@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from booktools.demo import Run, check_at_least_one, communication_report, demo_parser, run_demo, verdict_line
+from booktools.demo import Results, Run, check_at_least_one, communication_report, demo_parser, run_demo, verdict_line
 from minimegatron.analysis import count_parameters, rank_parameters
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.parallelize import validate_layout
@@ -171,6 +171,7 @@ class RunReport:
     equivalence: EquivalenceReport
     lines: list[str]
     problems: list[str]
+    values: dict = field(default_factory=dict)      # what PrecisionResults keeps of the lines' numbers
 
     @property
     def ok(self) -> bool:
@@ -192,12 +193,13 @@ def kept_bytes_formula(run: PrecisionRun, n: int) -> tuple[int, str]:
 
 
 def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
-    t, problems, lines = run.train, [], []
+    t, problems, lines, values = run.train, [], [], {"stages": [], "inexact": None, "loss_scale": None}
     reference = single_device_run(run.model, run.global_batches(), one_device_config(run.train),
                                   grad_accum_steps=t.grad_accum_steps * run.dp)
     mine = per_rank[0]
     why = inexact_fp8(run.precision, t.fp8_recipe, run.tp, run.cp, run.dp, t.expert_model_parallel_size, t.etp,
                       run.model.num_experts is not None)
+    values["inexact"] = why
     equivalence = compare_runs(reference, RunRecord(mine["losses"], mine["grads"], mine["params"]), run.model.dtype,
                                fp8_layout_tolerance(run, reference) if why else None)
     lines.append(f"[1/4] equivalence with one device in {run.precision}, parameters {mine['dtype']}, over "
@@ -208,6 +210,7 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
                      else f"the {run.model.params_dtype} row of testing.TOLERANCES") + "):")
     lines += ["  " + line for line in str(equivalence).splitlines()]
     if t.fp16:
+        values["loss_scale"] = mine["loss_scale"]
         lines.append(f"  fp16 loss scale after the run: {mine['loss_scale']:g} (from {t.initial_loss_scale:g}, doubling "
                      f"after every {t.loss_scale_window} clean steps; the same on every rank: "
                      f"{len({r['loss_scale'] for r in per_rank}) == 1})")
@@ -225,6 +228,7 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
         held = r["held"]
         measured = sum(held.values())
         formula, how = kept_bytes_formula(run, n)
+        values["stages"].append({"parameters": n, "bytes": measured, "formula": formula})
         lines.append(f"  stage {stage}: {n:,} parameters: {held['parameters']:,} + {held['gradients']:,} + "
                      f"{held['main_parameters']:,} + {held['optimizer']:,} = {measured:,} bytes; formula "
                      f"{how} = {formula:,}: {'equal' if measured == formula else 'DIFFERENT'}")
@@ -234,9 +238,13 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
     lines += ["[3/4] one step's communication per dimension (the busiest rank), against analysis.step_communication:",
               *comm_lines]
     problems += comm_problems
+    values["communication"] = {}
+    for dim in sorted({d for r in per_rank for d in r["records"]}):     # the busiest rank's, as communication_report prints
+        calls = max((r["records"].get(dim, {}) for r in per_rank), key=lambda c: sum(b * n for (_, _, b), n in c.items()))
+        values["communication"][dim] = {"calls": sum(calls.values()), "bytes": sum(b * n for (_, _, b), n in calls.items())}
     if any(r["losses"] != per_rank[0]["losses"] for r in per_rank):
         problems.append("the ranks report different losses")
-    return RunReport(run, equivalence, lines, problems)
+    return RunReport(run, equivalence, lines, problems, values)
 
 
 def _bytes_each(model: ModelConfig, cfg: TrainConfig) -> list[int]:
@@ -346,18 +354,33 @@ def build_run(args: argparse.Namespace, dp: int) -> PrecisionRun:
                     steps=args.steps if args.steps is not None else (2 if args.quick else 3), seq=seq)
 
 
-def report(args, run: PrecisionRun, per_rank: list[dict]) -> str:
+@dataclass
+class PrecisionResults(Results):
+    stages: list = field(default_factory=list)      # [2/4] per stage: parameters, bytes kept, the formula's bytes
+    loss_scale: float | None = None                 # fp16: the loss scale after the run
+    communication: dict = field(default_factory=dict)   # [3/4] dimension -> calls, bytes of the busiest rank
+    inexact: str | None = None                      # [1/4] why the layout cannot equal one device bit for bit
+    quantisation: dict | None = None                # [4/4] recipe -> role -> the printed (rounded) numbers
+
+
+def report(args, run: PrecisionRun, per_rank: list[dict]) -> PrecisionResults:
     result = check_run(run, per_rank)
     print(f"model: {run.model.normalization}/{run.model.activation}, h={run.model.hidden_size} "
           f"L={run.model.num_layers}, {count_parameters(run.model)['total']:,} parameters, {run.model.params_dtype}")
     print("\n".join(result.lines))
+    quantisation = None
     if not args.quick:
-        print("\n".join(quantisation_lines(quantisation_table())))
+        table = quantisation_table()
+        print("\n".join(quantisation_lines(table)))
+        quantisation = {recipe: {role: {"rel_error": round(s["rel_error"], 4), "underflow_pct": round(100 * s["underflow"], 3),
+                                        "saturated_pct": round(100 * s["saturated"], 4)} for role, s in roles.items()}
+                        for recipe, roles in table.items()}
     claim = "every rank keeps the bytes and moves the messages the formulas say"
-    return verdict_line([result], lambda r: r.run.name(), claim)
+    return PrecisionResults(verdict=verdict_line([result], lambda r: r.run.name(), claim), quantisation=quantisation,
+                            **result.values)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> PrecisionResults:
     return run_demo(parse_args(argv), "06", build_run, train_run, report,
                     model_parallel=lambda args: {"tp": args.tp, "cp": args.cp, "pp": args.pp},
                     spawn_dp=lambda args: args.dp if args.dp is not None else 2)

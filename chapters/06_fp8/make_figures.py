@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import RoundOff, claim, grab
+from booktools.measured import RoundOff, claim
 from minimegatron.analysis import adam_bytes_per_parameter
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.viz import colour, finish_figure, new_figure
@@ -47,11 +48,6 @@ CONFIGS = {   # name -> (params_dtype, TrainConfig overrides)
                                 "fp8_amax_compute_algo": "max"} if r == "delayed" else
                     {"fp8_format": "hybrid", "fp8_recipe": r}) for r in ch06.RECIPES},
 }
-
-
-def fail(message: str) -> None:
-    print(f"MISMATCH: {message}", file=sys.stderr)
-    sys.exit(1)
 
 
 def train_precision(name: str, steps: int = STEPS) -> dict:
@@ -145,26 +141,39 @@ def plot_fp8_scales(delayed: list[dict], current: list[dict], path=None, title: 
     return finish_figure(fig, path, title)
 
 
-def main() -> int:
+@dataclass
+class Figures:
+    exit_code: int = 0
+    loss: dict = field(default_factory=dict)        # CONFIGS name -> the mean loss of the last 20 steps (4 decimals)
+    diff: dict = field(default_factory=dict)        # CONFIGS name -> that minus fp32's (4 decimals)
+    fp16_skipped_steps: list = field(default_factory=list)
+    fp16_scale_log2: tuple = ()                     # (first, last)
+    delayed_saturated_steps: int = 0
+
+
+def main(argv=None) -> Figures:
     torch.set_num_threads(1)
     OUT.mkdir(exist_ok=True)
     runs = {name: train_precision(name) for name in CONFIGS}
-    base = sum(runs["fp32"]["losses"][-20:]) / 20
+    base, got = sum(runs["fp32"]["losses"][-20:]) / 20, Figures()
     print(f"== {STEPS} steps, h 64, 2 layers, micro-batch {BATCH} x {SEQ}, the book's text; the mean loss of the last "
           f"20 steps:")
     for name, r in runs.items():
         last = sum(r["losses"][-20:]) / 20
+        got.loss[name], got.diff[name] = round(last, 4), round(last - base, 4)
         print(f"  {name:22s} {last:.4f}  ({last - base:+.4f} against fp32)")
     fp16 = runs["fp16 (loss scaling)"]
-    print(f"fp16: {fp16['skipped']} steps skipped (overflow), the scale from 2^{math.log2(fp16['scales'][0]):.0f} to "
-          f"2^{math.log2(fp16['scales'][-1]):.0f}; the steps skipped: {', '.join(map(str, fp16['skipped_steps']))}")
+    got.fp16_skipped_steps = fp16["skipped_steps"]
+    got.fp16_scale_log2 = tuple(round(math.log2(fp16["scales"][i])) for i in (0, -1))
+    print(f"fp16: {fp16['skipped']} steps skipped (overflow), the scale from 2^{got.fp16_scale_log2[0]} to "
+          f"2^{got.fp16_scale_log2[1]}; the steps skipped: {', '.join(map(str, fp16['skipped_steps']))}")
     plot_precision_loss(runs, OUT / "precision_loss.png")
     plot_fp8_scales(runs["FP8 delayed"]["fc1"], runs["FP8 tensorwise"]["fc1"], OUT / "fp8_scales.png")
-    saturated = sum(d["input"][0] * d["input"][1] > 448 for d in runs["FP8 delayed"]["fc1"])
-    print(f"FP8 delayed, layer 0 linear_fc1: {saturated} of {STEPS} steps cast an input whose amax times the scale "
-          f"exceeded 448 (saturated)")
+    got.delayed_saturated_steps = sum(d["input"][0] * d["input"][1] > 448 for d in runs["FP8 delayed"]["fc1"])
+    print(f"FP8 delayed, layer 0 linear_fc1: {got.delayed_saturated_steps} of {STEPS} steps cast an input whose amax "
+          f"times the scale exceeded 448 (saturated)")
     print(f"figures: {OUT / 'precision_loss.png'}, {OUT / 'fp8_scales.png'}")
-    return 0
+    return got
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,58 +194,46 @@ RUNS = {
 MACHINE_DEPENDENT = ()
 
 
-def grab_text(output: list[str], pattern: str) -> str:
-    import re
-    m = re.search(pattern, "\n".join(output), re.MULTILINE)
-    if m is None:
-        raise ValueError(f"the printout has no match for {pattern!r}")
-    return m.group(1)
-
-
 def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     v = {}
     for run_id in RUNS:
         if run_id != "figures":
-            claim(outputs[run_id][-1].startswith("MATCH"), f"{run_id} matches one device")
-    figures, demo = outputs["figures"], outputs["demo"]
+            claim(results[run_id]["verdict"].startswith("MATCH"), f"{run_id} matches one device")
+    figures, demo = results["figures"], results["demo"]
     for name in CONFIGS:
         key = name.split(" (")[0].replace(",", "").replace(" ", "_").lower()
         # round-off: 300 steps of 16-bit (or float32) training follow the kernels' summation order
-        v[f"loss_{key}"] = RoundOff(grab(figures, rf"^  {name.replace('(', '[(]').replace(')', '[)]')} +([\d.]+)"))
-        v[f"diff_{key}"] = RoundOff(grab(figures, rf"^  {name.replace('(', '[(]').replace(')', '[)]')} +[\d.]+  \(([-+][\d.]+)"))
-    v["fp16_skipped"] = grab(figures, r"fp16: (\d+) steps skipped")
-    v["fp16_scale_first_log2"] = grab(figures, r"the scale from 2\^(\d+)")
-    v["fp16_scale_last_log2"] = grab(figures, r"the scale from 2\^\d+ to 2\^(\d+)")
-    steps = [int(x) for x in grab_text(figures, r"the steps skipped: ([\d, ]+)").split(", ")]
+        v[f"loss_{key}"], v[f"diff_{key}"] = RoundOff(figures["loss"][name]), RoundOff(figures["diff"][name])
+    steps = figures["fp16_skipped_steps"]
+    v["fp16_skipped"] = len(steps)
+    v["fp16_scale_first_log2"], v["fp16_scale_last_log2"] = figures["fp16_scale_log2"]
     first = next((i for i, step in enumerate(steps) if step != i + 1), len(steps))    # the run of skips from step 1
     late = steps[first:]
     v["fp16_first_skips"], v["fp16_late_skips"] = first, len(late)
     v |= {f"fp16_late_skip_{i + 1}": step for i, step in enumerate(late)}
     claim(v.get("fp16_scale_last_log2", 16) == 32 - (first - 1) - len(late),
           "the first skip spends the hysteresis, every other one halves the scale")
-    v["delayed_saturated_steps"] = grab(figures, r"linear_fc1: (\d+) of")
+    v["delayed_saturated_steps"] = figures["delayed_saturated_steps"]
     claim(max(abs(v[k]) for k in v if k.startswith("diff_")) < 0.1, "every precision ends within 0.1 of fp32")
     # memory per parameter, [2/4]
     v["bytes_bf16"] = adam_bytes_per_parameter("bfloat16", True, "float32")["total"]
     v["bytes_fp16"] = adam_bytes_per_parameter("float16", True)["total"]
-    v["demo_stage_bytes"] = grab(demo, r"stage 0: [\d,]+ parameters: .* = ([\d,]+) bytes")
-    v["demo_stage_params"] = grab(demo, r"stage 0: ([\d,]+) parameters")
-    zero1 = outputs["bf16-zero1"]
-    v["zero1_params"] = grab(zero1, r"stage 0: ([\d,]+) parameters")
-    v["zero1_bytes"] = grab(zero1, r"stage 0: [\d,]+ parameters: .* = ([\d,]+) bytes")
+    v["demo_stage_bytes"], v["demo_stage_params"] = demo["stages"][0]["bytes"], demo["stages"][0]["parameters"]
+    zero1 = results["bf16-zero1"]["stages"][0]
+    v["zero1_params"], v["zero1_bytes"] = zero1["parameters"], zero1["bytes"]
     v["zero1_per_param"] = v["zero1_bytes"] / v["zero1_params"]
     claim(v["zero1_per_param"] == 6 + 12 / 4, "ZeRO-1 over 4 ranks keeps 6 + 12/4 bytes per parameter")
-    v["fp16_final_scale"] = grab(outputs["fp16"], r"loss scale after the run: (\d+)")
-    v["delayed_amax_calls"] = grab(outputs["fp8-delayed"], r"^  fp8 +(\d+) calls")
-    claim("tolerance: the float64 row of testing.TOLERANCES" in "\n".join(outputs["fp8-5d"]),
+    v["fp16_final_scale"] = results["fp16"]["loss_scale"]
+    v["delayed_amax_calls"] = results["fp8-delayed"]["communication"]["fp8"]["calls"]
+    claim(results["fp8-5d"]["inexact"] is None,
           "current scaling at 5D (experts on one micro-batch's ranks) equals one device to float64 summation order")
     # the quantisation table, [4/4] of the demo
     for recipe in ch06.RECIPES:
         for role in ("input", "weight", "grad_output"):
-            pattern = rf"^  {recipe} +{role} +([\d.]+) +([\d.]+)% +([\d.]+)%"
-            v[f"q_{recipe}_{role}_err"] = grab(demo, pattern, 1)
-            v[f"q_{recipe}_{role}_under_pct"] = grab(demo, pattern, 2)
-            v[f"q_{recipe}_{role}_sat_pct"] = grab(demo, pattern, 3)
+            q = demo["quantisation"][recipe][role]
+            v[f"q_{recipe}_{role}_err"] = q["rel_error"]
+            v[f"q_{recipe}_{role}_under_pct"] = q["underflow_pct"]
+            v[f"q_{recipe}_{role}_sat_pct"] = q["saturated_pct"]
     claim(v["q_delayed_grad_output_err"] > v["q_tensorwise_grad_output_err"],
           "delayed scaling's gradients come back with a larger error than current scaling's")
     claim(all(v[f"q_{r}_{role}_sat_pct"] == 0 for r in ("blockwise", "mxfp8") for role in ("input", "weight", "grad_output")),
@@ -251,4 +248,4 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
