@@ -46,8 +46,7 @@ def hierarchical_sizes(cp: int, comm_type: str, given: tuple[int, int] | None = 
 
 
 def check_context_parallel_config(num_heads: int, num_groups: int, cp: int, comm_type: str,
-                                  hierarchical: tuple[int, int] | None = None,
-                                  attention_dropout: float = 0.0) -> None:
+                                  hierarchical: tuple[int, int] | None = None, attention_dropout: float = 0.0) -> None:
     """ConfigError naming the field and the numbers when attention cannot run over `cp` ranks
     with `comm_type`: heads (a and g of one tensor-parallel rank) not divisible by the
     all-to-all size, hierarchical sizes whose product is not cp, attention dropout."""

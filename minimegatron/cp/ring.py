@@ -141,5 +141,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, q_i
     list). Returns out [b, a, sq, d], rows q_ids of single-device causal attention. document_ids
     [b, s] (the whole sequence's): attention within documents. Differentiable; communication as
     in the module docstring."""
-    return _RingAttention.apply(q, k, v, group, list(q_ids), [list(x) for x in kv_ids_per_rank], backend,
-                                document_ids)
+    return _RingAttention.apply(q, k, v, group, list(q_ids), [list(x) for x in kv_ids_per_rank], backend, document_ids)

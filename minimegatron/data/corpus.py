@@ -54,8 +54,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def corpus_documents(root: str | os.PathLike | None = None) -> list[dict]:
     """The live sources of ``root`` cut into documents: [{"text": paragraph, "source": path}]."""
     root = REPO_ROOT if root is None else Path(root)
-    return [{"text": paragraph, "source": f.relative_to(root).as_posix()}
-            for f in corpus_sources(root)
+    return [{"text": paragraph, "source": f.relative_to(root).as_posix()} for f in corpus_sources(root)
             for paragraph in split_paragraphs(f.read_bytes().decode("utf-8", errors="replace"))]
 
 
@@ -68,8 +67,7 @@ def freeze_corpus(root: str | os.PathLike | None = None, path: str | os.PathLike
     return path
 
 
-def build_default_corpus(cache_dir: str | os.PathLike = "build/corpus", *,
-                         frozen: str | os.PathLike = FROZEN) -> str:
+def build_default_corpus(cache_dir: str | os.PathLike = "build/corpus", *, frozen: str | os.PathLike = FROZEN) -> str:
     """Build (or reuse) the default corpus from `frozen` (default the book's snapshot) in
     `cache_dir` (relative to the current directory); returns ``cache_dir/default``."""
     cache_dir = Path(cache_dir)

@@ -50,8 +50,7 @@ def resolve_split(split, num_docs: int) -> tuple[int, int]:
     return start, end
 
 
-def train_valid_split(indexed: IndexedDataset,
-                      valid_fraction: float = 0.1) -> tuple[tuple[int, int], tuple[int, int]]:
+def train_valid_split(indexed: IndexedDataset, valid_fraction: float = 0.1) -> tuple[tuple[int, int], tuple[int, int]]:
     """Document ranges ``(train, valid)``: the last documents (at least one) go to validation.
 
     Deterministic and seed-free: ``train == (0, n - v)`` and ``valid == (n - v, n)`` with
@@ -103,9 +102,7 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ValueError(f"seq_length={seq_length} must be positive")
         if seed < 0:
             raise ValueError(f"seed={seed} must be >= 0")
-        self.indexed = indexed
-        self.seq_length = seq_length
-        self.seed = seed
+        self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
         self.split = resolve_split(split, len(indexed))
         self.masks = dict(reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
                           eod_mask_loss=eod_mask_loss)
@@ -126,8 +123,7 @@ class GPTDataset(torch.utils.data.Dataset):
         if self.num_tokens < seq_length + 1:
             raise DataError(f"{indexed.prefix}: documents [{start}, {end}) hold "
                             f"{self.num_tokens} tokens, but one sample of seq_length="
-                            f"{seq_length} needs {seq_length + 1}; use a smaller seq_length "
-                            "or more data")
+                            f"{seq_length} needs {seq_length + 1}; use a smaller seq_length or more data")
         num_windows = (self.num_tokens - 1) // seq_length
         self.sample_order = sample_rng.permutation(num_windows).astype(np.int64)
 
@@ -137,8 +133,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def stream(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the document stream, as int64."""
         if start < 0 or start + length > self.num_tokens:
-            raise IndexError(f"stream range [{start}, {start + length}) outside "
-                             f"[0, {self.num_tokens})")
+            raise IndexError(f"stream range [{start}, {start + length}) outside [0, {self.num_tokens})")
         out = np.empty(length, dtype=np.int64)
         # k = the stream position of the document that contains token `start`
         # (side="right" skips empty documents, which start where the next one does)
@@ -165,13 +160,11 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return (f"GPTDataset({self.indexed.prefix!r}, documents {self.split}, "
-                f"seq_length={self.seq_length}, seed={self.seed}: {len(self)} samples "
-                f"from {self.num_tokens} tokens)")
+                f"seq_length={self.seq_length}, seed={self.seed}: {len(self)} samples from {self.num_tokens} tokens)")
 
 
 def global_sample_indices(step: int, micro_batch_size: int, microbatch_index: int,
-                          grad_accum_steps: int, dp_rank: int = 0,
-                          dp_size: int = 1) -> list[int]:
+                          grad_accum_steps: int, dp_rank: int = 0, dp_size: int = 1) -> list[int]:
     """[k G + (m D + r) b, k G + (m D + r + 1) b) as a list for (step k, microbatch m, dp_rank r), G = b M D."""
     for name, value in (("micro_batch_size", micro_batch_size),
                         ("grad_accum_steps", grad_accum_steps), ("dp_size", dp_size)):
@@ -180,8 +173,7 @@ def global_sample_indices(step: int, micro_batch_size: int, microbatch_index: in
     if step < 0:
         raise ValueError(f"step={step} must be >= 0")
     if not 0 <= microbatch_index < grad_accum_steps:
-        raise ValueError(f"microbatch_index={microbatch_index} must be in "
-                         f"[0, grad_accum_steps={grad_accum_steps})")
+        raise ValueError(f"microbatch_index={microbatch_index} must be in [0, grad_accum_steps={grad_accum_steps})")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     global_batch = micro_batch_size * grad_accum_steps * dp_size
@@ -195,8 +187,7 @@ def batch_for_step(dataset: GPTDataset, step: int, micro_batch_size: int,
     """Micro-batch ``microbatch_index`` of dp rank ``dp_rank`` at ``step``: {"tokens", "labels":
     LongTensor[b, s]} (+ the dataset's document masks, [b, s] each), row j being sample
     ``global_sample_indices(...)[j] % len(dataset)``."""
-    indices = global_sample_indices(step, micro_batch_size, microbatch_index,
-                                    grad_accum_steps, dp_rank, dp_size)
+    indices = global_sample_indices(step, micro_batch_size, microbatch_index, grad_accum_steps, dp_rank, dp_size)
     samples = [dataset[g % len(dataset)] for g in indices]
     return {key: torch.stack([x[key] for x in samples]) for key in samples[0]}
 

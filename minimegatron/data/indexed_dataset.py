@@ -40,8 +40,7 @@ assert HEADER.size == 34
 # the reader accepts the whole table so that it can open (and reject clearly) any Megatron file.
 DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32),
-    8: np.dtype(np.uint16),
+    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32), 8: np.dtype(np.uint16),
 }
 CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 
@@ -57,6 +56,13 @@ def bin_path(prefix: str | os.PathLike) -> Path:
 
 def idx_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(prefix)}.idx")
+
+
+def _pointers(lengths: np.ndarray, itemsize: int) -> np.ndarray:
+    """int64 [S]: sequence i's byte offset in .bin, itemsize x (the sum of the lengths before it)."""
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+    return pointers * itemsize
 
 
 class IndexedDatasetBuilder:
@@ -108,14 +114,10 @@ class IndexedDatasetBuilder:
             return
         self._bin.close()
         lengths = np.array(self._lengths, dtype=np.int32)
-        # pointer i = bytes before sequence i = itemsize * (sum of the earlier lengths)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
-        pointers *= self.dtype.itemsize
+        pointers = _pointers(lengths, self.dtype.itemsize)
         doc_indices = np.arange(len(lengths) + 1, dtype=np.int64)   # one sequence per document
         with open(self._tmp_idx, "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype],
-                                len(lengths), len(doc_indices)))
+            f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], len(lengths), len(doc_indices)))
             f.write(lengths.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_indices.tobytes(order="C"))
@@ -155,18 +157,15 @@ class IndexedDataset:
         for p in (ipath, bpath):
             if not p.is_file():
                 raise DataError(f"{p}: file not found (an indexed dataset needs both "
-                                f"{bpath.name} and {ipath.name}; make them with "
-                                "python tools/preprocess_data.py)")
+                                f"{bpath.name} and {ipath.name}; make them with python tools/preprocess_data.py)")
 
         idx_size = ipath.stat().st_size
         if idx_size < HEADER.size:
-            raise DataError(f"{ipath}: truncated index ({idx_size} bytes, the header alone "
-                            f"is {HEADER.size})")
+            raise DataError(f"{ipath}: truncated index ({idx_size} bytes, the header alone is {HEADER.size})")
         with open(ipath, "rb") as f:
             magic, version, code, n_seq, n_doc = HEADER.unpack(f.read(HEADER.size))
         if magic != MAGIC:
-            raise DataError(f"{ipath}: bad magic {magic!r}, expected {MAGIC!r} "
-                            "(not a Megatron indexed dataset index)")
+            raise DataError(f"{ipath}: bad magic {magic!r}, expected {MAGIC!r} (not a Megatron indexed dataset index)")
         if version != VERSION:
             raise DataError(f"{ipath}: unsupported version {version}, expected {VERSION}")
         if code not in DTYPE_CODES:
@@ -218,18 +217,14 @@ class IndexedDataset:
 
     def _check_index(self, ipath: Path, n_seq: int, n_doc: int) -> None:
         """The invariants of a one-sequence-per-document index (see the module docstring)."""
-        if n_doc != n_seq + 1 or not np.array_equal(self.document_indices,
-                                                    np.arange(n_seq + 1)):
+        if n_doc != n_seq + 1 or not np.array_equal(self.document_indices, np.arange(n_seq + 1)):
             raise DataError(f"{ipath}: {n_seq} sequences grouped into {max(n_doc - 1, 0)} "
                             "documents; minimegatron reads one sequence per document (data "
                             "preprocessed without sentence splitting)")
         if n_seq and self.sequence_lengths.min() < 0:
             raise DataError(f"{ipath}: negative sequence length; the index is corrupt")
-        starts = np.zeros(n_seq, dtype=np.int64)
-        np.cumsum(self.sequence_lengths[:-1], dtype=np.int64, out=starts[1:])
-        if not np.array_equal(self.sequence_pointers, starts * self.dtype.itemsize):
-            raise DataError(f"{ipath}: sequence pointers do not match the sequence lengths; "
-                            "the index is corrupt")
+        if not np.array_equal(self.sequence_pointers, _pointers(self.sequence_lengths, self.dtype.itemsize)):
+            raise DataError(f"{ipath}: sequence pointers do not match the sequence lengths; the index is corrupt")
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -261,8 +256,7 @@ class IndexedDataset:
         self.__init__(state["prefix"])
 
     def __repr__(self) -> str:
-        return (f"IndexedDataset({self.prefix!r}: {len(self)} documents, "
-                f"{self.num_tokens} tokens, {self.dtype})")
+        return (f"IndexedDataset({self.prefix!r}: {len(self)} documents, {self.num_tokens} tokens, {self.dtype})")
 
 
 __all__ = ["IndexedDataset", "IndexedDatasetBuilder", "best_dtype", "DataError"]

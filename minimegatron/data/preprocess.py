@@ -26,31 +26,26 @@ def iter_jsonl_texts(path: str | os.PathLike, progress: bool = False) -> Iterato
     if not path.is_file():
         raise DataError(f"{path}: input file not found")
     with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                     desc=f"tokenizing {path.name}",
-                                     disable=not progress) as bar:
+                                     desc=f"tokenizing {path.name}", disable=not progress) as bar:
         for lineno, raw in enumerate(f, start=1):
             bar.update(len(raw))
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte "
-                                f"{e.start})") from e
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column "
-                                f"{e.colno})") from e
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object with a \"text\" "
                                 f"field, got {type(record).__name__}")
             if "text" not in record:
-                raise DataError(f"{path}:{lineno}: missing \"text\" key "
-                                f"(keys: {', '.join(sorted(record)) or 'none'})")
+                raise DataError(f"{path}:{lineno}: missing \"text\" key (keys: {', '.join(sorted(record)) or 'none'})")
             if not isinstance(record["text"], str):
-                raise DataError(f"{path}:{lineno}: \"text\" must be a string, got "
-                                f"{type(record['text']).__name__}")
+                raise DataError(f"{path}:{lineno}: \"text\" must be a string, got {type(record['text']).__name__}")
             yield record["text"]
 
 

@@ -71,8 +71,7 @@ class BPETokenizer:
     # -- building -----------------------------------------------------------------------------
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int,
-              path: str | os.PathLike) -> "BPETokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, path: str | os.PathLike) -> "BPETokenizer":
         """Train a byte-level BPE on ``texts``, save it as JSON at ``path``. vocab_size counts the 256
         bytes and ``<eod>`` (>= 257); a small corpus may stop early: read ``.vocab_size`` afterwards."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

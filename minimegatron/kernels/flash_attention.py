@@ -124,8 +124,7 @@ def _flash_backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, QUERY_END, sm_scale
 
 @triton.jit
 def _flash_backward_q(Q, K, V, DO, LSE, DELTA, DQ, DOC, KEY_START, sm_scale, seq, heads, group_size,
-                      sqb, sqh, sqs, skb, skh, sks,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                      sqb, sqh, sqs, skb, skh, sks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     kv = h // group_size
@@ -205,8 +204,7 @@ class FlashAttention(torch.autograd.Function):
         lse = torch.empty(b, a, s, dtype=torch.float32, device=q.device)
         grid = (triton.cdiv(s, block_m), b * a)
         _flash_forward[grid](q, k, v, out, lse, ids, key_start, 1.0 / math.sqrt(d), s, a, a // g,
-                             *q.stride()[:3], *k.stride()[:3], *out.stride()[:3],
-                             BLOCK_M=block_m, BLOCK_N=block_n, D=d)
+                             *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], BLOCK_M=block_m, BLOCK_N=block_n, D=d)
         ctx.save_for_backward(q, k, v, out, lse, *((ids, key_start, query_end) if document_ids is not None else ()))
         ctx.blocks = (block_m, block_n)
         return out.to(ctx.dtype)

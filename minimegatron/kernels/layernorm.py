@@ -2,20 +2,17 @@
 
     y = layer_norm(x, weight, bias, eps)        x [.., h], weight [h], bias [h] -> [.., h]
 
-The book's LayerNorm (model/linear.py) calls F.layer_norm; this is the same computation written
-out as one program per block of rows (rmsnorm.py's kernels, CENTER). A program reads its rows
-once, computes in float32, writes y, and keeps two numbers per row for the backward: mean = mean(x) and rstd = 1 / sqrt(var + eps)
-(var the biased variance, as F.layer_norm's). With xhat = (x - mean) rstd and g = dy w:
+F.layer_norm written out as rmsnorm.py's kernels with CENTER: a program keeps two numbers per
+row, mean = mean(x) and rstd = 1 / sqrt(var + eps) (the biased variance, as F.layer_norm's).
+With xhat = (x - mean) rstd and g = dy w:
 
     dx = rstd (g - mean(g) - xhat mean(g xhat))     (over the row's h features)
     dw = sum over rows of dy xhat
     db = sum over rows of dy
 
-RMSNorm's backward (rmsnorm.py) is this one without the mean(g) term: centring subtracts the
-mean, so its gradient subtracts mean(g). Each program sums dw and db over its own rows only
-(BLOCK_ROWS of them) and writes those partial sums; PyTorch adds the programs' partials, so no
-two programs write the same address. `layernorm_backward` is the same backward in PyTorch; the
-tests check both against autograd through the book's LayerNorm.
+RMSNorm's backward without the mean(g) term: centring subtracts the mean, so its gradient
+subtracts mean(g); db is summed from the programs' partials as dw is. `layernorm_backward` is
+the same backward in PyTorch.
 
 Megatron-LM: Transformer Engine's fused LayerNorm (megatron/core/extensions/transformer_engine.py,
 TENorm) or Apex's (megatron/core/fusions/fused_layer_norm.py).

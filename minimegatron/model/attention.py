@@ -54,8 +54,7 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     key, value [b, n_kv, s, d], n a multiple of n_kv, query head i using key/value head
     i // (n / n_kv), read in place (enable_gqa) instead of copied. Returns [b, n, s, d] in the
     dtype of `query`; dropout only when `training` (mask from torch's default generator)."""
-    return F.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                          dropout_p=dropout_p if training else 0.0,
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=dropout_p if training else 0.0,
                                           enable_gqa=key.shape[1] != query.shape[1])
 
 

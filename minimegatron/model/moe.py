@@ -165,8 +165,7 @@ class MoELayer(nn.Module):
         cfg = self.config
         logits = self.router(tokens)                                              # [T, E]
         probs, routing_map = topk_routing(logits, cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
-                                          pre_softmax=cfg.moe_router_pre_softmax,
-                                          expert_bias=self.router.expert_bias)
+                                          pre_softmax=cfg.moe_router_pre_softmax, expert_bias=self.router.expert_bias)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_token_dropping(probs, routing_map, cfg.moe_router_topk,
                                                       cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy)

@@ -59,8 +59,7 @@ class PipelineComm:
         """Send chunk `chunk`'s output [b, s, h] for `microbatch` to the next virtual stage."""
         to = self.stage(chunk) + 1
         t = hidden.detach().contiguous()
-        self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-fwd",
-                                         p2p_tag=self._tag(0, microbatch, to)), t))
+        self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-fwd", p2p_tag=self._tag(0, microbatch, to)), t))
 
     def recv_forward(self, microbatch: int, chunk: int) -> torch.Tensor:
         """The previous virtual stage's output for `microbatch`: [b, s, h], requires grad."""
@@ -71,8 +70,7 @@ class PipelineComm:
         """Send the gradient of this chunk's input [b, s, h] to the previous virtual stage."""
         to = self.stage(chunk) - 1
         t = grad.contiguous()
-        self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-bwd",
-                                         p2p_tag=self._tag(1, microbatch, to)), t))
+        self._pending.append((comm.isend(t, self._rank_of(to), tag="pp-bwd", p2p_tag=self._tag(1, microbatch, to)), t))
 
     def recv_backward(self, microbatch: int, chunk: int) -> torch.Tensor:
         """The gradient of this chunk's output for `microbatch`, from the next virtual stage."""

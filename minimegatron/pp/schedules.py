@@ -25,8 +25,7 @@ KINDS = ("gpipe", "1f1b", "interleaved")
 Op = tuple[str, int, int]               # ("F" | "B", microbatch, chunk)
 
 
-def check_schedule_args(kind: str, pp_size: int, pp_rank: int, num_microbatches: int,
-                        num_chunks: int = 1) -> None:
+def check_schedule_args(kind: str, pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1) -> None:
     """ValueError naming the numbers for an impossible combination (see schedule)."""
     if kind not in KINDS:
         raise ValueError(f"schedule kind {kind!r} is not one of {', '.join(KINDS)}")
@@ -47,8 +46,7 @@ def check_schedule_args(kind: str, pp_size: int, pp_rank: int, num_microbatches:
                              f"a multiple of pp_size={pp_size} (micro-batches enter in groups of pp)")
 
 
-def num_warmup_microbatches(kind: str, pp_size: int, pp_rank: int, num_microbatches: int,
-                            num_chunks: int = 1) -> int:
+def num_warmup_microbatches(kind: str, pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1) -> int:
     """Forwards a stage runs before its first backward (over all its chunks): gpipe m; 1f1b
     min(pp - rank - 1, m); interleaved min(2 (pp - rank - 1) + (v - 1) pp, v m) micro-batch-chunks
     (no special case for m == pp: pp=4, v=2, m=4 warms up 8, 8, 6, 4).

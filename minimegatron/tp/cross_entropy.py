@@ -84,8 +84,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             raise ValueError(f"vocab_size={vocab_size} does not fit logits of {per_rank} ids "
                              f"per rank x tp={tp} = {padded}")
         if labels.numel() and (labels.min() < 0 or labels.max() >= vocab_size):
-            raise ValueError(f"labels must be in [0, {vocab_size}), got "
-                             f"[{int(labels.min())}, {int(labels.max())}]")
+            raise ValueError(f"labels must be in [0, {vocab_size}), got [{int(labels.min())}, {int(labels.max())}]")
 
         # float32 for 16-bit logits, as the single-device loss (language_model_loss) does
         z = logits_shard.to(compute_dtype(logits_shard))

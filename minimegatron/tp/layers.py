@@ -54,8 +54,7 @@ def divide(numerator: int, denominator: int, what: str = "size", stride: int = 1
     """``numerator / (denominator * stride)``, or ValueError naming the numbers when not whole."""
     if numerator % (denominator * stride):
         blocks = f" in {stride} stacked blocks, each" if stride > 1 else ""
-        raise ValueError(f"{what} {numerator}{blocks} is not divisible by the tensor-parallel size "
-                         f"{denominator}")
+        raise ValueError(f"{what} {numerator}{blocks} is not divisible by the tensor-parallel size {denominator}")
     return numerator // (denominator * stride)
 
 

@@ -71,7 +71,8 @@ from ..dp import grad_of
 from ..model.finalize import register_grad_finalizer
 from ..placement import name_placements, placement_of, set_placement
 from .cross_entropy import VocabParallelCrossEntropy
-from .layers import SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_rows, pad_vocab_size
+from .layers import (SEQUENCE_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, pad_rows,
+                     pad_vocab_size)
 from .random import get_rng_tracker
 
 __all__ = ["TENSOR_PARALLEL_PLAN", "apply_tensor_parallel", "check_tensor_parallel_config",
@@ -103,8 +104,7 @@ def check_tensor_parallel_config(config: ModelConfig, tp: int) -> None:
                          ("moe_shared_expert_intermediate_size",
                           (config.moe_shared_expert_intermediate_size or 0) if config.num_experts else 0)):
         if value % tp:
-            raise ConfigError(f"{field}={value} is not divisible by the tensor-parallel size "
-                              f"tp={tp}")
+            raise ConfigError(f"{field}={value} is not divisible by the tensor-parallel size tp={tp}")
 
 
 def _parallel_linear(full: nn.Module, style: str, tp_group, stride: int = 1,

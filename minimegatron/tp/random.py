@@ -88,8 +88,7 @@ class RNGStatesTracker:
             self._states[name] = torch.get_rng_state()
             self._active = outer_name
             # read back from the dict: for a same-name nested fork it holds the advanced state
-            torch.set_rng_state(self._states[outer_name] if outer_name != _DEFAULT
-                                else outer_state)
+            torch.set_rng_state(self._states[outer_name] if outer_name != _DEFAULT else outer_state)
 
 
 _RNG_TRACKER = RNGStatesTracker()
@@ -100,8 +99,7 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _RNG_TRACKER
 
 
-def model_parallel_manual_seed(seed: int, tp_rank: int | None = None,
-                               pp_rank: int = 0) -> None:
+def model_parallel_manual_seed(seed: int, tp_rank: int | None = None, pp_rank: int = 0) -> None:
     """Seed both streams of this rank, instead of torch.manual_seed: torch.manual_seed(base), then
     tracker reset and add("model-parallel-rng", base + 2718 + tp_rank), base = seed + 100 * pp_rank.
     ``tp_rank`` None: from parallel_state. ValueError for a negative seed or rank.
