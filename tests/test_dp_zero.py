@@ -11,18 +11,20 @@ the memory measured on the real tensors must equal the derived bytes, next to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import pytest
 import torch
 
+from minimegatron.analysis.communication import data_parallel_phases
 from minimegatron.analysis.memory import training_memory
 from minimegatron.dp.zero import build_buckets, shard_range
 from minimegatron.launch import spawn
 from minimegatron.model import GPTModel
 from minimegatron.testing import RunRecord, assert_equivalent, single_device_run
-from workers.dp_zero import case_batches, run_zero_cases, tiny_config, train_config
+from workers.dp_zero import case_batches, case_train_config, run_zero_cases, tiny_config, train_config
 
 
 # float32 cases: AdamW's first update is g / (|g| + eps). A gradient element near eps (measured:
@@ -218,6 +220,16 @@ def test_ledger_equals_the_formula(dp_i):
                 assert [x for x in got if x[2] == "fwd"] == [x for x in expected if x[2] == "fwd"]
             else:
                 assert got == expected, f"step {step}:\n got      {got}\n expected {expected}"
+
+
+def test_analysis_formula_equals_the_derived_ledger():
+    """analysis.data_parallel_phases (chapters 01-02's formula) issues the ledger derived above,
+    which the measured ledgers equal: a tied head's second use of the embedding unit included."""
+    for dp, cases in CASES.items():
+        for c in cases:
+            cfg = dataclasses.replace(case_train_config(c), zero_stage=c["stage"], ddp_bucket_size=c.get("bucket_size"))
+            phases = data_parallel_phases(GPTModel(tiny_config(c["style"], c["dtype"])), cfg, dp, _e(c))
+            assert sorted(x for phase in phases for x in phase) == sorted(_expected_ledger(c, dp)), (dp, c)
 
 
 # --------------------------------------------------------------------------------------

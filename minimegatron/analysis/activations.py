@@ -179,8 +179,7 @@ def activation_memory(config: ModelConfig, batch: int, seq: int,
         units = -(-L // n) if recompute_method == "uniform" else min(n, L)
         whole = 0 if recompute_method == "uniform" else L - units
         layers = units * b * s_sp * h * e + whole * per_layer["total"]
-    return {"per_layer": per_layer, "layers": layers, "outside_layers": outside,
-            "total": layers + outside["total"]}
+    return {"per_layer": per_layer, "layers": layers, "outside_layers": outside, "total": layers + outside["total"]}
 
 
 def korthikanti_activation_memory(config: ModelConfig, batch: int, seq: int, tp: int = 1,

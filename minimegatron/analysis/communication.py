@@ -74,6 +74,7 @@ from ..cp.attention import hierarchical_sizes
 from ..dp.ddp import assign_buckets, megatron_default_bucket_size
 from ..dp.fsdp import gpt_unit_plan
 from ..pp import stage_layers
+from ..tp.layers import pad_vocab_size
 from .params import count_parameters
 
 __all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT", "gradient_element_size",
@@ -91,11 +92,6 @@ def _stage(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> tuple[list
     pp, v = cfg.pipeline_model_parallel_size, cfg.num_virtual_stages_per_pipeline_rank
     layers = [i for chunk in range(v) for i in stage_layers(model_cfg.num_layers, pp, pp_rank, v, chunk)]
     return layers, pp_rank == 0, pp_rank == pp - 1
-
-
-def _padded_vocab(model_cfg: ModelConfig, tp: int) -> int:
-    multiple = model_cfg.make_vocab_size_divisible_by * tp
-    return -(-model_cfg.vocab_size // multiple) * multiple
 
 
 def rank_parameters(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> dict[str, int]:
@@ -125,12 +121,12 @@ def rank_parameters(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> d
             experts += model_cfg.num_experts // ep * ((moe["expert"] - bias) // etp + bias)
         else:
             dense += mlp
-    vocab = _padded_vocab(model_cfg, tp) * h // tp
+    vocab = pad_vocab_size(model_cfg.vocab_size, tp, model_cfg.make_vocab_size_divisible_by) * h // tp
     if first:
         dense += vocab + c["position_embedding"]
     if last:
-        tied_copy = not model_cfg.untie_embeddings_and_output_weights and cfg.pipeline_model_parallel_size > 1
-        dense += c["final_norm"] + (vocab if model_cfg.untie_embeddings_and_output_weights or tied_copy else 0)
+        own_output = model_cfg.untie_embeddings_and_output_weights or cfg.pipeline_model_parallel_size > 1
+        dense += c["final_norm"] + (vocab if own_output else 0)            # untied, or the tied copy
     return {"dense": dense, "experts": experts}
 
 
@@ -368,10 +364,10 @@ def step_communication(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_
     if pp > 1:
         out["pp"] = pipeline_messages(m, cfg, pp_rank)
         if not m.untie_embeddings_and_output_weights and (first or last):
-            out["embedding"] = Counter({("all_reduce", "embedding-grads",
-                                         _padded_vocab(m, tp) * h // tp * gradient_element_size(m, cfg)): 1})
-    if fp8_amax_reductions(m, cfg, pp_rank):
-        out["fp8"] = fp8_amax_reductions(m, cfg, pp_rank)
+            vocab = pad_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by) * h // tp
+            out["embedding"] = Counter({("all_reduce", "embedding-grads", vocab * gradient_element_size(m, cfg)): 1})
+    if fp8 := fp8_amax_reductions(m, cfg, pp_rank):
+        out["fp8"] = fp8
     return out
 
 
@@ -435,7 +431,7 @@ def data_parallel_phases(model: nn.Module, cfg: TrainConfig, dp: int, e: int) ->
     if stage < 3:
         return phases
     shard = {u: math.ceil(n / dp) for u, n in zero3_unit_numels(model).items()}
-    uses = list(shard) + (["embedding"] if model.output_layer is None else [])
+    uses = list(shard) + [b for u in gpt_unit_plan(model) for b in u.borrows]      # a tied head's embedding
     for m in range(M):
         phases[m] = [("all_gather", shard[u] * e, "fwd") for u in uses]
         phases[m] += [("all_gather", shard[u] * e, "bwd") for u in uses[1:]]

@@ -66,8 +66,7 @@ def training_flops(config: ModelConfig, batch: int, seq: int) -> dict:
         })
     forward["total"] = sum(forward.values())
     backward = {name: 2 * flops for name, flops in forward.items()}
-    return {"forward": forward, "backward": backward,
-            "total": forward["total"] + backward["total"]}
+    return {"forward": forward, "backward": backward, "total": forward["total"] + backward["total"]}
 
 
 def megatron_mlp_flops(config: ModelConfig, tokens: int) -> int:

@@ -90,6 +90,14 @@ def adam_bytes_per_parameter(param_dtype: torch.dtype | str, master_weights: boo
     # END EXERCISE
 
 
+def zero_held(n: int, dp: int, zero_stage: int) -> dict[str, int]:
+    """{"params", "grads", "optimizer"}: how many of n parameters' elements of each one rank of dp
+    holds under ZeRO stage zero_stage; a shard is ceil(n / dp) (the last rank's padded)."""
+    shard = math.ceil(n / dp)
+    return {"params": shard if zero_stage >= 3 else n, "grads": shard if zero_stage >= 2 else n,
+            "optimizer": shard if zero_stage >= 1 else n}
+
+
 def training_memory(config: ModelConfig, *, param_dtype: torch.dtype | str | None = None,
                     grad_dtype: torch.dtype | str | None = None, optimizer: str = "adam",
                     master_weights: bool = False, zero_stage: int = 0, dp: int = 1) -> dict:
@@ -129,12 +137,7 @@ def training_memory(config: ModelConfig, *, param_dtype: torch.dtype | str | Non
         per_param["total"] = per_param["params"] + per_param["grads"] + per_param["optimizer"]
 
     n = count_parameters(config)["total"]
-    shard = math.ceil(n / dp)
-    held = {  # how many parameters' worth of each kind this rank holds
-        "params": shard if zero_stage >= 3 else n,
-        "grads": shard if zero_stage >= 2 else n,
-        "optimizer": shard if zero_stage >= 1 else n,
-    }
+    held = zero_held(n, dp, zero_stage)
     result = {
         "num_parameters": n,
         "bytes_per_parameter": per_param,
@@ -181,5 +184,5 @@ def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str,
             "main_parameters": size(copies), "optimizer": size(moments)}
 
 
-__all__ = ["as_dtype", "bytes_per_element", "adam_bytes_per_parameter", "training_memory", "held_parameters",
-           "local_parameter_counts", "held_state_bytes"]
+__all__ = ["as_dtype", "bytes_per_element", "adam_bytes_per_parameter", "zero_held", "training_memory",
+           "held_parameters", "local_parameter_counts", "held_state_bytes"]

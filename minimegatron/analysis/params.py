@@ -65,13 +65,11 @@ def count_parameters(config: ModelConfig) -> dict:
         def mlp(width):
             inner = 2 * width if config.activation == "swiglu" else width
             return inner * h + (inner if bias else 0) + h * width + (h if bias else 0)
-        dense_mlp = (per_layer["fc1_weight"] + per_layer["fc1_bias"] + per_layer["fc2_weight"]
-                     + per_layer["fc2_bias"])
         shared = config.moe_shared_expert_intermediate_size
         moe = {"layers": sum(config.is_moe_layer(i) for i in range(L)), "router": config.num_experts * h,
                "expert": mlp(config.moe_ffn_size), "shared": mlp(shared) if shared else 0}
         moe["per_moe_layer"] = moe["router"] + config.num_experts * moe["expert"] + moe["shared"]
-        counts["layers"] += moe["layers"] * (moe["per_moe_layer"] - dense_mlp)
+        counts["layers"] += moe["layers"] * (moe["per_moe_layer"] - mlp(f))          # in place of a dense MLP
         counts["moe"] = moe
         inactive = moe["layers"] * (config.num_experts - config.moe_router_topk) * moe["expert"]
     counts["total"] = (counts["embedding"] + counts["position_embedding"] + counts["layers"]
@@ -93,13 +91,12 @@ def tensor_parallel_parameters(config: ModelConfig, tp: int) -> dict:
       "per_rank"    split + replicated
       "total"       count_parameters(config)["total"]
     ConfigError naming the numbers when the layout cannot exist (12 heads over tp = 8)."""
-    from ..tp import check_tensor_parallel_config           # heads, KV groups, ffn by tp
+    from ..tp import check_tensor_parallel_config, pad_vocab_size
     check_tensor_parallel_config(config, tp)                # ConfigError for a layout that cannot exist
     c = count_parameters(config)
     layer = c["per_layer"]
     h, V = config.hidden_size, config.vocab_size
-    multiple = config.make_vocab_size_divisible_by * tp
-    Vp = -(-V // multiple) * multiple
+    Vp = pad_vocab_size(V, tp, config.make_vocab_size_divisible_by)
     vocab_matrices = 1 + (1 if config.untie_embeddings_and_output_weights else 0)
     split_per_layer = (layer["qkv_weight"] + layer["qkv_bias"] + layer["proj_weight"]
                        + layer["fc1_weight"] + layer["fc1_bias"] + layer["fc2_weight"])

@@ -60,10 +60,8 @@ def memory_report(config: ModelConfig, batch: int, seq: int, *,
     states = training_memory(config, param_dtype=dtype, grad_dtype=grad_dtype, optimizer=optimizer,
                              master_weights=master_weights, zero_stage=zero_stage, dp=dp)
     acts = activation_memory(config, batch, seq, dtype, dropout_mask_itemsize=dropout_mask_itemsize)
-    report = {
-        "params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-        "activations": acts["total"],
-    }
+    report = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+              "activations": acts["total"]}
     report["total"] = sum(report.values())
     report.update(num_parameters=states["num_parameters"],
                   bytes_per_parameter=states["bytes_per_parameter"], activation_detail=acts,
@@ -78,7 +76,6 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_memory_report(report: dict, title: str | None = None) -> str:

@@ -30,6 +30,7 @@ from functools import lru_cache
 
 from ..analysis import activation_memory, adam_bytes_per_parameter, rank_parameters
 from ..analysis.activations import INDEX_BYTES
+from ..analysis.memory import zero_held
 from ..config import ModelConfig, TrainConfig
 from ..pp import peak_in_flight, schedule, stage_layers
 
@@ -119,11 +120,9 @@ def _bytes_per_parameter(dtype, master_weights: bool, grad_dtype) -> dict:
 
 def _sharded(n: int, shards: int, zero: int, m: int, bytes_per: dict) -> dict[str, int]:
     """Bytes of n parameters' state on a rank whose ZeRO stage shards it over `shards` ranks."""
-    shard = math.ceil(n / shards)
-    return {"params": bytes_per["params"] * (shard if zero >= 3 else n),
-            "grads": bytes_per["grads"] * (shard if zero >= 2 else n),
-            "optimizer": bytes_per["optimizer"] * (shard if zero >= 1 else n),
-            "zero3_pending": bytes_per["grads"] * shard * shards if zero == 3 and m > 1 else 0}
+    out = {kind: bytes_per[kind] * elements for kind, elements in zero_held(n, shards, zero).items()}
+    out["zero3_pending"] = bytes_per["grads"] * math.ceil(n / shards) * shards if zero == 3 and m > 1 else 0
+    return out
 
 
 def rank_states(model_cfg: ModelConfig, cfg: TrainConfig, world: int, pp_rank: int,
