@@ -393,14 +393,11 @@ class Layout:
 def get_layout() -> Layout:
     """The Layout of this rank, from the groups initialize_model_parallel made."""
     state = _state()
-    return Layout(dist.get_world_size(), state.rank, _size_of("tp"), _size_of("pp"), _size_of("dp-cp"),
-                  _rank_in("tp"), _rank_in("pp"), _rank_in("dp-cp"), get_group("tp"), get_group("pp"),
-                  get_group("dp-cp"), get_group("embedding"), tuple(get_group_ranks("pp")),
-                  cp=_size_of("cp"), cp_rank=_rank_in("cp"), cp_group=get_group("cp"),
-                  data_parallel_size=_size_of("dp"), data_parallel_rank=_rank_in("dp"),
-                  cp_a2a_group=state.groups.get("hcp-a2a"), cp_p2p_group=state.groups.get("hcp-p2p"),
-                  tp_cp_group=get_group("tp-cp"), tp_dp_cp_group=get_group("tp-dp-cp"),
-                  ep=_size_of("ep"), ep_rank=_rank_in("ep"), ep_group=get_group("ep"),
-                  etp=_size_of("etp"), etp_rank=_rank_in("etp"), etp_group=get_group("etp"),
-                  etp_ep_group=get_group("etp-ep"), expert_dp=_size_of("expert-dp"),
-                  expert_dp_group=get_group("expert-dp"))
+    dims = {"tp": "tp", "pp": "pp", "dp": "dp-cp", "cp": "cp", "ep": "ep", "etp": "etp"}   # field -> key
+    groups = {**dims, "embedding": "embedding", "tp_cp": "tp-cp", "tp_dp_cp": "tp-dp-cp", "etp_ep": "etp-ep",
+              "expert_dp": "expert-dp", "cp_a2a": "hcp-a2a", "cp_p2p": "hcp-p2p"}
+    return Layout(dist.get_world_size(), state.rank, pp_ranks=tuple(get_group_ranks("pp")),
+                  data_parallel_size=_size_of("dp"), data_parallel_rank=_rank_in("dp"), expert_dp=_size_of("expert-dp"),
+                  **{name: _size_of(key) for name, key in dims.items()},
+                  **{f"{name}_rank": _rank_in(key) for name, key in dims.items()},
+                  **{f"{name}_group": state.groups.get(key) for name, key in groups.items()})

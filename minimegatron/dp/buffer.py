@@ -89,11 +89,6 @@ class Bucket:
         """How many of this rank's shard elements are real (not padding)."""
         return max(0, min(self.end, self.numel) - self.start)
 
-    @property
-    def shard_param(self) -> torch.Tensor:
-        """[shard_numel]: this rank's slice of param_data (padding included): what it all-gathers."""
-        return self.param_data[self.start:self.end]
-
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's elements of a flat [padded_numel] tensor, in its shape."""
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])

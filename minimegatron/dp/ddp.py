@@ -34,7 +34,7 @@ from .. import comm
 from ..placement import placement_of
 from ..optim import Segment, parameter_segment
 from .buffer import Bucket, make_bucket
-from .naive import DataParallel, broadcast_parameters
+from .naive import DataParallel
 from .timeline import BucketTimeline, TimelineRecorder
 
 
@@ -268,7 +268,3 @@ class DistributedDataParallel(DataParallel):
         for p in self.main_grad:
             p.grad = None
         self._synced = False
-
-    def broadcast_params(self) -> None:
-        """Copy the group's first rank's parameters to every rank (naive.broadcast_parameters)."""
-        broadcast_parameters(self.module, self.group)

@@ -123,19 +123,6 @@ def gather_unit_parameters(unit: Unit, group, tag: str = "fwd") -> list[torch.Te
     # END EXERCISE
 
 
-def install_unit_parameters(unit: Unit, tensors) -> None:
-    """Make the model read the unit's parameters from `tensors` (plain module attributes)."""
-    for (module, attr), t in zip(unit.slots, tensors):
-        setattr(module, attr, t)
-
-
-def free_unit_parameters(unit: Unit) -> None:
-    """Delete the unit's parameters from its modules (using them now raises AttributeError).
-    With the views gone, the gathered buffer has no reference left and is freed."""
-    for module, attr in unit.slots:
-        module.__dict__.pop(attr, None)
-
-
 @dataclass(eq=False)
 class _UnitUse:
     """One gathering of a unit in one forward, alive until that use's backward has run."""
@@ -198,20 +185,17 @@ class FullyShardedDataParallel(DataParallel):
     """ZeRO-3: parameters, gradients and optimizer state sharded over `group`.
 
     Same use as zero.ZeroDataParallel (forward, no_sync, finish_grad_sync) with an
-    optim.Optimizer over its shards. `plan` cuts the model (default: gpt_unit_plan); grad_dtype:
+    optim.Optimizer over its shards. gpt_unit_plan cuts the model; grad_dtype:
     the gradient shards' dtype (default the parameters', see buffer.py). After wrapping,
     the model's own parameters are gone: `wrapper.parameters()` are the shards, and
-    `state_dict()` is this rank's shards; `gather_parameters()` rebuilds the full weights.
+    `state_dict()` is this rank's shards; `local_tensors()` gathers the full weights.
     """
 
-    def __init__(self, module: nn.Module, group, plan: list[UnitPlan] | None = None,
-                 grad_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, group, grad_dtype: torch.dtype | None = None):
         super().__init__(module, group)
-        self.dp, self.rank = group_size(group), group_rank(group)
-        plan = gpt_unit_plan(module) if plan is None else plan
         named = list(module.named_parameters())
         self.units: dict[str, Unit] = {}
-        for p in plan:
+        for p in gpt_unit_plan(module):
             members = [(n, q) for n, q in named if n.startswith(p.prefixes)]
             if members:
                 self.units[p.name] = _build_unit(p.name, members, module, group, grad_dtype)
@@ -244,7 +228,8 @@ class FullyShardedDataParallel(DataParallel):
             use = _UnitUse(self.units[name])
             use.fwd = list(_GatherUnit.apply(use.unit.shard, use, self))
             uses.append(use)
-            install_unit_parameters(use.unit, use.fwd)
+            for (module, attr), t in zip(use.unit.slots, use.fwd):
+                setattr(module, attr, t)                # the model reads the gathered views
             for i, t in enumerate(use.fwd):
                 self._live[t.untyped_storage().data_ptr()] = (use, i)
             self._track(use.fwd)
@@ -254,7 +239,8 @@ class FullyShardedDataParallel(DataParallel):
         uses = self._open.get(plan_name, [])
         while uses:
             use = uses.pop(0)
-            free_unit_parameters(use.unit)
+            for module, attr in use.unit.slots:       # using them now raises AttributeError
+                module.__dict__.pop(attr, None)
             # (a comprehension: a loop variable would keep the last view, and the buffer, alive)
             for address in {t.untyped_storage().data_ptr() for t in use.fwd}:
                 self._live.pop(address, None)
@@ -386,5 +372,5 @@ class FullyShardedDataParallel(DataParallel):
         self.profile.append(MemoryEvent(label, sharded, sum(self._alive().values())))
 
 
-__all__ = ["Unit", "UnitPlan", "gpt_unit_plan", "gather_unit_parameters", "install_unit_parameters",
-           "free_unit_parameters", "FullyShardedDataParallel", "MemoryEvent", "observe_saved_tensors"]
+__all__ = ["Unit", "UnitPlan", "gpt_unit_plan", "gather_unit_parameters", "FullyShardedDataParallel", "MemoryEvent",
+           "observe_saved_tensors"]

@@ -85,14 +85,6 @@ class DataParallel(nn.Module, GradientSource):
         gradients after finish_grad_sync (grad_of; zeros where there is none)."""
         return placement_local_tensors(self.module, grads, self.grad_of)
 
-    def gather_parameters(self) -> dict[str, torch.Tensor]:
-        """The full parameters by single-device name (local_tensors; sharded wrappers gather them)."""
-        return {name: t for name, (_, t) in self.local_tensors().items()}
-
-    def gather_gradients(self) -> dict[str, torch.Tensor]:
-        """The full averaged gradients by single-device name (after finish_grad_sync)."""
-        return {name: t for name, (_, t) in self.local_tensors(grads=True).items()}
-
 
 def no_sync(model: nn.Module):
     """model.no_sync() for a data-parallel wrapper; nothing to hold back for a bare model."""
@@ -202,15 +194,11 @@ def average_gradient_hook(param: nn.Parameter, group, sync: bool) -> None:
 class NaiveDataParallel(DataParallel):
     """All-reduce every gradient after backward: finish_grad_sync() is
     `allreduce_gradients(module, group)` (RuntimeError inside no_sync()); no_sync() holds nothing
-    back, gradients accumulate in p.grad. broadcast_params(): the group's first rank's parameters
-    to all."""
+    back, gradients accumulate in p.grad."""
 
     def finish_grad_sync(self) -> None:
         self.check_can_sync()
         allreduce_gradients(self.module, self.group)   # module-level name: exercise 1.1 plugs in here
-
-    def broadcast_params(self) -> None:
-        broadcast_parameters(self.module, self.group)
 
 
 class HookedDataParallel(NaiveDataParallel):

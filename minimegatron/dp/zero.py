@@ -114,7 +114,6 @@ class ZeroDataParallel(DistributedDataParallel):
         self.stage, self.bucket_size = stage, bucket_size     # (read by _make_buckets while DDP builds)
         super().__init__(module, group, overlap=overlap_grad_reduce,
                          expert_group=expert_group if has_experts else None, grad_dtype=grad_dtype)
-        self.dp, self.rank = group_size(group), group_rank(group)
         # a mixture's experts (chapter 05): buckets of their own, sharded over expert_group
         self.expert_dp = group_size(expert_group) if has_experts else 1
         self.expert_buckets = [b for b in self.buckets if b.experts]
@@ -177,7 +176,7 @@ class ZeroDataParallel(DistributedDataParallel):
         """Launch the bucket's reduce-scatter (avg) asynchronously, in place into main_grad (the
         experts' scaled first: finish_grad_sync's rule)."""
         if bucket.experts:
-            bucket.grad_data.mul_(self.expert_dp / self.dp)
+            bucket.grad_data.mul_(self.expert_dp / self.dp_size)
         bucket.work = reduce_scatter_tensor(bucket.main_grad, bucket.grad_data, bucket.group, op="avg",
                                             tag="grads", async_op=True)
         self.recorder.launched(bucket.index, bucket.work, bucket.grad_data)
@@ -195,7 +194,7 @@ class ZeroDataParallel(DistributedDataParallel):
             # average over expert_group of the gradients scaled by expert_dp / dp (Megatron's
             # expert scaling with average_in_collective)
             for b in self.expert_buckets:
-                b.grad_data.mul_(self.expert_dp / self.dp)
+                b.grad_data.mul_(self.expert_dp / self.dp_size)
             reduce_scatter_gradients(self.expert_buckets, self.expert_group)
             self._point_grads()                    # (only its shard's elements are reduced)
         else:
@@ -236,7 +235,7 @@ class ZeroDataParallel(DistributedDataParallel):
         first layers the next forward runs), waited by the forward pre-hooks."""
         for buckets, group in self._bucket_groups():
             for b in (buckets[::-1] if self.overlap_param_gather else buckets):
-                work = all_gather_into_tensor(b.param_data, b.shard_param, group, tag="params",
+                work = all_gather_into_tensor(b.param_data, b.param_data[b.start:b.end], group, tag="params",
                                               async_op=self.overlap_param_gather)
                 if self.overlap_param_gather:
                     self._gathers[b.index] = work

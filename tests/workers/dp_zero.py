@@ -68,7 +68,7 @@ def dp_layout() -> Layout:
 
 def _full_params(wrapper) -> dict[str, torch.Tensor]:
     if isinstance(wrapper, FullyShardedDataParallel):
-        return wrapper.gather_parameters()
+        return {n: t for n, (_, t) in wrapper.local_tensors().items()}
     return {n: p.detach().clone() for n, p in wrapper.module.named_parameters()}
 
 
@@ -104,7 +104,7 @@ def _train(case: dict, batches, start: int = 0, stop: int | None = None, state: 
             if case["stage"] == 2:
                 out["synced_grads_freed"] &= all(p.grad is None for p in model.parameters())
             if step == 0:
-                out["grads"] = wrapper.gather_gradients()         # tag "inspect": not in the ledger rows
+                out["grads"] = {n: t for n, (_, t) in wrapper.local_tensors(grads=True).items()}  # tag "inspect"
             out["grad_peak"] = wrapper.grad_bytes_peak if case["stage"] < 3 else None   # zero_grad resets it
 
         microbatches = [local_microbatch(batches[step], tcfg, m, layout.dp_rank, layout.dp) for m in range(case["M"])]
