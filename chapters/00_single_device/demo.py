@@ -64,7 +64,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from booktools.demo import check_at_least_one, demo_parser, largest_differences
+from booktools.demo import Results, check_at_least_one, demo_parser, largest_differences
 from minimegatron import comm
 from minimegatron.analysis import (activation_memory, count_parameters, does_it_fit, flops_per_token_6n,
                                    measure_saved_activation_bytes, training_flops, training_memory)
@@ -466,7 +466,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return check_at_least_one(parser, parser.parse_args(argv), "train_iters", "micro_batches")
 
 
-def main(argv=None) -> int:
+@dataclass
+class SingleDeviceResults(Results):
+    """What main printed (rank 0): the training loss first and last (3 decimals, as printed),
+    FLOPs per token by the 6N rule, exactly and measured, and the largest differences of
+    gradient accumulation from one big batch."""
+    parameters: int = 0
+    loss_first: float = 0.0
+    loss_last: float = 0.0
+    flops_6n: int = 0
+    flops_exact_per_token: float = 0.0
+    flops_measured_per_token: float = 0.0
+    max_loss_diff: float = 0.0
+    max_grad_diff: float = 0.0
+    max_param_diff: float = 0.0
+
+
+def main(argv=None) -> SingleDeviceResults:
     args = parse_args(argv)
     rank, world = init_from_torchrun()
     make = tiny_llama if args.style == "llama" else tiny_gpt2
@@ -498,7 +514,7 @@ def main(argv=None) -> int:
         # training loop would otherwise build its process groups with ranks that are gone)
         dist.destroy_process_group()
         if rank != 0:
-            return 0
+            return SingleDeviceResults()
 
     # 2. train ------------------------------------------------------------------------
     iters = args.train_iters if args.train_iters is not None else (15 if args.quick else 150)
@@ -514,8 +530,10 @@ def main(argv=None) -> int:
         f"{iters} steps of {mbs} x {seq} tokens")
     start = time.perf_counter()
     run = train(config, train_cfg)
+    found = SingleDeviceResults(parameters=counts["total"], loss_first=round(run.losses[0], 3),
+                                loss_last=round(run.losses[-1], 3))
     val = f", validation {run.eval_losses[-1][1]:.3f}" if run.eval_losses else ""
-    say(f"      loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}{val} "
+    say(f"      loss {found.loss_first:.3f} -> {found.loss_last:.3f}{val} "
         f"(ln V = {torch.log(torch.tensor(float(config.vocab_size))).item():.3f} is a uniform guess) "
         f"in {time.perf_counter() - start:.1f} s; curve: {os.path.join(args.out_dir, 'loss.png')}")
 
@@ -523,6 +541,8 @@ def main(argv=None) -> int:
     b, s = (2, 16) if args.quick else (mbs, seq)
     budget = measure_budget(config, b, s)
     flops = budget.row("FLOPs")
+    found.flops_6n, found.flops_exact_per_token = budget.flops_6n, budget.flops_exact_per_token
+    found.flops_measured_per_token = flops.measured / (b * s)
     say(f"[3/5] FLOPs per token (train = forward + backward):\n"
         f"      6N rule   {budget.flops_6n:>12,}   (N = {counts['non_embedding']:,} non-embedding parameters)\n"
         f"      exact     {budget.flops_exact_per_token:>12,.0f}   (every matmul, incl. attention and logits; "
@@ -547,13 +567,15 @@ def main(argv=None) -> int:
         failures.insert(0, "gradient accumulation differs from one big batch")
 
     diffs = largest_differences([report])
-    if failures:
-        say(f"MISMATCH: {'; '.join(failures)}; {diffs}")
-        return 1
-    say(f"MATCH: {k} accumulated micro-batches equal one batch of {2 * k} on the single device (float64): {diffs}; "
-        f"memory and FLOPs formulas equal the measurement")
-    return 0
+    found.max_loss_diff, found.max_grad_diff, found.max_param_diff = (
+        float(f"{x:.1e}") for x in (report.max_loss_diff, report.max_grad_diff, report.max_param_diff))
+    found.verdict = (f"MISMATCH: {'; '.join(failures)}; {diffs}" if failures else
+                     f"MATCH: {k} accumulated micro-batches equal one batch of {2 * k} on the single device (float64): "
+                     f"{diffs}; memory and FLOPs formulas equal the measurement")
+    found.exit_code = 1 if failures else 0
+    say(found.verdict)
+    return found
 
 
 if __name__ == "__main__":
-    sys.exit(finish_torchrun(main()))
+    sys.exit(finish_torchrun(main().exit_code))
