@@ -18,6 +18,7 @@ free-port race); each rank passes it to ``init_process_group``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import gc
 import hashlib
 import io
@@ -29,9 +30,10 @@ import socket
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -74,12 +76,6 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
-def _dumps(obj) -> bytes:
-    buf = io.BytesIO()
-    _DetachingPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
-
-
 def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes, conn, collective_timeout: float) -> None:
     """What every spawned process runs. Sends exactly one message on ``conn``: ``("ok", time,
     pickled_result)`` or ``("error", time, type_name, module, message, tb)``; the wall-clock time
@@ -97,11 +93,11 @@ def _rank_main(rank: int, world_size: int, store_port: int, payload: bytes, conn
         store = dist.TCPStore(LOOPBACK, store_port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         watchdog.start_heartbeat()
-        result = fn(*args, **kwargs)
-        conn.send(("ok", time.time(), _dumps(result)))
+        result = io.BytesIO()                                   # fn's result, pickled
+        _DetachingPickler(result, protocol=pickle.HIGHEST_PROTOCOL).dump(fn(*args, **kwargs))
+        conn.send(("ok", time.time(), result.getvalue()))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        message = ("error", time.time(), type(exc).__name__, type(exc).__module__, str(exc),
-                   traceback.format_exc())
+        message = ("error", time.time(), type(exc).__name__, type(exc).__module__, str(exc), traceback.format_exc())
         try:
             conn.send(message)
         finally:
@@ -127,10 +123,9 @@ def _check_importable(fn: Callable) -> None:
     """TypeError before any process starts if a spawned rank could not import ``fn`` by name."""
     qualname = getattr(fn, "__qualname__", repr(fn))
     module = getattr(fn, "__module__", None)
-    hint = ("spawn() starts fresh Python processes that import the function by name: define "
-            "it at the top level of an importable module (e.g. a chapter's demo.py, imported "
-            "with booktools.demo.import_chapter, a module under tests/workers/, or a "
-            ".py file next to your notebook), not as a lambda or a nested function.")
+    hint = ("spawn() starts fresh Python processes that import the function by name: define it at the top level "
+            "of an importable module (e.g. a chapter's demo.py, imported with booktools.demo.import_chapter, a "
+            "module under tests/workers/, or a .py file next to your notebook), not as a lambda or a nested function.")
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise TypeError(f"cannot spawn {qualname!r} from module {module!r}: {hint}")
     main = sys.modules.get("__main__")
@@ -143,27 +138,9 @@ def _check_importable(fn: Callable) -> None:
         raise TypeError(f"cannot spawn {qualname!r}: it cannot be pickled ({exc}). {hint}") from None
 
 
-@contextmanager
-def _environment(values: dict[str, str]):
-    """Set environment variables for the processes started inside the block (a spawned process must
-    see OMP_NUM_THREADS before it imports torch)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _rebuild_exception(rank: int, world_size: int, type_name: str, module: str,
-                       message: str, tb: str) -> BaseException:
+def _rebuild_exception(rank: int, world_size: int, type_name: str, module: str, message: str, tb: str) -> BaseException:
     """The exception the parent raises for a failed rank: its own class when possible."""
-    text = f"rank {rank} of {world_size} failed: {type_name}: {message}\n\n" \
-           f"--- traceback of rank {rank} ---\n{tb}"
+    text = f"rank {rank} of {world_size} failed: {type_name}: {message}\n\n--- traceback of rank {rank} ---\n{tb}"
     cls = getattr(builtins, type_name, None) if module == "builtins" else None
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:
@@ -222,7 +199,8 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 120.0, collecti
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"minimegatron-rank{rank}",
                             args=(rank, world_size, store.port, payload, writer, collective_timeout))
-            with _environment({**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+            # the child's environment (it must see OMP_NUM_THREADS before it imports torch), ours restored
+            with mock.patch.dict(os.environ, {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
                 p.start()
             writer.close()  # only the child writes; closed here so that we see EOF if it dies
             processes.append(p)
@@ -266,8 +244,7 @@ def _collect(processes, readers, world_size: int, timeout: float) -> list[Any]:
         if deaths:
             rank = deaths[0]
             code = processes[rank].exitcode
-            raise RankError(f"rank {rank} of {world_size} died without a Python exception "
-                            f"(exit code {code}"
+            raise RankError(f"rank {rank} of {world_size} died without a Python exception (exit code {code}"
                             + (f", signal {-code}" if code is not None and code < 0 else "")
                             + "); see its output above")
         if errors:
@@ -304,8 +281,7 @@ def init_from_torchrun(timeout: float = 60.0, device: str = "cpu") -> tuple[int,
         watchdog.start_heartbeat()
     else:
         # No launcher: a world of one, rendezvous in this process's memory (no port needed).
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=td)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -316,15 +292,11 @@ def gloo_threads() -> int:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return -1
-    return sum(_thread_name(task).startswith(("gloo", "pt_gloo")) for task in tasks)
-
-
-def _thread_name(task: str) -> str:
-    try:
-        with open(f"/proc/self/task/{task}/comm") as f:
-            return f.read()
-    except OSError:                                      # the thread ended meanwhile
-        return ""
+    names = []
+    for task in tasks:
+        with contextlib.suppress(OSError):              # the thread ended meanwhile
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text())
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
 
 
 def finish_torchrun(status: int = 0, *, world_broken: bool = False) -> int:

@@ -37,7 +37,7 @@ from .optim import NormGroup, Optimizer, is_expert_parameter
 from .moe import apply_expert_parallel, check_expert_parallel_config
 from .parallel_state import Layout, check_grids
 from .placement import gather_full_tensors
-from .kernels import apply_kernels
+from .kernels import apply_kernels, available
 from .pp import build_stage, check_schedule_args, stage_layers
 from .recompute import apply_recompute
 from .tp import apply_tensor_parallel, check_tensor_parallel_config
@@ -123,7 +123,6 @@ def validate_layout(model_cfg: ModelConfig, cfg: TrainConfig, world_size: int) -
 
 def _check_triton_kernels(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     """What the Triton kernels (kernels/) cannot run, named."""
-    from .kernels import available
     why = available()
     d = model_cfg.kv_channels
     for bad, message in ((why is not None, why),
@@ -160,9 +159,8 @@ def build_model(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout,
     interleaving), each the one GPTModel transformed in the book's order. Every chunk starts
     from exactly the single-device weights of its layers (model/init.py), or from `load`
     (a resume: each chunk's saved state dict, loaded before the data-parallel wrapper
-    takes the parameters). What each step installs is said at its line (docs/ARCHITECTURE.md,
-    section 2); model.grad_finalizers(chunks) lists the gradient hooks they registered."""
-    validate_layout(model_cfg, cfg, layout.world)
+    takes the parameters); the layout validate_layout has passed. What each step installs is said
+    at its line (docs/ARCHITECTURE.md §2); model.grad_finalizers(chunks) lists the hooks they registered."""
     if dist.is_initialized() and dist.get_world_size() != layout.world and not layout.is_alone:
         raise ValueError(f"layout.world={layout.world} but torch.distributed has {dist.get_world_size()} ranks: "
                          "build the layout with parallel_state.get_layout() (Layout() is one process)")

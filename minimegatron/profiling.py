@@ -19,13 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
-__all__ = ["StepProfiler", "top_operators"]
-
-
-def top_operators(prof: torch.profiler.profile, rows: int = 12) -> str:
-    """The operators that took the most time on this rank, self time first (torch's own table)."""
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+__all__ = ["StepProfiler"]
 
 
 class StepProfiler:
@@ -40,18 +36,15 @@ class StepProfiler:
             return
         start, end = cfg.profile_step_start, cfg.profile_step_end
         self.trace = Path(out_dir) / "torch_profile" / f"rank-{rank}.json.gz"
-        self.prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
-            schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
-                                             active=end - start, repeat=1),
-            on_trace_ready=self._write)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=activities, on_trace_ready=self._write, schedule=schedule(
+            wait=max(start - 1, 0), warmup=1 if start > 0 else 0, active=end - start, repeat=1))
 
-    def _write(self, prof: torch.profiler.profile) -> None:
+    def _write(self, prof: profile) -> None:
         self.trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.trace))
-        if self.rank == 0:
-            self.table = top_operators(prof)
+        if self.rank == 0:                  # the operators that took the most time, self time first
+            self.table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
 
     def __enter__(self) -> "StepProfiler":
         if self.on:

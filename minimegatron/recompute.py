@@ -7,7 +7,7 @@ when the backward needs it (Megatron's --recompute-granularity, -method, -num-la
 full       the chunk's layers run in units (`recompute_units`: "uniform" every `num_layers`
            consecutive layers, "block" each of the first `num_layers` layers). A unit keeps only
            its input [b, s, h] (and the RoPE tables); its backward runs its forward again.
-selective  the named part of every layer is a unit (RECOMPUTE_MODULES): "core_attn" (the
+selective  the named part of every layer is a unit (--recompute-modules): "core_attn" (the
            [b, a, s, s] probabilities), "mlp", "moe", "moe_act" (each expert's activation),
            "layernorm" (both norms).
 
@@ -30,10 +30,7 @@ from torch import nn
 from .comm import retagged
 from .tp.random import get_rng_tracker
 
-__all__ = ["RECOMPUTE_MODULES", "checkpoint", "apply_recompute", "recompute_units", "get_rng_states", "set_rng_states"]
-
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm")
-
+__all__ = ["checkpoint", "apply_recompute", "recompute_units", "get_rng_states", "set_rng_states"]
 
 def get_rng_states() -> tuple:
     """Every random state a forward draws from: torch's default CPU generator, the CUDA
@@ -146,14 +143,10 @@ def _checkpointed_block_forward(block: nn.Module, units: list[tuple[int, int, bo
     return x
 
 
-def _checkpointed_call(run: Callable, gemms: list, *args):
-    return checkpoint(run, gemms, *args)
-
-
 def _recompute(module: nn.Module, name: str, gemms: list) -> None:
     """Make `module.<name>` (its forward, or a method its forward calls) a recomputed unit: an
     instance attribute over the class's method, so hooks and parameter names stay as they are."""
-    setattr(module, name, partial(_checkpointed_call, getattr(module, name), gemms))
+    setattr(module, name, partial(checkpoint, getattr(module, name), gemms))
 
 
 def apply_recompute(model: nn.Module, granularity: str | None, method: str | None = None,
@@ -165,8 +158,8 @@ def apply_recompute(model: nn.Module, granularity: str | None, method: str | Non
         return model
     block = model.decoder
     if granularity == "full":
-        block.forward = partial(_checkpointed_block_forward, block, recompute_units(len(block.layers), method,
-                                                                                     num_layers))
+        units = recompute_units(len(block.layers), method, num_layers)
+        block.forward = partial(_checkpointed_block_forward, block, units)
         return model
     from .model.moe import MoELayer
     for layer in block.layers.values():

@@ -28,17 +28,27 @@ all-gather, the full input of a reduce-scatter, the tensor of a send).
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter, defaultdict
+from dataclasses import replace
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from . import train
 from .analysis import (ROUTING_DEPENDENT, adam_bytes_per_parameter, count_parameters, gradient_element_size,
-                       rank_parameters, step_communication)
+                       measure_saved_activation_bytes, rank_parameters, step_communication)
+from .comm import all_reduce
 from .comm.ledger import CommRecord
 from .config import ModelConfig, TrainConfig
-from .parallel_state import rank_coordinates, rank_groups
+from .data import batch_for_step
+from .model import GPTModel
+from .parallel_state import get_group_ranks, get_layout, rank_coordinates, rank_groups
 from .pp.schedules import num_warmup_microbatches
-from .pp.timeline import bubble_fraction
+from .pp.timeline import StepRecord, bubble_fraction
+from .testing import RunRecord, compare_runs, single_device_run, train_layout
+from .viz import plot_run_summary
 
 __all__ = ["layout_lines", "rank_grid_lines", "dimension_of", "DIMENSION_ORDER", "records_by_dimension",
            "communication_checks", "report_lines", "activation_lines", "in_flight_formula", "check_against_one_device",
@@ -145,10 +155,8 @@ def dimension_of(record: CommRecord, groups: dict[str, list[int]]) -> str:
         return "pp"
     if tag.startswith("moe-"):
         return "etp" if tag.startswith("moe-etp") or ranks == groups.get("etp") != groups.get("ep") else "ep"
-    for key, name in (("tp", "tp"), ("cp", "cp"), ("dp-cp", "dp"), ("pp", "pp")):
-        if ranks == groups.get(key):
-            return name
-    return "other"
+    return next((name for key, name in (("tp", "tp"), ("cp", "cp"), ("dp-cp", "dp"), ("pp", "pp"))
+                 if ranks == groups.get(key)), "other")
 
 
 def records_by_dimension(records: list[CommRecord], groups: dict[str, list[int]]) -> dict[str, Counter]:
@@ -329,24 +337,18 @@ def check_against_one_device(model_cfg: ModelConfig, cfg: TrainConfig, world: in
     checked here is the layout. Each precision against one device in that precision, and where
     a layout and one device cannot agree bit for bit, is chapter 06's (its demo, tests/test_fp8.py).
     Collective over every rank; returns rank 0's EquivalenceReport (None elsewhere)."""
-    from dataclasses import replace
-    from .data import batch_for_step
-    from .testing import compare_runs, one_device_config, RunRecord, single_device_run, train_layout
-    from .train import build_datasets
-
     model64 = replace(model_cfg, params_dtype="float64")      # the layout checked; a 16-bit run's rounding left out
     check = replace(cfg, train_iters=steps, lr_warmup_iters=0, eval_interval=0, save_dir=None, load_dir=None,
                     progress=False, bf16=False, fp16=False, loss_scale=None, grad_reduce_in_bf16=False,
                     accumulate_allreduce_grads_in_fp32=False, fp8_format=None)
-    dp = world // (cfg.tensor_model_parallel_size * cfg.context_parallel_size * cfg.pipeline_model_parallel_size)
-    train_ds, _ = build_datasets(model64, check)
+    dp = _sizes(cfg, world)["dp"]
+    train_ds, _ = train.build_datasets(model64, check)
     per_step = cfg.micro_batch_size * cfg.grad_accum_steps * dp                 # the global batch
     batches = [batch_for_step(train_ds, step, per_step, 0, 1) for step in range(steps)]
     out, _, layout, _ = train_layout(model64, check, dp, batches)
     if layout.rank != 0:
         return None
-    one = one_device_config(check)
-    reference = single_device_run(model64, batches, one, grad_accum_steps=cfg.grad_accum_steps * dp)
+    reference = single_device_run(model64, batches, check, grad_accum_steps=cfg.grad_accum_steps * dp)
     return compare_runs(reference, RunRecord(out["losses"], out["grads"], out["params"]), torch.float64)
 
 
@@ -381,7 +383,6 @@ def expectation_lines(model_cfg: ModelConfig, cfg: TrainConfig) -> list[str]:
 
 
 def _before(model_cfg: ModelConfig, cfg: TrainConfig, world: int) -> None:
-    import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         print("\n".join(layout_lines(model_cfg, cfg, world) + rank_grid_lines(cfg, world) +
                         expectation_lines(model_cfg, cfg)), flush=True)
@@ -390,34 +391,25 @@ def _before(model_cfg: ModelConfig, cfg: TrainConfig, world: int) -> None:
 def one_device_saved_bytes(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
     """What one process saves for backward in one forward of the whole model on the run's first
     micro-batch (micro_batch_size whole sequences), dropout as in training (model.train())."""
-    from .analysis import measure_saved_activation_bytes
-    from .data import batch_for_step
-    from .model import GPTModel
-    from .train import build_datasets
-
-    batch = batch_for_step(build_datasets(model_cfg, cfg)[0], 0, cfg.micro_batch_size, 0, 1)
+    batch = batch_for_step(train.build_datasets(model_cfg, cfg)[0], 0, cfg.micro_batch_size, 0, 1)
     return measure_saved_activation_bytes(GPTModel(model_cfg), batch["tokens"], batch["labels"])
 
 
 def _summary(cfg: TrainConfig, result, world: int) -> dict:
     """What this rank sends to rank 0 for the report."""
-    from .parallel_state import get_group_ranks, get_layout
-
     groups = {k: get_group_ranks(k) for k in KEYS_OF_THIS_RANK} if world > 1 else {}
-    record = result.pipeline_records[-1] if result.pipeline_records else None
+    record = (result.pipeline_records or [StepRecord()])[-1]       # empty when no step ran (nothing left to train)
     return {"pp_rank": get_layout().pp_rank if world > 1 else 0, "ep_group": groups.get("ep", []),
             "pp_group": groups.get("pp", []), "params": result.local_parameters, "held": result.held_bytes,
             "records": records_by_dimension(result.last_step_communication, groups),
             # the last step's forwards and backwards on the machine's clock (perf_counter is one
             # clock for every process of a machine: pp.timeline.StepRecord)
-            "compute": [(i.start + record.t0, i.end + record.t0) for i in record.intervals if i.op in ("F", "B")]
-            if record else [],
+            "compute": [(i.start + record.t0, i.end + record.t0) for i in record.intervals if i.op in ("F", "B")],
             # what each micro-batch's forward saved for its backward (all of its chunks), and the
             # most held at once
             "saved": [sum(n for (m, _), n in record.saved_bytes.items() if m == mb)
-                      for mb in sorted({m for m, _ in record.saved_bytes})] if record else [],
-            "peak_in_flight": record.peak_in_flight if record else 0,
-            "peak_bytes": record.peak_bytes if record else 0}
+                      for mb in sorted({m for m, _ in record.saved_bytes})],
+            "peak_in_flight": record.peak_in_flight, "peak_bytes": record.peak_bytes}
 
 
 def measured_idle(gathered: list[dict]) -> dict[int, float]:
@@ -437,11 +429,6 @@ def _after(model_cfg: ModelConfig, cfg: TrainConfig, result, check_steps: int) -
     """On every rank: each rank's summary gathered to rank 0, which prints the report and
     draws summary.png; then the check against one device. Returns the exit status, the same
     on every rank: 1 for MISMATCH or a formula that does not hold."""
-    import torch.distributed as dist
-    from pathlib import Path
-    from .comm import all_reduce
-    from .viz import plot_run_summary
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
     mine = _summary(cfg, result, world)
@@ -481,13 +468,9 @@ def _after(model_cfg: ModelConfig, cfg: TrainConfig, result, check_steps: int) -
 def main(argv=None) -> int:
     """`python -m minimegatron.run_report [--check-steps K] <minimegatron.train's flags>`:
     minimegatron.train with the report before and after (make demo)."""
-    import argparse
-    import sys
-    from . import train
-
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--check-steps", type=int, default=2)
-    own, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    own, rest = parser.parse_known_args(argv)                       # None: sys.argv[1:]
     if own.check_steps < 0:
         print(f"error: --check-steps {own.check_steps} must be >= 0 (0: no check against one device)")
         return 2

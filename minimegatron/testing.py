@@ -26,13 +26,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from . import comm
+from .analysis import measure_saved_activation_bytes
 from .config import ModelConfig, TrainConfig
-from .model import GPTModel
+from .cp import get_batch_on_this_cp_rank
+from .data.gpt_dataset import global_sample_indices
+from .dp import unwrap
+from .optim import learning_rate
+from .parallel_state import Layout
+from .parallelize import build_model, build_optimizer, full_model_tensors
+from .pp import PipelineComm
+from .resume import initialize_layout
+from .tp import model_parallel_manual_seed
+from .train import before_optimizer_step, train_step
 
 
 @dataclass(frozen=True)
@@ -233,15 +245,13 @@ def global_batches(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int = 1,
     """make_batches for a data-parallel run: one global batch per step (train_iters of them) of
     micro_batch_size * grad_accum_steps * dp sequences: what the single device sees."""
     t = train_cfg
-    return make_batches(model_cfg, t.train_iters, t.micro_batch_size * t.grad_accum_steps * dp, t.seq_length,
-                        seed=seed)
+    return make_batches(model_cfg, t.train_iters, t.micro_batch_size * t.grad_accum_steps * dp, t.seq_length, seed=seed)
 
 
 def local_microbatch(batch: dict[str, torch.Tensor], train_cfg: TrainConfig, m: int, dp_rank: int,
                      dp: int) -> dict[str, torch.Tensor]:
     """Data-parallel rank dp_rank's micro-batch m of a global batch: the rows the training
     loop's data order gives it (data.gpt_dataset.global_sample_indices, Megatron's order)."""
-    from .data.gpt_dataset import global_sample_indices
     rows = global_sample_indices(0, train_cfg.micro_batch_size, m, train_cfg.grad_accum_steps, dp_rank, dp)
     return {k: v[rows] for k, v in batch.items()}
 
@@ -258,15 +268,6 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
     "ep_rank", "etp_rank", "expert_dp_rank", "losses" (global means), "grads" (first step) and
     "params" (final) under single-device names, "ledger" (the first step's (op, tag, bytes) for
     `tags`), "records" (its CommRecords, without this function's gathers), "microbatches"."""
-    from . import comm
-    from .cp import get_batch_on_this_cp_rank
-    from .optim import learning_rate
-    from .parallelize import build_model, build_optimizer, full_model_tensors
-    from .pp import PipelineComm
-    from .resume import initialize_layout
-    from .train import before_optimizer_step, train_step
-    import torch.distributed as dist
-
     split_batch = split_batch or get_batch_on_this_cp_rank
     world = dist.get_world_size() if dist.is_initialized() else 1
     t = train_cfg
@@ -286,9 +287,8 @@ def train_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, dp: int, batche
            "expert_dp_rank": comm.group_rank(layout.expert_dp_group) if layout.expert_dp_group is not None else 0,
            "losses": [], "grads": {}}
     for step, batch in enumerate(batches):
-        microbatches = [split_batch(local_microbatch(batch, t, m, layout.data_parallel_rank, dp),
-                                    layout.cp, layout.cp_rank, load_balance)
-                        for m in range(t.grad_accum_steps)]
+        microbatches = [split_batch(local_microbatch(batch, t, m, layout.data_parallel_rank, dp), layout.cp,
+                                    layout.cp_rank, load_balance) for m in range(t.grad_accum_steps)]
 
         def keep_grads():          # the loss's gradients: a loss scaler's factor divided out (exact: a power of 2)
             if not out["grads"]:
@@ -311,10 +311,6 @@ def saved_activation_bytes_per_rank(cases: list[tuple]) -> list[int]:
     """Spawn target: for each (model_cfg, train_cfg, b, s), build this rank's model over the whole
     world, run one train-mode forward with random labels, and return the bytes it saved for backward
     (analysis.measure_saved_activation_bytes). Collective: every rank passes the same cases."""
-    from .analysis import measure_saved_activation_bytes
-    from .parallelize import build_model
-    from .resume import initialize_layout
-    from .tp import model_parallel_manual_seed
     out = []
     for model_cfg, train_cfg, b, s in cases:
         layout = initialize_layout(train_cfg)
@@ -340,7 +336,6 @@ def one_device_config(cfg: TrainConfig) -> TrainConfig:
     """`cfg` for one process: every parallel size 1 (tp, cp, pp, ep, etp), no sequence
     parallelism, no interleaving (1F1B), no ZeRO; everything else (precision, optimizer,
     batch) as it was. A parallel run's single-device reference trains with it."""
-    from dataclasses import replace
     return replace(cfg, tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
                    sequence_parallel=False, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
                    num_virtual_stages_per_pipeline_rank=1, pipeline_schedule="1f1b", zero_stage=0)
@@ -349,31 +344,20 @@ def one_device_config(cfg: TrainConfig) -> TrainConfig:
 def single_device_run(model_cfg: ModelConfig, batches: list[dict[str, torch.Tensor]],
                       train_cfg: TrainConfig | None = None, grad_accum_steps: int = 1) -> RunRecord:
     """The reference: train the single-device model one step per global batch with the loop's own
-    train.train_step on Layout() (every size 1), AdamW and the schedule of `train_cfg` (default:
-    TrainConfig(train_iters=len(batches)), no clipping). Mixed precision or recompute: the model and
-    optimizer the loop builds (float32 main_grad, main parameters, loss scaler); the recorded
-    gradients are the main ones."""
-    from .dp import unwrap
-    from .optim import Optimizer, learning_rate
-    from .parallel_state import Layout
-    from .train import before_optimizer_step, train_step
-
-    cfg = train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0)
-    if (cfg.bf16 or cfg.fp16 or cfg.fp8_format is not None or cfg.recompute_granularity is not None
-            or cfg.kernels != "torch"):
-        from .parallelize import build_model, build_optimizer, full_model_tensors
-        alone = Layout.alone()                    # also inside a distributed run (run_report's check)
-        model = build_model(model_cfg, cfg, alone)[0]
-        optimizer = build_optimizer([model], cfg, alone)
-        grads = lambda: full_model_tensors([model], alone, grads=True)               # noqa: E731
-    else:
-        model = GPTModel(model_cfg)
-        optimizer = Optimizer([model], cfg)
-        grads = lambda: {n: p.grad.detach().clone() for n, p in model.named_parameters()}   # noqa: E731
+    build_model, build_optimizer and train.train_step on one process (one_device_config), AdamW and
+    the schedule of `train_cfg` (default: TrainConfig(train_iters=len(batches)), no clipping). Mixed
+    precision: float32 main_grad, main parameters, loss scaler; the recorded gradients are the
+    main ones, a loss scaler's power of 2 divided out."""
+    cfg = one_device_config(train_cfg or TrainConfig(train_iters=len(batches), lr_warmup_iters=0, clip_grad=0.0))
+    alone = Layout.alone()                    # also inside a distributed run (run_report's check)
+    model = build_model(model_cfg, cfg, alone)[0]
+    optimizer = build_optimizer([model], cfg, alone)
     losses, first_grads = [], {}
-    def keep_first_grads():        # the loss's gradients (a loss scaler's power of 2 divided out)
+
+    def keep_first_grads():
         if not first_grads:
-            first_grads.update({n: g / optimizer.loss_scale for n, g in grads().items()})
+            grads = full_model_tensors([model], alone, grads=True)
+            first_grads.update({n: g / optimizer.loss_scale for n, g in grads.items()})
 
     for step, batch in enumerate(batches):
         with before_optimizer_step(optimizer, keep_first_grads):

@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 from .analysis.memory import held_state_bytes, local_parameter_counts
 from .arguments import parse_command_line
@@ -104,9 +105,8 @@ def train_step(chunks: list[nn.Module], optimizer: Optimizer, microbatches: list
     if layout.pp > 1:
         loss, record = forward_backward_pipelining(chunks, microbatches, p2p, schedule, layout.pp_group, scale)
     else:
-        record = None
-        if records is not None:
-            record = StepRecord(layout.rank, params={p.untyped_storage().data_ptr() for p in chunks[0].parameters()})
+        record = None if records is None else StepRecord(
+            layout.rank, params={p.untyped_storage().data_ptr() for p in chunks[0].parameters()})
         loss = forward_backward_no_pipelining(chunks[0], microbatches, scale, record)
     if records is not None:
         records.append(record)
@@ -197,12 +197,10 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
                           f"model vocab_size={model_cfg.vocab_size}")
     prefix = cfg.data_path or build_default_corpus()
     indexed = IndexedDataset(prefix, vocab_size=model_cfg.vocab_size)   # every id has an embedding row
-    train_docs, valid_docs = train_valid_split(indexed, valid_fraction=0.1)
     masks = dict(eod=tokenizer.eod, reset_position_ids=cfg.reset_position_ids,
                  reset_attention_mask=cfg.reset_attention_mask, eod_mask_loss=cfg.eod_mask_loss)
-    train = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=train_docs, **masks)
-    valid = GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=valid_docs, **masks)
-    return train, valid
+    return tuple(GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=docs, **masks)     # train, valid
+                 for docs in train_valid_split(indexed, valid_fraction=0.1))
 
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
@@ -216,21 +214,17 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
     Every rank together raises NonFiniteError (nonfinite.py) or, when a collective times out,
     watchdog.CollectiveTimeoutError naming the ranks that did not arrive."""
     validate_layout(model_cfg, cfg, dist.get_world_size() if dist.is_initialized() else 1)
+    return _train(model_cfg, cfg)
+
+
+def _train(model_cfg: ModelConfig, cfg: TrainConfig) -> TrainResult:
+    """train's body, once validate_layout has passed (main runs it before any process group):
+    the layout's groups, the save directory's lock and the checkpoint to resume (each rank
+    apart, then all agree), then the run."""
     layout = initialize_layout(cfg)
-    try:
-        return _train(model_cfg, cfg, layout)
-    except RuntimeError as exc:
-        if layout.world > 1 and is_collective_timeout(exc) and not isinstance(exc, CollectiveTimeoutError):
-            raise CollectiveTimeoutError(missing_ranks_report(exc)) from exc
-        raise
-
-
-def _train(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout) -> TrainResult:
-    """train's body, once the layout's groups exist: the save directory's lock and the checkpoint
-    to resume (each rank apart, then all agree), then the run."""
-    train_ds, valid_ds = build_datasets(model_cfg, cfg)
     lock = checkpoint = None
     try:
+        train_ds, valid_ds = build_datasets(model_cfg, cfg)
         error = None
         try:
             if cfg.save_dir and layout.rank == 0:
@@ -248,6 +242,10 @@ def _train(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout) -> TrainRes
         if layout.rank == 0 and checkpoint is not None:
             print(checkpoint.line)
         return _run(model_cfg, cfg, layout, train_ds, valid_ds, checkpoint)
+    except RuntimeError as exc:
+        if layout.world > 1 and is_collective_timeout(exc) and not isinstance(exc, CollectiveTimeoutError):
+            raise CollectiveTimeoutError(missing_ranks_report(exc)) from exc
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -277,7 +275,8 @@ def _run(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, train_ds: GPT
         print(f"resumed at iteration {start}, and --train-iters is {cfg.train_iters}: nothing left to train"
               + (f", nothing saved to {cfg.save_dir}" if cfg.save_dir else "")
               + f" (a --train-iters above {start} continues the run)")
-    progress = _progress_bar(start, cfg) if layout.rank == 0 else None
+    progress = tqdm(total=cfg.train_iters, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                    disable=not cfg.progress or layout.rank != 0)          # the bar: rank 0's, unless --no-progress
     skipped_in_a_row = 0                         # skipped steps at a loss scale that cannot go lower
     started = time.perf_counter()
     with StepProfiler(cfg, layout.rank, cfg.out_dir) as profiler:          # --profile (chapter 07)
@@ -306,13 +305,12 @@ def _run(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, train_ds: GPT
             if cfg.eval_interval and (done % cfg.eval_interval == 0 or done == cfg.train_iters) and cfg.eval_iters:
                 set_doing(f"evaluating after iteration {done}")
                 result.eval_losses.append((done, evaluate(chunks, valid_ds, cfg, layout, p2p, device)))
-            if progress is not None:
-                tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * layout.data_parallel_size
-                progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
-                                     gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}",
-                                     **({"skipped": result.skipped_steps} if result.skipped_steps else {}),
-                                     tokens_per_s=f"{tokens * (done - start) / (time.perf_counter() - started):,.0f}")
-                progress.update(1)
+            tokens = cfg.seq_length * cfg.micro_batch_size * cfg.grad_accum_steps * layout.data_parallel_size
+            progress.set_postfix(loss=f"{result.losses[-1]:.3f}", lr=f"{lr:.1e}",
+                                 gnorm="skipped" if grad_norm is None else f"{grad_norm:.2f}",
+                                 **({"skipped": result.skipped_steps} if result.skipped_steps else {}),
+                                 tokens_per_s=f"{tokens * (done - start) / (time.perf_counter() - started):,.0f}")
+            progress.update(1)
             exiting = bool(cfg.exit_interval) and done % cfg.exit_interval == 0 and done < cfg.train_iters
             if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0) or done == cfg.train_iters
                                  or exiting):
@@ -329,18 +327,10 @@ def _run(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, train_ds: GPT
         print(f"--profile: steps {cfg.profile_step_start}..{cfg.profile_step_end - 1}, a Chrome trace per rank in "
               f"{profiler.trace.parent}; rank 0's operators by their own time:\n{profiler.table}")
     result.held_bytes = held_state_bytes(chunks, optimizer)
-    if progress is not None:
-        progress.close()
+    progress.close()
     if layout.rank == 0:
         write_history(result, cfg)
     return result
-
-
-def _progress_bar(start: int, cfg: TrainConfig):
-    if not cfg.progress:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=cfg.train_iters, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
 def write_history(result: TrainResult, cfg: TrainConfig) -> None:
@@ -376,7 +366,7 @@ def main(argv: Iterable[str] | None = None, *, before=None, after=None) -> int:
                   f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} micro-batches x data-parallel size {dp}")
         if before is not None:
             before(model_cfg, cfg, world)
-        result = train(model_cfg, cfg)
+        result = _train(model_cfg, cfg)                        # validated above
         if rank == 0:
             final_eval = f", validation loss {result.eval_losses[-1][1]:.4f}" if result.eval_losses else ""
             skipped = (f" ({result.skipped_steps} step{'s' * (result.skipped_steps > 1)} of this run skipped by "
@@ -384,12 +374,9 @@ def main(argv: Iterable[str] | None = None, *, before=None, after=None) -> int:
             print(f"final train loss {result.losses[-1]:.4f}{final_eval}{skipped}")
             print(f"loss curve: {Path(cfg.out_dir) / 'loss.png'}")
         status = 0 if after is None else after(model_cfg, cfg, result)
-    except (ConfigError, DataError, CheckpointError) as exc:
+    except (ConfigError, DataError, CheckpointError, NonFiniteError) as exc:
         print_once(f"error: {exc}")
-        return finish_torchrun(2)
-    except NonFiniteError as exc:
-        print_once(f"error: {exc}")
-        return finish_torchrun(1)
+        return finish_torchrun(1 if isinstance(exc, NonFiniteError) else 2)
     except CollectiveTimeoutError as exc:
         print_once(f"error: {exc}", key="collective-timeout")     # the first rank to time out speaks
         return finish_torchrun(1, world_broken=True)

@@ -78,8 +78,7 @@ def draw_rank_grid(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep
     for ax, key in zip(axes, keys):
         _rank_panel(ax, layout[key], rows, key)
     etp_text = "" if etp is None else f" etp={etp}"
-    fig.suptitle(f"world={world_size}  tp={tp} cp={cp} pp={pp} ep={ep}{etp_text}  "
-                 f"order={order}", fontsize=10)
+    fig.suptitle(f"world={world_size}  tp={tp} cp={cp} pp={pp} ep={ep}{etp_text}  order={order}", fontsize=10)
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
@@ -95,24 +94,18 @@ def _rank_panel(ax, groups: list[list[int]], rows: list[list[int]], key: str) ->
         for col, r in enumerate(stage):
             # a rank outside every group of this key (a middle stage for "embedding") stays grey
             fill = colour(group_of[r], len(groups)) if r in group_of else (0.9, 0.9, 0.9, 1.0)
-            ax.add_patch(Rectangle((col + 0.05, -row - 0.95), 0.9, 0.9, facecolor=fill,
-                                   edgecolor="black", linewidth=0.8, gid=f"{key}:{r}"))
+            ax.add_patch(Rectangle((col + 0.05, -row - 0.95), 0.9, 0.9, facecolor=fill, edgecolor="black",
+                                   linewidth=0.8, gid=f"{key}:{r}"))
             red, green, blue = fill[:3]
             ink = "black" if 0.3 * red + 0.6 * green + 0.1 * blue > 0.5 else "white"
-            ax.text(col + 0.5, -row - 0.45, str(r), ha="center", va="center",
-                    fontsize=11, fontweight="bold", color=ink)
+            ax.text(col + 0.5, -row - 0.45, str(r), ha="center", va="center", fontsize=11, fontweight="bold", color=ink)
             if r in group_of:
-                ax.text(col + 0.5, -row - 0.82, f"g{group_of[r]}", ha="center",
-                        va="center", fontsize=6.5, color=ink)
+                ax.text(col + 0.5, -row - 0.82, f"g{group_of[r]}", ha="center", va="center", fontsize=6.5, color=ink)
     pp = len(rows)
-    ax.set_xlim(0, len(rows[0]))
-    ax.set_ylim(-pp, 0)
-    ax.set_aspect("equal")
-    ax.set_xticks([])
+    ax.set(xlim=(0, len(rows[0])), ylim=(-pp, 0), aspect="equal", xticks=[])
     ax.set_yticks([-s - 0.5 for s in range(pp)], [f"stage {s}" for s in range(pp)], fontsize=8)
     ax.tick_params(length=0)
-    for spine in ax.spines.values():
-        spine.set_visible(False)
+    ax.spines[:].set_visible(False)
     ax.set_title(f'"{key}": {len(groups)} groups of {len(groups[0])}', fontsize=10)
 
 
@@ -133,8 +126,7 @@ def _loss_panel(ax, losses: list[float], eval_losses: list[tuple[int, float]]):
     if eval_losses:
         steps, values = zip(*eval_losses)
         ax.plot(steps, values, "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
     return ax
@@ -159,8 +151,7 @@ def plot_run_summary(losses: list[float], eval_losses: list[tuple[int, float]], 
     ax.set_xlabel("MiB handed to collectives in one step")
     ax.set_title("communication per dimension", fontsize=10)
     ax.grid(alpha=0.3, axis="x")
-    dp = world_size // (sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1))
-    shown = {"tp": sizes.get("tp", 1), "cp": sizes.get("cp", 1), "dp": dp, "pp": sizes.get("pp", 1),
-             "ep": sizes.get("ep", 1)}
+    tp, cp, pp = (sizes.get(k, 1) for k in ("tp", "cp", "pp"))
+    shown = dict(tp=tp, cp=cp, dp=world_size // (tp * cp * pp), pp=pp, ep=sizes.get("ep", 1))
     return finish_figure(fig, path, title=f"{world_size} ranks: " + " x ".join(
         f"{k} {v}" for k, v in shown.items() if v > 1))
