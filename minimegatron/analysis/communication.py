@@ -66,7 +66,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import torch
 from torch import nn
 
 from ..config import ModelConfig, TrainConfig
@@ -133,8 +132,7 @@ def rank_parameters(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> d
 def gradient_element_size(model_cfg: ModelConfig, cfg: TrainConfig) -> int:
     """Bytes of one gradient element as the reductions move it: cfg.main_grads_dtype's (float32
     beside bf16 parameters: the main_grad buffer) or the parameters' own."""
-    dtype = cfg.main_grads_dtype or model_cfg.dtype
-    return torch.empty((), dtype=dtype).element_size()
+    return (cfg.main_grads_dtype or model_cfg.dtype).itemsize
 
 
 def fp8_amax_reductions(model_cfg: ModelConfig, cfg: TrainConfig, pp_rank: int) -> Counter:

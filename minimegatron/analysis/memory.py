@@ -50,7 +50,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def bytes_per_element(dtype: torch.dtype | str) -> int:
     """Bytes of one element: 2 for bf16/fp16, 4 for fp32, 8 for fp64 (and int64)."""
-    return torch.empty((), dtype=as_dtype(dtype)).element_size()
+    return as_dtype(dtype).itemsize
 
 
 def adam_bytes_per_parameter(param_dtype: torch.dtype | str, master_weights: bool = False,
@@ -179,7 +179,7 @@ def held_state_bytes(chunks: list[nn.Module], optimizer: Optimizer) -> dict[str,
     grads = [t for c in chunks if isinstance(c, DataParallel) for t in c.memory_tensors()["grads"]]
     moments = [t for state in optimizer.state.values() for name, t in state.items() if name in ("exp_avg", "exp_avg_sq")]
     copies = [m for m, seg in zip(optimizer.main_params, optimizer.segments) if m is not seg.param]
-    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)     # noqa: E731
+    size = lambda tensors: sum(t.nbytes for t in tensors)     # noqa: E731
     return {"parameters": size(params), "gradients": storage_bytes(grads) if grads else size(params),
             "main_parameters": size(copies), "optimizer": size(moments)}
 

@@ -99,7 +99,7 @@ def compile_barriers() -> None:
 
 
 def _record(op: str, group, t: torch.Tensor | None, tag: str | None, nbytes=None) -> None:
-    append_record(CommRecord(op, group_ranks(group), t.numel() * t.element_size() if nbytes is None else nbytes,
+    append_record(CommRecord(op, group_ranks(group), t.nbytes if nbytes is None else nbytes,
                              None if t is None else t.dtype, () if t is None else tuple(t.shape), tag))
 
 
@@ -180,8 +180,7 @@ def reduce_scatter_tensor(out, t, group, op="sum", tag=None, async_op=False):
         out.copy_(t.reshape(out.shape))
         return _Done() if async_op else out
     _record("reduce_scatter", group, t, tag)
-    work = _reduce_scatter_single(out, t.contiguous(), op=reduce_op, group=group,
-                                  async_op=async_op)
+    work = _reduce_scatter_single(out, t.contiguous(), op=reduce_op, group=group, async_op=async_op)
     return work if async_op else out
 
 

@@ -51,7 +51,7 @@ def apply_data_parallel(model: nn.Module, cfg: TrainConfig, group, expert_group=
                                 overlap_param_gather=cfg.overlap_param_gather)
     if cfg.ddp_impl == "naive":
         return NaiveDataParallel(model, group)
-    element_size = torch.empty((), dtype=grad_dtype or next(model.parameters()).dtype).element_size()
+    element_size = (grad_dtype or next(model.parameters()).dtype).itemsize
     bucket_bytes = None if cfg.ddp_bucket_size is None else cfg.ddp_bucket_size * element_size
     return DistributedDataParallel(model, group, bucket_size_bytes=bucket_bytes, expert_group=expert_group,
                                    grad_dtype=grad_dtype)

@@ -125,13 +125,12 @@ class DistributedDataParallel(DataParallel):
             raise ValueError(f"{type(self).__name__} needs one parameter dtype, found {dtypes} "
                              "(Megatron keeps one buffer per dtype; this book uses one)")
         self.grad_dtype = grad_dtype or params[0].dtype
-        element_size = torch.empty((), dtype=self.grad_dtype).element_size()
         if bucket_size_bytes is None:
             bucket_numel = megatron_default_bucket_size(self.dp_size)
         elif bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes={bucket_size_bytes} must be positive (or None)")
         else:   # ">= bucket_size_bytes bytes" is ">= ceil(bytes / element_size) elements"
-            bucket_numel = math.ceil(bucket_size_bytes / element_size)
+            bucket_numel = math.ceil(bucket_size_bytes / self.grad_dtype.itemsize)
 
         # Experts (chapter 05) are marked `allreduce = False` (Megatron's attribute): their
         # gradients are summed over expert_group (the expert-data-parallel ranks holding the same

@@ -85,8 +85,7 @@ class TimelineRecorder:
 
     def launched(self, bucket: int, work, data: torch.Tensor) -> None:
         """A bucket's asynchronous collective `work` of `data` was just handed to the backend."""
-        event = self._events[bucket] = BucketEvent(bucket, data.numel(), data.numel() * data.element_size(),
-                                                   time.perf_counter())
+        event = self._events[bucket] = BucketEvent(bucket, data.numel(), data.nbytes, time.perf_counter())
         if hasattr(work, "get_future"):
             def completed(future):                     # runs in gloo's thread when it is done
                 event.completed = time.perf_counter()

@@ -149,8 +149,7 @@ class ZeroDataParallel(DistributedDataParallel):
             self._reduce_bucket(bucket)
 
     def _full_grad_bytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for b in self.buckets
-                   for p in b.params if p.grad is not None)
+        return sum(p.grad.nbytes for b in self.buckets for p in b.params if p.grad is not None)
 
     def _reduce_bucket(self, b: Bucket) -> None:
         """Stage 2: pack the bucket's .grad into a temporary flat buffer, free them, and
@@ -161,7 +160,7 @@ class ZeroDataParallel(DistributedDataParallel):
             if p.grad is not None:
                 b.view(flat, i).copy_(p.grad)
                 p.grad = None                              # the full gradient is gone
-        self.grad_bytes_peak = max(self.grad_bytes_peak, self._full_grad_bytes() + flat.numel() * flat.element_size())
+        self.grad_bytes_peak = max(self.grad_bytes_peak, self._full_grad_bytes() + flat.nbytes)
         mine = flat[b.start:b.end]
         work = reduce_scatter_tensor(mine, flat, self.group, op="avg", tag="grads", async_op=self.overlap)
         if self.overlap:
@@ -299,7 +298,7 @@ def measure_memory(wrapper: nn.Module, optimizer) -> dict:
     out = {"params": storage_bytes(held["params"]), "grads": storage_bytes(held["grads"]),
            "exp_avg": storage_bytes(s["exp_avg"] for s in state),
            "exp_avg_sq": storage_bytes(s["exp_avg_sq"] for s in state),
-           "step_counters": sum(s["step"].numel() * s["step"].element_size() for s in state)}
+           "step_counters": sum(s["step"].nbytes for s in state)}
     out["optimizer"] = out["exp_avg"] + out["exp_avg_sq"]
     return out
 
