@@ -54,8 +54,8 @@ from minimegatron import comm, parallel_state
 from minimegatron.analysis import step_communication
 from minimegatron.analysis.communication import context_parallel_step_messages
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
-from booktools.demo import (Run, add_training_flags, check_at_least_one, check_sequence_length, demo_parser, run_demo,
-                           verdict_line)
+from booktools.demo import (Results, Run, add_training_flags, check_at_least_one, check_sequence_length, demo_parser,
+                           run_demo, verdict_line)
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.cp import (CP_COMM_TYPES, ContextParallelAttention, apply_context_parallel, causal_work_per_rank,
                              cp_chunk_ids, get_batch_on_this_cp_rank, positions_on_rank)
@@ -210,6 +210,16 @@ class RunReport:
     def ok(self) -> bool:
         return self.equivalence.ok and not self.problems
 
+    def ledger_totals(self) -> list[dict]:
+        """Per pipeline stage: {"stage", "messages": the ledger's count, "bytes": {op: bytes handed in}}."""
+        totals = []
+        for stage, got, _ in self.ledger:
+            ops = Counter()
+            for (op, _, nbytes), n in got.items():
+                ops[op] += n * nbytes
+            totals.append({"stage": stage, "messages": sum(got.values()), "bytes": dict(sorted(ops.items()))})
+        return totals
+
     def __str__(self) -> str:
         r, t = self.run, self.run.train
         lines = [f"=== {r.name()} ({r.world} ranks), {t.grad_accum_steps} micro-batches of {t.micro_batch_size} x "
@@ -217,12 +227,9 @@ class RunReport:
                  "[1/4] equivalence with the single-device run on the same global batches:"]
         lines += ["      " + x for x in str(self.equivalence).splitlines()]
         lines.append("[2/4] communication of one step (tags fwd, bwd, sp-grads), ledger vs formula:")
-        for stage, got, want in self.ledger:
-            ops = Counter()
-            for (op, _, nbytes), n in got.items():
-                ops[op] += n * nbytes
-            summary = ", ".join(f"{op} {nbytes:,} B" for op, nbytes in sorted(ops.items())) or "nothing"
-            lines.append(f"      stage {stage}: {sum(got.values())} messages, {summary}: "
+        for (stage, got, want), total in zip(self.ledger, self.ledger_totals()):
+            summary = ", ".join(f"{op} {nbytes:,} B" for op, nbytes in total["bytes"].items()) or "nothing"
+            lines.append(f"      stage {stage}: {total['messages']} messages, {summary}: "
                          + ("OK, equal to the formula" if got == want else "DIFFERENT from the formula"))
         if self.wire:
             w = self.wire
@@ -520,13 +527,29 @@ def check_cp_comm_flags(args: argparse.Namespace, model: ModelConfig) -> tuple[i
     return (a2a, ring) if given else None
 
 
-def report(args, run: SeqRun, per_rank: list[dict]) -> str:
+@dataclass
+class SeqResults(Results):
+    """What report printed: the largest differences from the single-device run, each stage's
+    ledger totals (RunReport.ledger_totals), the activation bytes ([3/4]: "parallel", "single",
+    "without_sp", "korthikanti_one/tp/sp" as RunReport.memory) and SP's bytes on the wire
+    (sp_against_tp, None without SP)."""
+    dloss: float = 0.0
+    dgrad: float = 0.0
+    dparam: float = 0.0
+    ledger: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    wire: dict | None = None
+
+
+def report(args, run: SeqRun, per_rank: list[dict]) -> SeqResults:
     result = check_run(run, per_rank)
     print(result)
-    return summary_line([result])
+    e = result.equivalence
+    return SeqResults(verdict=summary_line([result]), dloss=e.max_loss_diff, dgrad=e.max_grad_diff,
+                      dparam=e.max_param_diff, ledger=result.ledger_totals(), memory=result.memory, wire=result.wire)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> SeqResults:
     return run_demo(parse_args(argv), "04", build_run, train_run, report,
                     model_parallel=lambda args: {"tp": args.tp, "cp": args.cp, "pp": args.pp})
 

@@ -43,12 +43,13 @@ import re
 import shlex
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import RoundOff, claim, grab, parse_number
+from booktools.measured import RoundOff, claim, parse_number
 from minimegatron import comm
 from minimegatron.analysis.activations import korthikanti_activation_memory, measure_saved_activation_bytes
 from minimegatron.analysis.communication import context_parallel_messages
@@ -212,7 +213,7 @@ def ratio_korthikanti(cfg, b: int, s: int, t: int, sp: bool) -> float:
             / korthikanti_activation_memory(cfg, b, s)["per_layer"])
 
 
-def tp_memory_section(me) -> dict:
+def tp_memory_section(me, found: dict) -> dict:
     cfg, b, s = ch04.tiny_model("gpt2", "float64"), 2, 64
     tokens, labels = random_batch(cfg, b, s)
     single = measure_saved_activation_bytes(GPTModel(cfg), tokens, labels)
@@ -221,6 +222,7 @@ def tp_memory_section(me) -> dict:
           f"single device {single:,} bytes")
     panel = {"tp": [1], "measured_tp": [1.0], "measured_sp": [1.0], "korthikanti_tp": [1.0], "korthikanti_sp": [1.0],
              "label": f"TP and TP + SP (GPT-2 style tiny model, s = {s})"}
+    found["single"] = single
     for tp in (2, 4):
         run = ch04.make_run(cfg, tp=tp, sp=True, seq=s, micro_batch_size=b, micro_batches=1)
         per_rank = spawn(me.saved_bytes_on_rank, tp, cfg, run.train, tokens, labels, timeout=300)
@@ -235,6 +237,7 @@ def tp_memory_section(me) -> dict:
             fail(f"tp={tp}: expected TP+SP < TP < one device, got {sp_bytes}, {tp_bytes}, {single}")
         if abs(sp_bytes / single - 1 / tp) > 0.02:
             fail(f"tp={tp}: TP+SP saves {sp_bytes / single:.4f} of one device, not 1/tp = {1 / tp:.4f} (margin 0.02)")
+        found |= {f"tp{tp}": tp_bytes, f"tp{tp}_sp": sp_bytes}
         for key, value in (("tp", tp), ("measured_tp", tp_bytes / single), ("measured_sp", sp_bytes / single),
                            ("korthikanti_tp", k_tp), ("korthikanti_sp", k_sp)):
             panel[key].append(value)
@@ -262,7 +265,7 @@ def cp_memory_section(me) -> dict:
     return panel
 
 
-def naive_vs_sdpa_section(me) -> None:
+def naive_vs_sdpa_section(me) -> dict:
     s, b = 1024, 1
     print(f"\n== the attention core's saved bytes, naive against sdpa (flash), s = {s}, float32, b = 1")
     results = {}
@@ -284,6 +287,7 @@ def naive_vs_sdpa_section(me) -> None:
         fail(f"the naive core should save more than one [b, a, s, s] fp32 tensor per layer over sdpa: {n1} vs {f1}")
     if n2 != f2:
         fail(f"under cp = 2 naive ({n2}) and sdpa ({f2}) should save the same bytes")
+    return {"naive_one": n1, "sdpa_one": f1, "naive_cp2": n2, "sdpa_cp2": f2}
 
 
 # ---------------------------------------------------------------------------------------
@@ -446,25 +450,13 @@ RUNS = {
 }
 
 
-_EQUIVALENCE = re.compile(r"^\s+(loss|gradients|parameters)\s+max \|diff\| = ([\d.e+-]+)")
-_LEDGER = re.compile(r"^\s+stage (\d+): (\d+) messages, (.*): ")
-_OP_BYTES = re.compile(r"(\w+) ([\d,]+) B")
+_SECONDS = re.compile(r"trained in ([\d.]+) s")
 
 
-def equivalence(out: list[str]) -> dict[str, float]:
-    """Line [1/4] of a demo's printout: {"dloss", "dgrad", "dparam"}, the largest differences
-    from the single-device run (round-off: machine dependent)."""
-    names = {"loss": "dloss", "gradients": "dgrad", "parameters": "dparam"}
-    found = {names[m[1]]: RoundOff(parse_number(m[2])) for line in out if (m := _EQUIVALENCE.match(line))}
-    if len(found) != 3:
-        raise ValueError(f"the printout has no complete [1/4] block: {found}")
-    return found
-
-
-def ledger_totals(out: list[str], stage: int = 0) -> dict[str, int]:
-    """Line [2/4] of one pipeline stage: {"messages": n, op: bytes handed in, ...}."""
-    m = next(m for line in out if (m := _LEDGER.match(line)) and int(m[1]) == stage)
-    return {"messages": int(m[2]), **{op: int(parse_number(b)) for op, b in _OP_BYTES.findall(m[3])}}
+def seconds(out: list[str]) -> float:
+    """The demo's seconds of training (machine-dependent): printed by booktools.demo's run_demo,
+    which does not hand them to the report, so they are read off the printout's first line."""
+    return parse_number(next(m for line in out if (m := _SECONDS.search(line)))[1])
 
 
 def sent_per_rank(totals: dict[str, int], cp: int, all_to_all_size: int) -> float:
@@ -481,50 +473,49 @@ def demo_run(command: str):
     return ch04.build_run(args, args.dp or 1)
 
 
-def measure_demo_runs(outputs: dict[str, list[str]]) -> dict[str, float]:
-    """Every demo run's quoted lines, as "<run>.<name>": the differences from one device
-    ([1/4]), the ledger of stage 0 ([2/4]: messages, bytes handed in per op, communication
-    steps, bytes sent per rank; SP: the bytes on the wire against TP's), the activations
-    ([3/4]) and the seconds of training (machine-dependent)."""
+def measure_demo_runs(outputs: dict[str, list[str]], results: dict[str, dict]) -> dict[str, float]:
+    """Every demo run's quoted values (the demo's SeqResults), as "<run>.<name>": the
+    differences from one device ([1/4], round-off), the ledger of stage 0 ([2/4]: messages,
+    bytes handed in per op, communication steps, bytes sent per rank; SP: the bytes on the
+    wire against TP's), the activations ([3/4]) and the seconds of training (machine-dependent)."""
     v = {}
     for run_id, command in RUNS.items():
         if run_id == "figures":
             continue
-        out, run = outputs[run_id], demo_run(command)
+        r, run = results[run_id], demo_run(command)
         want = ch04.expected_ledger(run)
-        totals = ledger_totals(out)
+        stage0 = r["ledger"][0]
+        totals = {"messages": stage0["messages"], **stage0["bytes"]}
         claim(sum(want.values()) == totals["messages"], f"{command} holds the formula's messages")
-        v |= {f"{run_id}.{k}": x for k, x in equivalence(out).items()}
+        v |= {f"{run_id}.{k}": RoundOff(r[k]) for k in ("dloss", "dgrad", "dparam")}
         v |= {f"{run_id}.{op}": x for op, x in totals.items()}
-        v[f"{run_id}.seconds"] = grab(out, r"trained in ([\d.]+) s")
+        v[f"{run_id}.seconds"] = seconds(outputs[run_id])
         if run.cp > 1 and run.tp == 1 and run.pp == 1:         # §6.4's table: the CP messages alone
             v[f"{run_id}.steps"] = sum(n for (op, _, _), n in want.items() if op != "recv")   # a ring hop: 2
             hierarchical = hierarchical_sizes(run.cp, run.comm_type)[0] if run.comm_type == "a2a+p2p" else run.cp
             v[f"{run_id}.sent"] = sent_per_rank(totals, run.cp, hierarchical)
         if run.sp:
-            v |= {f"{run_id}.wire_sp": grab(out, r"on the wire .*: SP ([\d,]+) B"),
-                  f"{run_id}.wire_tp": grab(out, r"TP's all-reduces ([\d,]+) B"),
-                  f"{run_id}.wire_regather": grab(out, r"re-gathers of the saved shards: ([\d,]+) B")}
+            wire = r["wire"]
+            v |= {f"{run_id}.wire_sp": wire["sp"], f"{run_id}.wire_tp": wire["tp"],
+                  f"{run_id}.wire_regather": wire["regather"]}
             if run.model.position_embedding_type == "learned_absolute":
-                v[f"{run_id}.wire_embedding"] = grab(out, r"the embedding's backward all-gather ([\d,]+) B")
-        v |= {f"{run_id}.mem_rank": grab(out, r"this rank ([\d,]+) bytes;"),
-              f"{run_id}.mem_single": grab(out, r"the same on one device ([\d,]+) bytes")}
+                v[f"{run_id}.wire_embedding"] = wire["embedding"]
+        memory = r["memory"]
+        v |= {f"{run_id}.mem_rank": memory["parallel"], f"{run_id}.mem_single": memory["single"]}
         v[f"{run_id}.mem_ratio"] = v[f"{run_id}.mem_single"] / v[f"{run_id}.mem_rank"]
         if run.tp > 1:
-            v[f"{run_id}.mem_without_sp"] = grab(out, r"without sequence parallelism ([\d,]+) bytes")
+            v[f"{run_id}.mem_without_sp"] = memory["without_sp"]
             v[f"{run_id}.sp_saves_pct"] = 100 * (1 - v[f"{run_id}.mem_rank"] / v[f"{run_id}.mem_without_sp"])
         if run.tp > 1 and run.cp == 1:                          # the paper's count, per layer (no CP in it)
-            tp_bytes = grab(out, r"^\s+TP ([\d,]+) \(ratio")
-            sp_bytes = grab(out, r"TP \+ SP ([\d,]+) \(ratio")
-            v[f"{run_id}.korthikanti_saves_pct"] = 100 * (1 - sp_bytes / tp_bytes)
+            v[f"{run_id}.korthikanti_saves_pct"] = 100 * (1 - memory["korthikanti_sp"] / memory["korthikanti_tp"])
     return v
 
 
 def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number of the README and the notebook's markdown that the code computes or the
     runs measure, by marker key."""
-    figures = outputs["figures"]
-    v = measure_demo_runs(outputs) | measure_questions()
+    figures = results["figures"]
+    v = measure_demo_runs(outputs, results) | measure_questions()
 
     # §1, §12 Q4 (and the notebook's section 1): Korthikanti's count at GPT-3's shapes, t = 8
     gpt3 = ModelConfig.gpt2(hidden_size=12288, num_attention_heads=96, num_layers=96, ffn_hidden_size=4 * 12288,
@@ -547,11 +538,10 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     claim(abs(v["tp2-sp.wire_regather"] / v["tp2-sp.wire_sp"] - 0.25) < 0.01, "the re-gathers add a quarter")
 
     # §2.7: make_figures' TP and TP + SP activations, and Korthikanti's fractions for its shapes
-    v["tp_memory.single"] = grab(figures, r"GPT-2 style tiny model.*single device ([\d,]+) bytes")
+    v["tp_memory.single"] = figures["tp_memory"]["single"]
     cfg = ch04.tiny_model("gpt2", "float64")
     for tp in (2, 4):
-        tp_bytes = grab(figures, rf"^  tp={tp}: TP ([\d,]+) B")
-        sp_bytes = grab(figures, rf"^  tp={tp}: .*TP\+SP ([\d,]+) B")
+        tp_bytes, sp_bytes = figures["tp_memory"][f"tp{tp}"], figures["tp_memory"][f"tp{tp}_sp"]
         v |= {f"tp_memory.tp{tp}": tp_bytes, f"tp_memory.tp{tp}_fraction": tp_bytes / v["tp_memory.single"],
               f"tp_memory.tp{tp}_sp": sp_bytes, f"tp_memory.tp{tp}_sp_fraction": sp_bytes / v["tp_memory.single"],
               f"tp_memory.tp{tp}_sp_saves_pct": 100 * (1 - sp_bytes / tp_bytes),
@@ -560,14 +550,11 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
         claim(abs(v[f"tp_memory.tp{tp}_sp_fraction"] * tp - 1) < 0.01, "with SP a rank holds 1/tp to within 1%")
 
     # §3: make_figures' CP activations at s = 4096, and the naive core against sdpa at s = 1024
-    v["cp_memory.single"] = grab(figures, r"CP at s = \d+ .*single device ([\d,]+) bytes")
+    v["cp_memory.single"] = figures["cp_memory"]["single"]
     for cp in (2, 4):
-        v[f"cp_memory.cp{cp}"] = grab(figures, rf"^  cp={cp}: per rank ([\d,]+) B")
+        v[f"cp_memory.cp{cp}"] = figures["cp_memory"][f"cp{cp}"]
         v[f"cp_memory.cp{cp}_ratio"] = v["cp_memory.single"] / v[f"cp_memory.cp{cp}"]
-    v |= {"core.naive_one": grab(figures, r"one device: naive ([\d,]+) B"),
-          "core.sdpa_one": grab(figures, r"one device: naive [\d,]+ B, sdpa ([\d,]+) B"),
-          "core.naive_cp2": grab(figures, r"cp = 2, per rank: naive ([\d,]+) B"),
-          "core.sdpa_cp2": grab(figures, r"cp = 2, per rank: naive [\d,]+ B, sdpa ([\d,]+) B")}
+    v |= {f"core.{k}": x for k, x in figures["core"].items()}
     llama = ch04.tiny_model("llama", "float32")
     v["core.scores_bytes"] = llama.num_layers * 1 * llama.num_attention_heads * 1024 * 1024 * 4   # L b a s^2 fp32
     v["core.difference"] = v["core.naive_one"] - v["core.sdpa_one"]
@@ -658,22 +645,36 @@ def lockstep_over_ideal(cp: int, load_balance: bool, c: int = 64) -> float:
     return sum(max(step) for step in steps) / (sum(map(sum, steps)) / cp)
 
 
-def main(argv=None) -> int:
+@dataclass
+class Figures:
+    """The bytes main printed for its measured sections (none with --formulas-only): tp_memory
+    {"single", "tp2", "tp2_sp", "tp4", "tp4_sp"}, cp_memory {"single", "cp2", "cp4"} (per rank),
+    core {"naive_one", "sdpa_one", "naive_cp2", "sdpa_cp2"}."""
+    exit_code: int = 0
+    tp_memory: dict = field(default_factory=dict)
+    cp_memory: dict = field(default_factory=dict)
+    core: dict = field(default_factory=dict)
+
+
+def main(argv=None) -> Figures:
     argv = sys.argv[1:] if argv is None else argv
     torch.set_num_threads(1)
     OUT.mkdir(exist_ok=True)
     draw_sequence_parallel_regions(OUT / "sp_regions.png")
     load_balance_section()
     comm_types_section()
+    found = Figures()
     if "--formulas-only" not in argv:
         me = importlib.import_module("chapters.04_sp_cp.make_figures")   # spawned functions by their name
-        tp_panel = tp_memory_section(me)
+        tp_panel = tp_memory_section(me, found.tp_memory)
         cp_panel = cp_memory_section(me)
+        found.cp_memory = {"single": cp_panel["single"],
+                           **{f"cp{cp}": saved for cp, saved in zip(cp_panel["cp"][1:], cp_panel["measured"][1:])}}
         plot_sp_cp_activations(tp_panel, cp_panel, OUT / "activations.png")
-        naive_vs_sdpa_section(me)
+        found.core = naive_vs_sdpa_section(me)
     print(f"\nfigures written to {OUT}")
-    return 0
+    return found
 
 
 if __name__ == "__main__":      # the guard matters: spawned ranks import this file again
-    sys.exit(main())
+    sys.exit(main().exit_code)
