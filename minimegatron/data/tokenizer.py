@@ -27,10 +27,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: id b (0..255) is the byte b, id 256 is ``<eod>``."""
 
     vocab_size = 257
-
-    @property
-    def eod(self) -> int:
-        return 256
+    eod = 256
 
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of ``text``: len(result) == len(text.encode("utf-8"))."""
@@ -63,7 +60,7 @@ class BPETokenizer:
         if eod is None:
             raise DataError(f"{self.path or 'tokenizer'}: has no {EOD_TEXT} special token; "
                             "train it with BPETokenizer.train")
-        self._eod = int(eod)
+        self.eod = int(eod)
         # Treat "<eod>" written inside a text as ordinary characters (see module docstring).
         # The setting is not stored in the JSON file, so it is applied on every load.
         self._tok.encode_special_tokens = True
@@ -107,10 +104,6 @@ class BPETokenizer:
         return cls(tok, path)
 
     # -- the shared interface -----------------------------------------------------------------
-
-    @property
-    def eod(self) -> int:
-        return self._eod
 
     @property
     def vocab_size(self) -> int:

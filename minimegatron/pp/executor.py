@@ -8,8 +8,7 @@
             through chunk c; send_backward the input's gradient (unless stage 0)
 
 Gradients accumulate over the micro-batches; a data-parallel wrapper syncs with the chunk's
-LAST backward (the others under no_sync). The tied embedding's copies are made to agree
-afterwards by model.finalize_model_grads. timeline.StepRecord measures each op's interval and
+LAST backward (the others under no_sync). timeline.StepRecord measures each op's interval and
 the activation bytes each forward saves.
 Megatron-LM: megatron/core/pipeline_parallel/schedules.py."""
 
@@ -28,6 +27,15 @@ from .schedules import schedule
 from .timeline import StepRecord
 
 __all__ = ["run_pipeline_step", "forward_backward_pipelining", "evaluate_pipelining"]
+
+
+def _forward(engine: nn.Module, data: dict, x: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor:
+    """A chunk's forward: the tokens of `data` (x None: virtual stage 0) or the previous stage's x [b, s, h]."""
+    # every stage: the positions (RoPE under SP / CP) and packed documents' ids
+    extra = dict(position_ids=data.get("position_ids"), document_ids=data.get("document_ids"))
+    if x is None:
+        return engine(data["tokens"], labels=labels, **extra)
+    return engine(hidden_states=x, labels=labels, **extra)
 
 
 def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]], microbatches: list[dict],
@@ -54,10 +62,7 @@ def run_pipeline_step(engines: list[nn.Module], ops: list[tuple[str, int, int]],
             labels = data["labels"] if p2p.is_last(c) else None
             with rec.span("F", mb, c):
                 with rec.saving(mb, c):
-                    # every stage: the positions (RoPE under SP / CP) and packed documents' ids
-                    extra = dict(position_ids=data.get("position_ids"), document_ids=data.get("document_ids"))
-                    out = (engine(data["tokens"], labels=labels, **extra) if x is None
-                           else engine(hidden_states=x, labels=labels, **extra))
+                    out = _forward(engine, data, x, labels)
                 if p2p.is_last(c):
                     # the micro-batch's share of the step loss
                     out = mean_loss(out, data.get("loss_mask"), data.get("loss_tokens")) / M
@@ -109,11 +114,7 @@ def evaluate_pipelining(chunks: list[nn.Module], microbatch: dict, p2p: Pipeline
     for c, chunk in enumerate(chunks):
         chunk.eval()
         labels = microbatch["labels"] if p2p.is_last(c) else None
-        extra = dict(position_ids=microbatch.get("position_ids"), document_ids=microbatch.get("document_ids"))
-        if p2p.is_first(c):
-            out = chunk(microbatch["tokens"], labels=labels, **extra)
-        else:
-            out = chunk(hidden_states=p2p.recv_forward(index, c), labels=labels, **extra)
+        out = _forward(chunk, microbatch, None if p2p.is_first(c) else p2p.recv_forward(index, c), labels)
         if p2p.is_last(c):
             loss = mean_loss(out, microbatch.get("loss_mask"), microbatch.get("loss_tokens")).item()
         else:
