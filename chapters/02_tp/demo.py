@@ -53,8 +53,8 @@ from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.optim import learning_rate
 from minimegatron.parallelize import build_model, build_optimizer, full_model_tensors, unwrap, validate_layout
 from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, local_microbatch, single_device_run)
-from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
-                            run_demo, verdict_line)
+from booktools.demo import (Results, Run, add_training_flags, check_at_least_one, demo_parser, import_chapter,
+                            model_line, run_demo, verdict_line)
 from minimegatron.resume import initialize_layout
 from minimegatron.train import before_optimizer_step, train_step
 
@@ -327,16 +327,32 @@ def build_run(args: argparse.Namespace, dp: int) -> TPRun:
                     micro_batch_size=args.micro_batch_size, steps=args.steps if args.steps is not None else (2 if args.quick else 3))
 
 
-def report(args, run: TPRun, per_rank: list[dict]) -> str:
-    """Check the run, print the report; return the verdict line."""
+@dataclass
+class TPResults(Results):
+    """What the report printed: the largest differences from the single-device run (to the
+    printed 2 digits), rank 0's ledger rows of step 0 (phase, op, group, tag, calls, bytes,
+    formula calls, formula bytes), every rank's parameter elements and the formula's."""
+    max_loss_diff: float = 0.0
+    max_grad_diff: float = 0.0
+    max_param_diff: float = 0.0
+    ledger: list = field(default_factory=list)
+    param_elements: list = field(default_factory=list)
+    param_elements_formula: int = 0
+
+
+def report(args, run: TPRun, per_rank: list[dict]) -> TPResults:
+    """Check the run, print the report; return its results (verdict: the last line)."""
     print(model_line(run.model))
     print()
     result = check_run(run, per_rank)
     print(result)
-    return summary_line([result])
+    e = result.equivalence
+    return TPResults(0, summary_line([result]), *(float(f"{x:.1e}") for x in (e.max_loss_diff, e.max_grad_diff,
+                                                                                e.max_param_diff)),
+                     [list(row) for row in result.ledger], result.param_elements, result.formula["per_rank"])
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> TPResults:
     return run_demo(parse_args(argv), "02", build_run, train_run, report,
                     model_parallel=lambda args: {"tp": args.tp}, spawn_dp=lambda args: args.dp or 2)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -48,7 +49,6 @@ import torch.distributed as dist  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
 
 from booktools.demo import import_chapter  # noqa: E402
-from booktools.measured import grab  # noqa: E402
 from minimegatron import parallel_state  # noqa: E402
 from minimegatron.analysis import (GiB, count_parameters, measure_saved_activation_bytes,  # noqa: E402
                                    real_model_config, tensor_parallel_parameters)
@@ -407,25 +407,13 @@ RUNS = {
 MiB = 2**20
 
 
-def _ledger_row(out: list[str], tp: int, style: str, direction: str) -> dict[str, int]:
-    """One row of the printout's forward + backward table: calls, bytes, formula, ring bytes."""
-    pattern = rf"^\s*{tp} {style}\s+{direction}\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)"
-    return {name: int(grab(out, pattern, i + 1)) for i, name in enumerate(("calls", "bytes", "formula", "ring"))}
-
-
-def _same_for_both_styles(out: list[str], tp: int, direction: str) -> dict[str, int]:
+def _same_for_both_styles(ledger: dict, tp: int, direction: str) -> dict[str, int]:
     """The text gives one row for "GPT-2 and LLaMA": refuse to record it if they differ."""
-    gpt2, llama = (_ledger_row(out, tp, style, direction) for style in STYLES)
+    gpt2, llama = (ledger[f"tp{tp} {style} {direction}"] for style in STYLES)
     if gpt2 != llama:
         raise ValueError(f"tp={tp} {direction}: GPT-2 {gpt2} and LLaMA {llama} differ; "
                          "the text's table says they agree")
     return gpt2
-
-
-def _param_row(out: list[str], style: str, tp: int) -> dict[str, int]:
-    """One row of the printout's parameters-per-rank table (measured on every rank)."""
-    pattern = rf"^{style}\s+{tp}\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)"
-    return {name: int(grab(out, pattern, i + 1)) for i, name in enumerate(("Vp", "split", "replicated", "per_rank"))}
 
 
 def _ring_factor(tp: int) -> float:
@@ -441,9 +429,9 @@ def _flops_per_byte(h: int, tp: int, e: int = 2) -> float:
 
 def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number the chapter's README and notebook markdown quote that the code measures or
-    computes, by marker key: read off the figures run's printout, or computed with the same
-    functions (the notebook's own cells included)."""
-    out, v = outputs["figures"], {}
+    computes, by marker key: the figures run's results (FiguresResults), or computed with the
+    same functions (the notebook's own cells included)."""
+    fig, v = results["figures"], {}
 
     # §3.3 padding a vocabulary (pad_vocab_size, vocab_range); README Q4, notebook §4, §7, Q3
     v |= {"vp_tp2": pad_vocab_size(257, 2), "vp_tp4": pad_vocab_size(257, 4),
@@ -458,15 +446,14 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
 
     # §4 the ledger of one forward + backward of the tiny models, vs the formula
     for tp in (2, 4):
-        fwd, bwd = (_same_for_both_styles(out, tp, d) for d in ("fwd", "bwd"))
+        fwd, bwd = (_same_for_both_styles(fig["ledger"], tp, d) for d in ("fwd", "bwd"))
         v |= {f"ledger_tp{tp}_fwd_calls": fwd["calls"], f"ledger_tp{tp}_fwd_bytes": fwd["bytes"],
               f"ledger_tp{tp}_bwd_calls": bwd["calls"], f"ledger_tp{tp}_bwd_bytes": bwd["bytes"],
               f"ledger_tp{tp}_ring_bytes": fwd["ring"] + bwd["ring"]}
     v["ledger_ring_tp4_over_tp2"] = v["ledger_tp4_ring_bytes"] / v["ledger_tp2_ring_bytes"]
     v["ledger_formula_bytes"] = sum(sum(x) for x in tp_ledger_formula(STYLES["gpt2"](), B, S, E).values())
     for style in STYLES:                    # the text: one loss, on one device and at tp = 2 and 4
-        one, tp2, tp4 = (grab(out, rf"{style}: mean loss one device ([\d.]+); tp=2 ([\d.]+); tp=4 ([\d.]+)", i)
-                         for i in (1, 2, 3))
+        one, tp2, tp4 = (fig["losses"][style][k] for k in ("one device", "tp2", "tp4"))
         if not one == tp2 == tp4:
             raise ValueError(f"{style}: mean losses {one}, {tp2}, {tp4} differ; the text says they are the same")
         v[f"loss_{style}"] = one
@@ -476,50 +463,47 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
         v |= {f"flops_per_byte_{name}_tp{tp}": _flops_per_byte(h, tp) for tp in tps}
 
     # §4 at real size: GPT-2 small, b = 1, s = 1024, bf16
-    v |= {"real_fwd_calls": grab(out, r"tp=2: (\d+) \+ (\d+) all-reduces"),
-          "real_bwd_calls": grab(out, r"tp=2: (\d+) \+ (\d+) all-reduces", 2),
-          "real_handed_mib": grab(out, r"tp=2: .* ([\d.]+) MiB handed in"),
-          **{f"real_ring_tp{tp}_mib": grab(out, rf"tp={tp}: .* ring ([\d.]+) MiB sent") for tp in (2, 4, 6)}}
+    real = fig["real"]
+    v |= {"real_fwd_calls": real["fwd_calls"], "real_bwd_calls": real["bwd_calls"],
+          "real_handed_mib": real["handed_mib"],
+          **{f"real_ring_tp{tp}_mib": real[f"ring_tp{tp}_mib"] for tp in (2, 4, 6)}}
     gpt2_small, _ = real_model_config("gpt2-small")
     v["gpt2_small_grad_mib"] = count_parameters(gpt2_small)["total"] * 2 / MiB
 
     # §5 parameters per rank, measured on every rank of the 4-rank world
     for style in STYLES:
-        v[f"params_{style}_one_device"] = grab(out, rf"^{style}\s+1\s+257\s+([\d,]+)$")
+        v[f"params_{style}_one_device"] = fig["params"][f"{style} tp1"]["per_rank"]
         for tp in (2, 4):
-            row = _param_row(out, style, tp)
+            row = fig["params"][f"{style} tp{tp}"]
             v |= {f"params_{style}_tp{tp}_{k}": n for k, n in row.items() if k != "Vp"}
     v["params_gpt2_tp2_both_ranks"] = 2 * v["params_gpt2_tp2_per_rank"]
     v["params_gpt2_tp2_padding_both_ranks"] = 2 * tensor_parallel_parameters(STYLES["gpt2"](), 2)["padding"]
 
     # Figure 3: GPT-2 small's shapes per rank (bf16), LLaMA-2 7B and 70B model state per rank
-    v["gpt2_small_params"] = grab(out, r"\(tp=1 count ([\d,]+) =")
+    small = fig["gpt2_small"]
+    v |= {"gpt2_small_params": small["tp1"]["per_rank"], "gpt2_small_replicated": small["tp1"]["replicated"]}
     for tp in (1, 2, 3, 4, 6):
-        row = rf"^\s*{tp}\s+\d+\s+[\d,]+\s+[\d,]+\s+[\d,]+"             # tp, Vp, split, replicated, per rank
-        v[f"gpt2_small_tp{tp}_mib"] = grab(out, row + r"\s+([\d.]+)")
-        v[f"gpt2_small_tp{tp}_replicated_pct"] = grab(out, row + r"\s+[\d.]+\s+([\d.]+)%")
-    v["gpt2_small_replicated"] = grab(out, r"^\s*1\s+\d+\s+[\d,]+\s+([\d,]+)")
+        v |= {f"gpt2_small_tp{tp}_mib": small[f"tp{tp}"]["mib"],
+              f"gpt2_small_tp{tp}_replicated_pct": small[f"tp{tp}"]["replicated_pct"]}
     v["gpt2_small_position_table"] = count_parameters(gpt2_small)["position_embedding"]
     for name in ("llama2-7b", "llama2-70b"):
         for tp in (1, 2, 4, 8):
-            v[f"{name.replace('-', '_')}_tp{tp}_gib"] = grab(out, rf"{name}: .*tp={tp} ([\d.]+) GiB")
+            v[f"{name.replace('-', '_')}_tp{tp}_gib"] = fig["state_gib"][name][f"tp{tp}"]
 
     # §5 activations saved per rank (b = 4, s = 16, float32), the same on every rank
-    if "(ranks differ)" in "\n".join(out):
+    if fig["activations_differ"]:
         raise ValueError("the activation bytes differ between ranks; the text says they are the same on every rank")
     for style in STYLES:
-        one = grab(out, rf"^\s*{style}\s+tp=1 ([\d,]+);")
-        v[f"acts_{style}_tp1"] = one
+        one = v[f"acts_{style}_tp1"] = fig["activations"][style]["tp1"]
         for tp in (2, 4):
-            v[f"acts_{style}_tp{tp}"] = grab(out, rf"^\s*{style}\s+.*tp={tp} ([\d,]+) \(")
+            v[f"acts_{style}_tp{tp}"] = fig["activations"][style][f"tp{tp}"]
             v[f"acts_{style}_tp{tp}_ratio"] = v[f"acts_{style}_tp{tp}"] / one
 
     # §8 one training step of TP 2 x DP 2 (rank 0)
     for tag in ("fwd", "bwd", "grads", "grad-norm"):
-        row, key = rf"all_reduce \[[\d, ]+\]\s+{tag}\s+", f"step_{tag.replace('-', '_')}"
-        v[f"{key}_calls"] = grab(out, row + r"(\d+) calls")
-        v[f"{key}_bytes"] = grab(out, row + r"\d+ calls\s+([\d,]+) bytes")
-    v["step_params"] = grab(out, r"this rank's parameters: ([\d,]+) elements")
+        row = next(r for r in fig["step"] if r["op"] == "all_reduce" and r["tag"] == tag)
+        v |= {f"step_{tag.replace('-', '_')}_{k}": row[k] for k in ("calls", "bytes")}
+    v["step_params"] = fig["step_params"]
 
     # notebook §7, §8: the tiny LLaMA model of the notebook's runs (demo.tiny_model: h = 32, L = 2)
     demo = import_chapter("02")
@@ -547,7 +531,25 @@ def fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def main() -> int:
+@dataclass
+class FiguresResults:
+    """The numbers main printed (rank 0's where ranks agree), keyed as printed; floats rounded
+    to the digits printed."""
+    exit_code: int = 0
+    ledger: dict = field(default_factory=dict)       # "tp2 gpt2 fwd": {calls, bytes, formula, ring}
+    losses: dict = field(default_factory=dict)       # style: {"one device", "tp2", "tp4"}
+    step: list = field(default_factory=list)         # one TP=2 x DP=2 step: {op, ranks, tag, calls, bytes}
+    step_params: int = 0
+    params: dict = field(default_factory=dict)       # "gpt2 tp2": {Vp, split, replicated, per_rank}
+    activations: dict = field(default_factory=dict)  # style: {"tp1": bytes, ...} (the largest over ranks)
+    activations_differ: bool = False
+    gpt2_small: dict = field(default_factory=dict)   # "tp1": {Vp, split, replicated, per_rank, mib, replicated_pct}
+    state_gib: dict = field(default_factory=dict)    # "llama2-7b": {"tp1": GiB of model state per rank, ...}
+    real: dict = field(default_factory=dict)         # GPT-2 small's all-reduces per micro-batch
+
+
+def main(argv=None) -> FiguresResults:
+    found = FiguresResults()
     plt.switch_backend("Agg")       # a script: no screen (importing this file leaves the backend alone)
     OUT.mkdir(parents=True, exist_ok=True)
     plot_column_row_split()
@@ -574,14 +576,16 @@ def main() -> int:
                 if len(recs) != len(got) or got != sorted(expected[direction]):
                     print(f"MISMATCH rank {r} tp={tp} {style} {direction}: {recs}\n expected {expected[direction]}",
                           file=sys.stderr)
-                    return 1
+                    return FiguresResults(1)
             recs = per_rank[0]["ledger"][(tp, style)][direction]
-            ring = sum(2 * (tp - 1) / tp * x[2] for x in recs)            # a ring all-reduce
+            ring = round(sum(2 * (tp - 1) / tp * x[2] for x in recs))     # a ring all-reduce
+            row = found.ledger[f"tp{tp} {style} {direction}"] = {
+                "calls": len(recs), "bytes": sum(x[2] for x in recs), "formula": sum(expected[direction]), "ring": ring}
             shapes = {}
             for *_, shape in recs:
                 shapes[shape] = shapes.get(shape, 0) + 1
-            print(f"{tp:>3} {style:<6}{direction:<5}{len(recs):>12}{fmt(sum(x[2] for x in recs)):>9}"
-                  f"{fmt(sum(expected[direction])):>9}{fmt(ring):>17}   "
+            print(f"{tp:>3} {style:<6}{direction:<5}{row['calls']:>12}{fmt(row['bytes']):>9}"
+                  f"{fmt(row['formula']):>9}{fmt(ring):>17}   "
                   + ", ".join(f"{c} x {list(s)}" for s, c in shapes.items()))
     print("ledger == formula on every rank, for tp = 2 and 4, both styles")
     losses = {k: v["loss"] for k, v in per_rank[0]["ledger"].items()}
@@ -589,8 +593,10 @@ def main() -> int:
         cfg = make()
         batch = make_batches(cfg, 1, B, S, seed=0)[0]
         ref = GPTModel(cfg)(batch["tokens"], labels=batch["labels"]).detach().mean().item()
-        print(f"  {style}: mean loss one device {ref:.7f}; tp=2 {losses[(2, style)]:.7f}; "
-              f"tp=4 {losses[(4, style)]:.7f}")
+        loss = found.losses[style] = {"one device": round(ref, 7), "tp2": round(losses[(2, style)], 7),
+                                      "tp4": round(losses[(4, style)], 7)}
+        print(f"  {style}: mean loss one device {loss['one device']:.7f}; tp=2 {loss['tp2']:.7f}; "
+              f"tp=4 {loss['tp4']:.7f}")
 
     # ---- 2. one TP=2 x DP=2 training step ---------------------------------------------------
     r0 = per_rank[0]
@@ -602,7 +608,9 @@ def main() -> int:
         row[0] += 1
         row[1] += nbytes
     for (op, tag, ranks), (calls, nbytes) in rows.items():
+        found.step.append({"op": op, "ranks": list(ranks), "tag": tag, "calls": calls, "bytes": nbytes})
         print(f"  {op:<11}{str(list(ranks)):<9}{tag:<10}{calls:>3} calls {fmt(nbytes):>9} bytes")
+    found.step_params = r0["step_params"]
     print(f"  this rank's parameters: {fmt(r0['step_params'])} elements = "
           f"{fmt(r0['step_params'] * E)} bytes (the DP all-reduce)")
     for r, res in enumerate(per_rank):
@@ -617,8 +625,9 @@ def main() -> int:
           f"{'one device':>11}")
     for style, make in STYLES.items():
         cfg = make()
+        found.params[f"{style} tp1"] = {"per_rank": count_parameters(cfg)["total"]}
         print(f"{style:<7}{1:>3}{cfg.vocab_size:>5}{'':>10}{'':>11}{'':>10}{'':>10}"
-              f"{fmt(count_parameters(cfg)['total']):>11}")
+              f"{fmt(found.params[f'{style} tp1']['per_rank']):>11}")
         for tp in (2, 4):
             f = tp_parameter_counts(cfg, tp)
             for r, res in enumerate(per_rank):
@@ -626,8 +635,10 @@ def main() -> int:
                 if (split, repl) != (f["split"], f["replicated"]):
                     print(f"MISMATCH rank {r} {style} tp={tp}: {(split, repl)} vs formula "
                           f"{(f['split'], f['replicated'])}", file=sys.stderr)
-                    return 1
+                    return FiguresResults(1)
             split, repl = per_rank[0]["params"][(tp, style)]
+            found.params[f"{style} tp{tp}"] = {"Vp": f["Vp"], "split": split, "replicated": repl,
+                                               "per_rank": split + repl}
             print(f"{style:<7}{tp:>3}{f['Vp']:>5}{fmt(split):>10}{fmt(repl):>11}{fmt(split + repl):>10}"
                   f"{fmt(f['per_rank']):>10}")
     print("parameters == formula on every rank")
@@ -639,10 +650,12 @@ def main() -> int:
         cfg = make()
         act = make_batches(cfg, 1, ACT_B, ACT_S, seed=1)[0]
         one = measure_saved_activation_bytes(GPTModel(cfg), act["tokens"], act["labels"])
+        found.activations[style] = {"tp1": one}
         cells = [f"tp=1 {fmt(one)}"]
         for tp in (2, 4):
             vals = {res["acts"][(tp, style)] for res in per_rank}
-            v = max(vals)
+            v = found.activations[style][f"tp{tp}"] = max(vals)
+            found.activations_differ |= len(vals) > 1
             cells.append(f"tp={tp} {fmt(v)} ({v / one:.2f} x){'' if len(vals) == 1 else ' (ranks differ)'}")
         print(f"  {style:<6}" + ";  ".join(cells))
 
@@ -654,8 +667,11 @@ def main() -> int:
     print(f"{'tp':>3}{'Vp':>7}{'split/tp':>13}{'replicated':>12}{'per rank':>13}{'bf16 MiB':>10}{'repl. share':>12}")
     for t in tps:
         f = gpt2_small[t]
+        row = found.gpt2_small[f"tp{t}"] = {**{k: f[k] for k in ("Vp", "split", "replicated", "per_rank")},
+                                            "mib": round(f["per_rank"] * 2 / 2**20, 1),
+                                            "replicated_pct": round(f["replicated"] / f["per_rank"] * 100, 2)}
         print(f"{t:>3}{f['Vp']:>7}{fmt(f['split']):>13}{fmt(f['replicated']):>12}{fmt(f['per_rank']):>13}"
-              f"{f['per_rank'] * 2 / 2**20:>10.1f}{f['replicated'] / f['per_rank']:>12.2%}")
+              f"{row['mib']:>10.1f}{row['replicated_pct']:>11.2f}%")
     f = gpt2_small[1]
     print(f"  (tp=1 count {fmt(f['per_rank'])} = count_parameters {fmt(f['total'])})")
     megatron = dataclasses.replace(gpt2_small_cfg, make_vocab_size_divisible_by=128)
@@ -666,8 +682,9 @@ def main() -> int:
     for name in ("llama2-7b", "llama2-70b"):
         cfg, _ = real_model_config(name)
         big[name] = {t: tp_parameter_counts(cfg, t) for t in big_tps}
+        gib = found.state_gib[name] = {f"tp{t}": round(big[name][t]["per_rank"] * 16 / GiB, 1) for t in big_tps}
         print(f"  {name}: model state (16 bytes/param) per rank: "
-              + ", ".join(f"tp={t} {big[name][t]['per_rank'] * 16 / GiB:.1f} GiB" for t in big_tps)
+              + ", ".join(f"tp={t} {gib[f'tp{t}']:.1f} GiB" for t in big_tps)
               + f"; replicated {fmt(big[name][1]['replicated'])} params")
     plot_tp_memory(gpt2_small, big)
 
@@ -676,14 +693,16 @@ def main() -> int:
     cfg = gpt2_small_cfg
     form = tp_ledger_formula(cfg, 1, 1024, 2)
     handed = sum(form["fwd"]) + sum(form["bwd"])
+    found.real = {"fwd_calls": len(form["fwd"]), "bwd_calls": len(form["bwd"]), "handed_mib": round(handed / 2**20, 1)}
     for t in (2, 4, 6):
-        print(f"  tp={t}: {len(form['fwd'])} + {len(form['bwd'])} all-reduces, {handed / 2**20:.1f} MiB handed in, "
-              f"ring {2 * (t - 1) / t * handed / 2**20:.1f} MiB sent per rank")
+        ring = found.real[f"ring_tp{t}_mib"] = round(2 * (t - 1) / t * handed / 2**20, 1)
+        print(f"  tp={t}: {len(form['fwd'])} + {len(form['bwd'])} all-reduces, {found.real['handed_mib']:.1f} MiB "
+              f"handed in, ring {ring:.1f} MiB sent per rank")
 
     for path in sorted(OUT.glob("*.png")):
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB")
-    return 0
+    return found
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
