@@ -7,7 +7,7 @@ parameters are deleted, so between forwards no rank holds a full weight.
 
   forward    a unit's forward pre-hook all-gathers it (gather_unit_parameters, tag "fwd") and
              sets each module attribute to a view of the gathered buffer; its forward hook
-             deletes them (free_unit_parameters). Tied embeddings: the head gathers the
+             deletes them (_free_for). Tied embeddings: the head gathers the
              embedding unit again (a second use, with its own gather and reduce-scatter).
   backward   saved_tensors_hooks around the forward replace every saved tensor that lives in
              a gathered buffer by a token; unpacking a use's first token gathers the unit again

@@ -12,7 +12,7 @@ Bandwidths are per GPU and direction, bytes/s; leaving the node means inter-node
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..config import ConfigError
 
@@ -35,11 +35,10 @@ class Cluster:
     inter_node_bandwidth: float
 
     def validate(self) -> "Cluster":
-        for field in ("gpus_per_node", "memory_bytes", "peak_flops", "intra_node_bandwidth",
-                      "inter_node_bandwidth"):
-            value = getattr(self, field)
+        for field in fields(self)[1:]:                        # every number after the name
+            value = getattr(self, field.name)
             if not value > 0:
-                raise ConfigError(f"cluster {self.name!r}: {field}={value} must be positive")
+                raise ConfigError(f"cluster {self.name!r}: {field.name}={value} must be positive")
         return self
 
     def check_gpus(self, gpus: int) -> None:
