@@ -37,13 +37,20 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def opt(default: Any, group: str, help: str = "", *, flags: Sequence[str] = (),
-        switches: Sequence[tuple[str, Any, str]] = ()) -> Any:
+        switches: Sequence[tuple[str, Any, str]] = (), ok: tuple | None = None, one_of: Sequence[str] = ()) -> Any:
     """A dataclass field with its command line (arguments.command_line reads it): the --help
     `group`; `help`, one line with the unit (--help appends the default); `flags` taking a value,
     Megatron's spelling first, by default the field's name (--hidden-size); `switches`, more
-    (switch, value stored, help). A bool with a `help` is a switch setting it True."""
+    (switch, value stored, help). A bool with a `help` is a switch setting it True. The value's
+    own rule (check_fields): `ok`, (test, "must be ..."), or `one_of` the choices."""
     return dataclasses.field(default=default, metadata={"flags": tuple(flags), "group": group, "help": help,
-                                                        "switches": tuple(switches)})
+                                                        "switches": tuple(switches), "ok": ok, "one_of": one_of})
+
+
+POSITIVE = (lambda v: v > 0, "must be positive")
+AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
+AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+IN_0_1 = (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
 
 
 def check_finite(cfg: Any) -> None:
@@ -53,6 +60,16 @@ def check_finite(cfg: Any) -> None:
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{f.name}={value} must be a finite number")
+
+
+def check_fields(cfg: Any) -> None:
+    """ConfigError for the first field of the dataclass `cfg`, in declaration order, whose value
+    breaks its own rule (opt's `ok` or `one_of`); validate's later rules relate several fields."""
+    for f in dataclasses.fields(cfg):
+        if f.metadata["ok"]:
+            need_each(cfg, (f.name,), *f.metadata["ok"])
+        if f.metadata["one_of"]:
+            need_one_of(cfg, f.name, *f.metadata["one_of"])
 
 
 def need(cond: bool, msg: str) -> None:
@@ -84,37 +101,43 @@ class ModelConfig:
     Use `ModelConfig.gpt2(...)` / `ModelConfig.llama(...)` for the presets.
     """
 
-    vocab_size: int = opt(257, "model", "rows of the embedding table, in tokens (>= the tokenizer's size)")
+    vocab_size: int = opt(257, "model", "rows of the embedding table, in tokens (>= the tokenizer's size)", ok=POSITIVE)
     # tensor parallelism pads the vocabulary to a multiple of this x tp (Megatron's
     # --make-vocab-size-divisible-by, default 128, pads on one device too; here the
     # single-device model keeps exactly vocab_size rows, and 1 pads only as much as tp needs)
     make_vocab_size_divisible_by: int = opt(1, "model", (
-        "with TP, pad the vocabulary to a multiple of this x tp (Megatron: 128, padding on one device too)"))
-    hidden_size: int = opt(64, "model", "h, the width of the residual stream")
-    num_layers: int = opt(2, "model", "L, transformer layers")
-    num_attention_heads: int = opt(4, "model", "a, query heads")
+        "with TP, pad the vocabulary to a multiple of this x tp (Megatron: 128, padding on one device too)"),
+        ok=POSITIVE)
+    hidden_size: int = opt(64, "model", "h, the width of the residual stream", ok=POSITIVE)
+    num_layers: int = opt(2, "model", "L, transformer layers", ok=POSITIVE)
+    num_attention_heads: int = opt(4, "model", "a, query heads", ok=POSITIVE)
     num_query_groups: int | None = opt(None, "model", "g, key/value heads (grouped-query attention); unset: g = a")
     ffn_hidden_size: int | None = opt(None, "model", "f, the MLP's inner width; unset: 4h (GELU), about 8h/3 (SwiGLU)")
-    max_position_embeddings: int = opt(64, "model", "longest sequence the model accepts, tokens")
-    normalization: str = opt("LayerNorm", "model", "LayerNorm or RMSNorm")
+    max_position_embeddings: int = opt(64, "model", "longest sequence the model accepts, tokens", ok=POSITIVE)
+    normalization: str = opt("LayerNorm", "model", "LayerNorm or RMSNorm", one_of=("LayerNorm", "RMSNorm"))
     activation: str = opt("gelu", "model", (
         "the MLP's activation, gelu or swiglu (the book's; Megatron: --swiglu)"),
-        switches=[("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")])
-    position_embedding_type: str = opt("learned_absolute", "model", "learned_absolute or rope")
-    rotary_base: float = opt(10000.0, "model", "RoPE's base theta, > 0")
+        switches=[("--swiglu", "swiglu", "SwiGLU MLP, the same as --activation swiglu")], one_of=("gelu", "swiglu"))
+    position_embedding_type: str = opt("learned_absolute", "model", "learned_absolute or rope",
+        one_of=("learned_absolute", "rope"))
+    rotary_base: float = opt(10000.0, "model", "RoPE's base theta, > 0", ok=POSITIVE)
     untie_embeddings_and_output_weights: bool = opt(False, "model", switches=[
         ("--untie-embeddings-and-output-weights", True, "a separate output layer instead of the embedding's transpose"),
         ("--tie-embeddings-and-output-weights", False, "the output layer is the embedding's transpose (the book's)")])
     add_bias_linear: bool = opt(True, "model", switches=[
         ("--disable-bias-linear", False, "no biases in the linear layers"),
         ("--add-bias-linear", True, "biases in the linear layers (the book's)")])
+    # > 0: with a negative epsilon the variance plus epsilon can reach 0 or below, a rotary base
+    # of 0 makes the frequencies infinite (both train to NaN); a negative std is no deviation
     layernorm_epsilon: float = opt(1e-5, "model", (
-        "epsilon added to the variance in LayerNorm / RMSNorm, > 0"), flags=("--norm-epsilon", "--layernorm-epsilon"))
-    init_method_std: float = opt(0.02, "model", "standard deviation of the normal initial weights, > 0")
-    hidden_dropout: float = opt(0.0, "model", "dropout probability on the residual branches, in [0, 1)")
-    attention_dropout: float = opt(0.0, "model", "dropout probability on the attention probabilities, in [0, 1)")
+        "epsilon added to the variance in LayerNorm / RMSNorm, > 0"), flags=("--norm-epsilon", "--layernorm-epsilon"),
+        ok=POSITIVE)
+    init_method_std: float = opt(0.02, "model", "standard deviation of the normal initial weights, > 0", ok=POSITIVE)
+    hidden_dropout: float = opt(0.0, "model", "dropout probability on the residual branches, in [0, 1)", ok=IN_0_1)
+    attention_dropout: float = opt(0.0, "model", "dropout probability on the attention probabilities, in [0, 1)",
+        ok=IN_0_1)
     attention_backend: str = opt("sdpa", "model", (
-        "how attention is computed (the book's implementations, see minimegatron/model)"))
+        "how attention is computed (the book's implementations, see minimegatron/model)"), one_of=("naive", "sdpa"))
     seed: int = opt(1234, "model", (
         "initial weights: each parameter is a function of (seed, its name); Megatron's --seed also seeds data and "
         "dropout, here --data-seed does"))
@@ -195,8 +218,7 @@ class ModelConfig:
     # ---- validation ----------------------------------------------------------------
     def validate(self) -> "ModelConfig":
         check_finite(self)
-        need_each(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings",
-                         "make_vocab_size_divisible_by"), lambda v: v > 0, "must be positive")
+        check_fields(self)
         need(self.num_query_groups is None or self.num_query_groups > 0,
              f"num_query_groups={self.num_query_groups} must be positive (leave it unset for multi-head attention, "
              f"num_query_groups = num_attention_heads)")
@@ -204,18 +226,9 @@ class ModelConfig:
              f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}")
         need(self.query_groups > 0 and self.num_attention_heads % self.query_groups == 0,
              f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups={self.query_groups}")
-        need_one_of(self, "normalization", "LayerNorm", "RMSNorm")
-        need_one_of(self, "activation", "gelu", "swiglu")
-        need_one_of(self, "position_embedding_type", "learned_absolute", "rope")
         need(self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
              f"rope needs an even head size, got kv_channels={self.kv_channels} "
              f"(hidden_size={self.hidden_size} / num_attention_heads={self.num_attention_heads})")
-        need_one_of(self, "attention_backend", "naive", "sdpa")
-        # positive and finite: with a negative epsilon the variance plus epsilon can reach 0
-        # or below, a rotary base of 0 makes the frequencies infinite (both train to NaN),
-        # and a negative std is no standard deviation (it used to be taken silently)
-        need_each(self, ("layernorm_epsilon", "rotary_base", "init_method_std"), lambda v: v > 0, "must be positive")
-        need_each(self, ("hidden_dropout", "attention_dropout"), lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
         need(self.ffn_size > 0, f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
         if self.num_experts is not None:
             need(self.num_experts >= 1, f"num_experts={self.num_experts} must be at least 1")
@@ -251,23 +264,24 @@ class TrainConfig:
     data_path: str | None = opt(None, "data", (
         "prefix of a .bin/.idx pair (python tools/preprocess_data.py); unset: this repository's text, tokenized"))
     tokenizer: str = opt("byte", "data", "byte, or the path of a BPE tokenizer .json (the book's)")
-    seq_length: int = opt(64, "data", "s, tokens per sequence")
-    micro_batch_size: int = opt(4, "training", "b, sequences per micro-batch on one data-parallel rank")
+    seq_length: int = opt(64, "data", "s, tokens per sequence", ok=POSITIVE)
+    micro_batch_size: int = opt(4, "training", "b, sequences per micro-batch on one data-parallel rank", ok=POSITIVE)
     grad_accum_steps: int = opt(1, "training", (
         "M, micro-batches per step on each data-parallel rank (the book's name; Megatron derives M from "
-        "--global-batch-size)"))
-    train_iters: int = opt(200, "training", "optimizer steps")
-    lr: float = opt(3e-3, "training", "peak learning rate, reached at the end of warm-up")
+        "--global-batch-size)"), ok=POSITIVE)
+    train_iters: int = opt(200, "training", "optimizer steps", ok=POSITIVE)
+    lr: float = opt(3e-3, "training", "peak learning rate, reached at the end of warm-up", ok=POSITIVE)
     min_lr: float = opt(3e-4, "training", "learning rate at the end of the cosine decay")
     lr_warmup_iters: int = opt(20, "training", "steps of linear warm-up to --lr")
-    weight_decay: float = opt(0.1, "training", "AdamW's decoupled weight decay on matrices, >= 0")
-    adam_beta1: float = opt(0.9, "training", "Adam's first-moment decay, in [0, 1)")
-    adam_beta2: float = opt(0.95, "training", "Adam's second-moment decay, in [0, 1)")
-    adam_eps: float = opt(1e-8, "training", "Adam's epsilon in the denominator, > 0")
+    weight_decay: float = opt(0.1, "training", "AdamW's decoupled weight decay on matrices, >= 0", ok=AT_LEAST_0)
+    adam_beta1: float = opt(0.9, "training", "Adam's first-moment decay, in [0, 1)", ok=IN_0_1)
+    adam_beta2: float = opt(0.95, "training", "Adam's second-moment decay, in [0, 1)", ok=IN_0_1)
+    adam_eps: float = opt(1e-8, "training", "Adam's epsilon in the denominator, > 0", ok=POSITIVE)
     adam_impl: str = opt("default", "training", (
         "torch's AdamW kernels: default (a loop over the tensors on a CPU), foreach (each op over all tensors at "
-        "once) or fused (one kernel; Megatron uses Transformer Engine's or Apex's FusedAdam) (the book's)"))
-    clip_grad: float = opt(1.0, "training", "clip the global gradient L2 norm to this; 0: no clipping")
+        "once) or fused (one kernel; Megatron uses Transformer Engine's or Apex's FusedAdam) (the book's)"),
+        one_of=("default", "foreach", "fused"))
+    clip_grad: float = opt(1.0, "training", "clip the global gradient L2 norm to this; 0: no clipping", ok=AT_LEAST_0)
     eval_interval: int = opt(50, "training", "steps between validation runs; 0: never")
     eval_iters: int = opt(4, "training", "validation batches per validation run")
     save_interval: int = opt(0, "checkpointing", "steps between checkpoints; 0: at the end only")
@@ -278,7 +292,8 @@ class TrainConfig:
         "warning, then a fresh start"), flags=("--load", "--load-dir"))
     ckpt_format: str = opt("torch", "checkpointing", (
         "torch: a file per rank, resumed under the same layout only (the book's default); torch_dist: each piece "
-        "with its global offsets, resumed under any layout (Megatron's default; chapter 08)"))
+        "with its global offsets, resumed under any layout (Megatron's default; chapter 08)"),
+        one_of=("torch", "torch_dist"))
     exit_interval: int | None = opt(None, "checkpointing", "stop after an iteration divisible by it, saving first")
     no_load_optim: bool = opt(False, "training", "torch_dist: load the model only; the optimizer starts fresh")
     no_load_rng: bool = opt(False, "training", "torch_dist: do not restore the random states; seed them afresh")
@@ -291,7 +306,8 @@ class TrainConfig:
         "(chapter 01; the book's)"),
         switches=[("--use-distributed-optimizer", 1, "Megatron's distributed optimizer: the book's --zero-stage 1")])
     ddp_impl: str = opt("bucketed", "parallelism", (
-        "with --zero-stage 0: naive (an all-reduce per gradient) or bucketed (overlapped with backward) (the book's)"))
+        "with --zero-stage 0: naive (an all-reduce per gradient) or bucketed (overlapped with backward) (the book's)"),
+        one_of=("naive", "bucketed"))
     ddp_bucket_size: int | None = opt(None, "parallelism", (
         "elements per gradient bucket; unset: Megatron's max(4e7, 1e6 x dp)"))
     overlap_grad_reduce: bool = opt(False, "training", (
@@ -301,14 +317,15 @@ class TrainConfig:
         "ZeRO-1/2: the parameter all-gathers launched after the step, waited module by module in the next forward "
         "(needs --overlap-grad-reduce; chapter 07)"))
     # tensor parallelism (chapter 02): the ranks form a grid, tp fastest; dp = world / tp
-    tensor_model_parallel_size: int = opt(1, "parallelism", "tp, ranks each matrix is split over (chapter 02)")
+    tensor_model_parallel_size: int = opt(1, "parallelism", "tp, ranks each matrix is split over (chapter 02)",
+        ok=AT_LEAST_1)
     # pipeline parallelism (chapter 03): pp stages, the slowest dimension; dp = world / (tp pp)
     pipeline_model_parallel_size: int = opt(1, "parallelism", (
-        "pp, pipeline stages (chapter 03); dp = world size / (tp x pp)"))
+        "pp, pipeline stages (chapter 03); dp = world size / (tp x pp)"), ok=AT_LEAST_1)
     pipeline_schedule: str = opt("1f1b", "parallelism", (
         "gpipe, 1f1b or interleaved (the book's; Megatron runs 1F1B, interleaved with virtual stages)"))
     num_virtual_stages_per_pipeline_rank: int = opt(1, "parallelism", (
-        "model chunks per pipeline rank; > 1 with --pipeline-schedule interleaved"))
+        "model chunks per pipeline rank; > 1 with --pipeline-schedule interleaved"), ok=AT_LEAST_1)
     overlap_p2p_comm: bool = opt(False, "training", switches=[
         ("--overlap-p2p-communication", True, "with pp > 1: each receive posted one op ahead, so it arrives while the "
                                               "stage computes (chapter 07) (the book's; Megatron has only "
@@ -323,20 +340,21 @@ class TrainConfig:
         "with --sequence-parallel: the column-parallel backward's all-gather and reduce-scatter run behind its "
         "GEMMs, as Megatron's layer always does, with no flag (chapter 07) (the book's)"))
     context_parallel_size: int = opt(1, "parallelism", (
-        "cp, ranks each sequence is split over (chapter 04); dp = world size / (tp x cp x pp)"))
+        "cp, ranks each sequence is split over (chapter 04); dp = world size / (tp x cp x pp)"), ok=AT_LEAST_1)
     cp_comm_type: str = opt("p2p", "parallelism", (
         "how attention reaches the other cp ranks' keys: p2p (ring), all_gather, a2a (Ulysses) or a2a+p2p "
-        "(hierarchical) (chapter 04)"))
+        "(hierarchical) (chapter 04)"), one_of=("p2p", "all_gather", "a2a", "a2a+p2p"))
     hierarchical_context_parallel_sizes: tuple[int, int] | None = opt(None, "parallelism", (
         "with --cp-comm-type a2a+p2p: the all-to-all size and the ring size, product cp; unset: 2 and cp / 2"))
     # expert parallelism (chapter 05): the experts' own grid over the same ranks, cp folded away;
     # expert_dp = world / (etp ep pp)
     expert_model_parallel_size: int = opt(1, "parallelism", (
-        "ep, ranks the experts of a layer are spread over (chapter 05); expert dp = world size / (etp x ep x pp)"))
+        "ep, ranks the experts of a layer are spread over (chapter 05); expert dp = world size / (etp x ep x pp)"),
+        ok=AT_LEAST_1)
     expert_tensor_parallel_size: int | None = opt(None, "parallelism", (
         "etp, ranks each expert's matrices are cut over (chapter 05); unset: tp"))
     moe_token_dispatcher_type: str = opt("alltoall", "moe", (
-        "how tokens reach the ranks of their experts: alltoall or allgather"))
+        "how tokens reach the ranks of their experts: alltoall or allgather"), one_of=("alltoall", "allgather"))
     # mixed precision (chapter 06): 16-bit parameters and activations (the model's params_dtype
     # must say bfloat16 / float16; --bf16 and --fp16 set it), float32 main parameters in the optimizer
     bf16: bool = opt(False, "mixed precision", (
@@ -350,9 +368,9 @@ class TrainConfig:
     initial_loss_scale: float = opt(2.0 ** 32, "mixed precision", "--fp16's dynamic loss scale to start from")
     min_loss_scale: float = opt(1.0, "mixed precision", "the dynamic loss scale never drops below this")
     loss_scale_window: int = opt(1000, "mixed precision", (
-        "clean steps in a row after which the dynamic loss scale doubles"))
+        "clean steps in a row after which the dynamic loss scale doubles"), ok=AT_LEAST_1)
     hysteresis: int = opt(2, "mixed precision", (
-        "overflowing steps before the dynamic loss scale halves (refilled only when it grows)"))
+        "overflowing steps before the dynamic loss scale halves (refilled only when it grows)"), ok=AT_LEAST_1)
     accumulate_allreduce_grads_in_fp32: bool = opt(False, "mixed precision", (
         "accumulate and reduce the gradients in float32 (always with --bf16)"))
     grad_reduce_in_bf16: bool = opt(False, "mixed precision", (
@@ -362,18 +380,20 @@ class TrainConfig:
         "the transformer layers' GEMMs in FP8: hybrid (e4m3 forward, e5m2 output gradients) or e4m3; unset: no FP8 "
         "(chapter 06)"))
     fp8_recipe: str = opt("delayed", "mixed precision", (
-        "how FP8 tensors are scaled: tensorwise, delayed, blockwise or mxfp8"))
-    fp8_margin: int = opt(0, "mixed precision", "delayed scaling: scale = fp8_max / amax / 2^margin")
+        "how FP8 tensors are scaled: tensorwise, delayed, blockwise or mxfp8"),
+        one_of=("tensorwise", "delayed", "blockwise", "mxfp8"))
+    fp8_margin: int = opt(0, "mixed precision", "delayed scaling: scale = fp8_max / amax / 2^margin", ok=AT_LEAST_0)
     fp8_amax_history_len: int = opt(1, "mixed precision", (
         "delayed scaling: amaxes remembered per tensor role (at most 1024, Transformer Engine's default, or the "
-        "run's train_iters x grad_accum_steps)"))
+        "run's train_iters x grad_accum_steps)"), ok=AT_LEAST_1)
     fp8_amax_compute_algo: str = opt("most_recent", "mixed precision", (
-        "delayed scaling: the scale from the latest amax (most_recent) or the history's max"))
+        "delayed scaling: the scale from the latest amax (most_recent) or the history's max"),
+        one_of=("most_recent", "max"))
     kernels: str = opt("torch", "training", (
         "torch; triton: the norms, FlashAttention-2, SwiGLU and the loss as Triton kernels (interpreted on a CPU: "
         "for reading, not speed); compile: each layer through torch.compile (chapter 07) (the book's)"),
         switches=[("--compile", "compile", "each transformer layer through torch.compile, the same as --kernels "
-                                           "compile (chapter 07) (the book's)")])
+                                           "compile (chapter 07) (the book's)")], one_of=("torch", "triton", "compile"))
     # activation recompute (chapter 07, recompute.py), Megatron's flags
     recompute_granularity: str | None = opt(None, "training", (
         "activation recompute (chapter 07): full (whole layers, in units) or selective (the parts "
@@ -400,7 +420,8 @@ class TrainConfig:
         "each token attends only to the tokens of its own document (chapter 07)"))
     eod_mask_loss: bool = opt(False, "training", "no loss where the input token is <eod> (chapter 07)")
     data_seed: int = opt(1234, "data", "seeds the data order and the dropout masks, >= 0 (the book's)")
-    device: str = opt("cpu", "training", "cpu (gloo, the tested path) or cuda (NCCL, one GPU per rank) (the book's)")
+    device: str = opt("cpu", "training", "cpu (gloo, the tested path) or cuda (NCCL, one GPU per rank) (the book's)",
+        one_of=("cpu", "cuda"))
     progress: bool = opt(True, "training", switches=[
         ("--no-progress", False, "no progress bar (the book's)"),
         ("--progress", True, "a progress bar on rank 0 (the book's)")])
@@ -425,18 +446,12 @@ class TrainConfig:
         the `model`, also what depends on it (the sequence length, the largest learning rate
         AdamW can take in the model's dtype: adamw_step_bound)."""
         check_finite(self)
-        need_each(self, ("seq_length", "micro_batch_size", "grad_accum_steps", "train_iters", "lr"), lambda v: v > 0,
-                  "must be positive")
+        check_fields(self)
         need(0 <= self.min_lr <= self.lr, f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         need(0 <= self.lr_warmup_iters <= self.train_iters,
              f"lr_warmup_iters={self.lr_warmup_iters} must be in [0, train_iters={self.train_iters}]")
-        need_each(self, ("clip_grad", "weight_decay"), lambda v: v >= 0, "must be >= 0")
-        need_each(self, ("adam_beta1", "adam_beta2"), lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")   # AdamW's own
-        need(self.adam_eps > 0, f"adam_eps={self.adam_eps} must be positive")
-        need_one_of(self, "adam_impl", "default", "foreach", "fused")
         need(self.data_seed >= 0, f"data_seed={self.data_seed} must be >= 0 (numpy's generators take no negative seed)")
         need(self.save_interval >= 0, f"save_interval={self.save_interval} must be >= 0 (0: save at the end only)")
-        need_one_of(self, "ckpt_format", "torch", "torch_dist")
         need(self.exit_interval is None or self.exit_interval > 0, f"exit_interval={self.exit_interval} must be > 0")
         for name in ("no_load_optim", "no_load_rng", "finetune"):
             need(not getattr(self, name) or self.ckpt_format == "torch_dist",
@@ -444,11 +459,9 @@ class TrainConfig:
                  f"(--ckpt-format torch_dist)")
         need(self.eval_interval >= 0 and self.eval_iters >= 0,
              f"eval_interval={self.eval_interval} and eval_iters={self.eval_iters} must be >= 0")
-        need_one_of(self, "device", "cpu", "cuda")
         need(self.device != "cuda" or torch.cuda.is_available(),
              "device='cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
         need(self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage} is not 0, 1, 2 or 3")
-        need_one_of(self, "ddp_impl", "naive", "bucketed")
         need(not self.overlap_param_gather or self.overlap_grad_reduce,
              "overlap_param_gather needs overlap_grad_reduce (Megatron's rule)")
         need(not (self.overlap_grad_reduce or self.overlap_param_gather) or self.zero_stage in (1, 2),
@@ -457,31 +470,22 @@ class TrainConfig:
              f"gathers per unit)")
         need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
              f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
-        need_one_of(self, "cp_comm_type", "p2p", "all_gather", "a2a", "a2a+p2p")
-        need_one_of(self, "moe_token_dispatcher_type", "alltoall", "allgather")
         need(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
              f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} must be >= 1")
-        need_each(self, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                         "expert_model_parallel_size", "num_virtual_stages_per_pipeline_rank"), lambda v: v >= 1,
-                  "must be >= 1")
         need(not (self.bf16 and self.fp16), "bf16 and fp16 are both set: choose one")
         need(self.loss_scale is None or self.loss_scale > 0, f"loss_scale={self.loss_scale} must be positive")
         if self.loss_scale is not None:
             need(self.bf16 or self.fp16, f"loss_scale={self.loss_scale:g} without fp16 or bf16: a float32 run has no "
                                          f"loss scaler, and the scale would be ignored (--loss-scale goes with --fp16 "
                                          f"or --bf16)")
-            need(is_power_of_two(self.loss_scale),
+            need(math.frexp(self.loss_scale)[0] == 0.5,             # 2^k exactly: the mantissa is 1/2
                  f"--{'fp16' if self.fp16 else 'bf16'} --loss-scale {self.loss_scale:g}: a static loss scale must be a "
                  f"power of 2 (multiplying and dividing by one changes only the exponent, exactly), e.g. "
                  f"{2.0 ** math.floor(math.log2(self.loss_scale)):g} or {2.0 ** math.ceil(math.log2(self.loss_scale)):g}")
         need(0 < self.min_loss_scale <= self.initial_loss_scale,
              f"min_loss_scale={self.min_loss_scale} must be in (0, initial_loss_scale={self.initial_loss_scale}]")
-        need_each(self, ("loss_scale_window", "hysteresis"), lambda v: v >= 1, "must be >= 1")
         need(not self.grad_reduce_in_bf16 or self.bf16, "grad_reduce_in_bf16 needs bf16")
         need(self.fp8_format in (None, "hybrid", "e4m3"), f"fp8_format={self.fp8_format!r} is not 'hybrid' or 'e4m3'")
-        need_one_of(self, "fp8_recipe", "tensorwise", "delayed", "blockwise", "mxfp8")
-        need(self.fp8_margin >= 0, f"fp8_margin={self.fp8_margin} must be >= 0")
-        need(self.fp8_amax_history_len >= 1, f"fp8_amax_history_len={self.fp8_amax_history_len} must be >= 1")
         need(self.fp8_format is not None or self.fp8_recipe == "delayed",
              f"fp8_recipe={self.fp8_recipe!r} without fp8_format: no FP8 at all, the run would train in "
              f"{'bf16' if self.bf16 else 'fp16' if self.fp16 else 'float32'} (add --fp8-format hybrid or e4m3)")
@@ -492,8 +496,6 @@ class TrainConfig:
              f"{self.train_iters} x grad_accum_steps={self.grad_accum_steps} = {recorded}): the entries past those "
              f"are never written, and each costs 4 bytes per role of every FP8 layer "
              f"({4 * self.fp8_amax_history_len / 2 ** 20:,.0f} MiB a role here)")
-        need_one_of(self, "fp8_amax_compute_algo", "most_recent", "max")
-        need_one_of(self, "kernels", "torch", "triton", "compile")
         self._validate_recompute()
         if self.profile:
             need(0 <= self.profile_step_start < self.profile_step_end <= self.train_iters,
@@ -549,11 +551,6 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn",)     # TrainConfig.recompute_modules' 
 AMAX_HISTORY_LEN_TE = 1024
 
 
-def is_power_of_two(x: float) -> bool:
-    """Is the positive finite float x exactly 2^k for an integer k (k < 0 too)?"""
-    return x > 0 and math.isfinite(x) and math.frexp(x)[0] == 0.5
-
-
 def adamw_step_bound(cfg: TrainConfig, dtype: torch.dtype) -> None:
     """ConfigError when torch's AdamW cannot take cfg.lr for parameters of `dtype`: its step size
     lr / (1 - adam_beta1^t), largest at t = 1, must not exceed the largest number of the dtype the
@@ -570,11 +567,9 @@ def adamw_step_bound(cfg: TrainConfig, dtype: torch.dtype) -> None:
                           f"without overflow'); lr must be at most {biggest * (1.0 - cfg.adam_beta1):.3g}")
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain dict of a config dataclass (stored in checkpoints and logs)."""
-    return dataclasses.asdict(cfg)
+to_dict = dataclasses.asdict            # a config as a plain dict (stored in checkpoints and logs)
 
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "to_dict",
-           "dtype_from_name", "check_finite", "adamw_step_bound", "is_power_of_two", "DTYPES",
+           "dtype_from_name", "check_finite", "check_fields", "adamw_step_bound", "DTYPES",
            "DEFAULT_RECOMPUTE_MODULES", "AMAX_HISTORY_LEN_TE"]
