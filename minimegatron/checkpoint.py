@@ -98,14 +98,11 @@ def check_save_dir(directory: str | os.PathLike) -> None:
 def _leaves(obj: Any, path: str = ""):
     """(path, value) for every leaf of nested dicts, lists and tuples; a path joins the keys
     and indices with "/"."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _leaves(value, f"{path}/{key}" if path else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _leaves(value, f"{path}/{i}" if path else str(i))
-    else:
+    if not isinstance(obj, (dict, list, tuple)):
         yield path, obj
+        return
+    for key, value in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+        yield from _leaves(value, f"{path}/{key}" if path else str(key))
 
 
 def tensor_crc(t: torch.Tensor) -> int:
@@ -187,13 +184,11 @@ def check_same_model(stored: dict[str, Any], run: dict[str, Any], path, may_chan
         raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(diffs))
 
 
-def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Delete the `*.tmp` files that killed saves left in `directory`; returns them. Safe only while
-    nothing else writes there (train saves on rank 0 after the barrier that follows every rank's file)."""
-    stale = sorted(Path(directory).glob("*.tmp"))
-    for path in stale:
+def remove_stale_temporaries(directory: str | os.PathLike) -> None:
+    """Delete the `*.tmp` files that killed saves left in `directory`. Safe only while nothing
+    else writes there (train saves on rank 0 after the barrier that follows every rank's file)."""
+    for path in Path(directory).glob("*.tmp"):
         path.unlink(missing_ok=True)
-    return stale
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:

@@ -205,11 +205,9 @@ def _inexpressible(config: dict) -> list[str]:
 
 
 def model_config_from_hf(config: dict) -> ModelConfig:
-    """The book's ModelConfig for a LlamaForCausalLM or MixtralForCausalLM config.json.
-    ConfigError naming the field for another model, a missing or mistyped field, or a field
-    whose value the book's model cannot express (_inexpressible)."""
-    if not isinstance(config, dict):
-        raise ConfigError(f"config.json holds a JSON {type(config).__name__}, not an object of fields")
+    """The book's ModelConfig for a LlamaForCausalLM or MixtralForCausalLM config.json, as
+    read_hf_config reads it. ConfigError naming the field for another model, a missing or
+    mistyped field, or a field whose value the book's model cannot express (_inexpressible)."""
     if config.get("model_type") not in ("llama", "mixtral"):
         raise ConfigError(f"model_type={config.get('model_type')!r}: only LlamaForCausalLM ('llama') and "
                           f"MixtralForCausalLM ('mixtral') are read here")

@@ -268,24 +268,17 @@ class _Reader:
         """The single-device tensor `name` of `kind`, assembled from its pieces; CheckpointError
         when an element is missing."""
         pieces = self.pieces[(kind, name)]
-        shape = tuple(pieces[0]["shape"])
-        out, filled = None, torch.zeros(shape, dtype=torch.bool)
-        by_local: dict[tuple, list[dict]] = defaultdict(list)          # pieces of one local tensor
+        out, filled = None, torch.zeros(pieces[0]["shape"], dtype=torch.bool)
         for desc in pieces:
-            by_local[(str(desc["boxes"]), tuple(desc["local_shape"]))].append(desc)
-        for descs in by_local.values():
-            local_shape = tuple(descs[0]["local_shape"])
-            data = [self.payload(desc["file"])["tensors"][desc["key"]] for desc in descs]
-            local = data[0].new_zeros(local_shape).reshape(-1)
-            have = torch.zeros(local.numel(), dtype=torch.bool)
-            for desc, t in zip(descs, data):
-                lo, hi = desc["flat"]
-                local[lo:hi] = t.reshape(-1)
-                have[lo:hi] = True
-            local, have = local.view(local_shape), have.view(local_shape)
-            out = torch.zeros(shape, dtype=local.dtype) if out is None else out
-            for glob, loc in descs[0]["boxes"]:
-                mask = have[_index(loc)]                   # the elements these pieces hold
+            data = self.payload(desc["file"])["tensors"][desc["key"]]
+            out = torch.zeros(filled.shape, dtype=data.dtype) if out is None else out
+            local = data.new_zeros(desc["local_shape"])            # the local tensor, with this piece's run
+            have = torch.zeros(desc["local_shape"], dtype=torch.bool)
+            lo, hi = desc["flat"]
+            local.view(-1)[lo:hi] = data.reshape(-1)
+            have.view(-1)[lo:hi] = True
+            for glob, loc in desc["boxes"]:
+                mask = have[_index(loc)]                   # the elements this piece holds
                 out[_index(glob)][mask] = local[_index(loc)][mask]
                 filled[_index(glob)] |= mask
         if not bool(filled.all()):
