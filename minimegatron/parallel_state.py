@@ -64,8 +64,7 @@ def _parse_order(order: str) -> list[str]:
 def _grids(world_size, tp, pp, cp, ep, etp, order):
     """Validate a layout; return (order as a list, dense sizes, expert sizes)."""
     etp = tp if etp is None else etp
-    for name, value in dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep,
-                            etp=etp).items():
+    for name, value in dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     dims = _parse_order(order)

@@ -84,8 +84,7 @@ def megatron_mlp_flops(config: ModelConfig, tokens: int) -> int:
     return 3 * 2 * tokens * h * (F * f * (L - L_moe) + Fe * k * f * L_moe + Fs * f * L_moe)
 
 
-def narayanan2021_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *,
-                                 recompute: bool = True) -> int:
+def narayanan2021_flops_per_iteration(config: ModelConfig, batch: int, seq: int, *, recompute: bool = True) -> int:
     """Narayanan et al. 2021's FLOPs per iteration (SC'21, Section 5.1), B the batch in sequences:
     96 B s L h^2 (1 + s / (6h) + V / (16 L h)) with full recomputation, 72 B s L h^2 (1 + s / (6h) +
     V / (12 L h)) with `recompute=False` (the same derivation, three passes). Assumes g = a and

@@ -46,8 +46,7 @@ def _reduce_op(op: str, t: torch.Tensor):
     return _REDUCE_OPS[op]
 
 
-def _size_checked(group, what: str, whole: torch.Tensor, whole_name: str, part: torch.Tensor,
-                  part_name: str) -> int:
+def _size_checked(group, what: str, whole: torch.Tensor, whole_name: str, part: torch.Tensor, part_name: str) -> int:
     """The group size n, after refusing unless whole holds n x part's elements."""
     n = group_size(group)
     if whole.numel() != n * part.numel():

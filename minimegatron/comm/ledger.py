@@ -94,8 +94,7 @@ class Ledger:
         return iter(list(self.records))
 
     def select(self, op=None, group=None, tag=None) -> list[CommRecord]:
-        ranks = None if group is None else (
-            tuple(group) if isinstance(group, Sequence) else group_ranks(group))
+        ranks = None if group is None else tuple(group) if isinstance(group, Sequence) else group_ranks(group)
         return [r for r in self.records
                 if (op is None or r.op == op) and (ranks is None or r.group_ranks == ranks)
                 and (tag is None or r.tag == tag)]
@@ -123,8 +122,7 @@ class Ledger:
             group = str(list(ranks)) if len(ranks) <= 6 else f"[{ranks[0]}..{ranks[-1]}]({len(ranks)})"
             lines.append(f"{op:<15}{group:<18}{tag:<8}{c:>6}{b:>14,}{rb:>14,.0f}")
         lines.append("-" * len(head))
-        lines.append(f"{'total':<41}{len(self):>6}{self.total_bytes():>14,}"
-                     f"{self.ring_bytes():>14,.0f}")
+        lines.append(f"{'total':<41}{len(self):>6}{self.total_bytes():>14,}{self.ring_bytes():>14,.0f}")
         return "\n".join(lines)
 
     __str__ = table
