@@ -64,11 +64,11 @@ def check_finite(cfg: Any) -> None:
 
 def check_fields(cfg: Any) -> None:
     """ConfigError for the first field of the dataclass `cfg`, in declaration order, whose value
-    breaks its own rule (opt's `ok` or `one_of`); validate's later rules relate several fields."""
+    (unless unset, None) breaks its own rule (opt's `ok` or `one_of`); validate then relates fields."""
     for f in dataclasses.fields(cfg):
-        if f.metadata["ok"]:
+        if getattr(cfg, f.name) is not None and f.metadata["ok"]:
             need_each(cfg, (f.name,), *f.metadata["ok"])
-        if f.metadata["one_of"]:
+        if getattr(cfg, f.name) is not None and f.metadata["one_of"]:
             need_one_of(cfg, f.name, *f.metadata["one_of"])
 
 
@@ -309,7 +309,7 @@ class TrainConfig:
         "with --zero-stage 0: naive (an all-reduce per gradient) or bucketed (overlapped with backward) (the book's)"),
         one_of=("naive", "bucketed"))
     ddp_bucket_size: int | None = opt(None, "parallelism", (
-        "elements per gradient bucket; unset: Megatron's max(4e7, 1e6 x dp)"))
+        "elements per gradient bucket; unset: Megatron's max(4e7, 1e6 x dp)"), ok=POSITIVE)
     overlap_grad_reduce: bool = opt(False, "training", (
         "ZeRO-1/2: launch each bucket's reduce-scatter from the backward as soon as it is complete (the bucketed DDP "
         "always overlaps its all-reduces; chapter 07)"))
@@ -352,7 +352,7 @@ class TrainConfig:
         "ep, ranks the experts of a layer are spread over (chapter 05); expert dp = world size / (etp x ep x pp)"),
         ok=AT_LEAST_1)
     expert_tensor_parallel_size: int | None = opt(None, "parallelism", (
-        "etp, ranks each expert's matrices are cut over (chapter 05); unset: tp"))
+        "etp, ranks each expert's matrices are cut over (chapter 05); unset: tp"), ok=AT_LEAST_1)
     moe_token_dispatcher_type: str = opt("alltoall", "moe", (
         "how tokens reach the ranks of their experts: alltoall or allgather"), one_of=("alltoall", "allgather"))
     # mixed precision (chapter 06): 16-bit parameters and activations (the model's params_dtype
@@ -364,7 +364,8 @@ class TrainConfig:
         "float16 mixed precision with loss scaling: fp16 parameters and activations, float32 main parameters (sets "
         "--params-dtype float16; chapter 06)"))
     loss_scale: float | None = opt(None, "mixed precision", (
-        "a constant loss scale (a power of 2); unset: dynamic with --fp16, none with --bf16 (chapter 06)"))
+        "a constant loss scale (a power of 2); unset: dynamic with --fp16, none with --bf16 (chapter 06)"),
+        ok=POSITIVE)
     initial_loss_scale: float = opt(2.0 ** 32, "mixed precision", "--fp16's dynamic loss scale to start from")
     min_loss_scale: float = opt(1.0, "mixed precision", "the dynamic loss scale never drops below this")
     loss_scale_window: int = opt(1000, "mixed precision", (
@@ -378,7 +379,7 @@ class TrainConfig:
     # FP8 (chapter 06): the transformer layers' GEMMs in FP8 (fp8/), Megatron's flags
     fp8_format: str | None = opt(None, "mixed precision", (
         "the transformer layers' GEMMs in FP8: hybrid (e4m3 forward, e5m2 output gradients) or e4m3; unset: no FP8 "
-        "(chapter 06)"))
+        "(chapter 06)"), one_of=("hybrid", "e4m3"))
     fp8_recipe: str = opt("delayed", "mixed precision", (
         "how FP8 tensors are scaled: tensorwise, delayed, blockwise or mxfp8"),
         one_of=("tensorwise", "delayed", "blockwise", "mxfp8"))
@@ -399,7 +400,7 @@ class TrainConfig:
         "activation recompute (chapter 07): full (whole layers, in units) or selective (the parts "
         "--recompute-modules names); unset: none"),
         switches=[("--recompute-activations", "selective", "selective recompute of --recompute-modules (Megatron's "
-                                                           "older switch)")])
+                                                           "older switch)")], one_of=("full", "selective"))
     recompute_method: str | None = opt(None, "training", (
         "full recompute: uniform (every --recompute-num-layers layers one unit) or block (the first "
         "--recompute-num-layers layers of each chunk)"))
@@ -468,12 +469,7 @@ class TrainConfig:
              f"overlap_grad_reduce / overlap_param_gather with zero_stage={self.zero_stage}: they time "
              f"ZeRO-1/2's reduce-scatters and all-gathers (the bucketed DDP always overlaps its all-reduces; ZeRO-3 "
              f"gathers per unit)")
-        need(self.ddp_bucket_size is None or self.ddp_bucket_size > 0,
-             f"ddp_bucket_size={self.ddp_bucket_size} must be positive")
-        need(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
-             f"expert_tensor_parallel_size={self.expert_tensor_parallel_size} must be >= 1")
         need(not (self.bf16 and self.fp16), "bf16 and fp16 are both set: choose one")
-        need(self.loss_scale is None or self.loss_scale > 0, f"loss_scale={self.loss_scale} must be positive")
         if self.loss_scale is not None:
             need(self.bf16 or self.fp16, f"loss_scale={self.loss_scale:g} without fp16 or bf16: a float32 run has no "
                                          f"loss scaler, and the scale would be ignored (--loss-scale goes with --fp16 "
@@ -485,7 +481,6 @@ class TrainConfig:
         need(0 < self.min_loss_scale <= self.initial_loss_scale,
              f"min_loss_scale={self.min_loss_scale} must be in (0, initial_loss_scale={self.initial_loss_scale}]")
         need(not self.grad_reduce_in_bf16 or self.bf16, "grad_reduce_in_bf16 needs bf16")
-        need(self.fp8_format in (None, "hybrid", "e4m3"), f"fp8_format={self.fp8_format!r} is not 'hybrid' or 'e4m3'")
         need(self.fp8_format is not None or self.fp8_recipe == "delayed",
              f"fp8_recipe={self.fp8_recipe!r} without fp8_format: no FP8 at all, the run would train in "
              f"{'bf16' if self.bf16 else 'fp16' if self.fp16 else 'float32'} (add --fp8-format hybrid or e4m3)")
@@ -523,8 +518,6 @@ class TrainConfig:
         """Megatron's rules (TransformerConfig.__post_init__, checked on main d98e8a6): full needs
         a method and a number of layers; selective takes neither, and its modules from the list."""
         granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        need(granularity in (None, "full", "selective"),
-             f"recompute_granularity={granularity!r} is not 'full' or 'selective'")
         if granularity == "full":
             need(method in ("uniform", "block"),
                  f"recompute_granularity='full' needs recompute_method 'uniform' or 'block', got {method!r}")
