@@ -147,23 +147,19 @@ def all_gather(t, group, dim=0, sizes=None, tag=None):
     n = group_size(group)
     if n == 1:
         return t
-    shard = t.movedim(dim, 0)  # gather along dim 0, where every shard is one contiguous block
-    if sizes is None or len(set(sizes)) == 1:
-        shard = shard.contiguous()
-        out = shard.new_empty((n * shard.shape[0], *shard.shape[1:]))
-        all_gather_into_tensor(out, shard, group, tag)
-        return out.movedim(0, dim).contiguous()
-    sizes = [int(s) for s in sizes]
+    shard = t.movedim(dim, 0).contiguous()  # gather along dim 0, where every shard is one contiguous block
+    sizes = [shard.shape[0]] * n if sizes is None else [int(s) for s in sizes]
     if len(sizes) != n or sizes[group_rank(group)] != shard.shape[0]:
         raise ValueError(f"all_gather: sizes={sizes} must list the {n} members' sizes along "
                          f"dim {dim}; this member has {shard.shape[0]}")
     largest = max(sizes)
-    padded = shard.new_zeros((largest, *shard.shape[1:]))
-    padded[: shard.shape[0]] = shard
-    out = padded.new_empty((n * largest, *shard.shape[1:]))
-    all_gather_into_tensor(out, padded, group, tag)
-    pieces = [out[i * largest: i * largest + s] for i, s in enumerate(sizes)]
-    return torch.cat(pieces).movedim(0, dim).contiguous()
+    if shard.shape[0] < largest:                                 # gloo gathers equal shards: pad with zeros
+        shard = torch.cat([shard, shard.new_zeros((largest - shard.shape[0], *shard.shape[1:]))])
+    out = shard.new_empty((n * largest, *shard.shape[1:]))
+    all_gather_into_tensor(out, shard, group, tag)
+    if len(set(sizes)) > 1:                                      # cut the padding off
+        out = torch.cat([out[i * largest: i * largest + s] for i, s in enumerate(sizes)])
+    return out.movedim(0, dim).contiguous()
 
 
 @_eager
