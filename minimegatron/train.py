@@ -179,8 +179,6 @@ def local_microbatch(dataset: GPTDataset, step: int, micro_batch_size: int, inde
 class TrainResult:
     losses: list[float] = field(default_factory=list)               # one per step, from step 0
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
-    out_dir: str = ""
-    checkpoint: str | None = None
     last_step_communication: list = field(default_factory=list)    # comm records of the last step
     seconds: float = 0.0                                            # the loop's wall clock (machine-dependent)
     local_parameters: dict = field(default_factory=dict)           # {"dense", "experts"}: elements this rank holds
@@ -195,8 +193,7 @@ def build_datasets(model_cfg: ModelConfig, cfg: TrainConfig) -> tuple[GPTDataset
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has vocab_size={tokenizer.vocab_size} > "
                           f"model vocab_size={model_cfg.vocab_size}")
-    prefix = cfg.data_path or build_default_corpus()
-    indexed = IndexedDataset(prefix, vocab_size=model_cfg.vocab_size)   # every id has an embedding row
+    indexed = IndexedDataset(cfg.data_path or build_default_corpus(), vocab_size=model_cfg.vocab_size)  # ids < vocab
     masks = dict(eod=tokenizer.eod, reset_position_ids=cfg.reset_position_ids,
                  reset_attention_mask=cfg.reset_attention_mask, eod_mask_loss=cfg.eod_mask_loss)
     return tuple(GPTDataset(indexed, cfg.seq_length, seed=cfg.data_seed, split=docs, **masks)     # train, valid
@@ -265,7 +262,7 @@ def _run(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, train_ds: GPT
         p2p = PipelineComm(layout.pp_ranks, layout.pp_rank, len(chunks),
                            (cfg.micro_batch_size, local_seq, model_cfg.hidden_size), model_cfg.dtype, device,
                            overlap_p2p_comm=cfg.overlap_p2p_comm)
-    result = TrainResult(out_dir=cfg.out_dir, local_parameters=local_parameter_counts(chunks))
+    result = TrainResult(local_parameters=local_parameter_counts(chunks))
     start = 0
     if checkpoint is not None:
         restore_state(checkpoint, chunks, optimizer, model_cfg, cfg, layout)
@@ -316,8 +313,7 @@ def _run(model_cfg: ModelConfig, cfg: TrainConfig, layout: Layout, train_ds: GPT
                                  or exiting):
                 set_doing(f"saving iteration {done}")
                 check_finite_parameters(chunks, optimizer, done)
-                result.checkpoint = save_state(cfg, model_cfg, done, chunks, optimizer, layout, result.losses,
-                                               result.eval_losses)
+                save_state(cfg, model_cfg, done, chunks, optimizer, layout, result.losses, result.eval_losses)
             if exiting:                         # Megatron's --exit-interval: saved first, then stop
                 if layout.rank == 0:
                     print(f"--exit-interval {cfg.exit_interval}: stopping after iteration {done}")
