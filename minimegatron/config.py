@@ -1,16 +1,17 @@
 """Configuration dataclasses: the model and the training run (its parallel sizes included).
 
-Each field is declared once, with its command line (`opt`): Megatron-LM's flag spelling
-(`--hidden-size` -> `hidden_size`), the --help group and a one-line help; arguments.py
-builds the parser of `python -m minimegatron.train` from them.
+Each field is declared once, with its command line (`opt`): the --help group, a one-line
+help, Megatron-LM's flag spelling where it is not the field's name (`hidden_size` ->
+`--hidden-size`), and its own rule (> 0, one of ...); arguments.py builds the parser of
+`python -m minimegatron.train` from them.
 
 Every config has a `validate()` that raises `ConfigError` (a `ValueError`) naming the
 field and the numbers, e.g.
 
     ConfigError: hidden_size=100 is not divisible by num_attention_heads=3
 
-Validation runs before any process is spawned or any tensor allocated, and checks first
-that every float field is finite (`check_finite`).
+Validation runs before any process is spawned or any tensor allocated: first every float
+field finite, then each field's own rule (`check_fields`), then the rules that relate fields.
 """
 
 from __future__ import annotations
@@ -53,18 +54,14 @@ AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
 IN_0_1 = (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
 
 
-def check_finite(cfg: Any) -> None:
-    """ConfigError naming the first float field of the dataclass `cfg` that is inf or nan (run
-    first: nan fails every comparison, `not nan < 0` included, and inf passes every "> 0")."""
+def check_fields(cfg: Any) -> None:
+    """ConfigError naming the first float field of the dataclass `cfg` that is inf or nan (checked
+    first: nan fails every comparison, and inf passes every "> 0"), else the first field whose value
+    (unless unset, None) breaks its own rule (opt's `ok` or `one_of`); validate then relates fields."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{f.name}={value} must be a finite number")
-
-
-def check_fields(cfg: Any) -> None:
-    """ConfigError for the first field of the dataclass `cfg`, in declaration order, whose value
-    (unless unset, None) breaks its own rule (opt's `ok` or `one_of`); validate then relates fields."""
     for f in dataclasses.fields(cfg):
         if getattr(cfg, f.name) is not None and f.metadata["ok"]:
             need_each(cfg, (f.name,), *f.metadata["ok"])
@@ -217,7 +214,6 @@ class ModelConfig:
 
     # ---- validation ----------------------------------------------------------------
     def validate(self) -> "ModelConfig":
-        check_finite(self)
         check_fields(self)
         need(self.num_query_groups is None or self.num_query_groups > 0,
              f"num_query_groups={self.num_query_groups} must be positive (leave it unset for multi-head attention, "
@@ -446,7 +442,6 @@ class TrainConfig:
         """ConfigError naming the field and the numbers for any value that cannot train; with
         the `model`, also what depends on it (the sequence length, the largest learning rate
         AdamW can take in the model's dtype: adamw_step_bound)."""
-        check_finite(self)
         check_fields(self)
         need(0 <= self.min_lr <= self.lr, f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         need(0 <= self.lr_warmup_iters <= self.train_iters,
@@ -564,5 +559,5 @@ to_dict = dataclasses.asdict            # a config as a plain dict (stored in ch
 
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "to_dict",
-           "dtype_from_name", "check_finite", "check_fields", "adamw_step_bound", "DTYPES",
+           "dtype_from_name", "check_fields", "adamw_step_bound", "DTYPES",
            "DEFAULT_RECOMPUTE_MODULES", "AMAX_HISTORY_LEN_TE"]
