@@ -22,23 +22,20 @@ Every formula here is tested against a measurement of the real model (numel of p
 FlopCounterMode, torch.optim.AdamW's state, saved_tensors_hooks), never against itself.
 """
 
-from .activations import (INDEX_BYTES, activation_memory, attention_operands_share_qkv_output,
-                          korthikanti_activation_memory, measure_saved_activation_bytes)
+from .activations import INDEX_BYTES, activation_memory, korthikanti_activation_memory, measure_saved_activation_bytes
 from .communication import (ROUTING_DEPENDENT, fp8_amax_reductions, gradient_element_size, rank_parameters,
                             step_communication)
 from .flops import flops_per_token_6n, megatron_mlp_flops, narayanan2021_flops_per_iteration, training_flops
 from .memory import adam_bytes_per_parameter, as_dtype, bytes_per_element, training_memory
 from .params import count_parameters, tensor_parallel_parameters
-from .report import (GiB, REAL_MODELS, does_it_fit, format_bytes, format_memory_report,
-                     memory_report, real_model_config)
+from .report import GiB, REAL_MODELS, does_it_fit, format_memory_report, memory_report, real_model_config
 
 __all__ = [
     "ROUTING_DEPENDENT", "rank_parameters", "step_communication", "fp8_amax_reductions", "gradient_element_size",
     "count_parameters", "tensor_parallel_parameters",
     "flops_per_token_6n", "training_flops", "megatron_mlp_flops", "narayanan2021_flops_per_iteration",
     "adam_bytes_per_parameter", "training_memory", "bytes_per_element", "as_dtype",
-    "activation_memory", "korthikanti_activation_memory", "measure_saved_activation_bytes",
-    "attention_operands_share_qkv_output", "INDEX_BYTES",
-    "memory_report", "format_memory_report", "format_bytes", "does_it_fit",
+    "activation_memory", "korthikanti_activation_memory", "measure_saved_activation_bytes", "INDEX_BYTES",
+    "memory_report", "format_memory_report", "does_it_fit",
     "real_model_config", "REAL_MODELS", "GiB",
 ]

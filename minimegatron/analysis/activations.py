@@ -226,5 +226,4 @@ def measure_saved_activation_bytes(model: nn.Module, tokens: torch.Tensor, label
     return sum(storage.nbytes() for storage in saved.values())
 
 
-__all__ = ["activation_memory", "korthikanti_activation_memory", "measure_saved_activation_bytes",
-           "attention_operands_share_qkv_output", "INDEX_BYTES"]
+__all__ = ["activation_memory", "korthikanti_activation_memory", "measure_saved_activation_bytes", "INDEX_BYTES"]

@@ -76,10 +76,10 @@ from ..pp import stage_layers
 from ..tp.layers import pad_vocab_size
 from .params import count_parameters
 
-__all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT", "gradient_element_size",
-           "fp8_amax_reductions", "tensor_parallel_messages", "context_parallel_messages", "context_parallel_step_messages", "dispatcher_messages",
-           "dispatcher_step_messages", "pipeline_messages", "grad_norm_messages", "zero_bucket_numels", "zero3_unit_numels",
-           "data_parallel_phases"]
+__all__ = ["rank_parameters", "step_communication", "ROUTING_DEPENDENT", "gradient_element_size", "fp8_amax_reductions",
+           "tensor_parallel_messages", "context_parallel_messages", "context_parallel_step_messages",
+           "dispatcher_step_messages", "pipeline_messages", "grad_norm_messages", "zero_bucket_numels",
+           "zero3_unit_numels", "data_parallel_phases"]
 
 # the dispatcher's messages whose sizes depend on the routing: checked by their sums instead
 ROUTING_DEPENDENT = ("moe-combine", "moe-dispatch-bwd", "moe-etp", "moe-etp-bwd", "fp8-amax-experts")

@@ -120,5 +120,4 @@ def does_it_fit(name: str = "gpt3-175b", *, device_memory_gib: float = 80, batch
     return report
 
 
-__all__ = ["REAL_MODELS", "GiB", "real_model_config", "memory_report", "format_bytes",
-           "format_memory_report", "does_it_fit"]
+__all__ = ["REAL_MODELS", "GiB", "real_model_config", "memory_report", "format_memory_report", "does_it_fit"]

@@ -372,5 +372,5 @@ class FullyShardedDataParallel(DataParallel):
         self.profile.append(MemoryEvent(label, sharded, sum(self._alive().values())))
 
 
-__all__ = ["Unit", "UnitPlan", "gpt_unit_plan", "gather_unit_parameters", "FullyShardedDataParallel", "MemoryEvent",
+__all__ = ["Unit", "gpt_unit_plan", "gather_unit_parameters", "FullyShardedDataParallel", "MemoryEvent",
            "observe_saved_tensors"]

@@ -24,13 +24,12 @@ The planner may import every layer of the library but the training loop; nothing
 from .cluster import CLUSTERS, Cluster
 from .megatron_formulas import (megatron_activation_bytes, megatron_flops, megatron_theoretical_memory,
                                 megatron_weight_and_optimizer_bytes)
-from .models import MODELS, PatternedMoEConfig, model_names, planner_model
+from .models import model_names, planner_model
 from .rank_memory import rank_memory
 from .search import Layout, Plan, SearchResult, search
 from .step_time import step_estimate
 from .table import format_plan
 
-__all__ = ["Cluster", "CLUSTERS", "megatron_flops", "megatron_weight_and_optimizer_bytes",
-           "megatron_activation_bytes", "megatron_theoretical_memory", "MODELS", "PatternedMoEConfig",
-           "model_names", "planner_model", "rank_memory", "Layout", "Plan", "SearchResult", "search",
-           "step_estimate", "format_plan"]
+__all__ = ["Cluster", "CLUSTERS", "megatron_flops", "megatron_weight_and_optimizer_bytes", "megatron_activation_bytes",
+           "megatron_theoretical_memory", "model_names", "planner_model", "rank_memory", "Layout", "Plan",
+           "SearchResult", "search", "step_estimate", "format_plan"]

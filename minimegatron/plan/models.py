@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from ..analysis import REAL_MODELS, real_model_config
 from ..arguments import PRESETS
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, opt
 
-__all__ = ["PatternedMoEConfig", "MODELS", "planner_model", "model_names"]
+__all__ = ["planner_model", "model_names"]
 
 
 @dataclass
@@ -27,7 +27,7 @@ class PatternedMoEConfig(ModelConfig):
     moe_layer_pattern[i] = 1 when layer i holds experts. For the planner's formulas (they ask
     `is_moe_layer`); the book's model is not built from it."""
 
-    moe_layer_pattern: tuple[int, ...] | None = None
+    moe_layer_pattern: tuple[int, ...] | None = opt(None, "moe", "1 for each layer that holds experts")
 
     def is_moe_layer(self, layer_number: int) -> bool:
         if self.moe_layer_pattern is None:

@@ -39,8 +39,7 @@ from .megatron_formulas import megatron_flops
 from .rank_memory import layer_activation_bytes, rank_memory, rank_states
 from .step_time import compute_bound, step_estimate
 
-__all__ = ["Layout", "Plan", "SearchResult", "search", "USABLE_MEMORY", "MIN_TOKENS_PER_CP_RANK",
-           "RECOMPUTE_CHOICES"]
+__all__ = ["Layout", "Plan", "SearchResult", "search", "USABLE_MEMORY"]
 
 USABLE_MEMORY = 0.9
 MIN_TOKENS_PER_CP_RANK = 1024

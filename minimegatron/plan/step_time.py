@@ -35,8 +35,7 @@ from .megatron_formulas import megatron_flops
 from ..tp.layers import pad_vocab_size
 from .rank_memory import pipeline_kind
 
-__all__ = ["COMPUTE_EFFICIENCY", "step_estimate", "compute_bound", "stage_messages", "wire_bytes", "group_shapes",
-           "DIMENSIONS"]
+__all__ = ["COMPUTE_EFFICIENCY", "step_estimate", "compute_bound", "stage_messages", "wire_bytes", "group_shapes"]
 
 # The share of the peak FLOP/s the GEMMs of a step reach when nothing waits for the network.
 # End-to-end, well-tuned Megatron-style runs report 38-43% MFU for Llama 3 405B on 16K H100s
