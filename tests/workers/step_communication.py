@@ -19,22 +19,22 @@ def measure_layouts(layouts: list[tuple]) -> list[dict]:
     """For each (name, model_cfg, train_cfg, dp): this rank's summary as run_report._summary
     gives it ("pp_rank", "ep_group", "params", "records"), of one training step; the
     full-model gathers train_layout does for its own record (tags "full", "inspect") left out."""
-    import minimegatron.train as train_module
+    import minimegatron.testing as testing_module
     out = []
     for name, model, cfg, dp in layouts:
         batches = make_batches(model, 1, cfg.micro_batch_size * cfg.grad_accum_steps * dp, cfg.seq_length)
-        records, real_step = [], train_module.train_step
+        records, real_step = [], testing_module.train_step
 
         def recorded_step(*args, **kwargs):
             with comm.record_communication() as ledger:
                 result = real_step(*args, **kwargs)
             records.extend(r for r in ledger if r.tag not in ("full", "inspect"))
             return result
-        train_module.train_step = recorded_step              # train_layout looks it up at every step
+        testing_module.train_step = recorded_step            # train_layout looks it up at every step
         try:
             _, chunks, layout, _ = train_layout(model, cfg, dp, batches)
         finally:
-            train_module.train_step = real_step
+            testing_module.train_step = real_step
         groups = {k: get_group_ranks(k) for k in KEYS_OF_THIS_RANK}
         out.append({"name": name, "pp_rank": layout.pp_rank, "ep_group": groups["ep"], "pp_group": groups["pp"],
                     "params": local_parameter_counts(chunks),
