@@ -68,8 +68,8 @@ from minimegatron.testing import (EquivalenceReport, RunRecord, compare_runs, lo
 from minimegatron.tp import apply_tensor_parallel
 from minimegatron.resume import initialize_layout
 from minimegatron.train import before_optimizer_step, train_step
-from booktools.demo import (Run, add_training_flags, check_at_least_one, demo_parser, import_chapter, model_line,
-                            run_demo, verdict_line)
+from booktools.demo import (Results, Run, add_training_flags, check_at_least_one, demo_parser, import_chapter,
+                            model_line, run_demo, verdict_line)
 
 # A rank calls exercise 3.2 (stage_layers) as pipeline.stage_layers, an attribute of the
 # package minimegatron.pp: a grader's plug (booktools.exercises) swaps it there.
@@ -368,7 +368,27 @@ def build_run(args: argparse.Namespace, dp: int) -> PPRun:
                     steps=args.steps if args.steps is not None else (2 if args.quick else 3), zero_stage=args.zero_stage)
 
 
-def report(args, run: PPRun, per_rank: list[dict]) -> str:
+@dataclass
+class PPResults(Results):
+    """What the report printed, per stage of pipeline 0: micro-batch-chunks held at once
+    (measured, the schedule's) and the bytes saved at the peak; p2p calls, bytes and the
+    formula's bytes per step; the idle fraction (measured, simulated; 3 decimals as printed);
+    the largest differences from the single-device run (2 digits as printed)."""
+    max_loss_diff: float = 0.0
+    max_grad_diff: float = 0.0
+    max_param_diff: float = 0.0
+    held: list = field(default_factory=list)
+    held_schedule: list = field(default_factory=list)
+    held_bytes: list = field(default_factory=list)
+    p2p_calls: list = field(default_factory=list)
+    p2p_bytes: list = field(default_factory=list)
+    p2p_formula: list = field(default_factory=list)
+    measured_idle: list = field(default_factory=list)
+    simulated_idle: list = field(default_factory=list)
+
+
+def report(args, run: PPRun, per_rank: list[dict]) -> PPResults:
+    """Check the run, print the report (and draw its timelines); return its results."""
     print(model_line(run.model, f" ({run.model.num_layers // (run.pp * run.num_chunks)} per virtual stage)"))
     print()
     result = check_run(run, per_rank)
@@ -376,10 +396,14 @@ def report(args, run: PPRun, per_rank: list[dict]) -> str:
     if args.figure:               # the figure code lives with the chapter's other figures
         import_chapter("03", "make_figures").draw_run(run, per_rank, args.figure)
         print(f"      timelines: {args.figure}")
-    return summary_line([result])
+    e = result.equivalence
+    return PPResults(0, summary_line([result]),
+                     *(float(f"{x:.1e}") for x in (e.max_loss_diff, e.max_grad_diff, e.max_param_diff)),
+                     *map(list, zip(*result.peaks)), *map(list, zip(*result.p2p)),
+                     [round(x, 3) for x in result.measured_idle], [round(x, 3) for x in result.simulated_idle])
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> PPResults:
     return run_demo(parse_args(argv), "03", build_run, train_run, report,
                     model_parallel=lambda args: {"tp": args.tp, "pp": args.pp})
 

@@ -39,9 +39,9 @@ share 2 cores, and other jobs may run on the machine).
 
 from __future__ import annotations
 
-import re
 import statistics
 import sys
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -54,7 +54,7 @@ from minimegatron.launch import spawn  # noqa: E402
 from minimegatron.pp import (Interval, bubble_fraction, idle_fraction, num_warmup_microbatches,  # noqa: E402
                              peak_in_flight, schedule, simulate)
 from booktools.demo import import_chapter  # noqa: E402
-from booktools.measured import RoundOff, claim, grab, numbers_of, parse_number  # noqa: E402
+from booktools.measured import RoundOff, claim  # noqa: E402
 from minimegatron.viz import draw_rank_grid, new_figure  # noqa: E402
 
 ch03 = import_chapter("03")        # chapters/03_pp/demo.py: the runs and their checks
@@ -177,7 +177,8 @@ def schedules_section() -> None:
     plt.close(fig)
 
 
-def bubble_section() -> None:
+def bubble_section() -> int:
+    """Figure 2 and the table; returns how many simulated points equal the formula."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
     checked = 0
     for ax, p in zip(axes, (4, 8)):
@@ -226,6 +227,7 @@ def bubble_section() -> None:
         over = [bubble_fraction("1f1b" if v == 1 else "interleaved", p, m, v)["bubble_over_ideal"] for v in (1, 2, 4)]
         print(f"{p:>3}{m:>4}   " + "  ".join(f"{x:6.3f}" for x in idle) + "              "
               + "  ".join(f"{x:6.3f}" for x in over))
+    return checked
 
 
 def rank_grid_section() -> None:
@@ -303,13 +305,15 @@ def check_real(runs, per_run) -> dict:
         print("  idle fraction, last step's wall clock: "
               + " ".join(f"{x:.3f}" for x in report.measured_idle)
               + f"   (formula {idle_formula(run.pp, run.micro_batches, run.num_chunks):.3f})")
-        out[(run.kind, run.pp, run.dp)] = {"rows": rows, "report": report, "per_rank": per_rank}
+        out[(run.kind, run.pp, run.dp)] = {"rows": rows, "report": report, "per_rank": per_rank, "name": name}
     return out
 
 
-def ledger_section(run: ch03.PPRun, per_rank: list[dict]) -> None:
+def ledger_section(run: ch03.PPRun, per_rank: list[dict]) -> dict[str, dict[str, list[int]]]:
     """Every collective of one step of pp=2 x dp=2 interleaved, per rank; the DP sync runs
-    once per chunk and step (with the chunk's last backward), not once per micro-batch."""
+    once per chunk and step (with the chunk's last backward), not once per micro-batch.
+    Returns {rank: {"op tag": [calls, bytes]}}."""
+    found = {}
     print(f"\n== one step of interleaved v=2, pp=2 x dp=2, m={run.micro_batches}: every rank's calls "
           "(op, tag): count, bytes")
     groups = parallel_state.rank_groups(4, pp=2)
@@ -322,6 +326,7 @@ def ledger_section(run: ch03.PPRun, per_rank: list[dict]) -> None:
             c[1] += nbytes
         print(f"  rank {rank} (stage {rec['pp_rank']}, dp rank {rec['dp_rank']}, layers {rec['layers']}): "
               + "; ".join(f"{op} {tag} x{n} {b:,} B" for (op, tag), (n, b) in sorted(calls.items())))
+        found[str(rank)] = {f"{op} {tag}": c for (op, tag), c in sorted(calls.items())}
         grads, grad_bytes = calls.get(("all_reduce", "grads"), [0, 0])
         held = rec["numel"]                    # every parameter this rank holds, a tied copy included
         if grads != run.num_chunks or grad_bytes != 8 * held:
@@ -330,9 +335,11 @@ def ledger_section(run: ch03.PPRun, per_rank: list[dict]) -> None:
         for tag in ("embedding-grads", "grad-norm", "loss"):
             if calls.get(("all_reduce", tag), [0])[0] != 1:
                 fail(f"rank {rank}: expected exactly one all-reduce {tag!r}, got {calls.get(('all_reduce', tag))}")
+    return found
 
 
-def draw_measured(run: ch03.PPRun, per_rank: list[dict]) -> None:
+def draw_measured(run: ch03.PPRun, per_rank: list[dict]) -> dict[str, float]:
+    """Figure 3; returns the median forward and backward (ms) and their ratio, as printed."""
     measured = ch03.measured_timeline(per_rank)
     fig, (real, sim) = plt.subplots(2, 1, figsize=(12, 6.6))
     plot_timeline(measured, f"measured: the last of 3 steps of 1F1B, pp = {run.pp}, m = {run.micro_batches}, "
@@ -351,9 +358,11 @@ def draw_measured(run: ch03.PPRun, per_rank: list[dict]) -> None:
     wait = sum(i.end - i.start for i in measured if i.op == "recv wait")
     span = max(i.end for i in measured) - min(i.start for i in measured)
     tf, tb = statistics.median(f), statistics.median(b)
-    print(f"\n== the measured 1F1B step: {span * 1e3:.0f} ms; median forward {tf * 1e3:.2f} ms, "
-          f"median backward {tb * 1e3:.2f} ms (t_b / t_f = {tb / tf:.2f}); "
+    found = {"forward_ms": round(tf * 1e3, 2), "backward_ms": round(tb * 1e3, 2), "tb_over_tf": round(tb / tf, 2)}
+    print(f"\n== the measured 1F1B step: {span * 1e3:.0f} ms; median forward {found['forward_ms']:.2f} ms, "
+          f"median backward {found['backward_ms']:.2f} ms (t_b / t_f = {found['tb_over_tf']:.2f}); "
           f"{wait * 1e3:.0f} ms blocked in receives over the 4 stages")
+    return found
 
 
 def draw_activations(real: dict) -> None:
@@ -450,55 +459,18 @@ RUNS = {
     "demo-3d": "torchrun --standalone --nproc_per_node=8 chapters/03_pp/demo.py --tp 2 --pp 2 --dp 2",
 }
 
-_STAGE_ROW = re.compile(r"^  stage (?P<stage>\d+): layers .*; in flight (?P<count>\d+) \(formula \d+\); "
-                        r"(?P<peak>[\d,]+) bytes at the peak; per micro-batch-chunk (?P<chunks>[\d, ]+); "
-                        r"p2p (?P<p2p>[\d,]+) bytes/step")
-_LEDGER_CALL = re.compile(r"(?P<op>\w+) (?P<tag>[\w-]+) x(?P<count>\d+) (?P<bytes>[\d,]+) B")
-
-
-def _int(text: str) -> int:
-    return int(text.replace(",", ""))
-
-
-def stage_rows(output: list[str]) -> dict[str, list[dict]]:
-    """check_real's printout, per pipeline ("1f1b, pp=4 x dp=1", "interleaved v=2, pp=2 x dp=2"):
-    each stage's {"count", "peak", "chunks", "p2p"} (in flight, bytes at the peak, bytes saved
-    by one micro-batch-chunk of each chunk, p2p bytes per step)."""
-    rows, name = {}, None
-    for line in output:
-        if line.startswith("== ") and ": MATCH with one device" in line:
-            name = line[3:].split(", m=")[0]
-            rows[name] = []
-        elif name and (m := _STAGE_ROW.match(line)):
-            rows[name].append({"count": int(m["count"]), "peak": _int(m["peak"]), "p2p": _int(m["p2p"]),
-                               "chunks": [_int(x) for x in m["chunks"].split(", ")]})
-    return rows
-
-
-def ledger_calls(output: list[str], rank: int) -> dict[tuple[str, str], tuple[int, int]]:
-    """ledger_section's line of one rank: {(op, tag): (calls, bytes)} over one step."""
-    line = next(line for line in output if line.startswith(f"  rank {rank} (stage"))
-    return {(m["op"], m["tag"]): (int(m["count"]), _int(m["bytes"])) for m in _LEDGER_CALL.finditer(line)}
-
-
-def numbers_after(output: list[str], prefix: str) -> list[float]:
-    """The numbers of the first line that starts (after its indent) with `prefix`."""
-    line = next(line for line in output if line.strip().startswith(prefix))
-    return [parse_number(x) for x in numbers_of(line[line.index(prefix) + len(prefix):])]
-
-
 def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number of the README and the notebook's markdown that the code computes or the runs
-    measure, by marker key."""
+    measure, by marker key: the runs' results (FiguresResults, demo.PPResults) or the package's
+    functions."""
     values = {}
-    figures, demo, demo3d = outputs["figures"], outputs["demo-1f1b"], outputs["demo-3d"]
+    figures, demo, demo3d = results["figures"], results["demo-1f1b"], results["demo-3d"]
 
     # §2.1 what travels: the demo's ledger (1F1B), make_figures' interleaved run (v = 2)
-    end, middle = (rf"stage {s}: (\d+) sends\+receives, ([\d,]+) bytes" for s in (0, 1))
-    values |= {"p2p_message_bytes": grab(demo, end, 2) / grab(demo, end, 1),
-               "p2p_end_messages": grab(demo, end, 1), "p2p_end_bytes": grab(demo, end, 2),
-               "p2p_middle_messages": grab(demo, middle, 1), "p2p_middle_bytes": grab(demo, middle, 2)}
-    real = stage_rows(figures)
+    (end_calls, middle_calls), (end_bytes, middle_bytes) = demo["p2p_calls"][:2], demo["p2p_bytes"][:2]
+    values |= {"p2p_message_bytes": end_bytes / end_calls, "p2p_end_messages": end_calls, "p2p_end_bytes": end_bytes,
+               "p2p_middle_messages": middle_calls, "p2p_middle_bytes": middle_bytes}
+    real = figures["pipelines"]
     interleaved, one_f_one_b, gpipe = (real[f"{k}, pp=4 x dp=1"] for k in ("interleaved v=2", "1f1b", "gpipe"))
     values |= {"p2p_interleaved_end_bytes": interleaved[0]["p2p"],
                "p2p_interleaved_middle_bytes": interleaved[1]["p2p"]}
@@ -512,19 +484,17 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     values |= {"makespan_1f1b": makespans["1f1b"], "makespan_interleaved": makespans["interleaved"]}
 
     # §4.1 the bubble: the figure's simulated points and the table (and the questions' p = 8, m = 32)
-    values["bubble_points"] = grab(figures, r"the bubble: (\d+) simulated points")
+    values["bubble_points"] = figures["bubble_points"]
     for p, m in ((4, 4), (4, 8), (4, 32), (8, 8), (8, 32), (8, 64)):
         for v in (1, 2, 4):
             b = bubble_fraction("1f1b" if v == 1 else "interleaved", p, m, v)
             values |= {f"idle_p{p}_m{m}_v{v}": b["idle"], f"over_ideal_p{p}_m{m}_v{v}": b["bubble_over_ideal"]}
 
     # §4.2 the demo's run and Figure 3 (wall clock: machine-dependent, never claimed fixed)
-    values["demo_max_dloss"] = RoundOff(grab(demo, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)"))
-    idle = numbers_after(demo, "measured, last step:")
+    values["demo_max_dloss"] = RoundOff(demo["max_loss_diff"])
+    idle = demo["measured_idle"]
     values |= {"demo_measured_idle_min": min(idle), "demo_measured_idle_max": max(idle)}
-    values |= {"figure3_forward_ms": grab(figures, r"median forward ([\d.]+) ms"),
-               "figure3_backward_ms": grab(figures, r"median backward ([\d.]+) ms"),
-               "figure3_tb_over_tf": grab(figures, r"t_b / t_f = ([\d.]+)")}
+    values |= {f"figure3_{k}": x for k, x in figures["figure3"].items()}
 
     # §5 activation memory: counts from the schedules, bytes measured by make_figures' runs
     for kind, v in KINDS:
@@ -548,28 +518,26 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     values["warmup_interleaved_stage0"] = num_warmup_microbatches("interleaved", P, 0, M, V)
 
     # §6.1 one step of interleaved v = 2 on pp = 2 x dp = 2: every rank's collectives
-    stage0, stage1 = ledger_calls(figures, 0), ledger_calls(figures, 2)
-    p2p = [stage0[key] for key in stage0 if key[1].startswith("pp-")]
-    values |= {"ledger_dp_allreduces": stage0[("all_reduce", "grads")][0],
-               "ledger_dp_bytes_stage0": stage0[("all_reduce", "grads")][1],
-               "ledger_dp_params_stage0": stage0[("all_reduce", "grads")][1] // 8,
-               "ledger_dp_bytes_stage1": stage1[("all_reduce", "grads")][1],
-               "ledger_dp_params_stage1": stage1[("all_reduce", "grads")][1] // 8,
-               "ledger_tied_allreduces": stage0[("all_reduce", "embedding-grads")][0],
-               "ledger_tied_bytes": stage0[("all_reduce", "embedding-grads")][1],
-               "ledger_norm_allreduces": stage0[("all_reduce", "grad-norm")][0],
-               "ledger_loss_allreduces": stage0[("all_reduce", "loss")][0],
+    stage0, stage1 = figures["ledger"]["0"], figures["ledger"]["2"]
+    p2p = [stage0[key] for key in stage0 if key.split()[1].startswith("pp-")]
+    values |= {"ledger_dp_allreduces": stage0["all_reduce grads"][0],
+               "ledger_dp_bytes_stage0": stage0["all_reduce grads"][1],
+               "ledger_dp_params_stage0": stage0["all_reduce grads"][1] // 8,
+               "ledger_dp_bytes_stage1": stage1["all_reduce grads"][1],
+               "ledger_dp_params_stage1": stage1["all_reduce grads"][1] // 8,
+               "ledger_tied_allreduces": stage0["all_reduce embedding-grads"][0],
+               "ledger_tied_bytes": stage0["all_reduce embedding-grads"][1],
+               "ledger_norm_allreduces": stage0["all_reduce grad-norm"][0],
+               "ledger_loss_allreduces": stage0["all_reduce loss"][0],
                "ledger_p2p_messages": sum(n for n, _ in p2p), "ledger_p2p_bytes": sum(b for _, b in p2p)}
 
     # §7.1 3D on 8 ranks (the demo)
-    values |= {"demo3d_max_dloss": RoundOff(grab(demo3d, r"^MATCH: .*max \|dloss\| ([\d.e+-]+)")),
-               "demo3d_max_dgrad": RoundOff(grab(demo3d, r"^MATCH: .*max \|dgrad\| ([\d.e+-]+)")),
-               "demo3d_max_dparam": RoundOff(grab(demo3d, r"^MATCH: .*max \|dparam\| ([\d.e+-]+)")),
-               "demo3d_held_stage0": grab(demo3d, r"stage 0: (\d+) \(schedule"),
-               "demo3d_held_stage1": grab(demo3d, r"stage 1: (\d+) \(schedule"),
-               "demo3d_bytes_stage0": grab(demo3d, r"stage 0: \d+ \(schedule: \d+\), ([\d,]+) bytes"),
-               "demo3d_bytes_stage1": grab(demo3d, r"stage 1: \d+ \(schedule: \d+\), ([\d,]+) bytes"),
-               "demo3d_p2p_bytes": grab(demo3d, r"stage 0: \d+ sends\+receives, ([\d,]+) bytes")}
+    values |= {"demo3d_max_dloss": RoundOff(demo3d["max_loss_diff"]),
+               "demo3d_max_dgrad": RoundOff(demo3d["max_grad_diff"]),
+               "demo3d_max_dparam": RoundOff(demo3d["max_param_diff"]),
+               **{f"demo3d_held_stage{s}": demo3d["held"][s] for s in (0, 1)},
+               **{f"demo3d_bytes_stage{s}": demo3d["held_bytes"][s] for s in (0, 1)},
+               "demo3d_p2p_bytes": demo3d["p2p_bytes"][0]}
 
     # the questions (README §12, the notebook's last cells: the same calls as its checking cell)
     values |= {f"q8_over_ideal_p{p}": bubble_fraction("1f1b", p, 8 * p)["bubble_over_ideal"] for p in (2, 4, 8, 16)}
@@ -584,24 +552,39 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
             for key, x in values.items()}
 
 
-def main(argv=None) -> int:
+@dataclass
+class FiguresResults:
+    """The numbers main printed: the bubble's simulated points, each measured pipeline's stages
+    ({count, peak, chunks, p2p}: in flight, bytes at the peak, bytes of one micro-batch-chunk of
+    each chunk, p2p bytes per step), the pp=2 x dp=2 ledger ({rank: {"op tag": [calls, bytes]}})
+    and Figure 3's medians (ms, to the printed 2 decimals)."""
+    exit_code: int = 0
+    bubble_points: int = 0
+    pipelines: dict = field(default_factory=dict)
+    ledger: dict = field(default_factory=dict)
+    figure3: dict = field(default_factory=dict)
+
+
+def main(argv=None) -> FiguresResults:
     plt.switch_backend("Agg")       # a script: no screen (importing this file leaves the backend alone)
     simulated_only = "--simulated-only" in (sys.argv[1:] if argv is None else argv)
     OUT.mkdir(parents=True, exist_ok=True)
     print(f"chapter 03 figures, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     closed_forms_section()
     schedules_section()
-    bubble_section()
+    found = FiguresResults(bubble_points=bubble_section())
     rank_grid_section()
     if simulated_only:
         print("\n--simulated-only: the measured figures (timeline_1f1b_measured.png, activations.png) are kept")
-        return 0
+        return found
 
     per_rank = spawn(ch03.train_runs, 4, PIPELINES, timeout=600)
     per_run = [[r[i] for r in per_rank] for i in range(len(PIPELINES))]
     real = check_real(PIPELINES, per_run)
-    ledger_section(PIPELINES[3], per_run[3])
-    draw_measured(PIPELINES[1], per_run[1])
+    found.pipelines = {r["name"]: [{"count": count, "peak": peak, "chunks": chunks, "p2p": sent}
+                                   for _, count, peak, chunks, sent, _ in r["rows"]] for r in real.values()}
+    found.ledger = ledger_section(PIPELINES[3], per_run[3])
+    found.figure3 = draw_measured(PIPELINES[1], per_run[1])
     draw_activations(real)
 
     print("\n== bytes at the peak (pp=4, m=8), interleaved / 1F1B and GPipe / 1F1B per stage")
@@ -613,8 +596,8 @@ def main(argv=None) -> int:
           "peak bytes == replay of the measured per-micro-batch bytes, one DP all-reduce per chunk and step")
     for path in sorted(OUT.glob("*.png")):
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB")
-    return 0
+    return found
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
