@@ -55,8 +55,8 @@ import torch
 
 from minimegatron.analysis import count_parameters, megatron_mlp_flops, training_flops
 from minimegatron.analysis.communication import dispatcher_step_messages
-from booktools.demo import (Run, check_at_least, check_at_least_one, check_sequence_length, demo_parser, run_demo,
-                           verdict_line)
+from booktools.demo import (Results, Run, check_at_least, check_at_least_one, check_sequence_length, demo_parser,
+                           run_demo, verdict_line)
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.data.corpus import FROZEN
 from minimegatron.model import GPTModel, MoELayer
@@ -213,6 +213,23 @@ class RunReport:
     def ok(self) -> bool:
         return self.equivalence.ok and not self.problems
 
+    def dispatch_totals(self) -> list[dict]:
+        """Per stage: {"stage", "messages" and "bytes" (the routing-independent formula's), "dispatched",
+        "combined" (the moe-dispatch and moe-combine bytes summed over the stage's ranks)}."""
+        return [{"stage": stage, "messages": sum(want.values()), "bytes": sum(n * key[2] for key, n in want.items()),
+                 "dispatched": dispatched, "combined": combined}
+                for stage, _, want, dispatched, combined in self.ledger]
+
+    def accounting(self) -> dict:
+        """[3/4]'s formulas: parameters ("total", "active") and training FLOPs per token ("flops",
+        of which "mlp", Megatron's MLP formula "megatron_mlp", and "router")."""
+        cfg, s = self.run.model, self.run.train.seq_length
+        counts, flops = count_parameters(cfg), training_flops(cfg, 1, s)
+        mlp = 3 * sum(flops["forward"].get(k, 0) for k in ("fc1", "fc2", "experts_fc1", "experts_fc2",
+                                                           "shared_fc1", "shared_fc2"))
+        return {"total": counts["total"], "active": counts["active"], "flops": flops["total"] / s, "mlp": mlp / s,
+                "megatron_mlp": megatron_mlp_flops(cfg, s) / s, "router": 3 * flops["forward"]["router"] / s}
+
     def __str__(self) -> str:
         r, t, cfg = self.run, self.run.train, self.run.model
         lines = [f"=== {r.name()} ({r.world} ranks), {t.grad_accum_steps} micro-batches of {t.micro_batch_size} x "
@@ -222,10 +239,9 @@ class RunReport:
         lines += ["      " + x for x in str(self.equivalence).splitlines()]
         lines.append(f"[2/4] the {r.dispatcher} dispatcher's messages of one step, ledger vs formula:")
         capacity = cfg.moe_expert_capacity_factor is not None
-        for stage, got, want, dispatched, combined in self.ledger:
+        for (stage, got, want, dispatched, combined), total in zip(self.ledger, self.dispatch_totals()):
             mine = Counter({key: n for key, n in got.items() if key[1] in ROUTING_INDEPENDENT})
-            lines.append(f"      stage {stage}: {sum(want.values())} routing-independent messages, "
-                         f"{sum(n * key[2] for key, n in want.items()):,} B: "
+            lines.append(f"      stage {stage}: {total['messages']} routing-independent messages, {total['bytes']:,} B: "
                          + ("not compared (capacity: the dropped pairs make the dispatched rows depend on the "
                             "routing)" if capacity else
                             "OK, equal to the formula" if mine == want else "DIFFERENT from the formula"))
@@ -242,15 +258,11 @@ class RunReport:
                                    torch.empty((), dtype=cfg.dtype).element_size())
             lines.append(f"        ep={ep:2d}: all-to-all {v['alltoall']:>10,.0f} B, all-gather {v['allgather']:>10,.0f} B"
                          + ("   (this run)" if ep == r.ep else ""))
-        counts = count_parameters(cfg)
-        flops = training_flops(cfg, 1, t.seq_length)
-        mlp = 3 * sum(flops["forward"].get(k, 0) for k in ("fc1", "fc2", "experts_fc1", "experts_fc2",
-                                                           "shared_fc1", "shared_fc2"))
-        lines.append(f"[3/4] parameters: total {counts['total']:,}, active per token {counts['active']:,} "
-                     f"({counts['active'] / counts['total']:.0%}); training FLOPs per token "
-                     f"{flops['total'] / t.seq_length:,.0f}, of which MLP {mlp / t.seq_length:,.0f} "
-                     f"(Megatron's formula {megatron_mlp_flops(cfg, t.seq_length) / t.seq_length:,.0f}) "
-                     f"and router {3 * flops['forward']['router'] / t.seq_length:,.0f} (not in Megatron's)")
+        a = self.accounting()
+        lines.append(f"[3/4] parameters: total {a['total']:,}, active per token {a['active']:,} "
+                     f"({a['active'] / a['total']:.0%}); training FLOPs per token {a['flops']:,.0f}, of which MLP "
+                     f"{a['mlp']:,.0f} (Megatron's formula {a['megatron_mlp']:,.0f}) and router {a['router']:,.0f} "
+                     f"(not in Megatron's)")
         for stage, measured, formula, adam, dense in self.memory:
             lines.append(f"      stage {stage}, per rank: experts {measured:,} elements (formula E/ep x expert / etp "
                          f"per MoE layer: {formula:,}) " + ("OK" if measured == formula else "DIFFERENT")
@@ -515,16 +527,39 @@ def check_expert_flags(args: argparse.Namespace, experts: int, dp: int) -> None:
                           f"the experts' grid covers the same ranks; use another --etp, --ep or --dp")
 
 
-def report(args, run: MoERun, per_rank: list[dict]) -> str:
+@dataclass
+class MoEResults(Results):
+    """What report printed: the ranks, the largest differences from the single-device run, each
+    stage's dispatcher totals (RunReport.dispatch_totals) and T, the tokens a rank routes; the
+    accounting (RunReport.accounting), each stage's expert elements per rank {"stage", "experts",
+    "formula", "adam", "dense"}, and load_balance's results (None when not run)."""
+    ranks: int = 0
+    dloss: float = 0.0
+    dgrad: float = 0.0
+    dparam: float = 0.0
+    dispatch: list[dict] = field(default_factory=list)
+    tokens_per_rank: int = 0
+    accounting: dict = field(default_factory=dict)
+    memory: list[dict] = field(default_factory=list)
+    balance: dict | None = None
+
+
+def report(args, run: MoERun, per_rank: list[dict]) -> MoEResults:
     result = check_run(run, per_rank)
     print(result)
     balance_steps = args.balance_steps if args.balance_steps is not None else (0 if args.quick else 60)
-    if balance_steps:
-        print("\n".join(load_balance_lines(load_balance(steps=balance_steps))))
-    return summary_line([result])
+    balance = load_balance(steps=balance_steps) if balance_steps else None
+    if balance:
+        print("\n".join(load_balance_lines(balance)))
+    e = result.equivalence
+    return MoEResults(verdict=summary_line([result]), ranks=run.world, dloss=e.max_loss_diff, dgrad=e.max_grad_diff,
+                      dparam=e.max_param_diff, dispatch=result.dispatch_totals(), tokens_per_rank=tokens_per_rank(run),
+                      accounting=result.accounting(),
+                      memory=[dict(zip(("stage", "experts", "formula", "adam", "dense"), m)) for m in result.memory],
+                      balance=balance)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> MoEResults:
     return run_demo(parse_args(argv), "05", build_run, train_run, report,
                     model_parallel=lambda args: {"tp": args.tp, "cp": args.cp, "pp": args.pp},
                     spawn_dp=spawn_data_parallel_size)

@@ -27,12 +27,13 @@ from __future__ import annotations
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import RoundOff, claim, grab, numbers_of, parse_number
+from booktools.measured import RoundOff, claim, parse_number
 from minimegatron.analysis import count_parameters, training_flops
 from minimegatron.config import ModelConfig
 from minimegatron.moe import aux_loss, expert_capacity, topk_routing
@@ -105,15 +106,19 @@ def plot_dispatcher_volumes(rows: dict[str, dict[int, float]], path: str | os.Pa
     return finish_figure(fig, path, title)
 
 
+def curve_extremes(r: dict) -> tuple[int, int]:
+    """The steps (from 0) where one setting's imbalance curve was lowest, and highest after step 1."""
+    curve = r["imbalance"]
+    return min(range(len(curve)), key=curve.__getitem__), max(range(1, len(curve)), key=curve.__getitem__)
+
+
 def load_balance_details(results: dict[str, dict]) -> list[str]:
     """What Figure 5.1 shows beyond the demo's [4/4] lines, one line per setting: where its
     imbalance curve was lowest and highest after step 1, and the middle panel's bars (the worst
     layer after the last step, and its busiest expert's share of the routed pairs)."""
     lines = []
     for name, r in results.items():
-        curve = r["imbalance"]
-        low = min(range(len(curve)), key=curve.__getitem__)
-        high = max(range(1, len(curve)), key=curve.__getitem__)
+        curve, (low, high) = r["imbalance"], curve_extremes(r)
         lines.append(f"      {name:22s} lowest {curve[low]:.2f} at step {low + 1}, highest {curve[high]:.2f} at step "
                      f"{high + 1}; after the last step, layer {r['final_layer']}: largest share {max(r['final']):.1%}")
     return lines
@@ -157,48 +162,42 @@ MIXTRAL_SHAPES = dict(hidden_size=4096, num_layers=32, num_attention_heads=32, n
                       ffn_hidden_size=14336, vocab_size=32000, max_position_embeddings=32768)
 
 
-def verdict(output: list[str]) -> dict[str, float]:
-    """A demo run's MATCH line (it stops the recording when it is not there) and its rank count;
-    its differences from one device are round-off (machine dependent)."""
-    match = r"^MATCH: .*max \|d{}\| ([\d.e+-]+)"
-    return {"ranks": grab(output, r"= (\d+) rank\(s\)"), "max_dloss": RoundOff(grab(output, match.format("loss"))),
-            "max_dgrad": RoundOff(grab(output, match.format("grad"))),
-            "max_dparam": RoundOff(grab(output, match.format("param")))}
+def verdict(r: dict) -> dict[str, float]:
+    """A demo run's rank count and its differences from one device (round-off: machine dependent)."""
+    return {"ranks": r["ranks"], **{f"max_{k}": RoundOff(r[k]) for k in ("dloss", "dgrad", "dparam")}}
 
 
-def dispatch_line(output: list[str], stage: int = 0) -> tuple[float, float]:
+def dispatch_line(r: dict, stage: int = 0) -> tuple[int, int]:
     """[2/4]'s (routing-independent messages, their bytes) of one stage, per rank and step."""
-    pattern = rf"stage {stage}: (\d+) routing-independent messages, ([\d,]+) B"
-    return grab(output, pattern, 1), grab(output, pattern, 2)
+    return r["dispatch"][stage]["messages"], r["dispatch"][stage]["bytes"]
 
 
-def memory_line(output: list[str], stage: int = 0) -> dict[str, float]:
-    """[3/4]'s per-rank counts of one stage: expert elements, their Adam moments, dense elements."""
-    pattern = (rf"stage {stage}, per rank: experts ([\d,]+) elements .*two moments of them ([\d,]+) .*"
-               rf"dense parameters ([\d,]+)")
-    return {name: grab(output, pattern, i + 1) for i, name in enumerate(("experts", "adam", "dense"))}
+def balance_lines(balance: dict) -> dict[str, dict]:
+    """[4/4]'s line of each setting (ch05.load_balance_lines), at the precision it prints them:
+    step 1 and last, and the percent dropped at each capacity factor."""
+    return {name: {"first": round(r["imbalance"][0], 2), "last": round(r["imbalance"][-1], 2),
+                   "dropped": {float(f): round(100 * x) for f, x in r["dropped"].items()}}
+            for name, r in balance.items()}
 
 
-def balance_lines(output: list[str]) -> dict[str, dict]:
-    """[4/4]'s line of each setting: step 1, last, and the fraction dropped at each capacity factor."""
+def balance_details(balance: dict) -> dict[str, dict]:
+    """load_balance_details' line of each setting, at the precision it prints them."""
     rows = {}
-    for name in ch05.BALANCING:
-        line = next(x for x in output if x.strip().startswith(name + " ") and "step 1:" in x)
-        numbers = [parse_number(x) for x in numbers_of(line[line.index("step 1:") + len("step 1"):])]
-        rows[name] = {"first": numbers[0], "last": numbers[1],
-                      "dropped": dict(zip(ch05.CAPACITY_FACTORS, numbers[2:]))}          # percent
+    for name, r in balance.items():
+        low, high = curve_extremes(r)
+        rows[name] = {"lowest": round(r["imbalance"][low], 2), "lowest_step": low + 1,
+                      "highest": round(r["imbalance"][high], 2), "highest_step": high + 1,
+                      "layer": r["final_layer"], "share": round(100 * max(r["final"]), 1)}
     return rows
 
 
-def balance_details(output: list[str]) -> dict[str, dict]:
-    """load_balance_details' line of each setting (this script's printout)."""
-    rows = {}
-    for name in ch05.BALANCING:
-        pattern = (rf"^\s+{re.escape(name)}\s+lowest ([\d.]+) at step (\d+), highest ([\d.]+) at step (\d+); "
-                   rf"after the last step, layer (\d+): largest share ([\d.]+)%")
-        rows[name] = dict(zip(("lowest", "lowest_step", "highest", "highest_step", "layer", "share"),
-                              (grab(output, pattern, i) for i in range(1, 7))))
-    return rows
+_SECONDS = re.compile(r"trained in ([\d.]+) s")
+
+
+def seconds(out: list[str]) -> float:
+    """A demo's seconds of training (machine-dependent): printed by booktools.demo's run_demo,
+    which does not hand them to the report, so they are read off the printout's first line."""
+    return parse_number(next(m for line in out if (m := _SECONDS.search(line)))[1])
 
 
 def dispatch_message_bytes(run) -> int:
@@ -212,7 +211,7 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     """Every number of the README and the notebook's markdown that the runs measure or the code
     computes, by marker key; claim() checks the sentences that say in words what the runs show."""
     v = {}
-    demo, figures = outputs["demo"], outputs["figures"]
+    demo = results["demo"]
 
     # §1 parameters without FLOPs: Mistral 7B's and Mixtral 8x7B's shapes (and README Q1, notebook §1)
     dense, moe = ModelConfig.llama(**MIXTRAL_SHAPES), ModelConfig.llama(**MIXTRAL_SHAPES, num_experts=8,
@@ -228,16 +227,14 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
           "mixtral_shared_b": (n_moe["total"] - experts) / 1e9, "q1_eight_mistrals_b": 8 * n_dense["total"] / 1e9,
           "nb_mixtral_active_pct": 100 * n_moe["active"] / n_moe["total"]}
     # the [3/4] line at --quick: only the FLOPs per token move with s
-    v["quick_flops_per_token"] = grab(outputs["ep4"], r"training FLOPs per token ([\d,]+)")
-    same = (r"parameters: total ([\d,]+), active per token ([\d,]+) .*of which MLP ([\d,]+) .*formula ([\d,]+)\) "
-            r"and router ([\d,]+)")
-    claim(all(grab(demo, same, i) == grab(outputs["ep4"], same, i) for i in range(1, 6)),
+    quick = results["ep4"]["accounting"]
+    v["quick_flops_per_token"] = quick["flops"]
+    claim(all(demo["accounting"][k] == quick[k] for k in ("total", "active", "mlp", "megatron_mlp", "router")),
           "with --quick the other numbers of [3/4] are unchanged")
 
     # §2.6 load balance: the demo's [4/4] lines and Figure 5.1 (this script's runs: the same digits)
-    claim([x for x in demo if x.startswith("[4/4]") or "step 1:" in x] ==
-          [x for x in figures if x.startswith("[4/4]") or "step 1:" in x], "Figure 5.1: the same runs as the printout")
-    lb, fig = balance_lines(demo), balance_details(figures)
+    lb, fig = balance_lines(demo["balance"]), balance_details(results["figures"]["balance"])
+    claim(lb == balance_lines(results["figures"]["balance"]), "Figure 5.1: the same runs as the printout")
     none, aux, sigmoid, bias = (lb[name] for name in ch05.BALANCING)
     v |= {"lb_none_last": none["last"], "lb_sigmoid_last": sigmoid["last"], "lb_bias_last": bias["last"],
           "lb_aux_first": aux["first"], "lb_aux_last": aux["last"],
@@ -261,15 +258,15 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     v["demo_tkhe"] = dispatch_message_bytes(ch05.make_run(model, ep=2, dp=2, seq=64, steps=3))
     v["quick_tkhe"] = dispatch_message_bytes(ch05.make_run(model, ep=2, dp=2, seq=32))
     v["demo_dispatch_messages"], v["demo_dispatch_bytes"] = dispatch_line(demo)
-    v["quick_dispatch_messages"], v["quick_dispatch_bytes"] = dispatch_line(outputs["ep4"])
-    claim(dispatch_line(outputs["expert-bias"]) == dispatch_line(outputs["ep4"]),
+    v["quick_dispatch_messages"], v["quick_dispatch_bytes"] = dispatch_line(results["ep4"])
+    claim(dispatch_line(results["expert-bias"]) == dispatch_line(results["ep4"]),
           "--quick: the same routing-independent messages at ep = 2 as at ep = 4")
-    v["allgather_messages"], v["allgather_bytes"] = dispatch_line(outputs["ep4-allgather"])
+    v["allgather_messages"], v["allgather_bytes"] = dispatch_line(results["ep4-allgather"])
 
     # §6.6 memory per rank (line [3/4] of three runs of §8)
     v["tiny_expert_elements"] = count_parameters(model)["moe"]["expert"]
     for key, run_id in (("demo", "demo"), ("ep4", "ep4"), ("tp2_etp2", "tp2-etp2")):
-        v |= {f"mem_{key}_{name}": x for name, x in memory_line(outputs[run_id]).items()}
+        v |= {f"mem_{key}_{name}": results[run_id]["memory"][0][name] for name in ("experts", "adam", "dense")}
 
     # §7.1 the 16 ranks' groups, as the table and the text (and README Q6) give them
     groups = rank_groups(16, tp=2, pp=2, cp=2, ep=2, etp=2)
@@ -285,10 +282,10 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
           "Q6: rank 5's ep group is [4, 5, 6, 7]")
 
     # §7.2 the 5D run under torchrun (its wall time is the machine's, recorded like the rest)
-    fived = outputs["5d"]
+    fived = results["5d"]
     run5d = ch05.make_run(ch05.tiny_moe(num_layers=4), tp=2, sp=True, cp=2, pp=2, dp=2, ep=2)
-    v |= {"fived_train_s": grab(fived, r"trained in ([\d.]+) s"), "fived_tokens_per_rank": grab(fived, r"T=(\d+)"),
-          "fived_tkhe": dispatch_message_bytes(run5d), "fived_experts_per_rank": memory_line(fived)["experts"]}
+    v |= {"fived_train_s": seconds(outputs["5d"]), "fived_tokens_per_rank": fived["tokens_per_rank"],
+          "fived_tkhe": dispatch_message_bytes(run5d), "fived_experts_per_rank": fived["memory"][0]["experts"]}
     v["fived_dispatch_messages"], v["fived_dispatch_bytes"] = dispatch_line(fived)
     v["fived_dispatch_bytes_per_layer_mb"] = v["fived_dispatch_bytes"] / (2 * run5d.train.grad_accum_steps)
     claim(dispatch_line(fived, 1) == dispatch_line(fived, 0), "both stages: the same messages")
@@ -297,11 +294,11 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     for run_id in ("demo", "ep4", "ep4-allgather", "ep3", "capacity", "expert-bias", "tp2-etp1-shared", "tp2-etp2",
                    "tp2-etp2-allgather", "cp2", "5d"):
         key = run_id.replace("-", "_").replace("5d", "fived")
-        v |= {f"{key}_{name}": x for name, x in verdict(outputs[run_id]).items()}
+        v |= {f"{key}_{name}": x for name, x in verdict(results[run_id]).items()}
     capacity = ch05.make_run(ch05.tiny_moe(), ep=2, dp=4)                    # the same run, dropless
     dispatched = sum(n * size for (_, tag, size), n in ch05.expected_dispatch(capacity).items() if tag == "moe-dispatch")
     v["capacity_dropless_bytes"] = capacity.world * dispatched
-    v["capacity_dispatched_bytes"] = grab(outputs["capacity"], r"dispatched ([\d,]+) B")
+    v["capacity_dispatched_bytes"] = results["capacity"]["dispatch"][0]["dispatched"]
     v["capacity_dropped_pct"] = 100 * (1 - v["capacity_dispatched_bytes"] / v["capacity_dropless_bytes"])
 
     # README's questions: Q3 (the aux loss by hand), Q7 (the dispatchers at ep = 64, k = 8), Q10 (capacity)
@@ -339,7 +336,14 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
 
 
 
-def main() -> int:
+@dataclass
+class Figures:
+    """What main printed that measure() reads: load_balance's results (Figure 5.1's runs)."""
+    exit_code: int = 0
+    balance: dict = field(default_factory=dict)
+
+
+def main(argv=None) -> Figures:
     torch.set_num_threads(1)
     OUT.mkdir(exist_ok=True)
     draw_rank_grid(16, tp=2, cp=2, pp=2, ep=2, keys=("dp-cp", "expert-dp", "ep", "pp"),
@@ -364,8 +368,8 @@ def main() -> int:
     plot_moe_load_balance(results, OUT / "load_balance.png",
                           title="a tiny GPT-MoE (8 experts, top-2) trained 60 steps on chapters 00-02's text, one device")
     print(f"wrote {', '.join(p.name for p in sorted(OUT.glob('*.png')))} in {OUT}")
-    return 0
+    return Figures(balance=results)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
