@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from booktools.demo import Results
 from minimegatron.analysis import count_parameters
 from minimegatron.config import ModelConfig, TrainConfig
 from minimegatron.dist_checkpoint import load_full_state
@@ -90,7 +91,13 @@ def formula_bytes(model: ModelConfig, fields: dict) -> int:
     return n * (e + main + 2 * moment)
 
 
-def main(argv=None) -> int:
+@dataclasses.dataclass
+class ReshardResults(Results):
+    pairs: list = dataclasses.field(default_factory=list)        # [1/2] saved, resumed, loss_diff, param_diff
+    checkpoints: list = dataclasses.field(default_factory=list)  # [2/2] layout, tensors, formula, disk (bytes)
+
+
+def main(argv=None) -> ReshardResults:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="three pairs only")
     args = parser.parse_args(argv)
@@ -108,12 +115,13 @@ def main(argv=None) -> int:
                  (MODEL, cfg(f"b{i}", resumed, load_dir=str(tmp / f"a{i}"), save_dir=str(tmp / f"b{i}")))]
     losses = spawn(train_in_turn, 4, runs, timeout=900)[0]
     print("[1/2] resumed under another layout, against the uninterrupted single-device run:")
-    worst = 0.0
+    worst, found = 0.0, ReshardResults()
     for i, (saved, resumed) in enumerate(grid):
         got = load_full_state(tmp / f"b{i}" / "iter_0000004")
         dloss = max(abs(a - b) for a, b in zip(losses[2 * i + 1], one.losses))
         dparam = max((got[k] - want[k]).abs().max().item() for k in want)
         worst = max(worst, dloss / 1e-10, dparam / 1e-9)
+        found.pairs.append({"saved": saved, "resumed": resumed, "loss_diff": dloss, "param_diff": dparam})
         print(f"  {saved:<18} -> {resumed:<16} loss max |diff| {dloss:.1e}, parameters max |diff| {dparam:.1e}")
     print("[2/2] what a checkpoint holds (iteration 2 of each saved layout), against the formula:")
     exact = True
@@ -121,15 +129,18 @@ def main(argv=None) -> int:
         tensors, disk = checkpoint_bytes(tmp / f"a{i}" / "iter_0000002")
         formula = formula_bytes(MODEL, layout(saved))
         exact &= tensors == formula
+        found.checkpoints.append({"layout": saved, "tensors": tensors, "formula": formula, "disk": disk})
         print(f"  {saved:<18} tensors {tensors:,} bytes {'=' if tensors == formula else '!='} formula {formula:,}; "
               f"on disk {disk:,} bytes ({disk / tensors - 1:.1%} more: the index, the checksums and the framing)")
     shutil.rmtree(tmp)                                        # the checkpoints of the grid
     ok = worst <= 1 and exact
-    print(f"{'MATCH' if ok else 'MISMATCH'}: {len(grid)} layout pairs resume to the single-device run "
-          f"(largest difference {worst:.2g} x the tolerance); every checkpoint holds the formula's bytes"
-          if ok else "MISMATCH: see above")
-    return 0 if ok else 1
+    found.exit_code = int(not ok)
+    found.verdict = (f"MATCH: {len(grid)} layout pairs resume to the single-device run (largest difference "
+                     f"{worst:.2g} x the tolerance); every checkpoint holds the formula's bytes" if ok
+                     else "MISMATCH: see above")
+    print(found.verdict)
+    return found
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)

@@ -20,10 +20,9 @@ against it:
 
 from __future__ import annotations
 
-import re
 import sys
 
-from booktools.measured import RoundOff, claim, grab
+from booktools.measured import RoundOff, claim
 
 PLAN = "python -m minimegatron.plan --cluster h100-sxm --top 3"
 GPT3 = ("python -m minimegatron.plan --cluster a100-80gb --model gpt3-175b --gpus 1536 --seq-length 2048 "
@@ -51,63 +50,49 @@ EXPECTED_EXIT = {"plan-deepseek-published": 1}     # the planner exits 1 when no
 
 
 def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
-    v = {}
-    reshard = outputs["reshard"]
-    claim(reshard[-1].startswith("MATCH"), "the reshard grid matches")
-    pairs = [line for line in reshard if "-> " in line and "loss max |diff|" in line]
-    v["reshard_pairs"] = float(len(pairs))
-    v["reshard_loss"] = RoundOff(max(float(x) for x in re.findall(r"loss max \|diff\| ([\d.e+-]+)", "\n".join(pairs))))
-    v["reshard_param"] = RoundOff(max(float(x) for x in re.findall(r"parameters max \|diff\| ([\d.e+-]+)", "\n".join(pairs))))
-    sizes = [line for line in reshard if "tensors " in line and "formula" in line]
-    claim(all(" = formula " in line for line in sizes), "every checkpoint holds exactly the formula's bytes")
-    v["size_tp2_tensors"] = grab(reshard, r"^  tp=2 dp=2 +tensors ([\d,]+) bytes")
-    v["size_tp2_disk"] = grab(reshard, r"^  tp=2 dp=2 +tensors [\d,]+ bytes = formula [\d,]+; on disk ([\d,]+)")
-    v["size_dp4_tensors"] = grab(reshard, r"^  dp=4 zero=1 +tensors ([\d,]+) bytes")
-    v["size_overhead_max"] = max(float(x) for x in re.findall(r"\(([\d.]+)% more", "\n".join(sizes)))
+    v, reshard = {}, results["reshard"]
+    claim(reshard["verdict"].startswith("MATCH"), "the reshard grid matches")
+    v["reshard_pairs"] = len(reshard["pairs"])
+    v["reshard_loss"] = RoundOff(max(p["loss_diff"] for p in reshard["pairs"]))
+    v["reshard_param"] = RoundOff(max(p["param_diff"] for p in reshard["pairs"]))
+    sizes = {c["layout"]: c for c in reshard["checkpoints"]}
+    claim(all(c["tensors"] == c["formula"] for c in sizes.values()), "every checkpoint holds exactly the formula's bytes")
+    v["size_tp2_tensors"], v["size_tp2_disk"] = sizes["tp=2 dp=2"]["tensors"], sizes["tp=2 dp=2"]["disk"]
+    v["size_dp4_tensors"] = sizes["dp=4 zero=1"]["tensors"]
+    v["size_overhead_max"] = max(round(100 * (c["disk"] / c["tensors"] - 1), 1) for c in sizes.values())
+    dims = ("tp", "cp", "pp", "v", "ep", "etp", "dp", "zero")
     for key in ("llama70b", "mixtral"):
-        out = outputs[f"plan-{key}"]
-        v[f"{key}_flops"] = grab(out, r"num_floating_point_operations: ([\d.e+]+) FLOPs per step")
-        v[f"{key}_searched"] = grab(out, r"searched ([\d,]+) layouts")
-        v[f"{key}_fit"] = grab(out, r"layouts in [\d.]+ s: ([\d,]+) fit")
-        row = r"^  1 +(\d+) +(\d+) +(\d+) (\d+) +(\d+) +(\d+) +(\d+) +(\d+) +(\w+) +(\d+) +(\d+) \| +([\d.]+) .*\| +([\d.]+) +([\d,]+) +([\d.]+)%$"
-        for i, name in enumerate(("tp", "cp", "pp", "v", "ep", "etp", "dp", "zero"), start=1):
-            v[f"{key}_top_{name}"] = grab(out, row, i)
-        v[f"{key}_top_gib"] = grab(out, row, 12)
-        v[f"{key}_top_step_s"] = grab(out, row, 13)
-        v[f"{key}_top_mfu"] = grab(out, row, 15)
+        plan = results[f"plan-{key}"]
+        v[f"{key}_flops"], v[f"{key}_searched"], v[f"{key}_fit"] = plan["flops"], plan["searched"], plan["fit"]
+        top = plan["top"][0]
+        v |= {f"{key}_top_{name}": top[{"v": "vp"}.get(name, name)] for name in dims}
+        v[f"{key}_top_gib"], v[f"{key}_top_step_s"], v[f"{key}_top_mfu"] = top["gib"], top["step_s"], top["mfu_pct"]
     claim(v["llama70b_top_tp"] <= 8, "the planner keeps tensor parallelism within a node")
-    gen = outputs["generate"]
-    v["gen_cached_tps"] = grab(gen, r"with the KV cache +([\d.]+) tokens/s")
-    v["gen_uncached_tps"] = grab(gen, r"without a cache +([\d.]+) tokens/s")
-    v["gen_cached_positions"] = grab(gen, r"with the KV cache .*, ([\d,]+) positions run")
-    v["gen_uncached_positions"] = grab(gen, r"without a cache .*, ([\d,]+) positions run")
-    v["gen_speedup"] = grab(gen, r"with / without: ([\d.]+) x")
-    v["gen_cache_bytes"] = grab(gen, r"the cache: ([\d,]+) bytes = formula")
+    gen = results["generate"]
+    v["gen_cached_tps"], v["gen_uncached_tps"] = gen["tokens_per_s"]["cached"], gen["tokens_per_s"]["uncached"]
+    v["gen_cached_positions"], v["gen_uncached_positions"] = gen["positions"]["cached"], gen["positions"]["uncached"]
+    v["gen_speedup"] = gen["speedup"]
+    claim(gen["cache_bytes"] == gen["cache_formula"], "the cache holds the formula's bytes")
+    v["gen_cache_bytes"] = gen["cache_bytes"]
     claim(v["gen_speedup"] > 1, "the cache makes generation faster")
     for key in ("gpt3", "gpt3-published", "deepseek"):
-        out = outputs[f"plan-{key}"]
-        row = r"^  1 +(\d+) +(\d+) +(\d+) (\d+) +(\d+) +(\d+) +(\d+) +(\d+) +(\w+) +(\d+) +(\d+) \| +([\d.]+) .*\| +([\d.]+) +([\d,]+) +([\d.]+)%$"
-        name = key.replace("-", "_")
-        for i, dim in enumerate(("tp", "cp", "pp", "v", "ep", "etp", "dp", "zero"), start=1):
-            v[f"{name}_{dim}"] = grab(out, row, i)
-        v[f"{name}_step_s"] = grab(out, row, 13)
-        v[f"{name}_mfu"] = grab(out, row, 15)
-    claim(grab(outputs["plan-gpt3-published"], r"searched [\d,]+ layouts in [\d.]+ s: ([\d,]+) fit") > 0,
-          "the published GPT-3 layout fits")
+        top, name = results[f"plan-{key}"]["top"][0], key.replace("-", "_")
+        v |= {f"{name}_{dim}": top[{"v": "vp"}.get(dim, dim)] for dim in dims}
+        v[f"{name}_step_s"], v[f"{name}_mfu"] = top["step_s"], top["mfu_pct"]
+    claim(results["plan-gpt3-published"]["fit"] > 0, "the published GPT-3 layout fits")
     published = "\n".join(outputs["plan-deepseek-published"])
     claim("NO layout fits" in published and "num_layers=61 is not divisible by pipeline_model_parallel_size=16"
           in published, "DeepSeek-V3's pp 16 is refused: 61 layers do not split evenly")
-    v["deepseek_fit"] = grab(outputs["plan-deepseek"], r"layouts in [\d.]+ s: ([\d,]+) fit")
-    pm = outputs["plan-measured"]
-    claim(pm[-1].startswith("AGREE"), "the planner agrees with the measured runs")
-    claim(not any("DIFFERS" in line or "NOT within" in line for line in pm), "no planned number differs")
-    text = "\n".join(pm)
-    v["pm_layouts"] = float(len([line for line in pm if line.endswith(":") and not line.startswith(" ")]))
-    v["pm_byte_lines"] = float(text.count(": = on all 4 ranks"))
-    v["pm_state_worst_pct"] = max(float(x) for x in re.findall(r"state +measured .*: ([\d.]+)% off", text))
-    v["pm_act_worst_pct"] = max(float(x) for x in re.findall(r"activations measured .*: ([\d.]+)% off", text))
-    v["pm_moe_act_pct"] = grab(pm, r"activations measured .*: ([\d.]+)% off at the mean over the ranks")
-    v["pm_etp_pad_pct"] = grab(pm, r"routing-dependent: .*: ([\d.]+)% more")
+    v["deepseek_fit"] = results["plan-deepseek"]["fit"]
+    pm = results["plan-measured"]["layouts"].values()
+    claim(results["plan-measured"]["exit_code"] == 0, "the planner agrees with the measured runs")
+    claim(all(layout["failed"] == 0 for layout in pm), "no planned number differs")
+    v["pm_layouts"] = len(pm)
+    v["pm_byte_lines"] = sum(sum(layout["bytes"].values()) for layout in pm)
+    v["pm_state_worst_pct"] = max(layout["off_pct"]["state"] for layout in pm)
+    v["pm_act_worst_pct"] = max(layout["off_pct"]["activations"] for layout in pm)
+    v["pm_moe_act_pct"] = next(layout["off_pct"]["activations"] for layout in pm if layout["mean_over_ranks"])
+    v["pm_etp_pad_pct"] = next(layout["etp_padding_pct"] for layout in pm if layout["etp_padding_pct"] is not None)
     return v
 
 

@@ -78,9 +78,12 @@ def _bytes(counter: Counter) -> int:
     return sum(n * calls for (_, _, n), calls in counter.items())
 
 
-def compare(model: ModelConfig, cfg: TrainConfig, ranks: list[dict]) -> tuple[list[str], int]:
-    """The report's lines for one layout and how many of its checks failed."""
+def compare(model: ModelConfig, cfg: TrainConfig, ranks: list[dict]) -> tuple[list[str], int, dict]:
+    """The report's lines for one layout, how many of its checks failed, and their numbers:
+    {"bytes": {dim: equal on every rank}, "etp_padding_pct", "off_pct": {"state", "activations"},
+    "mean_over_ranks": whether the activations' is the mean over the ranks}."""
     failed, routed, planned_routed = 0, Counter(), Counter()
+    found = {"bytes": {}, "off_pct": {}, "etp_padding_pct": None, "mean_over_ranks": False}
     dims: dict[str, list[tuple[int, int, int, int]]] = {}     # dim -> per rank (bytes, calls) measured, planned
     worst: dict[str, list] = {}
     for got in ranks:
@@ -107,6 +110,7 @@ def compare(model: ModelConfig, cfg: TrainConfig, ranks: list[dict]) -> tuple[li
         pairs = dims[dim]
         same = all(a == c for a, _, c, _ in pairs)
         failed += not same
+        found["bytes"][dim] = same
         busiest = max(pairs)
         lines.append(f"  {dim:<11} measured {busiest[0]:>10,} bytes in {busiest[1]:>3} calls, planned {busiest[2]:>10,} "
                      f"in {busiest[3]:>3}: {'= on all 4 ranks' if same else 'DIFFERS'}")
@@ -114,6 +118,7 @@ def compare(model: ModelConfig, cfg: TrainConfig, ranks: list[dict]) -> tuple[li
             got, want = routed[dim], planned_routed[dim]
             if dim == "etp":      # gloo gathers equal sizes: each rank's rows padded to its etp group's largest
                 ok = want <= got <= (1 + TOLERANCE) * want
+                found["etp_padding_pct"] = round(100 * (got / want - 1), 1)
                 verdict = (f"{got / want - 1:.1%} more: uneven rows are padded to the etp group's largest "
                            f"(comm.all_gather, reduce-scatter alike), {'within' if ok else 'NOT within'} "
                            f"{TOLERANCE:.0%}")
@@ -133,13 +138,21 @@ def compare(model: ModelConfig, cfg: TrainConfig, ranks: list[dict]) -> tuple[li
         off, measured, planned = max((abs(b / a - 1), a, b) for a, b in pairs)
         ok = off <= TOLERANCE
         failed += not ok
+        found["off_pct"][key] = round(100 * off, 1)
+        found["mean_over_ranks"] |= len(pairs) == 1 and key == "activations"
         where = "the mean over the ranks" if len(pairs) == 1 else "the worst rank"
         lines.append(f"  {key:<11} measured {measured:>10,} bytes, planned {planned:>10,}: {off:.1%} off at "
                      f"{where}, {'within' if ok else 'NOT within'} {TOLERANCE:.0%}")
-    return lines, failed
+    return lines, failed, found
 
 
-def main(argv=None) -> int:
+@dataclasses.dataclass
+class PlanVsMeasured:
+    exit_code: int = 0
+    layouts: dict = dataclasses.field(default_factory=dict)      # spec -> compare()'s numbers, "failed"
+
+
+def main(argv=None) -> PlanVsMeasured:
     runs = [(model_config(spec, model), train_config(spec)) for spec, model in LAYOUTS]
     for model, cfg in runs:                               # a layout that cannot run: said before spawning
         validate_layout(model, cfg, 4)
@@ -147,17 +160,19 @@ def main(argv=None) -> int:
           f"MoE models of hidden {MODEL.hidden_size}, {MODEL.num_layers} layers, sequences of {BASE.seq_length}, 8 a "
           f"step; 4 ranks, 2 steps each (the last one measured)", flush=True)
     gathered = spawn(measure_in_turn, 4, runs, timeout=900)
-    failed = 0
+    failed, got = 0, PlanVsMeasured()
     for i, ((spec, _), (model, cfg)) in enumerate(zip(LAYOUTS, runs)):
-        lines, bad = compare(model, cfg, [rank[i] for rank in gathered])
+        lines, bad, found = compare(model, cfg, [rank[i] for rank in gathered])
         failed += bad
+        got.layouts[spec] = {**found, "failed": bad}
         kind = "MoE: 4 experts, top-2" if model.num_experts else "GPT-2" if model.position_embedding_type != "rope" else "LLaMA"
         print(f"{spec} ({kind}):")
         print("\n".join(lines))
     print(("AGREE: every planned byte was measured (the etp gathers' padding aside), and memory within "
            f"{TOLERANCE:.0%}") if not failed else f"DISAGREE: {failed} checks failed")
-    return 1 if failed else 0
+    got.exit_code = 1 if failed else 0
+    return got
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
