@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Inductor keeps compiled code in a cache (/tmp/torchinductor_<user>): a second run would report
@@ -57,6 +58,15 @@ VARIANTS = {"baseline": {}, "fused AdamW": dict(adam_impl="fused"), "compiled la
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
+@dataclass
+class CaseStudyResults:
+    """What main printed, by preset: built_s (variant: seconds to build and warm up), profiles
+    (baseline, both: {ms, calls, gemm, optimizer}, a step and shares of it), median_ms, best_ms
+    and speedup (over the baseline's median) by variant."""
+    exit_code: int = 0
+    presets: dict = field(default_factory=dict)
+
+
 def preset(name: str, smoke: bool) -> tuple[ModelConfig, TrainConfig]:
     model_over, train_over = PRESETS[name]
     model = ModelConfig.llama(vocab_size=257, **model_over)
@@ -76,7 +86,9 @@ def make_step(model_cfg: ModelConfig, train_cfg: TrainConfig, batch: dict):
     return lambda: train_step(chunks, optimizer, [batch], layout, train_cfg.lr)
 
 
-def profile_lines(name: str, step, steps: int, trace_dir: Path | None) -> list[str]:
+def profile_lines(name: str, step, steps: int, trace_dir: Path | None) -> tuple[list[str], dict]:
+    """(lines, {ms, calls, gemm, optimizer}): a step's recorded time and operator calls, and the
+    shares of the matrix products and the optimizer's step."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -90,16 +102,18 @@ def profile_lines(name: str, step, steps: int, trace_dir: Path | None) -> list[s
     calls = sum(e.count for e in ops)
     gemm = sum(e.self_cpu_time_total for e in ops if e.key in GEMMS)
     optimizer = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#"))
-    lines = [f"[profile] {name}: {steps} steps, {total / steps / 1e3:.1f} ms of recorded time a step, "
-             f"{calls / steps:.0f} operator calls a step",
-             f"  matrix products {gemm / total:.0%} of the time, the optimizer's step {optimizer / total:.0%}; "
+    found = dict(ms=total / steps / 1e3, calls=calls / steps, gemm=gemm / total, optimizer=optimizer / total)
+    lines = [f"[profile] {name}: {steps} steps, {found['ms']:.1f} ms of recorded time a step, "
+             f"{found['calls']:.0f} operator calls a step",
+             f"  matrix products {found['gemm']:.0%} of the time, the optimizer's step {found['optimizer']:.0%}; "
              f"operators by their own time:"]
     for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:8]:
         lines.append(f"    {e.key:<48} {e.self_cpu_time_total / total:6.1%}  {e.count / steps:6.0f} calls a step")
-    return lines
+    return lines, found
 
 
-def case_study(name: str, args: argparse.Namespace) -> None:
+def case_study(name: str, args: argparse.Namespace) -> dict:
+    """One preset's build times, profiles and step times (CaseStudyResults.presets[name])."""
     model_cfg, train_cfg = preset(name, args.smoke)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model_cfg.vocab_size, (train_cfg.micro_batch_size, train_cfg.seq_length + 1),
@@ -109,16 +123,18 @@ def case_study(name: str, args: argparse.Namespace) -> None:
           f"layers {model_cfg.num_layers}, s {train_cfg.seq_length}, "
           f"micro-batch {train_cfg.micro_batch_size}, V {model_cfg.vocab_size}, float32), one process, one thread; "
           f"load average {load_average()}")
-    steps = {}
+    steps, found = {}, dict(built_s={}, profiles={}, median_ms={}, best_ms={}, speedup={})
     for variant, flags in VARIANTS.items():
         start = time.perf_counter()
         steps[variant] = make_step(model_cfg, dataclasses.replace(train_cfg, **flags), batch)
         for _ in range(3):                                       # warm-up; the compiled ones compile here
             steps[variant]()
-        print(f"  built and warmed up {variant:<16} in {time.perf_counter() - start:5.1f} s", flush=True)
+        found["built_s"][variant] = time.perf_counter() - start
+        print(f"  built and warmed up {variant:<16} in {found['built_s'][variant]:5.1f} s", flush=True)
     for variant in ("baseline", "both"):
-        print("\n".join(profile_lines(variant, steps[variant], max(args.steps, 2),
-                                      args.trace_dir / name if args.trace_dir else None)), flush=True)
+        lines, found["profiles"][variant] = profile_lines(variant, steps[variant], max(args.steps, 2),
+                                                          args.trace_dir / name if args.trace_dir else None)
+        print("\n".join(lines), flush=True)
     times: dict[str, list[float]] = {variant: [] for variant in steps}
     for _ in range(args.repeats):
         for variant, step in steps.items():
@@ -131,10 +147,13 @@ def case_study(name: str, args: argparse.Namespace) -> None:
           f"(median; best in brackets); load average {load_average()}:")
     for variant, t in times.items():
         median = statistics.median(t)
+        found["median_ms"][variant], found["best_ms"][variant] = median * 1e3, min(t) * 1e3
+        found["speedup"][variant] = base / median
         print(f"  {variant:<16} {median * 1e3:7.2f} ms  ({min(t) * 1e3:7.2f} ms)   {base / median:.2f} x the baseline")
+    return found
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> CaseStudyResults:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=["tiny", "demo"],
                    help="the training command's presets to take through it (default tiny demo)")
@@ -146,10 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.repeats, args.steps = 1, 1
     torch.set_num_threads(1)
-    for name in args.presets:
-        case_study(name, args)
-    return 0
+    return CaseStudyResults(presets={name: case_study(name, args) for name in args.presets})
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)

@@ -52,6 +52,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import torch
@@ -67,6 +68,15 @@ from minimegatron.train import train_step
 from machine import cpu_model, load_average  # benchmarks/machine.py
 
 VARIANTS = ("naive", "ddp", "ddp-no-overlap", "zero1", "zero1-overlap", "zero2", "zero2-overlap")
+
+
+@dataclass
+class DdpResults:
+    """The table main printed, a row per world size and variant: {ranks, variant, best, median,
+    worst (tokens/s), ms_best, speedup (over 1 rank's best; None without a 1-rank run), comm
+    (the median share blocked on communication), overlap (buckets launched in the backward)}."""
+    exit_code: int = 0
+    rows: list = field(default_factory=list)
 
 
 def model_config(args: dict) -> ModelConfig:
@@ -183,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> DdpResults:
     args = parse_args(argv)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     cfg = model_config(vars(args))
@@ -233,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         vs1 = "-" if r["speedup"] != r["speedup"] else f"{r['speedup']:.2f}×"     # nan: no 1-rank run
         print(f"| {r['ranks']} | {r['variant']} | {r['best']:,.0f} | {r['median']:,.0f} | {r['worst']:,.0f} | "
               f"{r['ms_best']:.1f} | {vs1} | {100 * r['comm']:.0f}% | {r['overlap'] or '-'} |")
-    return 0
+    return DdpResults(rows=[{**r, "speedup": None if r["speedup"] != r["speedup"] else r["speedup"]} for r in rows])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)

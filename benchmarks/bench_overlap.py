@@ -40,6 +40,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import torch
@@ -57,6 +58,15 @@ VARIANTS = {"sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
             "sp-overlap": dict(tensor_model_parallel_size=2, sequence_parallel=True, overlap_sp_backward=True),
             "pp": dict(pipeline_model_parallel_size=2),
             "pp-overlap": dict(pipeline_model_parallel_size=2, overlap_p2p_comm=True)}
+
+
+@dataclass
+class OverlapResults:
+    """The table main printed, a row per variant: {variant, best, median, worst (tokens/s),
+    ms_best, ratio (overlapped / plain, best; None for a plain one), waits (each pipeline rank's
+    median share blocked on a receive)}."""
+    exit_code: int = 0
+    rows: list = field(default_factory=list)
 
 
 def configs(args: dict) -> tuple[ModelConfig, TrainConfig]:
@@ -129,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> OverlapResults:
     args = parse_args(argv)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     model_cfg, _ = configs(vars(args))
@@ -145,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = spawn(bench_rank, 2, vars(args), timeout=600)
     print(f"load average {load_before} -> {load_average()}")
     tokens = args.microbatches * args.batch * args.seq * args.steps
-    best = {}
+    best, out = {}, OverlapResults()
     print("\n| variant | tokens/s best | median | worst | ms/step (best) | overlapped / plain (best) "
           "| blocked on a receive (median, per rank) |")
     print("|---|---|---|---|---|---|---|")
@@ -153,13 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         windows = [max(r[name]["windows"][i] for r in per_rank) for i in range(args.repeats)]
         best[name] = tokens / min(windows)
         plain = name.removesuffix("-overlap")
-        ratio = f"{best[name] / best[plain]:.3f}×" if name != plain else "-"
-        waits = ", ".join(f"{100 * statistics.median(r[name]['recv_wait']):.1f}%" for r in per_rank
-                          if r[name]["recv_wait"]) or "-"
-        print(f"| {name} | {best[name]:,.0f} | {tokens / statistics.median(windows):,.0f} | "
-              f"{tokens / max(windows):,.0f} | {1000 * min(windows) / args.steps:.1f} | {ratio} | {waits} |")
-    return 0
+        row = dict(variant=name, best=best[name], median=tokens / statistics.median(windows),
+                   worst=tokens / max(windows), ms_best=1000 * min(windows) / args.steps,
+                   ratio=best[name] / best[plain] if name != plain else None,
+                   waits=[statistics.median(r[name]["recv_wait"]) for r in per_rank if r[name]["recv_wait"]])
+        out.rows.append(row)
+        ratio = f"{row['ratio']:.3f}×" if row["ratio"] is not None else "-"
+        waits = ", ".join(f"{100 * w:.1f}%" for w in row["waits"]) or "-"
+        print(f"| {name} | {row['best']:,.0f} | {row['median']:,.0f} | {row['worst']:,.0f} | {row['ms_best']:.1f} | "
+              f"{ratio} | {waits} |")
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)

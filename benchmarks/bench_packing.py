@@ -33,6 +33,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,17 @@ from minimegatron.data import (GPTDataset, IndexedDataset, build_default_corpus,
 from minimegatron.kernels.flash_attention import attention_tiles   # noqa: E402
 from minimegatron.model import GPTModel, mean_loss                # noqa: E402
 from minimegatron.optim import Optimizer                          # noqa: E402
+
+
+@dataclass
+class PackingResults:
+    """What main printed: padding_counts; the tiles {rows, causal, documents}; per kind (padded,
+    packed) the median step's seconds and the real tokens/s."""
+    exit_code: int = 0
+    counts: dict = field(default_factory=dict)
+    tiles: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    rates: dict = field(default_factory=dict)
 
 
 def padding_counts(lengths: np.ndarray, seq: int) -> dict:
@@ -87,7 +99,7 @@ def step(model: GPTModel, optimizer: Optimizer, batch: dict) -> None:
     optimizer.zero_grad()
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> PackingResults:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=128)
@@ -116,6 +128,7 @@ def main(argv=None) -> int:
     full_rows = (c["tokens"] - 1) // args.seq                      # every window of s + 1 tokens the stream holds
     ids = packed_batch(dataset, 0, full_rows, args.seq, tokenizer.eod)["document_ids"]
     causal, documents = attention_tiles(None, full_rows, args.seq), attention_tiles(ids, full_rows, args.seq)
+    out = PackingResults(counts=c, tiles=dict(rows=full_rows, causal=causal, documents=documents))
     print(f"FlashAttention's 16 x 16 score tiles over the {full_rows:,} packed rows, per head: causal {causal:,}, "
           f"within documents {documents:,} ({1 - documents / causal:.1%} skipped)")
 
@@ -138,16 +151,16 @@ def main(argv=None) -> int:
             for _ in range(args.steps):
                 step(model, optimizer, batch)
             windows[kind].append((time.perf_counter() - start) / args.steps)
-    rates = {}
+    rates = out.rates
     for kind in batches:
-        seconds = statistics.median(windows[kind])
+        seconds = out.seconds[kind] = statistics.median(windows[kind])
         rates[kind] = per_row[kind] * args.batch / seconds
         print(f"  {kind:<7} {seconds * 1e3:8.1f} ms a step of {args.batch} rows, {per_row[kind]:6.1f} real tokens a "
               f"row on average: {rates[kind]:9,.0f} real tokens/s")
     print(f"packed / padded: {rates['packed'] / rates['padded']:.2f} x the real tokens/s (h {args.hidden}, "
           f"{args.layers} layers, one thread, this machine)")
-    return 0
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)

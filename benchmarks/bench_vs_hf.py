@@ -48,7 +48,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -105,6 +105,14 @@ def copy_weights(hf: nn.Module, ours: GPTModel, cfg: ModelConfig) -> None:
     hf.model.embed_tokens.weight.copy_(p["embedding.word_embeddings.weight"])
     hf.model.norm.weight.copy_(p["decoder.final_layernorm.weight"])
     hf.lm_head.weight.copy_(ours.output_weight())
+
+
+@dataclass
+class VsHfResults:
+    """What main printed, one entry a sequence length: {seq, pairs (bench_seq's ratio rows),
+    compile_speedup ({minimegatron, transformers}, with --compile), shares (step_shares)}."""
+    exit_code: int = 0
+    seqs: list = field(default_factory=list)
 
 
 @dataclass
@@ -184,7 +192,8 @@ def time_windows(runners: list[Runner], warmup: int, steps: int, repeats: int) -
     return times
 
 
-def bench_seq(seq: int, args: argparse.Namespace) -> list[dict]:
+def bench_seq(seq: int, args: argparse.Namespace) -> dict:
+    """One sequence length's comparison: VsHfResults.seqs' entry."""
     cfg = ModelConfig.llama(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                             num_attention_heads=args.heads, num_query_groups=args.query_groups,
                             max_position_embeddings=seq, params_dtype="float32",
@@ -233,16 +242,19 @@ def bench_seq(seq: int, args: argparse.Namespace) -> list[dict]:
         rows.append(dict(seq=seq, ours=a.name, theirs=b.name, ratio_median=ratio, ratio_best=ratio_best,
                          ours_tokens_per_s=tokens / statistics.median(times[a.name]),
                          theirs_tokens_per_s=tokens / statistics.median(times[b.name])))
+    found = dict(seq=seq, pairs=rows, compile_speedup=None)
     if args.compile:                     # compiled vs eager, each library against itself
         speedup = lambda c, e: statistics.median(times[e.name]) / statistics.median(times[c.name])  # noqa: E731
-        print(f"   torch.compile speed-up (median windows): minimegatron {speedup(runners[2], ours):.2f}x, "
-              f"transformers {speedup(runners[3], hf):.2f}x")
-    shares = step_shares(ours)
+        up = found["compile_speedup"] = {"minimegatron": speedup(runners[2], ours),
+                                         "transformers": speedup(runners[3], hf)}
+        print(f"   torch.compile speed-up (median windows): minimegatron {up['minimegatron']:.2f}x, "
+              f"transformers {up['transformers']:.2f}x")
+    shares = found["shares"] = step_shares(ours)
     print(f"   where minimegatron's eager step goes (torch.profiler, one step, operators' own time): matrix products "
           f"{shares['gemm']:.0%}, the attention kernel {shares['attention']:.0%}, everything else "
           f"{shares['rest']:.0%}; with everything else free a step would be at most {1 / (1 - shares['rest']):.2f}x "
           f"faster", flush=True)
-    return rows
+    return found
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -272,12 +284,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> VsHfResults:
     args = parse_args(argv)
     if transformers is None:
         print("bench_vs_hf.py needs transformers, an optional benchmark dependency: "
               "pip install -r requirements-bench.txt", file=sys.stderr)
-        return 2
+        return VsHfResults(exit_code=2)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
@@ -286,15 +298,13 @@ def main(argv: list[str] | None = None) -> int:
           f"threads {torch.get_num_threads()}, CPU: {cpu_model()}")
     print(f"timing: {args.warmup} warm-up steps each, then {args.repeats} interleaved windows of {args.steps} "
           f"step(s); ratio = minimegatron / transformers speed, of the median windows")
-    rows = []
-    for seq in args.seq:
-        rows += bench_seq(seq, args)
+    out = VsHfResults(seqs=[bench_seq(seq, args) for seq in args.seq])
     print("\nsummary (minimegatron / transformers, median windows):")
-    for r in rows:
+    for r in (r for found in out.seqs for r in found["pairs"]):
         print(f"   s={r['seq']:<5} {r['ours']:<26} {r['ours_tokens_per_s']:>9,.0f} tokens/s   "
               f"{r['theirs']:<26} {r['theirs_tokens_per_s']:>9,.0f} tokens/s   ratio {r['ratio_median']:.2f}x")
-    return 0
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)

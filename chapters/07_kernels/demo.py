@@ -47,11 +47,11 @@ import dataclasses
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from booktools.demo import Run, check_at_least_one, communication_report, demo_parser, run_demo
+from booktools.demo import Results, Run, check_at_least_one, communication_report, demo_parser, run_demo
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.parallelize import validate_layout
 from minimegatron.testing import TOLERANCES, Tolerance, forward_operations
@@ -60,6 +60,21 @@ GRANULARITIES = ("none", "selective", "full")
 
 
 PACKED = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+
+
+@dataclass
+class RecomputeResults(Results):
+    """What report printed: calls per dimension on the busiest rank; memory_table's rows (name,
+    measured, formula, per_layer, korthikanti bytes); the timed rows' ms; with --kernels triton
+    kernel_errors' [what, error, tolerance], attention_bytes ({seq, naive, flash}) and
+    loss_bytes ({vocab, unfused, fused}); with --pack {packed, mixed, tolerance}."""
+    calls: dict = field(default_factory=dict)
+    memory: list = field(default_factory=list)
+    times_ms: list = field(default_factory=list)
+    kernel_errors: list = field(default_factory=list)
+    attention_bytes: list = field(default_factory=list)
+    loss_bytes: list = field(default_factory=list)
+    packed: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -296,10 +311,10 @@ def memory_lines(rows: list[dict]) -> tuple[list[str], list[str]]:
     return lines, problems
 
 
-def time_lines(rows: list[dict], repeats: int = 5) -> list[str]:
-    """The median of `repeats` forwards and backwards of each model of memory_table (after one
-    untimed), and the ratio to no recompute (this machine, one thread; a benchmark's number,
-    not a test's)."""
+def time_lines(rows: list[dict], repeats: int = 5) -> tuple[list[str], list[float]]:
+    """(lines, seconds): the median of `repeats` forwards and backwards of each model of
+    memory_table (after one untimed), and the ratio to no recompute (this machine, one thread;
+    a benchmark's number, not a test's)."""
     seconds = []
     for r in rows:
         times = []
@@ -310,7 +325,7 @@ def time_lines(rows: list[dict], repeats: int = 5) -> list[str]:
             times.append(time.perf_counter() - start)
         seconds.append(statistics.median(times))
     return [f"  {r['name']:<20} {t * 1e3:8.1f} ms a forward and backward, {t / seconds[0]:.2f} x no recompute"
-            for r, t in zip(rows, seconds)]
+            for r, t in zip(rows, seconds)], seconds
 
 
 def kernel_errors() -> list[tuple[str, float]]:
@@ -399,7 +414,16 @@ def loss_saved_bytes(vocab: int, tokens: int = 64, hidden: int = 32) -> dict[str
     return {"unfused": unfused - inputs, "fused": fused - inputs}
 
 
-def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
+def busiest_calls(per_rank: list[dict]) -> dict[str, int]:
+    """Per dimension, the calls of the rank that sends the most bytes in it (communication_report's
+    column)."""
+    def sent(r, dim):
+        return sum(b * n for (_, _, b), n in r["records"].get(dim, {}).items())
+    dims = {d for r in per_rank for d in r["records"]}
+    return {dim: sum(max(per_rank, key=lambda r: sent(r, dim))["records"].get(dim, {}).values()) for dim in sorted(dims)}
+
+
+def report(args, run: RecomputeRun, per_rank: list[dict]) -> RecomputeResults:
     compiled = run.train.kernels == "compile"
     reordered = TOLERANCES[run.model.dtype] if reordered_sums(run.train) else None
     exact, problems = bit_for_bit(per_rank, compiled, reordered)
@@ -414,34 +438,43 @@ def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
     print("\n".join(comm_lines))
     rows = memory_table(requested=None if compiled else requested_recompute(run.train))
     mem_lines, mem_problems = memory_lines(rows)
+    out = RecomputeResults(calls=busiest_calls(per_rank), memory=[{k: r[k] for k in (
+        "name", "measured", "formula", "per_layer", "korthikanti")} for r in rows])
     print("[3/4] what one micro-batch keeps for the backward (one process, GPT-2 style, bf16, h 64, 4 layers, "
           "s 256, naive attention, dropout 0.1), against analysis.activation_memory:")
     print("\n".join(mem_lines))
     if not args.quick:
         print("[4/4] time, one process, one thread (this machine):")
-        print("\n".join(time_lines(rows)))
+        lines, seconds = time_lines(rows)
+        print("\n".join(lines))
+        out.times_ms = [1e3 * t for t in seconds]
     problems += comm_problems + mem_problems
     if run.train.kernels == "triton":
         print("[kernels] each Triton kernel against the book's PyTorch function, float32, Triton's interpreter on a CPU:")
-        for what, error, tolerance in kernel_errors():
+        out.kernel_errors = [list(e) for e in kernel_errors()]
+        for what, error, tolerance in out.kernel_errors:
             print(f"  {what:<40} max |difference| {error:.1e} (tolerance {tolerance:.0e})")
             if not error <= tolerance:
                 problems.append(f"{what} differs by {error:.1e} > {tolerance:.1e}")
         kept = attention_saved_bytes()
+        out.attention_bytes.append({"seq": 512, **kept})
         print(f"  one causal attention at s 512 (a 4, d 16, float32) keeps {kept['naive']:,} bytes for its backward "
               f"written out, {kept['flash']:,} as FlashAttention-2 (no [s, s] matrix)")
         if not args.quick:
             print("  the same at longer sequences (blocks of 128 in the interpreter; the bytes do not depend on them):")
             for seq in (1024, 2048, 4096):
                 kept = attention_saved_bytes(seq, block=128)
+                out.attention_bytes.append({"seq": seq, **kept})
                 print(f"    s {seq:>5}: written out {kept['naive']:>13,} bytes, FlashAttention-2 {kept['flash']:>11,} "
                       f"({kept['naive'] / kept['flash']:.0f} x less)")
             for vocab in (257, 128256):
                 kept = loss_saved_bytes(vocab)
+                out.loss_bytes.append({"vocab": vocab, **kept})
                 print(f"  the output layer and loss over 64 tokens at V {vocab:,}: unfused keeps {kept['unfused']:,} "
                       f"bytes, fused {kept['fused']:,} ({kept['unfused'] / 64:,.0f} and {kept['fused'] / 64:,.0f} a token)")
     if run.train.reset_attention_mask:
         packed, mixed, tolerance = packed_equals_alone(run.model)
+        out.packed = {"packed": packed, "mixed": mixed, "tolerance": tolerance}
         print(f"[packed] documents of 5, 9, 4 and 14 tokens in one row, with --reset-position-ids "
               f"--reset-attention-mask: max |logit difference| to each document alone {packed:.1e} "
               f"(without the switches {mixed:.1e})")
@@ -450,15 +483,17 @@ def report(args, run: RecomputeRun, per_rank: list[dict]) -> str:
         if not packed <= tolerance:
             problems.append(f"a packed document's logits differ from its own by {packed:.1e}")
     if problems:
-        return f"MISMATCH: {run.name()}: {problems[0]}"
-    if compiled:
-        return (f"MATCH: {run.name()} equals the same run eager within float32's tolerance on every rank; every "
-                f"message is the formula's, and the bytes kept are the formulas'")
-    if reordered is not None:
-        return (f"MATCH: {run.name()} equals the same run without recompute within summation order on every rank; "
-                f"every recomputed message is the formula's, and the bytes kept are the formulas'")
-    return (f"MATCH: {run.name()} equals the same run without recompute bit for bit on every rank; every recomputed "
-            f"message is the formula's, and the bytes kept are the formulas'")
+        out.verdict = f"MISMATCH: {run.name()}: {problems[0]}"
+    elif compiled:
+        out.verdict = (f"MATCH: {run.name()} equals the same run eager within float32's tolerance on every rank; "
+                       f"every message is the formula's, and the bytes kept are the formulas'")
+    elif reordered is not None:
+        out.verdict = (f"MATCH: {run.name()} equals the same run without recompute within summation order on every "
+                       f"rank; every recomputed message is the formula's, and the bytes kept are the formulas'")
+    else:
+        out.verdict = (f"MATCH: {run.name()} equals the same run without recompute bit for bit on every rank; every "
+                       f"recomputed message is the formula's, and the bytes kept are the formulas'")
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:

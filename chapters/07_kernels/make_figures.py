@@ -24,13 +24,13 @@ numbers against it.
 
 from __future__ import annotations
 
-import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from booktools.measured import RoundOff, claim, grab
+from booktools.measured import RoundOff, claim
 from minimegatron.analysis import activation_memory, measure_saved_activation_bytes
 from minimegatron.config import ModelConfig
 from minimegatron.model import GPTModel
@@ -62,7 +62,19 @@ def per_layer_bytes(backend: str, seq: int, recompute: dict) -> tuple[float, flo
     return (measured - outside) / cfg.num_layers, formula["layers"] / cfg.num_layers
 
 
-def main() -> int:
+@dataclass
+class FigureResults:
+    """What main printed: bytes a layer keeps, {backend: {case: [measured at each of LENGTHS]}};
+    tp_memory_table's rows ({sp, case, measured, per_layer, korthikanti}); the timeline's
+    {launched, buckets, blocked_ms, step_ms}."""
+    exit_code: int = 0
+    layer_bytes: dict = field(default_factory=dict)
+    tp_rows: list = field(default_factory=list)
+    timeline: dict = field(default_factory=dict)
+
+
+def main(argv=None) -> FigureResults:
+    out = FigureResults()
     torch.manual_seed(0)
     OUT.mkdir(exist_ok=True)
     fig = new_figure(figsize=(11, 4.2))
@@ -75,7 +87,9 @@ def main() -> int:
                 if measured != formula:
                     print(f"MISMATCH: {backend}, {name}, s {s}: measured {measured:,.0f} bytes a layer, "
                           f"activation_memory {formula:,.0f}", file=sys.stderr)
-                    return 1
+                    out.exit_code = 1
+                    return out
+            out.layer_bytes.setdefault(backend, {})[name] = [m for m, _ in points]
             print(f"  {name:<22}" + "  ".join(f"s {s}: {m:>12,.0f}" for s, (m, _) in zip(LENGTHS, points)))
             ax.plot(LENGTHS, [f / 2**20 for _, f in points], color=colour(i, len(CASES)), label=f"{name} (formula)")
             ax.scatter(LENGTHS, [m / 2**20 for m, _ in points], color=colour(i, len(CASES)), zorder=3)
@@ -87,15 +101,19 @@ def main() -> int:
         ax.legend(fontsize=8)
     finish_figure(fig, OUT / "recompute_memory.png")
     print(f"wrote {OUT / 'recompute_memory.png'}")
-    if tp_memory_table():
-        return 1
-    return draw_zero_timeline()
+    out.tp_rows = tp_memory_table()
+    if out.tp_rows is None:
+        out.exit_code = 1
+        return out
+    out.timeline = draw_zero_timeline()
+    return out
 
 
-def tp_memory_table() -> int:
+def tp_memory_table() -> list[dict] | None:
     """2 ranks: what one micro-batch keeps on a tensor-parallel rank (tp 2, with and without SP)
     for each recompute, measured (testing.saved_activation_bytes_per_rank) against
-    analysis.activation_memory, per layer beside Korthikanti et al.'s. Returns 1 on a mismatch."""
+    analysis.activation_memory, per layer beside Korthikanti et al.'s. Returns the rows
+    ({sp, case, measured, per_layer, korthikanti}), None on a mismatch."""
     import dataclasses
 
     from minimegatron.analysis import activation_memory, korthikanti_activation_memory
@@ -117,17 +135,20 @@ def tp_memory_table() -> int:
     measured = spawn(saved_activation_bytes_per_rank, 2, [(m, t, b, s) for _, _, m, t in cases], timeout=300)
     print("on each of 2 tensor-parallel ranks (GPT-2 style, bf16, h 64, 4 layers, s 256, naive attention, "
           "dropout 0.1; selective without attention dropout, as Megatron's core_attn):")
+    rows = []
     for i, (label, name, model, train) in enumerate(cases):
         formula = activation_memory(model, b, s, tp=2, sequence_parallel=train.sequence_parallel, **CASES[name])
         korthikanti = korthikanti_per_layer(name, model, b, s, 2, train.sequence_parallel)
         ranks = sorted({rank[i] for rank in measured})
         if ranks != [formula["total"]]:
             print(f"MISMATCH: {label}: measured {ranks}, activation_memory {formula['total']:,}", file=sys.stderr)
-            return 1
+            return None
         layer = formula["layers"] // model.num_layers
+        rows.append(dict(sp=train.sequence_parallel, case=name, measured=ranks[0], per_layer=layer,
+                         korthikanti=korthikanti))
         print(f"  {label:<34} {ranks[0]:>11,} bytes measured = formula; per layer {layer:>9,} "
               f"(Korthikanti {korthikanti:>9,})")
-    return 0
+    return rows
 
 
 def korthikanti_per_layer(recompute: str, cfg: ModelConfig, b: int, s: int, t: int, sp: bool) -> int:
@@ -175,22 +196,24 @@ def zero_timeline_rank() -> list:
     return recorded
 
 
-def draw_zero_timeline() -> int:
-    """zero1_overlap_timeline.png: rank 0's step of median length."""
+def draw_zero_timeline() -> dict:
+    """zero1_overlap_timeline.png: rank 0's step of median length; returns its {launched,
+    buckets, blocked_ms, step_ms}."""
     from booktools.demo import import_chapter
     from minimegatron.launch import spawn
     recorded = spawn(zero_timeline_rank, 2, timeout=300)[0]
     timeline = sorted(recorded, key=lambda t: t.sync_end)[len(recorded) // 2]
+    found = dict(launched=len(timeline.launched_during_backward()), buckets=len(timeline.buckets),
+                 blocked_ms=1e3 * (timeline.sync_end - timeline.sync_start), step_ms=1e3 * timeline.sync_end)
     print(f"ZeRO-1 with --overlap-grad-reduce on 2 ranks, rank 0's median step of {len(recorded)}:")
     print(timeline.table())
-    print(f"reduce-scatters launched during the backward: {len(timeline.launched_during_backward())} of "
-          f"{len(timeline.buckets)}; blocked in finish_grad_sync {1e3 * (timeline.sync_end - timeline.sync_start):.1f} "
-          f"ms of {1e3 * timeline.sync_end:.1f} ms")
+    print(f"reduce-scatters launched during the backward: {found['launched']} of {found['buckets']}; blocked in "
+          f"finish_grad_sync {found['blocked_ms']:.1f} ms of {found['step_ms']:.1f} ms")
     plot = import_chapter("01", "make_figures").plot_bucket_timeline
     plot(timeline, OUT / "zero1_overlap_timeline.png", collective="reduce-scatter",
          title=f"ZeRO-1 on 2 ranks, --overlap-grad-reduce: {len(timeline.buckets)} buckets' reduce-scatters")
     print(f"wrote {OUT / 'zero1_overlap_timeline.png'}")
-    return 0
+    return found
 
 
 DEMO = "python chapters/07_kernels/demo.py"
@@ -219,145 +242,129 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     v = {}
     for run_id in RUNS:
         if run_id not in ("figures", "packing", "case-study", "vs-hf", "overlap", "overlap-tp-pp"):
-            claim(outputs[run_id][-1].startswith("MATCH"), f"{run_id} matches")
-    demo, figures = outputs["demo"], outputs["figures"]
+            claim(results[run_id]["verdict"].startswith("MATCH"), f"{run_id} matches")
+    demo, figures = results["demo"], results["figures"]
+    memory = {row["name"]: row for row in demo["memory"]}
     for key, name in (("none", "none"), ("selective", "selective core_attn"), ("full", "full, uniform 1")):
-        pattern = rf"^  {name} +([\d,]+) bytes measured = formula +[\d,]+; per layer +([\d,]+) \(Korthikanti +([\d,]+)\)"
-        v[f"mem_{key}"] = grab(demo, pattern, 1)
-        v[f"mem_{key}_layer"] = grab(demo, pattern, 2)
-        v[f"mem_{key}_korthikanti"] = grab(demo, pattern, 3)
-    v["mem_selective_fraction"] = grab(demo, r"selective keeps ([\d.]+) of it")
-    v["mem_full_fraction"] = grab(demo, r"and full ([\d.]+)$")
+        v[f"mem_{key}"] = memory[name]["measured"]
+        v[f"mem_{key}_layer"] = round(memory[name]["per_layer"])
+        v[f"mem_{key}_korthikanti"] = round(memory[name]["korthikanti"])
+    v["mem_selective_fraction"] = round(memory["selective core_attn"]["per_layer"] / memory["none"]["per_layer"], 2)
+    v["mem_full_fraction"] = round(memory["full, uniform 1"]["per_layer"] / memory["none"]["per_layer"], 3)
     v["none_over_korthikanti"] = v["mem_none_layer"] / v["mem_none_korthikanti"]
     claim(v["mem_full_layer"] == v["mem_full_korthikanti"], "full recompute keeps Korthikanti's 2 s b h a layer")
-    for key, name in (("none", "none"), ("selective", "selective core_attn"), ("full", "full, uniform 1")):
-        v[f"time_{key}_ratio"] = grab(demo, rf"^  {name} +[\d.]+ ms a forward and backward, ([\d.]+) x")
-    v["demo_tp_calls"] = grab(demo, r"^  tp +(\d+) calls")
+    for key, ms in zip(("none", "selective", "full"), demo["times_ms"]):
+        v[f"time_{key}_ratio"] = round(ms / demo["times_ms"][0], 2)
+    v["demo_tp_calls"] = demo["calls"]["tp"]
     for backend in ("naive", "sdpa"):
-        block = "\n".join(figures[figures.index(next(l for l in figures if l.startswith(backend))):])
-        for key, name in (("none", "none"), ("selective", r"selective \(core_attn\)"), ("full", "full")):
-            v[f"fig_{backend}_{key}_1024"] = grab(block, rf"^  {name} +.*s 1024: +([\d,]+)")
+        for key, name in (("none", "none"), ("selective", "selective (core_attn)"), ("full", "full")):
+            v[f"fig_{backend}_{key}_1024"] = round(figures["layer_bytes"][backend][name][LENGTHS.index(1024)])
     claim(v["fig_sdpa_selective_1024"] / v["fig_sdpa_none_1024"] > 0.95,
           "with the fused attention, core_attn recompute saves almost nothing")
     claim(v["fig_naive_selective_1024"] / v["fig_naive_none_1024"] < 0.2,
           "with the naive attention at s 1024, core_attn recompute keeps less than a fifth")
-    for sp, layout_key in (("     ", "tp2"), (" + SP", "tp2sp")):
-        for key, name in (("none", "none"), ("selective", r"selective \(core_attn\)"), ("full", "full")):
-            row = (rf"^  tp 2{re.escape(sp)}  {name} +[\d,]+ bytes measured = formula; per layer +([\d,]+) "
-                   rf"\(Korthikanti +([\d,]+)\)")
-            v[f"{layout_key}_{key}_layer"] = grab(figures, row, 1)
-            v[f"{layout_key}_{key}_korthikanti"] = grab(figures, row, 2)
+    for row in figures["tp_rows"]:
+        key = f"{'tp2sp' if row['sp'] else 'tp2'}_{row['case'].split()[0]}"
+        v[f"{key}_layer"], v[f"{key}_korthikanti"] = row["per_layer"], row["korthikanti"]
     claim(v["tp2sp_full_layer"] == v["tp2sp_full_korthikanti"], "full recompute under SP keeps Korthikanti's 2sbh/t")
-    v["cp_recompute_calls"] = grab(outputs["selective-sp-cp"], r"^  cp +(\d+) calls")
-    v["pack_alone"] = RoundOff(grab(outputs["pack"], r"to each document alone ([\d.e+-]+)"))       # float64 round-off
-    v["pack_mixed"] = grab(outputs["pack"], r"without the switches ([\d.e+-]+)\)")
-    packing = outputs["packing"]
-    v["pack_docs"] = grab(packing, r"split, byte tokens\): (\d+) documents")
-    v["pack_median"] = grab(packing, r"median length (\d+)")
-    v["pack_padded_rows"] = grab(packing, r"padded ([\d,]+) rows")
-    v["pack_padding"] = grab(packing, r"rows \(([\d.]+)% of their tokens padding\)")
-    v["pack_packed_rows"] = grab(packing, r"packed ([\d,]+) rows:")
-    v["pack_rows_ratio"] = grab(packing, r"([\d.]+) x fewer rows packed")
-    v["pack_speedup"] = grab(packing, r"packed / padded: ([\d.]+) x")
-    claim(v["pack_speedup"] > 1, "packed rows get through more real tokens per second than padded ones")
-    v["tiles_rows"] = grab(packing, r"score tiles over the ([\d,]+) packed rows")
-    v["tiles_causal"] = grab(packing, r"per head: causal ([\d,]+)")
-    v["tiles_documents"] = grab(packing, r"within documents ([\d,]+)")
-    v["tiles_skipped"] = grab(packing, r"within documents [\d,]+ \(([\d.]+)% skipped\)")
-    claim(v["tiles_documents"] < v["tiles_causal"], "the document bounds skip tiles on the corpus's packed rows")
-    kernels = outputs["kernels"]
-    errors = [float(x) for x in __import__("re").findall(r"max \|difference\| ([\d.e+-]+)", "\n".join(kernels))]
+    v["cp_recompute_calls"] = results["selective-sp-cp"]["calls"]["cp"]
+    pack = results["pack"]["packed"]
+    v["pack_alone"] = RoundOff(float(f"{pack['packed']:.1e}"))       # float64 round-off, as printed
+    v["pack_mixed"] = float(f"{pack['mixed']:.1e}")
+    v.update(measure_packing(results["packing"]))
+    kernels = results["kernels"]
+    errors = [float(f"{error:.1e}") for _, error, _ in kernels["kernel_errors"]]
     v["kernel_max_error"] = RoundOff(max(errors))                  # float32 round-off
     claim(len(errors) == 9, "nine kernel outputs and gradients are checked")
-    v["flash_naive_bytes"] = grab(kernels, r"keeps ([\d,]+) bytes for its backward written out")
-    v["flash_bytes"] = grab(kernels, r"written out, ([\d,]+) as FlashAttention-2")
+    attention = {row["seq"]: row for row in kernels["attention_bytes"]}
+    v["flash_naive_bytes"], v["flash_bytes"] = attention[512]["naive"], attention[512]["flash"]
     claim(v["flash_bytes"] == 4 * 4 * 512 * 16 * 4 + 4 * 512 * 4, "FlashAttention keeps q, k, v, out and the lse only")
     for seq in (1024, 2048, 4096):
-        row = rf"^    s +{seq}: written out +([\d,]+) bytes, FlashAttention-2 +([\d,]+) \((\d+) x less\)"
-        v[f"flash_{seq}_naive"], v[f"flash_{seq}"] = grab(kernels, row, 1), grab(kernels, row, 2)
-        v[f"flash_{seq}_ratio"] = grab(kernels, row, 3)
+        v[f"flash_{seq}_naive"], v[f"flash_{seq}"] = attention[seq]["naive"], attention[seq]["flash"]
+        v[f"flash_{seq}_ratio"] = round(attention[seq]["naive"] / attention[seq]["flash"])
         claim(v[f"flash_{seq}"] == (4 * 4 * 16 * 4 + 4 * 4) * seq, f"at s {seq} too FlashAttention keeps only q, k, v, "
                                                                     f"out and the lse: linear in s")
     claim(v["flash_4096_naive"] / v["flash_naive_bytes"] > 50,
           "the written-out attention grows with s squared (8 x the length, over 50 x the bytes)")
+    loss = {row["vocab"]: row for row in kernels["loss_bytes"]}
     for vocab, key in ((257, "257"), (128256, "128k")):
-        row = rf"over 64 tokens at V {vocab:,}: unfused keeps ([\d,]+) bytes, fused ([\d,]+)"
-        v[f"loss_{key}_unfused"], v[f"loss_{key}_fused"] = grab(kernels, row, 1), grab(kernels, row, 2)
+        v[f"loss_{key}_unfused"], v[f"loss_{key}_fused"] = loss[vocab]["unfused"], loss[vocab]["fused"]
     claim(v["loss_128k_fused"] == v["loss_257_fused"] == 64 * 12, "the fused loss keeps 12 bytes a token at any V")
     claim(v["loss_128k_unfused"] >= 64 * 128256 * 4, "the unfused one keeps the [T, V] float32 log-probabilities")
-    v.update(measure_speed(outputs))
-    v.update(measure_overlap(outputs))
+    v.update(measure_speed(results))
+    v.update(measure_overlap(results))
     claim(v["hf_256_eager"] * v["hf_256_bound"] < 1.3, "fusing everything but the GEMMs and attention stays under 1.3x")
     return v
 
 
-def measure_overlap(outputs: dict[str, list[str]]) -> dict[str, float]:
-    """§8's numbers: bench_ddp.py's speed-ups over one rank and blocked shares at 2 ranks, and the
-    timeline of the figure."""
-    v = {}
-    for variant in ("ddp", "zero1", "zero1-overlap", "zero2", "zero2-overlap"):
-        key = variant.replace("-", "_")
-        row = rf"^\| 2 \| {variant} \| ([\d,]+) \| [\d,]+ \| [\d,]+ \| ([\d.]+) \| ([\d.]+)× \| (\d+)% \|"
-        v[f"overlap_{key}_speedup"] = grab(outputs["overlap"], row, 3)
-        v[f"overlap_{key}_blocked"] = grab(outputs["overlap"], row, 4)
-    claim(v["overlap_zero1_overlap_speedup"] > v["overlap_zero1_speedup"], "the overlaps make ZeRO-1 faster")
-    claim(v["overlap_zero2_overlap_speedup"] > v["overlap_zero2_speedup"], "the overlaps make ZeRO-2 faster")
-    tp_pp = outputs["overlap-tp-pp"]
-    for variant in ("sp", "sp-overlap", "pp", "pp-overlap"):
-        key = variant.replace("-", "_")
-        row = rf"^\| {variant} \| ([\d,]+) \| [\d,]+ \| [\d,]+ \| ([\d.]+) \| (-|[\d.]+×) \| (-|[\d.]+%, [\d.]+%) \|"
-        v[f"{key}_ms"] = grab(tp_pp, row, 2)
-        v[f"{key}_median"] = grab(tp_pp, rf"^\| {variant} \| [\d,]+ \| ([\d,]+) \|")
-        if variant.endswith("-overlap"):
-            v[f"{key}_ratio"] = grab(tp_pp, rf"^\| {variant} \| .* \| ([\d.]+)× \|")
-        if variant.startswith("pp"):
-            v[f"{key}_wait0"] = grab(tp_pp, rf"^\| {variant} \| .* \| ([\d.]+)%, [\d.]+% \|$")
-            v[f"{key}_wait1"] = grab(tp_pp, rf"^\| {variant} \| .* \| [\d.]+%, ([\d.]+)% \|$")
-    for key in ("sp", "pp"):
-        v[f"{key}_overlap_median_ratio"] = round(v[f"{key}_overlap_median"] / v[f"{key}_median"], 2)
-    figures = outputs["figures"]
-    v["timeline_launched"] = grab(figures, r"reduce-scatters launched during the backward: (\d+) of")
-    v["timeline_buckets"] = grab(figures, r"reduce-scatters launched during the backward: \d+ of (\d+)")
-    v["timeline_blocked_ms"] = grab(figures, r"blocked in finish_grad_sync ([\d.]+) ms of")
-    v["timeline_step_ms"] = grab(figures, r"blocked in finish_grad_sync [\d.]+ ms of ([\d.]+) ms")
+def measure_packing(packing: dict) -> dict[str, float]:
+    """§5's numbers: bench_packing.py's counts of the corpus's rows and tiles, and its speed-up."""
+    c, tiles = packing["counts"], packing["tiles"]
+    v = {"pack_docs": c["documents"], "pack_median": round(c["median_length"]), "pack_padded_rows": c["padded_rows"],
+         "pack_padding": round(100 * c["padding"], 1), "pack_packed_rows": c["packed_rows"],
+         "pack_rows_ratio": round(c["padded_rows"] / c["packed_rows"], 2),
+         "pack_speedup": round(packing["rates"]["packed"] / packing["rates"]["padded"], 2),
+         "tiles_rows": tiles["rows"], "tiles_causal": tiles["causal"], "tiles_documents": tiles["documents"],
+         "tiles_skipped": round(100 * (1 - tiles["documents"] / tiles["causal"]), 1)}
+    claim(v["pack_speedup"] > 1, "packed rows get through more real tokens per second than padded ones")
+    claim(v["tiles_documents"] < v["tiles_causal"], "the document bounds skip tiles on the corpus's packed rows")
     return v
 
 
-def measure_speed(outputs: dict[str, list[str]]) -> dict[str, float]:
+def measure_overlap(results: dict[str, dict]) -> dict[str, float]:
+    """§8's numbers: bench_ddp.py's speed-ups over one rank and blocked shares at 2 ranks,
+    bench_overlap.py's rows, and the timeline of the figure."""
+    v = {}
+    for row in results["overlap"]["rows"]:
+        if row["ranks"] == 2:
+            key = row["variant"].replace("-", "_")
+            v[f"overlap_{key}_speedup"] = round(row["speedup"], 2)
+            v[f"overlap_{key}_blocked"] = round(100 * row["comm"])
+    claim(v["overlap_zero1_overlap_speedup"] > v["overlap_zero1_speedup"], "the overlaps make ZeRO-1 faster")
+    claim(v["overlap_zero2_overlap_speedup"] > v["overlap_zero2_speedup"], "the overlaps make ZeRO-2 faster")
+    for row in results["overlap-tp-pp"]["rows"]:
+        key = row["variant"].replace("-", "_")
+        v[f"{key}_ms"], v[f"{key}_median"] = round(row["ms_best"], 1), round(row["median"])
+        if row["ratio"] is not None:
+            v[f"{key}_ratio"] = round(row["ratio"], 3)
+        if row["waits"]:
+            v[f"{key}_wait0"], v[f"{key}_wait1"] = (round(100 * w, 1) for w in row["waits"])
+    for key in ("sp", "pp"):
+        v[f"{key}_overlap_median_ratio"] = round(v[f"{key}_overlap_median"] / v[f"{key}_median"], 2)
+    timeline = results["figures"]["timeline"]
+    v["timeline_launched"], v["timeline_buckets"] = timeline["launched"], timeline["buckets"]
+    v["timeline_blocked_ms"], v["timeline_step_ms"] = round(timeline["blocked_ms"], 1), round(timeline["step_ms"], 1)
+    return v
+
+
+def measure_speed(results: dict[str, dict]) -> dict[str, float]:
     """§7's numbers: the case study's profiles and step times, and the comparison with
     transformers."""
     v = {}
-    case = outputs["case-study"]
-    for preset in ("tiny", "demo"):
-        block = "\n".join(case[case.index(next(l for l in case if l.startswith(f"== --preset {preset} "))):])
-        block = block.split("\n== ")[0]                                  # this preset's lines only
+    for preset, case in results["case-study"]["presets"].items():
         for key, name in (("base", "baseline"), ("both", "both")):
-            v[f"case_{preset}_{key}_calls"] = grab(block, rf"^\[profile\] {name}: .* a step, ([\d,]+) operator calls")
+            profile = case["profiles"][name]
+            v[f"case_{preset}_{key}_calls"] = round(profile["calls"])
+            v[f"case_{preset}_{key}_gemm"] = float(round(100 * profile["gemm"]))
+            v[f"case_{preset}_{key}_optimizer"] = float(round(100 * profile["optimizer"]))
         for key, name in (("base", "baseline"), ("fused", "fused AdamW"), ("compiled", "compiled layers"),
                           ("both", "both")):
-            v[f"case_{preset}_{key}_ms"] = grab(block, rf"^  {name} +([\d.]+) ms")
-            v[f"case_{preset}_{key}_x"] = grab(block, rf"^  {name} +[\d.]+ ms +\( *[\d.]+ ms\) +([\d.]+) x the baseline")
-        shares = __import__("re").findall(r"matrix products (\d+)% of the time, the optimizer's step (\d+)%", block)
-        claim(len(shares) == 2, "two profiles a preset")
-        for key, (gemm, optimizer) in zip(("base", "both"), shares):
-            v[f"case_{preset}_{key}_gemm"], v[f"case_{preset}_{key}_optimizer"] = float(gemm), float(optimizer)
-    v["case_demo_compile_s"] = grab("\n".join(case).split("== --preset demo")[1],
-                                    r"built and warmed up compiled layers +in +([\d.]+) s")
+            v[f"case_{preset}_{key}_ms"] = round(case["median_ms"][name], 2)
+            v[f"case_{preset}_{key}_x"] = round(case["speedup"][name], 2)
+    v["case_demo_compile_s"] = round(results["case-study"]["presets"]["demo"]["built_s"]["compiled layers"], 1)
     claim(v["case_demo_fused_x"] < 1.1, "the demo preset's fused AdamW alone is within the noise")
     claim(v["case_tiny_both_x"] >= 1.2, "the profile-guided changes make the default command's step at least 20% faster")
     claim(v["case_demo_both_x"] > 1.0, "they make the demo preset's step faster too")
     claim(v["case_demo_base_gemm"] > v["case_tiny_base_gemm"], "the larger preset's step is more matrix products")
-    hf = outputs["vs-hf"]
-    for seq in (256, 1024):
-        block = "\n".join(hf[hf.index(next(l for l in hf if l.startswith(f"== LLaMA") and f"s={seq} " in l)):])
-        v[f"hf_{seq}_eager"] = grab(block, r"ratio minimegatron / transformers: ([\d.]+)x")
-        v[f"hf_{seq}_compiled"] = grab(block, r"ratio minimegatron \(compiled\) / transformers: ([\d.]+)x")
-        v[f"hf_{seq}_compile_speedup"] = grab(block, r"speed-up \(median windows\): minimegatron ([\d.]+)x")
-        v[f"hf_{seq}_gemm"] = grab(block, r"matrix products (\d+)%")
-        v[f"hf_{seq}_attention"] = grab(block, r"the attention kernel (\d+)%")
-        v[f"hf_{seq}_bound"] = grab(block, r"at most ([\d.]+)x faster")
+    for run in results["vs-hf"]["seqs"]:
+        seq, (eager, compiled, _), shares = run["seq"], run["pairs"], run["shares"]
+        v[f"hf_{seq}_eager"] = round(eager["ratio_median"], 2)
+        v[f"hf_{seq}_compiled"] = round(compiled["ratio_median"], 2)
+        v[f"hf_{seq}_compile_speedup"] = round(run["compile_speedup"]["minimegatron"], 2)
+        v[f"hf_{seq}_gemm"], v[f"hf_{seq}_attention"] = round(100 * shares["gemm"]), round(100 * shares["attention"])
+        v[f"hf_{seq}_bound"] = round(1 / (1 - shares["rest"]), 2)
     return v
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
