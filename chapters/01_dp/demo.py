@@ -62,8 +62,8 @@ from minimegatron import comm
 from minimegatron.analysis import count_parameters, training_memory
 from minimegatron.analysis.communication import data_parallel_phases, zero3_unit_numels, zero_bucket_numels
 from minimegatron.config import ModelConfig, TrainConfig
-from booktools.demo import (add_training_flags, check_at_least_one, demo_parser, import_chapter, largest_differences,
-                            run_demo)
+from booktools.demo import (Results, add_training_flags, check_at_least_one, demo_parser, import_chapter,
+                            largest_differences, run_demo)
 from minimegatron.dp import (DistributedDataParallel, FullyShardedDataParallel, ZeroDataParallel, apply_data_parallel,
                              finish_grad_sync, local_tensors, no_sync, unwrap)
 from minimegatron.dp.zero import storage_bytes
@@ -616,8 +616,20 @@ def train_jobs(run: Jobs) -> dict[str, dict]:
     return run_variants(run.jobs)
 
 
-def report(args, run: Jobs, per_rank_results: list[dict]) -> str:
-    """Check every variant, print the reports; return the verdict line."""
+@dataclass
+class DPResults(Results):
+    """What the report printed: the largest differences from the single-device run over the
+    variants (2 digits, as printed) and, per variant, whether it matched, rank 0's ledger of
+    step 0 ([phase, op, tag, calls, bytes, formula calls, formula bytes]) and every rank's
+    memory ([kind, rank, measured bytes, layout, formula])."""
+    max_loss_diff: float = 0.0
+    max_grad_diff: float = 0.0
+    max_param_diff: float = 0.0
+    variants: dict = field(default_factory=dict)
+
+
+def report(args, run: Jobs, per_rank_results: list[dict]) -> DPResults:
+    """Check every variant, print the reports; return their results (verdict: the last line)."""
     jobs = run.jobs
     dp, first = jobs[0][0], jobs[0][1]
     cfg, t = first.model, first.train
@@ -636,10 +648,16 @@ def report(args, run: Jobs, per_rank_results: list[dict]) -> str:
             print(f"      bucket timeline of the last step, rank 0 (buckets launched during backward: "
                   f"{r.timeline.launched_during_backward()}):")
             print("      " + r.timeline.table().replace("\n", "\n      "))
-    return summary_line(reports)
+    worst = [max(getattr(r.equivalence, k) for r in reports)
+             for k in ("max_loss_diff", "max_grad_diff", "max_param_diff")]
+    return DPResults(0, summary_line(reports), *(float(f"{x:.1e}") for x in worst), {
+        r.variant.name: {"ok": r.ok, "ledger": [[x.phase, x.op, x.tag, x.calls, x.nbytes, x.formula_calls,
+                                                 x.formula_bytes] for x in r.ledger],
+                         "memory": [[x.kind, x.rank, x.measured, x.layout, x.formula] for x in r.memory]}
+        for r in reports})
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> DPResults:
     return run_demo(parse_args(argv), "01", build_jobs, train_jobs, report, spawn_dp=lambda args: args.ranks)
 
 

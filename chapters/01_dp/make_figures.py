@@ -40,9 +40,9 @@ and computes, and rewrites the numbers the README and the notebook's markdown qu
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import os
@@ -60,7 +60,7 @@ from minimegatron.model import GPTModel
 from minimegatron.optim import Optimizer
 from minimegatron.parallel_state import Layout
 from booktools.demo import import_chapter
-from booktools.measured import RoundOff, claim, grab
+from booktools.measured import RoundOff, claim
 from minimegatron.testing import TOLERANCES, make_batches
 from minimegatron.train import train_step
 from minimegatron.dp.timeline import BucketTimeline
@@ -285,54 +285,6 @@ RUNS = {"figures": "python chapters/01_dp/make_figures.py"}
 MACHINE_DEPENDENT = r"^\s+\d+\s+[\d,]+\s+[\d,]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$|\d KB$|launched during backward"
 
 YEAR = 365.25 * 24 * 3600
-_ROW = re.compile(r"^(?P<variant>\S+)\s+(?P<op>all_reduce|all_gather|reduce_scatter)\s+(?P<tag>\S+)\s+"
-                  r"(?P<calls>\d+)\s+(?P<bytes>[\d,]+)\s+(?P<formula>[\d,]+)$")
-_RING = re.compile(r"ring bytes sent per rank: (?P<bytes>[\d,]+)")
-
-
-def _number(text: str) -> int:
-    return int(text.replace(",", ""))
-
-
-def _between(output: list[str], start: str, end: str | None = None) -> list[str]:
-    """The printout's lines from the first that starts with `start` to the next that starts
-    with `end` (or the end)."""
-    first = next(i for i, line in enumerate(output) if line.startswith(start))
-    last = next((i for i in range(first + 1, len(output)) if end and output[i].startswith(end)), len(output))
-    return output[first:last]
-
-
-def printed_ledger(output: list[str]) -> tuple[dict, dict]:
-    """Section 2 of the printout, parsed: {(variant, op, tag): (calls, bytes)} of rank 0's
-    step and {variant: ring bytes sent per rank}."""
-    rows, ring, variant = {}, {}, None
-    for line in _between(output, "== tiny LLaMA", "ledger == formula"):
-        if m := _ROW.match(line):
-            variant = m["variant"]
-            rows[(variant, m["op"], m["tag"])] = (int(m["calls"]), _number(m["bytes"]))
-        elif m := _RING.search(line):
-            ring[variant] = _number(m["bytes"])
-    return rows, ring
-
-
-def printed_timeline(output: list[str], overlap: bool) -> dict:
-    """Section 1 of the printout for one mode: buckets, the median step's backward, blocked
-    time and launch times, and min / median / max over the recorded steps (milliseconds)."""
-    header = f"[rank 0, 2 ranks, {'overlap' if overlap else 'no overlap'}]"
-    block = "\n".join(_between(output, header, "[rank 0" if overlap else "=="))
-    steps = re.search(r"backward \+ finish_grad_sync (\S+) / (\S+) / (\S+) ms .*?"
-                      r"blocked in finish_grad_sync (\S+) / (\S+) / (\S+) ms", block)
-    step = re.search(r"blocked in finish_grad_sync: (\S+) ms of (\S+) ms \(backward (\S+) ms\); "
-                     r"launched during backward: (\d+) of (\d+)", block)
-    buckets = [[float(x.replace(",", "")) for x in m.groups()]
-               for m in re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
-                                    block, re.MULTILINE)]
-    return {"buckets": buckets, "launched": [b[3] for b in buckets],
-            "step_min": float(steps[1]), "step_median": float(steps[2]), "step_max": float(steps[3]),
-            "blocked_median": float(steps[5]), "blocked": float(step[1]), "step": float(step[2]),
-            "backward": float(step[3]), "launched_in_backward": int(step[4]), "count": int(step[5])}
-
-
 def adamw_amplification(eps: float = 1e-8) -> dict:
     """Section 9, bug 7, measured in one process: the tiny LLaMA in float32, one batch of 4
     sequences (the float32 ZeRO-1 case of tests/test_dp_zero.py at dp = 4, seed 0). The
@@ -364,10 +316,10 @@ def adamw_amplification(eps: float = 1e-8) -> dict:
 
 def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> dict[str, float]:
     """Every number chapter 01's README and notebook markdown quote that the code measures or
-    computes, by marker key: read off the figures run's printout, or computed here with the
-    same functions. Raises if a claim the text makes in words ("the same on every rank",
+    computes, by marker key: the figures run's results (FiguresResults), or computed here with
+    the same functions. Raises if a claim the text makes in words ("the same on every rank",
     "ZeRO-1 and ZeRO-2 send the same") no longer holds."""
-    out, v = outputs["figures"], {}
+    fig, v = results["figures"], {}
     cfg = ch01.tiny_model("llama", "float32")
     model, e, dp = GPTModel(cfg), 4, 4
     N = count_parameters(cfg)["total"]
@@ -391,13 +343,13 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     # Figure 1: the DDP timeline (times in ms: this run's, on this machine)
     v["timeline_params_m"] = count_parameters(timeline_cfg)["total"] / 1e6
     for overlap, prefix in ((True, "timeline"), (False, "timeline_no_overlap")):
-        t = printed_timeline(out, overlap)
+        t = fig["timelines"]["overlap" if overlap else "no overlap"]
         v |= {f"{prefix}_{k}_ms": t[k] for k in ("step_min", "step_median", "step_max", "blocked",
                                                   "blocked_median", "backward", "step")}
-        v |= {f"{prefix}_buckets": t["count"], f"{prefix}_launched_in_backward": t["launched_in_backward"]}
+        v |= {f"{prefix}_buckets": t["buckets"], f"{prefix}_launched_in_backward": t["launched_in_backward"]}
         if overlap:
             v |= {f"timeline_launch_{i}_ms": ms for i, ms in enumerate(t["launched"][:-1])}
-            v["timeline_last_bucket"] = t["buckets"][-1][1]
+            v["timeline_last_bucket"] = t["last_bucket"]
 
     # 5.1 and Figure 2: ZeRO's stages for LLaMA-2-7B's shapes on 64 ranks (bf16 + fp32 master)
     for s in range(4):
@@ -422,15 +374,13 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
           "dp3_opt_rank2": layout[2]["optimizer"], "dp3_opt_formula": formula["optimizer"]}
 
     # 5.4: ZeRO-2's full gradients held during backward
-    v["zero2_grad_peak"] = grab(out, r"^zero2: most full-gradient bytes held during backward ([\d,]+)")
-    v["zero2_4k_grad_peak"] = grab(out, r"^zero2-4k: most full-gradient bytes held during backward ([\d,]+)")
+    v |= {"zero2_grad_peak": fig["grad_peak"]["zero2"], "zero2_4k_grad_peak": fig["grad_peak"]["zero2-4k"]}
 
-    # Figure 3: ZeRO-3's parameter bytes over one step, rank 0
-    profile = [re.match(r"\s+(fwd|bwd) (gather|free) (\S+)\s+([\d,]+) \+\s+([\d,]+)", line)
-               for line in _between(out, "== ZeRO-3 parameter bytes", "ddp_timeline")[1:]]
-    gathered = {m[3]: _number(m[5]) for m in profile if m and m[2] == "gather"}
-    peak = max(_number(m[4]) + _number(m[5]) for m in profile if m)
-    own = {_number(m[4]) for m in profile if m}
+    # Figure 3: ZeRO-3's parameter bytes over one step, rank 0 ("fwd gather decoder.layers.0", ...)
+    profile = fig["zero3_profile"]
+    gathered = {label.split()[2]: g for label, _, g in profile if label.split()[1] == "gather"}
+    peak = max(own + g for _, own, g in profile)
+    own = {own for _, own, _ in profile}
     if len(own) != 1:
         raise ValueError(f"Figure 3's caption says rank 0's own shards are constant; the run printed {own}")
     v |= {"zero3_own_shards": own.pop(), "zero3_layer_gathered": gathered["decoder.layers.0"],
@@ -438,26 +388,26 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
           "zero3_peak": peak, "zero3_peak_pct": 100 * peak / (N * e), "tiny_param_bytes": N * e}
 
     # 6: the ledger of one step, rank 0 (the printout), and ZeRO-3 against DP
-    rows, ring = printed_ledger(out)
-    for (variant, op, tag), (calls, nbytes) in rows.items():
-        key = f"ledger_{variant}_{op}_{tag}".replace("-", "_")
-        v |= {f"{key}_calls": calls, f"{key}_bytes": nbytes}
+    ledger, ring = fig["ledger"], fig["ring"]
+    for variant, rows in ledger.items():
+        for op_tag, (calls, nbytes) in rows.items():
+            key = f"ledger_{variant}_{op_tag}".replace("-", "_").replace(" ", "_")
+            v |= {f"{key}_calls": calls, f"{key}_bytes": nbytes}
     v |= {f"ring_{variant}".replace("-", "_"): sent for variant, sent in ring.items()}
-    if {k[1:]: c for k, c in rows.items() if k[0] == "zero1"} != {k[1:]: c for k, c in rows.items() if k[0] == "zero2"}:
+    if ledger["zero1"] != ledger["zero2"]:
         raise ValueError("section 6's table has one row for ZeRO-1 and ZeRO-2; their ledgers now differ")
     v |= {"zero3_over_dp": ring["zero3"] / ring["ddp"], "embedding_share_pct": 100 * units["embedding"] / N,
           "embedding_share": units["embedding"] / N}
 
     # 6: bytes per rank, measured (the printout) and training_memory
-    for s, name in enumerate(["ddp", "zero1", "zero2", "zero3"]):
-        line = next(line for line in out if line.startswith(f"stage {s} ({name}"))
+    for s in range(4):
+        memory = fig["memory"][f"stage{s}"]
         for kind in ("params", "grads", "optimizer"):
-            low, high, want = (_number(x) for x in re.search(rf"{kind} ([\d,]+)\.\.([\d,]+) \(([\d,]+)\)", line).groups())
+            low, high, _ = memory[kind]
             if low != high:
                 raise ValueError(f"section 6 says the memory is the same on every rank; stage {s} {kind}: {low}..{high}")
             v[f"mem_stage{s}_{kind}"] = low
-        total, want = re.search(r"total ([\d,]+) \(([\d,]+)\)", line).groups()
-        v |= {f"mem_stage{s}_total": _number(total), f"mem_stage{s}_formula": _number(want)}
+        v |= {f"mem_stage{s}_total": memory["total"][0], f"mem_stage{s}_formula": memory["total"][1]}
 
     # 9, bug 7: AdamW's amplification of a rounding difference, float32
     # (round-off: which element differs most, and by how much, is the kernels' summation order's)
@@ -489,7 +439,23 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
             for key, value in v.items()}
 
 
-def main(argv=None) -> int:
+@dataclass
+class FiguresResults:
+    """The numbers main printed, as printed (milliseconds to the printed decimals): each DDP
+    timeline ("overlap", "no overlap"), rank 0's ledger per variant ({"op tag": [calls, bytes]})
+    and its ring bytes, the bytes per rank per ZeRO stage ({kind: [min, max, formula]}, "total":
+    [measured, formula]), ZeRO-2's full-gradient peaks, ZeRO-3's profile ([label, own, gathered])."""
+    exit_code: int = 0
+    timelines: dict = field(default_factory=dict)
+    ledger: dict = field(default_factory=dict)
+    ring: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    grad_peak: dict = field(default_factory=dict)
+    zero3_profile: list = field(default_factory=list)
+
+
+def main(argv=None) -> FiguresResults:
+    found = FiguresResults()
     parser = argparse.ArgumentParser(description="Chapter 01's figures and tables, from real multi-rank runs.")
     parser.add_argument("--out", type=Path, default=OUT, help=f"where to write the figures (default {OUT})")
     out = parser.parse_args(argv).out
@@ -503,15 +469,21 @@ def main(argv=None) -> int:
         tl = by_length[len(by_length) // 2]         # the step of median length, not the best one
         blocked = sorted(1e3 * (t.sync_end - t.sync_start) for t in recorded)
         totals = sorted(1e3 * t.sync_end for t in recorded)
+        t = found.timelines["overlap" if overlap else "no overlap"] = {
+            "step_min": round(totals[0], 0), "step_median": round(totals[len(totals) // 2], 0),
+            "step_max": round(totals[-1], 0), "blocked_median": round(blocked[len(blocked) // 2], 1),
+            "blocked": round(1e3 * (tl.sync_end - tl.sync_start), 1), "step": round(1e3 * tl.sync_end, 1),
+            "backward": round(1e3 * tl.backward_end, 1), "buckets": len(tl.buckets),
+            "launched_in_backward": len(tl.launched_during_backward()), "last_bucket": tl.buckets[-1].numel,
+            "launched": [round(1e3 * e.launched, 2) for e in tl.buckets if e.launched is not None]}
         print(f"\n[rank 0, 2 ranks, {'overlap' if overlap else 'no overlap'}] "
               f"{len(timelines[0][overlap]['buckets'])} buckets; first: {timelines[0][overlap]['buckets'][0]}")
-        print(f"{len(recorded)} steps: backward + finish_grad_sync {totals[0]:.0f} / {totals[len(totals) // 2]:.0f} / "
-              f"{totals[-1]:.0f} ms (min / median / max); blocked in finish_grad_sync "
-              f"{blocked[0]:.1f} / {blocked[len(blocked) // 2]:.1f} / {blocked[-1]:.1f} ms; the median step:")
+        print(f"{len(recorded)} steps: backward + finish_grad_sync {t['step_min']:.0f} / {t['step_median']:.0f} / "
+              f"{t['step_max']:.0f} ms (min / median / max); blocked in finish_grad_sync "
+              f"{blocked[0]:.1f} / {t['blocked_median']:.1f} / {blocked[-1]:.1f} ms; the median step:")
         print(tl.table())
-        print(f"blocked in finish_grad_sync: {1e3 * (tl.sync_end - tl.sync_start):.1f} ms of "
-              f"{1e3 * tl.sync_end:.1f} ms (backward {1e3 * tl.backward_end:.1f} ms); "
-              f"launched during backward: {len(tl.launched_during_backward())} of {len(tl.buckets)}")
+        print(f"blocked in finish_grad_sync: {t['blocked']:.1f} ms of {t['step']:.1f} ms (backward {t['backward']:.1f} "
+              f"ms); launched during backward: {t['launched_in_backward']} of {t['buckets']}")
         title = (f"DDP on 2 ranks, {len(tl.buckets)} buckets of >= {TIMELINE_BUCKET // 1000}k elements: "
                  + ("overlapped" if overlap else "after backward"))
         plot_bucket_timeline(tl, out / name, title=title)
@@ -533,16 +505,17 @@ def main(argv=None) -> int:
             got = step_ledger(result[name])
             if sorted(got) != sorted(expected):
                 print(f"MISMATCH rank {r} {name}:\n got {sorted(got)}\n expected {sorted(expected)}", file=sys.stderr)
-                return 1
+                return FiguresResults(1)
             layout = ch01.expected_memory(v, dp, r)
             if any(result[name]["memory"][k] != layout[k] for k in layout):
                 print(f"MISMATCH rank {r} {name}: memory {result[name]['memory']}, layout {layout}", file=sys.stderr)
-                return 1
+                return FiguresResults(1)
         got = step_ledger(per_rank[0][name])
         got_sum, exp_sum = summarize(got), summarize(expected)
         for (op, tag), (calls, nbytes) in got_sum.items():
+            found.ledger.setdefault(name, {})[f"{op} {tag}"] = [calls, nbytes]
             print(f"{name:<10}{op:<16}{tag:<11}{calls:>6}{fmt(nbytes):>10}{fmt(exp_sum[(op, tag)][1]):>10}")
-        ring = ring_bytes(got, dp)
+        ring = found.ring[name] = round(ring_bytes(got, dp))
         print(f"{'':<10}ring bytes sent per rank: {fmt(ring)} ({ring / (N * e):.3f} x N e)")
     print("ledger == formula on every rank, for every variant")
 
@@ -551,16 +524,18 @@ def main(argv=None) -> int:
     for s, name in enumerate(["ddp", "zero1", "zero2", "zero3"]):
         formula[s] = training_memory(cfg, zero_stage=s, dp=dp)
         measured[s] = {k: per_rank[0][name]["memory"][k] for k in ("params", "grads", "optimizer")}
-        cells = []
-        for kind in ("params", "grads", "optimizer"):
-            vals = [r[name]["memory"][kind] for r in per_rank]
-            cells.append(f"{kind} {fmt(min(vals))}..{fmt(max(vals))} ({fmt(formula[s][kind])})")
-        print(f"stage {s} ({name:<5}): " + "; ".join(cells)
-              + f"; total {fmt(sum(measured[s].values()))} ({fmt(formula[s]['total'])})")
+        memory = found.memory[f"stage{s}"] = {
+            kind: [min(r[name]["memory"][kind] for r in per_rank), max(r[name]["memory"][kind] for r in per_rank),
+                   formula[s][kind]] for kind in ("params", "grads", "optimizer")}
+        memory["total"] = [sum(measured[s].values()), formula[s]["total"]]
+        print(f"stage {s} ({name:<5}): "
+              + "; ".join(f"{kind} {fmt(memory[kind][0])}..{fmt(memory[kind][1])} ({fmt(memory[kind][2])})"
+                          for kind in ("params", "grads", "optimizer"))
+              + f"; total {fmt(memory['total'][0])} ({fmt(memory['total'][1])})")
     for name in ("zero2", "zero2-4k"):
-        peaks = [r[name]["grad_peak"] for r in per_rank]
+        peak = found.grad_peak[name] = max(r[name]["grad_peak"] for r in per_rank)
         buckets = len(ch01.zero_bucket_numels(model, variants[name].train.ddp_bucket_size))
-        print(f"{name}: most full-gradient bytes held during backward {fmt(max(peaks))} "
+        print(f"{name}: most full-gradient bytes held during backward {fmt(peak)} "
               f"(one full gradient: {fmt(N * e)}; buckets: {buckets})")
     plot_zero_memory(measured, formula, N, dp, out)
 
@@ -568,14 +543,15 @@ def main(argv=None) -> int:
     events = [MemoryEvent(*x) for x in per_rank[0]["zero3"]["profile"]]
     print("\n== ZeRO-3 parameter bytes on rank 0 over one step (own shards + gathered units)")
     for ev in events:
+        found.zero3_profile.append([ev.label, ev.sharded, ev.gathered])
         print(f"  {ev.label:<28}{fmt(ev.sharded):>8} + {fmt(ev.gathered):>7} = {fmt(ev.sharded + ev.gathered):>7}")
     plot_memory_profile(events, out / "zero3_memory_profile.png", unsharded_bytes=N * e,
                         title=f"ZeRO-3, dp={dp}: rank 0's parameter memory, one step")
 
     for path in sorted(out.glob("*.png")):
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB")
-    return 0
+    return found
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main().exit_code)
