@@ -66,10 +66,12 @@ class Results:
     """What a demo measured, returned by its main as well as printed (booktools/capture.py keeps
     it beside the printout, and a chapter's measure() reads its numbers from it): `exit_code`,
     0 for MATCH, 1 for MISMATCH, 2 for a configuration refused before any rank trained, and
-    `verdict`, the last line printed. A chapter's results (TPResults, ...) add the values its
-    report printed, as plain numbers, strings, lists and dicts (JSON)."""
+    `verdict`, the last line printed; `seconds`, the ranks' training time run_demo printed first
+    (machine-dependent). A chapter's results (TPResults, ...) add the values its report printed,
+    as plain numbers, strings, lists and dicts (JSON)."""
     exit_code: int = 0
     verdict: str = ""
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -365,4 +367,5 @@ def _report(chapter, report, args, run, per_rank, how: str, seconds: float) -> R
     print()
     print(results.verdict)
     results.exit_code = 0 if results.verdict.startswith("MATCH") else 1
+    results.seconds = round(seconds, 1)                 # as printed above
     return results

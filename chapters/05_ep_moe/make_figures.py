@@ -25,7 +25,6 @@ markdown quote are checked against it by tests/test_measured.py.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from booktools.demo import import_chapter
-from booktools.measured import RoundOff, claim, parse_number
+from booktools.measured import RoundOff, claim
 from minimegatron.analysis import count_parameters, training_flops
 from minimegatron.config import ModelConfig
 from minimegatron.moe import aux_loss, expert_capacity, topk_routing
@@ -191,15 +190,6 @@ def balance_details(balance: dict) -> dict[str, dict]:
     return rows
 
 
-_SECONDS = re.compile(r"trained in ([\d.]+) s")
-
-
-def seconds(out: list[str]) -> float:
-    """A demo's seconds of training (machine-dependent): printed by booktools.demo's run_demo,
-    which does not hand them to the report, so they are read off the printout's first line."""
-    return parse_number(next(m for line in out if (m := _SECONDS.search(line)))[1])
-
-
 def dispatch_message_bytes(run) -> int:
     """T k h e: the one "moe-dispatch" all-to-all of a micro-batch and MoE layer (expected_dispatch)."""
     sizes = {size for (_, tag, size) in ch05.expected_dispatch(run) if tag == "moe-dispatch"}
@@ -284,7 +274,7 @@ def measure(outputs: dict[str, list[str]], results: dict[str, dict | None]) -> d
     # §7.2 the 5D run under torchrun (its wall time is the machine's, recorded like the rest)
     fived = results["5d"]
     run5d = ch05.make_run(ch05.tiny_moe(num_layers=4), tp=2, sp=True, cp=2, pp=2, dp=2, ep=2)
-    v |= {"fived_train_s": seconds(outputs["5d"]), "fived_tokens_per_rank": fived["tokens_per_rank"],
+    v |= {"fived_train_s": results["5d"]["seconds"], "fived_tokens_per_rank": fived["tokens_per_rank"],
           "fived_tkhe": dispatch_message_bytes(run5d), "fived_experts_per_rank": fived["memory"][0]["experts"]}
     v["fived_dispatch_messages"], v["fived_dispatch_bytes"] = dispatch_line(fived)
     v["fived_dispatch_bytes_per_layer_mb"] = v["fived_dispatch_bytes"] / (2 * run5d.train.grad_accum_steps)
