@@ -305,16 +305,6 @@ def run_command(command: str, timeout: float = 1800) -> dict:
             "results": results, "stderr_tail": proc.stderr[-2000:]}
 
 
-def grab(output: list[str] | str, pattern: str, group: int = 1) -> float:
-    """The number a regular expression finds in a printout (its first match's group), for
-    a chapter's measure(); a ValueError naming the pattern when the printout lacks it."""
-    text = output if isinstance(output, str) else "\n".join(output)
-    m = re.search(pattern, text, re.MULTILINE)
-    if m is None:
-        raise ValueError(f"the printout has no match for {pattern!r}")
-    return parse_number(m.group(group))
-
-
 def changed_values(recorded: dict, now: dict) -> dict:
     """{key: (recorded, computed now)} for each value of a chapter that measure() no longer
     computes: a deterministic one whose digits changed, a RoundOff one (measure() wraps it) of

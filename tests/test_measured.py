@@ -163,6 +163,23 @@ def test_the_recorded_values_are_what_measure_computes_now(chapter):
         f"the record's round-off keys are not measure()'s: make numbers CH={chapter}"
 
 
+# Words a chapter's measure() still reads from a printout, by chapter and run: a claim about
+# what a run printed (the planner's refusal), not a number.
+READS_ITS_PRINTOUT = {"08": ("plan-deepseek-published",)}
+
+
+@pytest.mark.parametrize("chapter", measured.chapters())
+def test_the_values_come_from_the_results_the_runs_returned_not_from_their_printouts(chapter):
+    """Issue 33: each recorded run's main returns its results (booktools/capture.py), and measure()
+    reads its numbers there. Given blank printouts, it computes the recorded values all the same."""
+    spec = import_chapter(chapter, "make_figures")
+    record = measured.load_record(chapter)
+    kept = READS_ITS_PRINTOUT.get(chapter, ())
+    runs = {run_id: run if run_id in kept else {**run, "output": []} for run_id, run in record["runs"].items()}
+    now = measured.measure_chapter(spec, runs)
+    assert not measured.changed_values(record["values"], now), "measure() reads a number from a printout"
+
+
 # One cheap recorded run per chapter, run again: its printout must still be the recorded one
 # (words equal, integers equal, round-off figures below their tolerance and of the recorded
 # magnitude, other numbers within 1e-3 or both below 1e-4; times ignored).
