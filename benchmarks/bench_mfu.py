@@ -90,7 +90,7 @@ from minimegatron.config import ConfigError, ModelConfig, TrainConfig  # noqa: E
 from minimegatron.dp import unwrap  # noqa: E402
 from minimegatron.kernels import compile_cache_for_this_capability  # noqa: E402
 from minimegatron.parallel_state import Layout  # noqa: E402
-from minimegatron.parallelize import build_model, build_optimizer  # noqa: E402
+from minimegatron.parallelize import build_model, build_optimizer, validate_layout  # noqa: E402
 from minimegatron.testing import make_batches  # noqa: E402
 from minimegatron.train import before_optimizer_step, train_step  # noqa: E402
 
@@ -362,6 +362,7 @@ def check_same_network(shape: Shape, device: str, reference_class=PlainLlama, st
     cfg = model_config(shape, layers=min(2, shape.layers), dtype="float32")
     seq = min(seq, shape.seq)
     tcfg = train_config(shape, device, bf16=False, seq=seq, batch=batch)
+    validate_layout(cfg, tcfg, 1)
     chunks = build_model(cfg, tcfg, Layout())
     optimizer = build_optimizer(chunks, tcfg, Layout())
     book = unwrap(chunks[0])                     # (bf16 would wrap it: its float32 gradient buffer)
@@ -442,6 +443,7 @@ def book_run(shape: Shape, path: str, device: str, snapshot: dict, profile_to: P
     result = Result(shape.name, path)
     cfg, tcfg = model_config(shape), train_config(shape, device, kernels, adam_impl)
     try:
+        validate_layout(cfg, tcfg, 1)            # build_model trusts its caller to have checked
         chunks = build_model(cfg, tcfg, Layout())
     except ConfigError as exc:                   # a combination the book refuses, by name
         result.status, result.why = "SKIP", f"the book refuses it: {exc}"
