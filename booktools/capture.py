@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     target, args = argv[0], argv[1:]
     sys.argv = [target, *args]
     result = load_main(target, as_module)(args)
-    if result is None or isinstance(result, int):             # a main not yet returning its results
+    if result is None or isinstance(result, int):             # a main that returns only its status
         return result or 0
     keep(result)
     return result.exit_code

@@ -1,6 +1,11 @@
 """The book's measured numbers: every chapter's text agrees with its recorded run
 (booktools/measured.py), and the checker itself catches each kind of drift."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from booktools import measured
@@ -161,6 +166,26 @@ def test_the_recorded_values_are_what_measure_computes_now(chapter):
     assert not changed, f"recorded vs computed now (make numbers CH={chapter}): {changed}"
     assert record.get("round_off", []) == sorted(k for k, v in now.items() if isinstance(v, measured.RoundOff)), \
         f"the record's round-off keys are not measure()'s: make numbers CH={chapter}"
+
+
+def test_capture_prints_what_main_prints_and_keeps_the_dataclass_it_returns(tmp_path):
+    script = tmp_path / "tool.py"
+    script.write_text("import dataclasses, sys\n"
+                      "@dataclasses.dataclass\n"
+                      "class Out:\n"
+                      "    exit_code: int\n"
+                      "    twice: list\n"
+                      "def main(argv=None):\n"
+                      "    n = int(argv[0])\n"
+                      "    print(f'twice {n} is {2 * n}')\n"
+                      "    return Out(3, [n, 2 * n])\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.exit(main(sys.argv[1:]).exit_code)\n")
+    kept = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "booktools.capture", str(script), "21"], cwd=measured.ROOT,
+                          capture_output=True, text=True, env={**os.environ, "BOOK_RESULTS": str(kept)}, timeout=60)
+    assert (proc.returncode, proc.stdout) == (3, "twice 21 is 42\n"), proc.stderr
+    assert json.loads(kept.read_text()) == {"exit_code": 3, "twice": [21, 42]}
 
 
 # Words a chapter's measure() still reads from a printout, by chapter and run: a claim about
