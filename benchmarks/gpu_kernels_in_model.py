@@ -33,8 +33,11 @@ res = {}
 for kernels in ("torch", "triton", "compile"):
     tc = TrainConfig(seq_length=256, micro_batch_size=4, lr=1e-3, device="cuda", kernels=kernels, progress=False)
     torch.manual_seed(0)
-    layout = Layout(); chunks = build_model(cfg, tc, layout); opt = build_optimizer(chunks, tc, layout)
-    t = time.time(); losses = [train_step(chunks, opt, [batch], layout, tc.lr)[0] for _ in range(3)]
+    layout = Layout()
+    chunks = build_model(cfg, tc, layout)
+    opt = build_optimizer(chunks, tc, layout)
+    t = time.time()
+    losses = [train_step(chunks, opt, [batch], layout, tc.lr)[0] for _ in range(3)]
     torch.cuda.synchronize()
     params = {n: p.detach().float().cpu() for n, p in chunks[0].named_parameters()}
     res[kernels] = (losses, params)
