@@ -242,7 +242,7 @@ def plot_tp_layer() -> None:
         ax.add_patch(FancyBboxPatch((x - 0.45, mid - 0.45), 0.9, 0.9, boxstyle="circle,pad=0.05",
                                     fc="#FFE9A8", ec="black", lw=1.0))
         ax.text(x, mid, name, ha="center", va="center", fontsize=7.5 if len(name) <= 4 else 6.3, fontweight="bold")
-        dx = -0.2 if side == "left" else 0.2
+        dx = -0.2 if side == "left" else -0.3               # "right": under the circle, clear of the residual
         ax.text(x + dx, mid - 0.7, f"fwd: {fwd}\nbwd: {bwd}", ha="right" if side == "left" else "left",
                 va="top", fontsize=6.5)
 
@@ -261,14 +261,14 @@ def plot_tp_layer() -> None:
         _arrow(ax, 4.05, mid, 4.6, y)
         op(4.6, y, 2.2, "linear_qkv (col)\nW [(a+2g)d/tp, h]", c)
         _arrow(ax, 6.8, y, 7.1, y)
-        op(7.1, y, 2.7, f"attention, rank {lane}'s heads\n[b, a/tp, s, d],\ng/tp whole KV groups", c, h=1.5)
+        op(7.1, y, 2.7, f"rank {lane}'s attention\n[b, a/tp, s, d],\ng/tp whole KV groups", c, h=1.5)
         _arrow(ax, 9.8, y, 10.1, y)
         op(10.1, y, 2.2, "linear_proj (row)\nW [h, ad/tp]", c)
         _arrow(ax, 12.3, y, 12.85, mid)
     fg(13.3, "reduce", "all-reduce", "identity", "right")
     _arrow(ax, 13.75, mid, 14.2, mid)
     op(14.2, mid, 1.1, "+ bias\n+ x", REPL)
-    residual(0.45, 14.75, mid - 0.65)
+    residual(0.45, 15.1, mid - 0.65)
     _arrow(ax, 15.3, mid, 15.7, mid)
     op(15.7, mid, 1.6, "pre_mlp_\nlayernorm", REPL)
     _arrow(ax, 17.3, mid, 17.85, mid)
@@ -285,7 +285,7 @@ def plot_tp_layer() -> None:
     fg(26.0, "reduce", "all-reduce", "identity", "right")
     _arrow(ax, 26.45, mid, 26.9, mid)
     op(26.9, mid, 1.1, "+ bias\n+ x", REPL)
-    residual(15.45, 27.45, mid - 0.65)
+    residual(15.45, 27.8, mid - 0.65)
 
     ax.text(8.45, 9.3, "split region: each rank holds a/tp query heads and g/tp whole KV groups;\n"
                        "attention runs locally, no communication", ha="center", fontsize=8)
