@@ -91,14 +91,15 @@ def main(argv=None) -> FigureResults:
                     return out
             out.layer_bytes.setdefault(backend, {})[name] = [m for m, _ in points]
             print(f"  {name:<22}" + "  ".join(f"s {s}: {m:>12,.0f}" for s, (m, _) in zip(LENGTHS, points)))
-            ax.plot(LENGTHS, [f / 2**20 for _, f in points], color=colour(i, len(CASES)), label=f"{name} (formula)")
-            ax.scatter(LENGTHS, [m / 2**20 for m, _ in points], color=colour(i, len(CASES)), zorder=3)
+            look = dict(color=colour(i, len(CASES)), marker="os^"[i], markersize=9 - i, mfc="none" if i else None)
+            ax.plot(LENGTHS, [f / 2**20 for _, f in points], ls=("-", "--", ":")[i], color=look["color"])
+            ax.plot(LENGTHS, [m / 2**20 for m, _ in points], ls="none", label=name, zorder=3, **look)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length s")
         ax.set_ylabel("MiB one layer keeps for the backward")
         ax.set_title(f"{backend} attention" + (" (the [s, s] scores)" if backend == "naive" else " (flash kernel)"))
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, title="markers: measured; lines: the formula", title_fontsize=8)
     finish_figure(fig, OUT / "recompute_memory.png")
     print(f"wrote {OUT / 'recompute_memory.png'}")
     out.tp_rows = tp_memory_table()
