@@ -132,10 +132,16 @@ def plot_fp8_scales(delayed: list[dict], current: list[dict], path=None, title: 
     axes = fig.subplots(1, 2)
     for ax, role, fmt_max in zip(axes, ("input", "grad_output"), (448.0, 57344.0)):
         steps = range(1, len(delayed) + 1)
-        ax.plot(steps, [fmt_max / d[role][0] for d in delayed], color="black", linewidth=0.8, label="max / amax (this step)")
+        room = [fmt_max / d[role][0] for d in delayed]                  # the largest scale that does not clamp
+        ax.plot(steps, room, color="black", linewidth=0.8, label="max / amax (this step)")
         ax.plot(steps, [d[role][1] for d in delayed], color=colour(0, 3), label="delayed: the scale used")
         ax.plot(steps, [c[role][1] for c in current], color=colour(2, 3), linestyle="--", label="current: the scale used")
+        clamped = [(i, d[role][1]) for i, d in zip(steps, delayed) if d[role][0] * d[role][1] > fmt_max]
+        ax.plot([i for i, _ in clamped], [x for _, x in clamped], "x", color="red", markersize=5,
+                label=f"delayed saturated ({len(clamped)} steps)")
         ax.set_yscale("log", base=2)
+        seen = room[1:] + [d[role][1] for d in delayed[1:]] + [c[role][1] for c in current]
+        ax.set_ylim(min(seen) / 2, max(seen) * 2)                         # step 1's scale of 1 (no history) is below
         ax.set(xlabel="step", ylabel="scale", title=f"layer 0 linear_fc1, {role} ({'e4m3' if fmt_max == 448 else 'e5m2'})")
         ax.legend(fontsize=7)
     return finish_figure(fig, path, title)
