@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent                 # the repository: 
 
 __all__ = ["import_chapter", "Results", "Run", "DemoParser", "demo_parser", "add_training_flags", "check_at_least",
            "check_at_least_one", "check_sequence_length", "model_line", "largest_differences", "verdict_line",
-           "data_parallel_size_under_torchrun", "refuse_under_torchrun", "verdict_under_torchrun", "run_demo",
+           "busiest_rank_communication", "data_parallel_size_under_torchrun", "refuse_under_torchrun", "verdict_under_torchrun", "run_demo",
            "communication_report"]
 
 
@@ -211,20 +211,31 @@ def verdict_line(reports, name: Callable, claim: str) -> str:
     return f"MATCH: {', '.join(name(r) for r in reports)} equal the single-device run: {diffs}; {claim}"
 
 
+def busiest_rank_communication(per_rank: list[dict]) -> dict[str, dict[str, int]]:
+    """{dimension: {"calls", "bytes"}} for each dimension any rank recorded: one step's calls and
+    bytes of the rank that hands the most bytes to that dimension (each rank's record has
+    "records" by dimension, {(op, tag, bytes): count})."""
+    busiest = {}
+    for dim in sorted({d for r in per_rank for d in r["records"]}):
+        calls = max((r["records"].get(dim, {}) for r in per_rank),
+                    key=lambda c: sum(b * n for (_, _, b), n in c.items()))
+        busiest[dim] = {"calls": sum(calls.values()), "bytes": sum(b * n for (_, _, b), n in calls.items())}
+    return busiest
+
+
 def communication_report(model_cfg: ModelConfig, cfg: TrainConfig, per_rank: list[dict]) -> tuple[list[str], list[str]]:
-    """(lines, problems): one step's communication per dimension on the busiest rank, each
-    dimension checked on every rank against analysis.step_communication
-    (run_report.communication_checks; each rank's record has "records" by dimension, "pp_rank"
-    and "ep_group")."""
+    """(lines, problems): one step's communication per dimension on the busiest rank
+    (busiest_rank_communication), each dimension checked on every rank against
+    analysis.step_communication (run_report.communication_checks; each rank's record has
+    "records" by dimension, "pp_rank" and "ep_group")."""
     from minimegatron.run_report import communication_checks
     found, lines, problems = communication_checks(model_cfg, cfg, per_rank), [], []
-    for dim in sorted({d for r in per_rank for d in r["records"]} | {d for d, here in found.items() if here}):
-        worst = max(per_rank, key=lambda r: sum(b * n for (_, _, b), n in r["records"].get(dim, {}).items()))
-        calls = worst["records"].get(dim, {})
+    busiest = busiest_rank_communication(per_rank)
+    for dim in sorted(set(busiest) | {d for d, here in found.items() if here}):
+        row = busiest.get(dim, {"calls": 0, "bytes": 0})
         verdict = "no formula" if dim in ("loss and norm", "other") else (
             f"DIFFERS: {found[dim][0]}" if found.get(dim) else "= formula on every rank")
-        lines.append(f"  {dim:<14}{sum(calls.values()):>5} calls {sum(b * n for (_, _, b), n in calls.items()):>10,} "
-                     f"bytes  {verdict}")
+        lines.append(f"  {dim:<14}{row['calls']:>5} calls {row['bytes']:>10,} bytes  {verdict}")
         problems += [f"{dim}: {p}" for p in found.get(dim, [])]
     return lines, problems
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from booktools.demo import Results, Run, check_at_least_one, communication_report, demo_parser, run_demo, verdict_line
+from booktools.demo import (Results, Run, busiest_rank_communication, check_at_least_one, communication_report,
+                            demo_parser, run_demo, verdict_line)
 from minimegatron.analysis import count_parameters, rank_parameters
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.parallelize import validate_layout
@@ -238,10 +239,7 @@ def check_run(run: PrecisionRun, per_rank: list[dict]) -> RunReport:
     lines += ["[3/4] one step's communication per dimension (the busiest rank), against analysis.step_communication:",
               *comm_lines]
     problems += comm_problems
-    values["communication"] = {}
-    for dim in sorted({d for r in per_rank for d in r["records"]}):     # the busiest rank's, as communication_report prints
-        calls = max((r["records"].get(dim, {}) for r in per_rank), key=lambda c: sum(b * n for (_, _, b), n in c.items()))
-        values["communication"][dim] = {"calls": sum(calls.values()), "bytes": sum(b * n for (_, _, b), n in calls.items())}
+    values["communication"] = busiest_rank_communication(per_rank)     # what communication_report printed
     if any(r["losses"] != per_rank[0]["losses"] for r in per_rank):
         problems.append("the ranks report different losses")
     return RunReport(run, equivalence, lines, problems, values)

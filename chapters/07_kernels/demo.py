@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from booktools.demo import Results, Run, check_at_least_one, communication_report, demo_parser, run_demo
+from booktools.demo import (Results, Run, busiest_rank_communication, check_at_least_one, communication_report,
+                            demo_parser, run_demo)
 from minimegatron.config import ConfigError, ModelConfig, TrainConfig
 from minimegatron.parallelize import validate_layout
 from minimegatron.testing import TOLERANCES, Tolerance, forward_operations
@@ -414,15 +415,6 @@ def loss_saved_bytes(vocab: int, tokens: int = 64, hidden: int = 32) -> dict[str
     return {"unfused": unfused - inputs, "fused": fused - inputs}
 
 
-def busiest_calls(per_rank: list[dict]) -> dict[str, int]:
-    """Per dimension, the calls of the rank that sends the most bytes in it (communication_report's
-    column)."""
-    def sent(r, dim):
-        return sum(b * n for (_, _, b), n in r["records"].get(dim, {}).items())
-    dims = {d for r in per_rank for d in r["records"]}
-    return {dim: sum(max(per_rank, key=lambda r: sent(r, dim))["records"].get(dim, {}).values()) for dim in sorted(dims)}
-
-
 def report(args, run: RecomputeRun, per_rank: list[dict]) -> RecomputeResults:
     compiled = run.train.kernels == "compile"
     reordered = TOLERANCES[run.model.dtype] if reordered_sums(run.train) else None
@@ -438,7 +430,8 @@ def report(args, run: RecomputeRun, per_rank: list[dict]) -> RecomputeResults:
     print("\n".join(comm_lines))
     rows = memory_table(requested=None if compiled else requested_recompute(run.train))
     mem_lines, mem_problems = memory_lines(rows)
-    out = RecomputeResults(calls=busiest_calls(per_rank), memory=[{k: r[k] for k in (
+    busiest = busiest_rank_communication(per_rank)                  # what communication_report printed
+    out = RecomputeResults(calls={dim: row["calls"] for dim, row in busiest.items()}, memory=[{k: r[k] for k in (
         "name", "measured", "formula", "per_layer", "korthikanti")} for r in rows])
     print("[3/4] what one micro-batch keeps for the backward (one process, GPT-2 style, bf16, h 64, 4 layers, "
           "s 256, naive attention, dropout 0.1), against analysis.activation_memory:")
